@@ -1,0 +1,184 @@
+"""The exception hierarchy of pyspark_acs.
+
+Every error the package raises on purpose derives from :class:`AcsError`. Where a
+builtin exception has the same meaning, the class derives from it too, so callers
+that already catch ``ValueError``, ``OSError``, ``ConnectionError`` or
+``TimeoutError`` keep working::
+
+    AcsError
+    ├── AcsOptionError (ValueError)          bad option / flag value; names it and what is allowed
+    ├── InvalidNameError (ValueError)        unsafe stream, shard or file name
+    ├── CorruptFileError (OSError)           bad bytes in a message file; names file and byte position
+    │   ├── ChecksumMismatchError            body checksum does not match the header
+    │   └── TruncatedBlockError              a block runs past the end of a finished file
+    ├── StoreError (OSError)                 the durable store failed (pyarrow.fs errors land here)
+    │   └── StoreFileNotFoundError (FileNotFoundError)
+    ├── CacheError (ConnectionError)         a cache server call failed; names the endpoint
+    │   ├── CacheUnavailableError            no (or too few) replicas answered; names them
+    │   └── CacheTimeoutError (TimeoutError) a replica missed the deadline
+    ├── LeaseError                           one-writer-per-file violations
+    │   ├── WriterConflictError              another live writer holds the file or shard
+    │   └── LeasePoisonedError               our lease was poisoned by a newer writer: stop
+    ├── DataLossError                        bytes a reader needed are gone; says which
+    ├── TopologyError (ValueError)           bad copy-daemon topology file
+    └── ClosedError (RuntimeError)           use of a closed Producer, Consumer or client
+
+gRPC and pyarrow errors are translated where they enter the package (``raise ... from exc``)
+so a traceback always shows both the pyspark_acs meaning and the original cause.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "AcsError",
+    "AcsOptionError",
+    "CacheError",
+    "CacheTimeoutError",
+    "CacheUnavailableError",
+    "ChecksumMismatchError",
+    "ClosedError",
+    "CorruptFileError",
+    "DataLossError",
+    "InvalidNameError",
+    "LeaseError",
+    "LeasePoisonedError",
+    "StoreError",
+    "StoreFileNotFoundError",
+    "TopologyError",
+    "TruncatedBlockError",
+    "WriterConflictError",
+]
+
+
+class AcsError(Exception):
+    """Root of every error raised by pyspark_acs."""
+
+
+class AcsOptionError(AcsError, ValueError):
+    """An option, flag or argument has an unknown name or a bad value.
+
+    The message names the option and says what is allowed.
+    """
+
+    def __init__(self, message: str, *, option: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+class InvalidNameError(AcsError, ValueError):
+    """A stream, shard or file name is unsafe or malformed."""
+
+
+class CorruptFileError(AcsError, OSError):
+    """A message file holds bytes that are not a valid block.
+
+    Attributes
+    ----------
+    path : str
+        The file.
+    position : int
+        Byte position in the file where the bad block starts.
+    """
+
+    def __init__(self, message: str, *, path: str = "", position: int = -1) -> None:
+        super().__init__(message)
+        self.path = path
+        self.position = position
+
+    def __str__(self) -> str:  # OSError's __str__ would show errno formatting
+        return str(self.args[0]) if self.args else ""
+
+
+class ChecksumMismatchError(CorruptFileError):
+    """The checksum stored in a block header does not match its body."""
+
+
+class TruncatedBlockError(CorruptFileError):
+    """A block claims more bytes than the finished file holds."""
+
+
+class StoreError(AcsError, OSError):
+    """The durable store (a ``pyarrow.fs`` filesystem) failed."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreFileNotFoundError(StoreError, FileNotFoundError):
+    """A file or folder the caller named does not exist in the durable store."""
+
+
+class CacheError(AcsError, ConnectionError):
+    """A call to a cache server failed.
+
+    Attributes
+    ----------
+    endpoints : tuple of str
+        The ``host:port`` endpoints involved.
+    """
+
+    def __init__(self, message: str, *, endpoints: tuple = ()) -> None:
+        super().__init__(message)
+        self.endpoints = tuple(endpoints)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CacheUnavailableError(CacheError):
+    """Too few cache replicas answered for the call to succeed."""
+
+
+class CacheTimeoutError(CacheUnavailableError, TimeoutError):
+    """A cache replica did not answer within the call's deadline."""
+
+
+class LeaseError(AcsError):
+    """Base of the one-writer-per-file errors."""
+
+
+class WriterConflictError(LeaseError):
+    """Another live writer holds the lease of the file or shard."""
+
+
+class LeasePoisonedError(LeaseError):
+    """A newer writer poisoned our lease: this writer must stop at once."""
+
+
+class DataLossError(AcsError):
+    """Bytes a reader needed are gone (retention, deletion or truncation).
+
+    Attributes
+    ----------
+    stream, shard, file : str, int, str
+        Where the loss is.
+    start, end : int
+        The lost byte range ``[start, end)`` in ``file`` (``end`` is -1 when unknown).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stream: str = "",
+        shard: int = -1,
+        file: str = "",
+        start: int = -1,
+        end: int = -1,
+    ) -> None:
+        super().__init__(message)
+        self.stream = stream
+        self.shard = shard
+        self.file = file
+        self.start = start
+        self.end = end
+
+
+class TopologyError(AcsError, ValueError):
+    """A copy-daemon topology file is malformed or inconsistent."""
+
+
+class ClosedError(AcsError, RuntimeError):
+    """A Producer, Consumer or client was used after ``close()``."""

@@ -1,0 +1,114 @@
+"""Parsing of byte sizes and durations given as strings (flags, Spark options).
+
+Sizes accept a plain number of bytes or a number with a unit: ``B``, ``KB``/``MB``/``GB``/``TB``
+(powers of 1000) and ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024); ``k``, ``m``, ``g`` are
+read as the binary units, as Spark does. Durations accept ``us``, ``ms``, ``s``, ``m``/``min``,
+``h`` and ``d``; a bare number means seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Union
+
+from .errors import AcsOptionError
+
+__all__ = ["parse_bytes", "parse_duration", "format_bytes"]
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_DURATION_UNITS = {
+    "": 1.0,
+    "us": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "sec": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "h": 3600.0,
+    "d": 86400.0,
+}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(value: Union[str, int], *, option: str = "size", minimum: int = 0) -> int:
+    """Parse a byte size such as ``"64MiB"``, ``"1gb"`` or ``4096``.
+
+    Raises
+    ------
+    AcsOptionError
+        Naming ``option`` when the value is not a size or is below ``minimum``.
+    """
+    if isinstance(value, bool):
+        raise AcsOptionError(f"{option}: expected a byte size, got {value!r}", option=option)
+    if isinstance(value, int):
+        result = value
+    else:
+        match = _NUMBER_UNIT.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _SIZE_UNITS:
+            raise AcsOptionError(
+                f"{option}: {value!r} is not a byte size; use a number with an optional unit "
+                f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '64MiB'",
+                option=option,
+            )
+        result = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if result < minimum:
+        raise AcsOptionError(
+            f"{option}: {value!r} is too small; it must be at least {minimum} bytes", option=option
+        )
+    return result
+
+
+def parse_duration(
+    value: Union[str, int, float], *, option: str = "duration", minimum: float = 0.0
+) -> float:
+    """Parse a duration such as ``"60s"``, ``"10ms"``, ``"24h"`` or ``0.5`` into seconds.
+
+    Raises
+    ------
+    AcsOptionError
+        Naming ``option`` when the value is not a duration or is below ``minimum``.
+    """
+    if isinstance(value, bool):
+        raise AcsOptionError(f"{option}: expected a duration, got {value!r}", option=option)
+    if isinstance(value, (int, float)):
+        result = float(value)
+    else:
+        match = _NUMBER_UNIT.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _DURATION_UNITS:
+            raise AcsOptionError(
+                f"{option}: {value!r} is not a duration; use a number with a unit "
+                f"(us, ms, s, m, h, d), e.g. '500ms' or '60s'",
+                option=option,
+            )
+        result = float(match.group(1)) * _DURATION_UNITS[unit]
+    if result < minimum:
+        raise AcsOptionError(
+            f"{option}: {value!r} is too small; it must be at least {minimum} s", option=option
+        )
+    return result
+
+
+def format_bytes(n: float) -> str:
+    """Format a byte count for people: ``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
