@@ -1,0 +1,467 @@
+"""The Consumer: tail-reads the message files of a stream's shards, in order.
+
+Each shard is followed by a :class:`ShardTailer` that holds the shard's position
+``(file, length)``. A poll round asks the read path for the lengths of every followed file
+in one batched call, reads the new bytes of each shard, decodes the complete blocks into
+Arrow record batches, and moves to the next file when the current one is finished (sealed
+by its writer, or abandoned by a writer that crashed and was replaced).
+
+A block whose bytes are only partly written is waited for, never reported as corrupt: the
+store is append-only, so bytes present are final, and a block is only decoded once all of
+it is there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import pyarrow as pa
+
+from .block import BLOCK_SCHEMA, HEADER_SIZE, decode_block, parse_header, scan_blocks
+from .errors import AcsOptionError, ClosedError, DataLossError
+from .names import shard_dir, validate_shard, validate_stream
+from .offsets import Offset, OffsetMap, format_offsets, parse_offsets
+from .readpath import DurableReadPath, RateLimiter, ReadPath
+from .store import DurableStore, open_store
+
+__all__ = [
+    "ABANDON_CHECK_INTERVAL_S",
+    "DEFAULT_MAX_READ_BYTES",
+    "DEFAULT_POLL_INTERVAL_S",
+    "OUTPUT_SCHEMA",
+    "Consumer",
+    "ShardTailer",
+    "earliest_offset",
+    "latest_offset",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL_S = 0.01
+#: Bytes read from one shard in one step: bounds memory when a consumer is far behind.
+DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
+#: How often a tailer stuck at the end of an unsealed file checks for a newer file
+#: (a writer that crashed leaves its file unsealed; its replacement starts a new one).
+ABANDON_CHECK_INTERVAL_S = 1.0
+
+OUTPUT_SCHEMA = pa.schema(
+    [("stream", pa.string()), ("shard", pa.int32()), ("file", pa.string())] + list(BLOCK_SCHEMA)
+)
+
+
+class ShardTailer:
+    """Follows one shard from a position, reading complete blocks in order.
+
+    Parameters
+    ----------
+    path : ReadPath
+        Lengths and bytes of this cluster's files.
+    stream, shard : str, int
+    offset : Offset
+        Where to start (``Offset()`` = before the first file).
+    max_read_bytes : int
+        Bytes read per step at most (a single larger block is still read whole).
+    fail_on_data_loss : bool
+        Raise :class:`DataLossError` when the file of the position is gone or shorter than
+        the position; otherwise log it and continue from the next available position.
+    """
+
+    def __init__(
+        self,
+        path: ReadPath,
+        stream: str,
+        shard: int,
+        offset: Offset = Offset(),
+        *,
+        max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
+        fail_on_data_loss: bool = True,
+        limiter: Optional[RateLimiter] = None,
+    ) -> None:
+        self.path = path
+        self.store = path.store
+        self.stream = stream
+        self.shard = shard
+        self.dir = shard_dir(stream, shard)
+        self.file, self.length = offset
+        self.sealed = False
+        self.max_read_bytes = max_read_bytes
+        self.fail_on_data_loss = fail_on_data_loss
+        self.limiter = limiter or RateLimiter(None)
+        self._stalled_since: Optional[float] = None
+
+    @property
+    def offset(self) -> Offset:
+        return Offset(self.file, self.length)
+
+    @property
+    def rel(self) -> Optional[str]:
+        """The followed file relative to the store root (None before the first file)."""
+        return f"{self.dir}/{self.file}" if self.file else None
+
+    def seek(self, offset: Offset) -> None:
+        self.file, self.length = offset
+        self.sealed = False
+        self._stalled_since = None
+
+    def step(self, length: Optional[int] = None, *, known: bool = False, end: Optional[Offset] = None) -> List[pa.RecordBatch]:
+        """Read what is new; return decoded batches (possibly none).
+
+        Parameters
+        ----------
+        length : int, optional
+            The followed file's readable length if the caller already polled it.
+        known : bool
+            True when ``length`` comes from a poll (``None`` then means the file is missing).
+        end : Offset, optional
+            Stop at this position (bounded reads); the tailer never reads past it.
+        """
+        out: List[pa.RecordBatch] = []
+        while True:
+            if end is not None and self.offset >= end:
+                return out
+            if not self.file:
+                files = self.store.list_files(self.stream, self.shard)
+                if not files:
+                    return out
+                self.seek(Offset(files[0], 0))
+                known = False
+            if not known:
+                length = self.path.lengths([self.rel])[self.rel]
+            known = False
+            if length is None or length < self.length:
+                if not self._data_loss(length):
+                    return out
+                continue
+            limit = length
+            if end is not None and self.file == end.file:
+                limit = min(limit, end.length)
+            progressed = self._read(limit, out) if limit > self.length else False
+            if self.sealed or (end is not None and self.file < end.file and not progressed and self._finished_early()):
+                if not self._next_file():
+                    return out
+                continue
+            if progressed:
+                self._stalled_since = None
+                if end is None:
+                    return out
+                continue
+            if end is None and self._abandoned():
+                continue
+            return out
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _read(self, limit: int, out: List[pa.RecordBatch]) -> bool:
+        """Read complete blocks of the current file in ``[self.length, limit)``."""
+        start = self.length
+        want = min(limit, start + self.max_read_bytes)
+        self.limiter.acquire(want - start)
+        data = self.path.read(self.rel, start, want)
+        if len(data) < HEADER_SIZE and limit - start >= HEADER_SIZE and len(data) < limit - start:
+            return False
+        blocks = list(scan_blocks(data, path=self.store.uri(self.rel), base=start))
+        if not blocks and len(data) >= HEADER_SIZE:
+            # One block larger than max_read_bytes: read it whole if it is all there.
+            header = parse_header(data, 0, path=self.store.uri(self.rel), position=start)
+            if start + header.size > limit:
+                return False
+            data = self.path.read(self.rel, start, start + header.size)
+            blocks = [(0, header)]
+        if not blocks:
+            return False
+        buf = pa.py_buffer(data)
+        file_arr = None
+        for at, header in blocks:
+            if header.count:
+                _, batch = decode_block(buf, at, path=self.store.uri(self.rel), position=start + at)
+                if file_arr is None:
+                    file_arr = (
+                        pa.repeat(pa.scalar(self.stream, pa.string()), 1),
+                        pa.scalar(self.shard, pa.int32()),
+                        pa.scalar(self.file, pa.string()),
+                    )
+                n = batch.num_rows
+                out.append(
+                    pa.RecordBatch.from_arrays(
+                        [
+                            pa.repeat(file_arr[0][0], n),
+                            pa.repeat(file_arr[1], n),
+                            pa.repeat(file_arr[2], n),
+                            *batch.columns,
+                        ],
+                        schema=OUTPUT_SCHEMA,
+                    )
+                )
+            self.length = start + at + header.size
+            if header.sealed:
+                self.sealed = True
+                break
+        return True
+
+    def _next_file(self) -> bool:
+        files = self.store.list_files(self.stream, self.shard)
+        later = [f for f in files if f > self.file]
+        if not later:
+            return False
+        self.seek(Offset(later[0], 0))
+        return True
+
+    def _finished_early(self) -> bool:
+        """Bounded read: the current file precedes the end file, so it will not grow."""
+        durable = self.path.durable_length(self.rel)
+        if durable is not None and durable > self.length:
+            self._skip_torn_tail(durable)
+        return True
+
+    def _abandoned(self) -> bool:
+        """At the end of an unsealed file: move on if a newer file exists (writer replaced)."""
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+            return False
+        if now - self._stalled_since < ABANDON_CHECK_INTERVAL_S:
+            return False
+        self._stalled_since = now
+        files = self.store.list_files(self.stream, self.shard)
+        if not any(f > self.file for f in files):
+            return False
+        # The newer file exists, so the old writer stopped; its length is final now.
+        durable = self.path.durable_length(self.rel)
+        if durable is not None and durable > self.length:
+            # Complete blocks not yet published (caches lagging) are read in a later step.
+            data = self.store.read(self.rel, self.length, durable)
+            if next(scan_blocks(data, path=self.store.uri(self.rel), base=self.length), None):
+                return False
+            self._skip_torn_tail(durable)
+        return self._next_file()
+
+    def _skip_torn_tail(self, durable: int) -> None:
+        data = self.store.read(self.rel, self.length, durable)
+        good = 0
+        for at, header in scan_blocks(data, path=self.store.uri(self.rel), base=self.length):
+            good = at + header.size
+        if self.length + good < durable:
+            log.warning(
+                "%s: bytes [%d, %d) are a block its writer never finished (the writer stopped and a newer "
+                "file exists); they were never acknowledged and are skipped",
+                self.store.uri(self.rel),
+                self.length + good,
+                durable,
+            )
+
+    def _data_loss(self, length: Optional[int]) -> bool:
+        """Handle a missing or shortened file. Returns True if the tailer moved on."""
+        what = "is gone from the store" if length is None else f"is only {length} bytes long"
+        lost_end = -1 if length is None else length
+        msg = (
+            f"data loss in stream {self.stream!r} shard {self.shard}: file {self.file} {what}, but the position "
+            f"is at byte {self.length}"
+        )
+        if self.fail_on_data_loss:
+            raise DataLossError(
+                msg + " (set failOnDataLoss=false / fail_on_data_loss=False to skip to the next available data)",
+                stream=self.stream,
+                shard=self.shard,
+                file=self.file,
+                start=0 if length is None else length,
+                end=self.length if length is not None else lost_end,
+            )
+        files = self.store.list_files(self.stream, self.shard)
+        later = [f for f in files if f > self.file]
+        if length is not None:
+            log.warning("%s; continuing from the end of that file (byte %d)", msg, length)
+            self.length = length
+            return True
+        if later:
+            log.warning("%s; continuing from file %s", msg, later[0])
+            self.seek(Offset(later[0], 0))
+            return True
+        log.warning("%s; waiting for new data", msg)
+        self.seek(Offset())
+        return False
+
+
+def earliest_offset(store: DurableStore, stream: str, shard: int) -> Offset:
+    """The position before the first message of a shard."""
+    files = store.list_files(stream, shard)
+    return Offset(files[0], 0) if files else Offset()
+
+
+def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
+    """The position after the last complete block of a shard's newest file."""
+    store = path.store
+    files = store.list_files(stream, shard)
+    if not files:
+        return Offset()
+    rel = f"{shard_dir(stream, shard)}/{files[-1]}"
+    length = path.lengths([rel])[rel] or 0
+    # The readable length may end inside a block being written: walk headers to the last
+    # complete block boundary (one small read per block).
+    at = 0
+    while at + HEADER_SIZE <= length:
+        header = parse_header(store.read(rel, at, at + HEADER_SIZE), 0, path=store.uri(rel), position=at)
+        if at + header.size > length:
+            break
+        at += header.size
+    return Offset(files[-1], at)
+
+
+StartSpec = Union[str, Mapping[str, Any]]
+
+
+class Consumer:
+    """Tail-read one or more streams, in order per shard.
+
+    Parameters
+    ----------
+    root : str or DurableStore
+        Durable store root of this cluster.
+    stream : str or sequence of str
+        Stream(s) to follow.
+    shards : sequence of int, optional
+        Shards to follow (default: all shards of each stream).
+    start : "earliest", "latest" or offsets
+        Where to begin: the first message, the end of what exists now, or an offsets dict
+        (or its JSON) as returned by :meth:`offsets`. Shards missing from the dict start at
+        the earliest position.
+    poll_interval : float
+        Seconds between polls while there is no new data (default 10 ms).
+    max_bytes_per_second : float, optional
+        Passive cap on the read rate (bytes/s) so a backlog cannot melt the store or cache.
+    fail_on_data_loss : bool
+        Raise :class:`~pyspark_acs.errors.DataLossError` when data at the position is gone
+        (default); otherwise log and skip to the next available data.
+    read_path : ReadPath, optional
+        Where lengths and bytes come from (default: the durable store alone).
+
+    Examples
+    --------
+    >>> c = Consumer("/tmp/acs", "orders", start="earliest")   # doctest: +SKIP
+    >>> for batch in c.batches(timeout=1.0):                  # doctest: +SKIP
+    ...     print(batch.num_rows, c.offsets())
+    """
+
+    def __init__(
+        self,
+        root: Union[str, DurableStore],
+        stream: Union[str, Sequence[str]],
+        shards: Optional[Sequence[int]] = None,
+        *,
+        start: StartSpec = "earliest",
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+        max_bytes_per_second: Optional[float] = None,
+        max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
+        fail_on_data_loss: bool = True,
+        read_path: Optional[ReadPath] = None,
+    ) -> None:
+        if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or poll_interval < 0:
+            raise AcsOptionError(f"poll_interval: {poll_interval!r} is not allowed; use seconds >= 0", option="poll_interval")
+        if max_bytes_per_second is not None and max_bytes_per_second <= 0:
+            raise AcsOptionError("max_bytes_per_second: must be > 0 (or None for no cap)", option="max_bytes_per_second")
+        self.store = open_store(root) if read_path is None else read_path.store
+        self.path: ReadPath = read_path or DurableReadPath(self.store)
+        self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]
+        self.poll_interval = float(poll_interval)
+        limiter = RateLimiter(max_bytes_per_second)
+        self._tailers: List[ShardTailer] = []
+        for name in self.streams:
+            count = self.store.stream_shards(name)
+            if count is None:
+                raise AcsOptionError(f"stream: no stream {name!r} in {self.store.root}", option="stream")
+            for shard in shards if shards is not None else range(count):
+                validate_shard(shard, count)
+                self._tailers.append(
+                    ShardTailer(
+                        self.path,
+                        name,
+                        shard,
+                        max_read_bytes=max_read_bytes,
+                        fail_on_data_loss=fail_on_data_loss,
+                        limiter=limiter,
+                    )
+                )
+        self._closed = False
+        self._stats = {"messages": 0, "batches": 0}
+        self.seek(start)
+
+    def seek(self, start: StartSpec) -> None:
+        """Move every followed shard to ``start`` ("earliest", "latest" or an offsets dict)."""
+        if isinstance(start, str) and start.strip().lower() in ("earliest", "latest"):
+            mode = start.strip().lower()
+            for t in self._tailers:
+                t.seek(
+                    earliest_offset(self.store, t.stream, t.shard)
+                    if mode == "earliest"
+                    else latest_offset(self.path, t.stream, t.shard)
+                )
+            return
+        if isinstance(start, str) and not start.lstrip().startswith("{"):
+            raise AcsOptionError(
+                f"start: {start!r} is not allowed; use 'earliest', 'latest' or an offsets dict", option="start"
+            )
+        offsets: OffsetMap = parse_offsets(start, option="start")
+        for t in self._tailers:
+            t.seek(offsets.get((t.stream, t.shard)) or earliest_offset(self.store, t.stream, t.shard))
+
+    def offsets(self) -> Dict[str, Dict[str, Dict[str, Any]]]:
+        """The JSON-able position of every followed shard (after the last returned batch)."""
+        return format_offsets({(t.stream, t.shard): t.offset for t in self._tailers})
+
+    def poll(self) -> List[pa.RecordBatch]:
+        """One round over every shard: return what is new now (possibly nothing)."""
+        if self._closed:
+            raise ClosedError("consumer is closed")
+        rels = [t.rel for t in self._tailers if t.rel]
+        lengths = self.path.lengths(rels) if rels else {}
+        out: List[pa.RecordBatch] = []
+        for t in self._tailers:
+            if t.rel:
+                out.extend(t.step(lengths.get(t.rel), known=True))
+            else:
+                out.extend(t.step())
+        if out:
+            self._stats["batches"] += len(out)
+            self._stats["messages"] += sum(b.num_rows for b in out)
+        return out
+
+    def batches(self, timeout: Optional[float] = None) -> Iterator[pa.RecordBatch]:
+        """Yield record batches as data arrives.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Return after this many seconds without new data; follow forever if None.
+
+        Yields
+        ------
+        pyarrow.RecordBatch
+            Columns ``stream, shard, file, position, timestamp, key, value``; the messages of
+            one shard in order. :meth:`offsets` reflects each batch once it is yielded.
+        """
+        idle_since = time.monotonic()
+        while True:
+            got = self.poll()
+            if got:
+                yield from got
+                idle_since = time.monotonic()
+                continue
+            if timeout is not None and time.monotonic() - idle_since >= timeout:
+                return
+            time.sleep(self.poll_interval)
+
+    def stats(self) -> Dict[str, int]:
+        """Counters: messages and batches returned, and the read path's byte counters."""
+        return dict(self._stats, **self.path.stats())
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.path.close()
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
