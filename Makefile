@@ -1,0 +1,41 @@
+# The two commands of the README, and their helpers. Everything runs inside .venv.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: setup demo test bench proto clean check-python check-java
+
+setup: $(STAMP)
+
+check-python:
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), sys.version' 2>/dev/null || \
+	  { echo "pyspark_acs needs Python >= 3.10 with venv: apt-get install -y python3 python3-venv"; exit 1; }
+
+check-java:
+	@java -version >/dev/null 2>&1 || \
+	  { echo "Spark needs Java 17: apt-get update && apt-get install -y openjdk-17-jre-headless"; exit 1; }
+
+$(STAMP): setup.py | check-python
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet --progress-bar off -e '.[test]'
+	@touch $(STAMP)
+
+# 1. Set up and run the main job: the end-to-end demo on an embedded local deployment.
+demo: setup check-java
+	$(BIN)/python examples/demo.py
+
+# 2. Set up and run the tests.
+test: setup check-java
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/produce_consume.py
+
+# Regenerate the gRPC/protobuf code in pyspark_acs/server/proto/ (never edit it by hand).
+proto: setup
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. pyspark_acs/server/proto/acs.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,92 @@
+"""pyspark_acs: low-latency, ordered, large-fan-out message delivery through plain files.
+
+An implementation of Fast ACS on open parts: producers append blocks of messages to
+chronological message files in a durable store (``pyarrow.fs``), a replicated in-memory
+cache absorbs the tail reads, a copy daemon moves files between clusters, and Spark
+Structured Streaming reads and writes streams as ``format("acs")``.
+
+Importing this package is cheap and has no side effects: it does not import pyspark,
+start threads or touch the network. Public names are loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    AcsError,
+    AcsOptionError,
+    CacheError,
+    CacheTimeoutError,
+    CacheUnavailableError,
+    ChecksumMismatchError,
+    ClosedError,
+    CorruptFileError,
+    DataLossError,
+    InvalidNameError,
+    LeaseError,
+    LeasePoisonedError,
+    StoreError,
+    StoreFileNotFoundError,
+    TopologyError,
+    TruncatedBlockError,
+    WriterConflictError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcsError",
+    "AcsOptionError",
+    "CacheClient",
+    "CacheError",
+    "CacheTimeoutError",
+    "CacheUnavailableError",
+    "ChecksumMismatchError",
+    "ClosedError",
+    "Consumer",
+    "CorruptFileError",
+    "DataLossError",
+    "DefaultSource",
+    "DurableStore",
+    "InvalidNameError",
+    "LeaseError",
+    "LeasePoisonedError",
+    "Producer",
+    "StoreError",
+    "StoreFileNotFoundError",
+    "TopologyError",
+    "TruncatedBlockError",
+    "WriterConflictError",
+    "__version__",
+]
+
+# name -> module that defines it; imported on first attribute access (PEP 562).
+_LAZY = {
+    "CacheClient": ".cache_client",
+    "Consumer": ".consumer",
+    "DefaultSource": ".datasource",
+    "DurableStore": ".store",
+    "Producer": ".producer",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cache_client import CacheClient
+    from .consumer import Consumer
+    from .datasource import DefaultSource
+    from .producer import Producer
+    from .store import DurableStore
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pyspark_acs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,37 @@
+"""Packaging for pyspark_acs (the product owner fixed setup.py; tool settings live in pyproject.toml)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="pyspark_acs",
+    version="0.1.0",
+    description="Fast ACS on open parts: low-latency ordered message delivery through files, for Spark",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pyspark_acs", "pyspark_acs.*"]),
+    package_data={"pyspark_acs.server.proto": ["*.proto", "*.pyi"]},
+    install_requires=[
+        "pyspark>=4.2,<5",
+        "py4j",
+        "grpcio>=1.60",
+        "protobuf>=5.26",
+        "pyarrow>=15",
+        "cachetools>=5",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.60", "pandas"],
+        "bench": ["redis"],
+    },
+    entry_points={
+        "console_scripts": [
+            "acs=pyspark_acs.cli:main",
+            "acs-cache-server=pyspark_acs.server.cache:main",
+            "acs-copy-daemon=pyspark_acs.server.copy_daemon:main",
+        ]
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: System :: Distributed Computing",
+    ],
+)
