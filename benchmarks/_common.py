@@ -1,0 +1,45 @@
+"""Helpers shared by the benchmark scripts (not collected by pytest)."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Dict, List, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) of samples (nearest rank)."""
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    k = max(0, min(len(ordered) - 1, int(round(q / 100.0 * (len(ordered) - 1)))))
+    return ordered[k]
+
+
+def delays_ms(batch: pa.RecordBatch, now_us: int) -> List[float]:
+    """Delivery delay of every row of a batch: now minus its producer timestamp, in ms."""
+    ts = batch.column("timestamp").cast(pa.int64())
+    return pc.divide(pc.subtract(pa.scalar(now_us, pa.int64()), ts), 1000.0).to_pylist()
+
+
+def report(title: str, rows: Dict[str, str]) -> None:
+    print(f"\n== {title}")
+    width = max(len(k) for k in rows)
+    for k, v in rows.items():
+        print(f"  {k:<{width}}  {v}")
+    sys.stdout.flush()
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def summary_ms(samples: Sequence[float]) -> str:
+    return (
+        f"p50 {percentile(samples, 50):.2f} ms  p99 {percentile(samples, 99):.2f} ms  "
+        f"mean {statistics.fmean(samples):.2f} ms  n={len(samples)}"
+    )
