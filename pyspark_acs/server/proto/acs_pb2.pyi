@@ -1,0 +1,126 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STORED: _ClassVar[PutStatus]
+    STALE: _ClassVar[PutStatus]
+    TOO_LARGE: _ClassVar[PutStatus]
+STORED: PutStatus
+STALE: PutStatus
+TOO_LARGE: PutStatus
+
+class GetRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("found", "values", "versions")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    found: _containers.RepeatedScalarFieldContainer[bool]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, found: _Optional[_Iterable[bool]] = ..., values: _Optional[_Iterable[bytes]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("keys", "values", "versions", "ttl_ms")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    ttl_ms: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., values: _Optional[_Iterable[bytes]] = ..., versions: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: _containers.RepeatedScalarFieldContainer[PutStatus]
+    def __init__(self, status: _Optional[_Iterable[_Union[PutStatus, str]]] = ...) -> None: ...
+
+class CompareAndSetRequest(_message.Message):
+    __slots__ = ("key", "expect_absent", "expected", "value", "version", "ttl_ms")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_ABSENT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    expect_absent: bool
+    expected: bytes
+    value: bytes
+    version: int
+    ttl_ms: int
+    def __init__(self, key: _Optional[bytes] = ..., expect_absent: _Optional[bool] = ..., expected: _Optional[bytes] = ..., value: _Optional[bytes] = ..., version: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class CompareAndSetResponse(_message.Message):
+    __slots__ = ("swapped", "found", "value", "version")
+    SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    swapped: bool
+    found: bool
+    value: bytes
+    version: int
+    def __init__(self, swapped: _Optional[bool] = ..., found: _Optional[bool] = ..., value: _Optional[bytes] = ..., version: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("role", "values", "uptime_s")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    values: _containers.ScalarMap[str, int]
+    uptime_s: float
+    def __init__(self, role: _Optional[str] = ..., values: _Optional[_Mapping[str, int]] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("serving", "role", "uptime_s")
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    serving: bool
+    role: str
+    uptime_s: float
+    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., uptime_s: _Optional[float] = ...) -> None: ...
