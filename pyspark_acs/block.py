@@ -334,6 +334,8 @@ def decode_block(
 
 def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int) -> pa.RecordBatch:
     n = h.count
+    if n == 0:  # a seal or an empty block: nothing to slice (a seal's body is empty)
+        return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in BLOCK_SCHEMA], schema=BLOCK_SCHEMA)
     at = start
     end = start + h.body_len
 
