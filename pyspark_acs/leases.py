@@ -94,10 +94,14 @@ class StoreLease:
         self.record: Optional[LeaseRecord] = None
         self._renewed = 0.0
 
-    def acquire(self) -> None:
-        """Take the lease; raise WriterConflictError if another live writer holds it."""
+    def acquire(self, force: bool = False) -> None:
+        """Take the lease; raise WriterConflictError if another live writer holds it.
+
+        ``force`` takes it regardless (the caller already holds the authoritative
+        metadata-cache lease; the old holder sees the change at its next check and stops).
+        """
         current = LeaseRecord.decode(self.store.read_small(self.rel))
-        if current is not None and current.live() and current.get("writer") != self.writer:
+        if not force and current is not None and current.live() and current.get("writer") != self.writer:
             raise WriterConflictError(f"{self.what} is held by {current.describe()}; stop that writer or wait")
         record = LeaseRecord.new(self.writer, self.seconds)
         self.store.write_small(self.rel, record.encode())
@@ -119,6 +123,8 @@ class StoreLease:
         self.record = LeaseRecord(self.record, expires=time.time() + self.seconds)
         self.store.write_small(self.rel, self.record.encode())
         self._renewed = time.monotonic()
+
+    check = renew
 
     def release(self) -> None:
         """Give the lease up if it is still ours."""

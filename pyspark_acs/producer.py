@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
 from .block import DEFAULT_MAX_BLOCK_BYTES, encode_block, encode_seal
-from .errors import AcsError, AcsOptionError, ClosedError
+from .errors import AcsError, AcsOptionError, CacheError, ClosedError
 from .leases import DEFAULT_LEASE_SECONDS, StoreLease
 from .names import file_name, new_writer_id, parse_file_name, shard_dir, validate_shard, validate_stream
 from .store import Appender, DurableStore, open_store
@@ -115,7 +115,8 @@ class _Shard:
         self.file: str = ""  # writer thread: its base name
         self.opened_at = 0.0  # writer thread: monotonic time the file was opened
         self.next_index = 0  # writer thread: position of the next message in the file
-        self.lease: Optional[StoreLease] = None
+        self.leases: list = []  # writer thread: [metadata-cache lease,] store lease
+        self.chunks: Any = None  # writer thread: ChunkWriter of the open file (data cache)
 
 
 class Producer:
@@ -143,6 +144,13 @@ class Producer:
         Shard lease duration; a crashed producer's shards are free after it (default 10 s).
     writer_id : str, optional
         Writer id put in file names; random by default.
+    data_cache : str or CacheClient, optional
+        Data-cache endpoints (``host:port,...``): every block is also written there as
+        4 KiB chunks, so consumers read from memory.
+    metadata_cache : str or CacheClient, optional
+        Metadata-cache endpoints: file lengths and shard heads are published there, and
+        the shard lease lives there (a new Producer then takes over a shard by poisoning
+        the old one's lease instead of being refused).
 
     Notes
     -----
@@ -170,6 +178,8 @@ class Producer:
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         writer_id: Optional[str] = None,
+        data_cache: Any = None,
+        metadata_cache: Any = None,
     ) -> None:
         self.options = ProducerOptions(
             shards, max_block_bytes, roll_bytes, roll_seconds, max_batch_delay, max_pending_bytes, lease_seconds
@@ -192,26 +202,57 @@ class Producer:
         self._closed = False
         self._latency_ewma = 0.0
         self._block_ewma = 0.0
-        self._stats = {"messages": 0, "blocks": 0, "bytes": 0, "files": 0}
-        for sh in self._shards:
-            sh.lease = StoreLease(
-                self.store,
-                f"{shard_dir(stream, sh.index)}/{_LEASE_FILE}",
-                self.writer_id,
-                f"shard {sh.index} of stream {stream!r} in {self.store.root}",
-                lease_seconds,
-            )
-        acquired = []
+        self._stats = {"messages": 0, "blocks": 0, "bytes": 0, "files": 0, "cache_errors": 0}
+        self._own_clients: list = []
+        self._data = self._client(data_cache, "data cache")
+        meta_client = self._client(metadata_cache, "metadata cache")
+        self._meta = None
+        if meta_client is not None:
+            from .metadata import MetadataCache
+
+            self._meta = MetadataCache(meta_client)
         try:
             for sh in self._shards:
-                sh.lease.acquire()
-                acquired.append(sh)
+                self._acquire_leases(sh)
         except BaseException:
-            for sh in acquired:
-                sh.lease.release()
+            for sh in self._shards:
+                for lease in sh.leases:
+                    lease.release()
+            for c in self._own_clients:
+                c.close()
             raise
         self._thread = threading.Thread(target=self._run, name=f"acs-producer-{self.stream}", daemon=True)
         self._thread.start()
+
+    def _client(self, value: Any, name: str) -> Any:
+        if value is None or value == "":
+            return None
+        from .cache_client import CacheClient
+
+        if isinstance(value, CacheClient):
+            return value
+        client = CacheClient(value, name=name)
+        self._own_clients.append(client)
+        return client
+
+    def _acquire_leases(self, sh: _Shard) -> None:
+        what = f"shard {sh.index} of stream {self.stream!r} in {self.store.root}"
+        store_lease = StoreLease(
+            self.store, f"{shard_dir(self.stream, sh.index)}/{_LEASE_FILE}", self.writer_id, what,
+            self.options.lease_seconds,
+        )
+        force = False
+        if self._meta is not None:
+            lease = self._meta.lease(self.store.uri(shard_dir(self.stream, sh.index)), self.writer_id, what,
+                                     self.options.lease_seconds)
+            try:
+                lease.acquire()
+                sh.leases.append(lease)
+                force = True  # the cache lease is the authority: take the store lease over too
+            except CacheError as exc:
+                log.warning("%s: metadata cache unavailable for the lease, using the store lease: %s", what, exc)
+        store_lease.acquire(force=force)
+        sh.leases.append(store_lease)
 
     # -- public API ------------------------------------------------------------------------
 
@@ -295,6 +336,8 @@ class Producer:
                 self._cond.notify_all()
             self._thread.join()
             self.store.close()
+            for c in self._own_clients:
+                c.close()
         if self._error is not None and not isinstance(self._error, ClosedError):
             raise self._error
 
@@ -357,10 +400,19 @@ class Producer:
     def _housekeeping(self) -> None:
         now = time.monotonic()
         for sh in self._shards:
-            if sh.lease.due():
-                sh.lease.renew()
+            self._check_leases(sh)
             if sh.appender is not None and now - sh.opened_at >= self.options.roll_seconds:
                 self._seal(sh)
+
+    def _check_leases(self, sh: _Shard) -> None:
+        """Renew due leases; a poisoned one raises LeasePoisonedError and stops the writer."""
+        for lease in sh.leases:
+            if lease.due():
+                try:
+                    lease.check()
+                except CacheError as exc:
+                    # Availability first (paper section 3): a cache outage does not stop writes.
+                    log.warning("lease check skipped, metadata cache unavailable: %s", exc)
 
     def _write_pending(self) -> int:
         """Write every shard's pending messages as blocks; return how many were written."""
@@ -396,12 +448,14 @@ class Producer:
         return len(sh.values), total
 
     def _write_block(self, sh: _Shard, values: list, keys: list, stamps: list) -> None:
+        self._check_leases(sh)  # never write after a newer writer took the shard over
         if sh.appender is None:
             self._open_file(sh)
         any_key = any(k is not None for k in keys)
         block = encode_block(values, keys if any_key else None, stamps, first_index=sh.next_index)
         started = time.perf_counter()
         sh.appender.write(block)
+        self._shadow(sh, block)
         latency = time.perf_counter() - started
         sh.next_index += len(values)
         with self._lock:
@@ -429,14 +483,53 @@ class Producer:
         sh.next_index = 0
         with self._lock:
             self._stats["files"] += 1
+        if self._data is not None:
+            from .chunks import ChunkWriter
+
+            sh.chunks = ChunkWriter(self._data, self.store.uri(rel), sh.appender.position)
+        if self._meta is not None:
+            try:
+                self._meta.set_head(self.store.uri(shard_dir(self.stream, sh.index)), name)
+            except CacheError as exc:
+                self._cache_error("head", exc)
+
+    def _shadow(self, sh: _Shard, block: bytes) -> None:
+        """After a durable append: chunks to the data cache, then lengths to the metadata cache.
+
+        Cache failures never fail the producer (the durable store has the bytes and readers
+        fall back to it); they are logged and counted in ``stats()["cache_errors"]``.
+        """
+        uri = self.store.uri(sh.appender.rel)
+        cache_length = None
+        if sh.chunks is not None:
+            try:
+                cache_length = sh.chunks.append(block)
+            except CacheError as exc:
+                self._cache_error("chunks", exc)
+        if self._meta is not None:
+            try:
+                self._meta.publish(uri, cache_length=cache_length, durable_length=sh.appender.position)
+            except CacheError as exc:
+                self._cache_error("lengths", exc)
+
+    def _cache_error(self, what: str, exc: Exception) -> None:
+        with self._lock:
+            self._stats["cache_errors"] += 1
+            first = self._stats["cache_errors"] == 1 or self._stats["cache_errors"] % 1000 == 0
+        if first:
+            log.warning("producer for stream %r: cache write of %s failed (%d so far): %s", self.stream, what,
+                        self._stats["cache_errors"], exc)
 
     def _seal(self, sh: _Shard) -> None:
         """Finish the current file: an END_OF_FILE block tells readers to move on."""
         if sh.appender is None:
             return
-        sh.appender.write(encode_seal(sh.next_index))
+        seal = encode_seal(sh.next_index)
+        sh.appender.write(seal)
+        self._shadow(sh, seal)
         sh.appender.close()
         sh.appender = None
+        sh.chunks = None
 
     def _finish(self) -> None:
         """Writer-thread exit: seal files and release leases (best effort after an error)."""
@@ -447,7 +540,8 @@ class Producer:
                 elif sh.appender is not None:
                     sh.appender.close()
                     sh.appender = None
-                sh.lease.release()
+                for lease in sh.leases:
+                    lease.release()
             except AcsError as exc:
                 log.warning("producer for stream %r: cleanup of shard %d failed: %s", self.stream, sh.index, exc)
                 with self._cond:
