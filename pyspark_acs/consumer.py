@@ -101,6 +101,8 @@ class ShardTailer:
         return f"{self.dir}/{self.file}" if self.file else None
 
     def seek(self, offset: Offset) -> None:
+        if self.file and offset.file != self.file and hasattr(self.path, "forget"):
+            self.path.forget(self.rel)  # drop per-file read state of the file we leave
         self.file, self.length = offset
         self.sealed = False
         self._stalled_since = None
@@ -333,8 +335,13 @@ class Consumer:
     fail_on_data_loss : bool
         Raise :class:`~pyspark_acs.errors.DataLossError` when data at the position is gone
         (default); otherwise log and skip to the next available data.
+    data_cache, metadata_cache : str, optional
+        Cache endpoints (``host:port,...``) of this cluster: lengths are polled from the
+        metadata cache and bytes read from the data cache, with the durable store as the
+        fallback (see :class:`~pyspark_acs.cachepath.CachedReadPath`).
     read_path : ReadPath, optional
-        Where lengths and bytes come from (default: the durable store alone).
+        Where lengths and bytes come from (default: the caches if given, else the durable
+        store alone).
 
     Examples
     --------
@@ -354,6 +361,8 @@ class Consumer:
         max_bytes_per_second: Optional[float] = None,
         max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
         fail_on_data_loss: bool = True,
+        data_cache: Any = None,
+        metadata_cache: Any = None,
         read_path: Optional[ReadPath] = None,
     ) -> None:
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or poll_interval < 0:
@@ -361,6 +370,10 @@ class Consumer:
         if max_bytes_per_second is not None and max_bytes_per_second <= 0:
             raise AcsOptionError("max_bytes_per_second: must be > 0 (or None for no cap)", option="max_bytes_per_second")
         self.store = open_store(root) if read_path is None else read_path.store
+        if read_path is None and (data_cache or metadata_cache):
+            from .cachepath import CachedReadPath
+
+            read_path = CachedReadPath(self.store, data_cache=data_cache, metadata_cache=metadata_cache)
         self.path: ReadPath = read_path or DurableReadPath(self.store)
         self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]
         self.poll_interval = float(poll_interval)
