@@ -1,0 +1,413 @@
+"""The cache server and its storage engine.
+
+Store semantics are checked in-process (fast, with a fake clock); everything about the server
+(gRPC, capacity, TTL, auth, metrics, signals, flags) runs against real server processes on free
+loopback ports, started once per module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from pyspark_acs.cache_client import CacheClient, Entry
+from pyspark_acs.errors import CacheError, CacheUnavailableError
+from pyspark_acs.server.deploy import LocalDeployment, load_deployment
+from pyspark_acs.server.proto import acs_pb2, acs_pb2_grpc
+from pyspark_acs.server.store import (
+    ENTRY_OVERHEAD_BYTES,
+    GC_LOW_WATERMARK_FRACTION,
+    GC_START_FRACTION,
+    PutResult,
+    Store,
+    StoredEntry,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHUNK = 4096
+
+
+def chunk(i: int) -> bytes:
+    return (b"%08d" % i) * (CHUNK // 8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+# -- the store, in-process ------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_store_versions_never_go_backwards():
+    s = Store(1 << 20, 60)
+    assert s.put(b"k", b"abc", 3) is PutResult.STORED
+    assert s.put(b"k", b"ab", 2) is PutResult.STALE
+    assert s.get(b"k") == StoredEntry(b"abc", 3)
+    assert s.put(b"k", b"abc", 3) is PutResult.STORED  # equal version rewrites (refreshes)
+    assert s.put(b"k", b"abcd", 4) is PutResult.STORED
+    assert s.get(b"k") == StoredEntry(b"abcd", 4)
+    assert s.stats()["stale_total"] == 1
+
+
+def test_store_compare_and_set_on_exact_bytes_or_absence():
+    s = Store(1 << 20, 60)
+    assert s.compare_and_set(b"lease", None, b"w1", version=1) == (True, StoredEntry(b"w1", 1))
+    assert s.compare_and_set(b"lease", None, b"w2", version=1) == (False, StoredEntry(b"w1", 1))
+    assert s.compare_and_set(b"lease", b"w", b"w2", version=2) == (False, StoredEntry(b"w1", 1))
+    assert s.compare_and_set(b"lease", b"w1", b"w2", version=2) == (True, StoredEntry(b"w2", 2))
+    assert s.delete_many([b"lease", b"missing"]) == 1
+    assert s.compare_and_set(b"lease", b"w2", b"w3") == (False, None)
+
+
+def test_store_ttl_per_entry_and_default():
+    clock = FakeClock()
+    s = Store(1 << 20, 10, clock=clock)
+    s.put(b"default", b"v", 1)
+    s.put(b"short", b"v", 1, ttl_s=1)
+    clock.now += 1.5
+    assert s.get(b"short") is None
+    assert s.get(b"default") == StoredEntry(b"v", 1)
+    clock.now += 9
+    assert s.expire() == 1
+    assert len(s) == 0 and s.used_bytes == 0
+    # An expired entry does not block a lower version.
+    s.put(b"k", b"new", 9)
+    clock.now += 11
+    assert s.put(b"k", b"old", 1) is PutResult.STORED
+
+
+def test_store_evicts_least_recently_modified_and_reads_do_not_refresh():
+    clock = FakeClock()
+    per_entry = 8 + CHUNK + ENTRY_OVERHEAD_BYTES
+    s = Store(100 * per_entry, 3600, clock=clock)
+    order = []
+    for i in range(70):  # below the 80 % start
+        clock.now += 0.001
+        s.put(b"k%06d" % i, chunk(i), 1)
+        order.append(b"k%06d" % i)
+    for _ in range(5):  # read the oldest ones a lot: must not save them
+        s.get_many(order[:20])
+    clock.now += 0.001
+    s.put(order[10], chunk(10), 2)  # ... but a write does
+    order.remove(order[10])
+    order.append(b"k%06d" % 10)
+    for i in range(70, 85):
+        clock.now += 0.001
+        s.put(b"k%06d" % i, chunk(i), 1)
+        order.append(b"k%06d" % i)
+    stats = s.stats()
+    assert stats["evicted_total"] > 0
+    assert stats["used_bytes"] <= 100 * per_entry * GC_START_FRACTION
+    present = [k for k in order if s.get(k) is not None]
+    assert present == order[len(order) - len(present):], "survivors must be the most recently modified"
+    assert b"k%06d" % 10 in present and b"k%06d" % 0 not in present
+
+
+def test_store_eviction_order_spans_ttl_groups():
+    clock = FakeClock()
+    per_entry = 2 + 1000 + ENTRY_OVERHEAD_BYTES
+    s = Store(20 * per_entry, 60, clock=clock)
+    for i in range(16):
+        clock.now += 1
+        s.put(b"%02d" % i, b"x" * 1000, 1, ttl_s=(3600 if i % 2 else None))
+    clock.now += 1
+    s.put(b"zz", b"x" * 1000, 1)  # crosses 80 %: evict oldest written, whatever their TTL
+    assert s.get(b"00") is None and s.get(b"01") is None
+    assert s.get(b"02") is None and s.get(b"03") is not None  # down to 70 %: 14 of 20 entries
+    assert s.get(b"15") is not None and s.get(b"zz") is not None
+    assert s.stats()["ttl_groups"] == 2
+
+
+def test_store_refuses_entries_that_can_never_fit():
+    s = Store(64 * 1024, 60)
+    assert s.put(b"big", b"x" * 60000, 1) is PutResult.TOO_LARGE
+    assert s.get(b"big") is None
+    with pytest.raises(ValueError, match="exceeds"):
+        s.compare_and_set(b"big", None, b"x" * 60000)
+    assert s.put(b"ok", b"x" * 1000, 1) is PutResult.STORED
+
+
+# -- real server processes ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deployments(tmp_path_factory):
+    """Several single-server deployments, started in parallel, once for the module."""
+    specs = {
+        "plain": dict(capacity="64MiB"),
+        "small": dict(capacity="1MiB"),
+        "flood": dict(capacity="16MiB"),
+        "ttl": dict(capacity="4MiB", data_ttl="300ms"),
+        "token": dict(capacity="4MiB", token="s3cret"),
+    }
+    deps = {}
+    try:
+        for name, kw in specs.items():
+            deps[name] = LocalDeployment(tmp_path_factory.mktemp(name), data_replicas=1, metadata_replicas=0, **kw)
+        meta = LocalDeployment(tmp_path_factory.mktemp("meta"), data_replicas=0, metadata_replicas=1,
+                               metadata_capacity="1MiB")
+        deps["meta"] = meta
+        for dep in deps.values():
+            dep.start()
+        yield deps
+    finally:
+        for dep in deps.values():
+            dep.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(deployments):
+    with CacheClient(deployments["plain"].data_endpoints, name="data cache") as client:
+        yield client
+
+
+def stub_for(endpoint: str):
+    channel = grpc.insecure_channel(endpoint, options=[("grpc.max_receive_message_length", 64 * 1024**2)])
+    return channel, acs_pb2_grpc.CacheStub(channel)
+
+
+def test_deployment_files_and_banner(deployments):
+    dep = deployments["plain"]
+    state = load_deployment(dep.base_dir)
+    assert state["data_endpoints"] == dep.data_endpoints
+    (server,) = state["servers"]
+    assert server["pid"] and os.path.exists(server["pid_path"]) and server["metrics_port"]
+    log = open(server["log_path"]).read()
+    assert re.search(r"^acs-cache-server role=data listening on 127\.0\.0\.1:\d+ "
+                     r"metrics=http://127\.0\.0\.1:\d+/metrics$", log, re.M)
+
+
+def test_put_get_versions_over_grpc(deployments):
+    channel, stub = stub_for(deployments["plain"].data_endpoints)
+    with channel:
+        resp = stub.Put(acs_pb2.PutRequest(keys=[b"a", b"b"], values=[b"1", b"22"], versions=[5, 1]), timeout=2)
+        assert list(resp.status) == [acs_pb2.STORED, acs_pb2.STORED]
+        resp = stub.Put(acs_pb2.PutRequest(keys=[b"a"], values=[b"0"], versions=[4]), timeout=2)
+        assert list(resp.status) == [acs_pb2.STALE]
+        got = stub.Get(acs_pb2.GetRequest(keys=[b"a", b"nope", b"b"]), timeout=2)
+        assert list(got.found) == [True, False, True]
+        assert list(got.values) == [b"1", b"", b"22"]
+        assert list(got.versions) == [5, 0, 1]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Put(acs_pb2.PutRequest(keys=[b"a"], values=[], versions=[1]), timeout=2)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_client_roundtrip_cas_delete_stats_health(plain):
+    plain.put([(b"file#0", chunk(0), CHUNK), (b"file#1", b"part", 4)])
+    assert plain.get([b"file#0", b"file#1", b"file#2"]) == [Entry(chunk(0), CHUNK), Entry(b"part", 4), None]
+    plain.put([(b"file#1", b"pa", 2)])  # an older, shorter write never wins
+    assert plain.get([b"file#1"], consistent=True) == [Entry(b"part", 4)]
+    assert plain.compare_and_set(b"lease", None, b"w1", version=1) == (True, Entry(b"w1", 1))
+    assert plain.compare_and_set(b"lease", None, b"w2") == (False, Entry(b"w1", 1))
+    assert plain.compare_and_set(b"lease", b"w1", b"w2", version=2) == (True, Entry(b"w2", 2))
+    plain.delete([b"lease", b"file#0"])
+    assert plain.get([b"lease", b"file#0"]) == [None, None]
+    (stats,) = plain.stats().values()
+    assert stats["role"] == "data" and stats["capacity_bytes"] == 64 * 1024**2
+    assert stats["stale_total"] >= 1 and stats["cas_swapped_total"] >= 2 and stats["entries"] >= 1
+    assert stats["rss_bytes"] > 0
+    assert plain.health() == {plain.endpoints[0]: True}
+
+
+def test_batched_multi_mib_put_and_get(plain):
+    items = [(b"big/%d" % i, chunk(i), CHUNK) for i in range(3000)]  # ~12 MiB: split into batches
+    plain.put(items)
+    got = plain.get([k for k, _, _ in items])
+    assert all(e is not None and e.value == v for e, (_, v, _) in zip(got, items))
+    channel, stub = stub_for(plain.endpoints[0])
+    with channel:  # one unsplit 8 MiB message is accepted by the server too
+        resp = stub.Get(acs_pb2.GetRequest(keys=[k for k, _, _ in items[:2048]]), timeout=5)
+        assert len(resp.values) == 2048 and all(resp.found)
+
+
+def test_capacity_evicts_least_recently_modified_reads_do_not_save(deployments):
+    dep = deployments["small"]
+    with CacheClient(dep.data_endpoints) as client:
+        (before,) = client.stats().values()
+        capacity = before["capacity_bytes"]
+        order = []
+
+        def write(keys):
+            client.put([(k, chunk(int(k.split(b"#")[1])), CHUNK) for k in keys])
+            for k in keys:
+                if k in order:
+                    order.remove(k)
+                order.append(k)
+
+        a = [b"a#%d" % i for i in range(100)]
+        b = [b"b#%d" % i for i in range(40)]
+        for i in range(0, 100, 10):
+            write(a[i:i + 10])
+        write(b)
+        for _ in range(10):
+            assert all(e is not None for e in client.get(a[:50]))  # hot reads ...
+        write(a[50:60])  # ... but only writes refresh
+        write([b"c#%d" % i for i in range(60)])
+        (after,) = client.stats().values()
+        assert after["evicted_total"] > 0
+        assert after["used_bytes"] <= capacity * GC_START_FRACTION
+        present = [k for k, e in zip(order, client.get(order)) if e is not None]
+        assert present == order[len(order) - len(present):], "evicted must be the least recently modified"
+        assert a[0] not in present  # read ten times, still evicted first
+        assert set(a[50:60]) <= set(present)
+        per_entry = CHUNK + 5 + ENTRY_OVERHEAD_BYTES
+        assert len(present) * per_entry <= capacity * GC_START_FRACTION
+        assert len(present) * (per_entry + 8) >= capacity * GC_LOW_WATERMARK_FRACTION - 10 * per_entry
+
+
+def test_memory_stays_within_capacity_under_a_flood(deployments):
+    dep = deployments["flood"]
+    with CacheClient(dep.data_endpoints) as client:
+        (before,) = client.stats().values()
+        capacity = before["capacity_bytes"]
+        batch = [chunk(i) for i in range(256)]  # 1 MiB per put
+        for n in range(64):  # 64 MiB through a 16 MiB cache
+            client.put([(b"flood/%d/%d" % (n, i), v, CHUNK) for i, v in enumerate(batch)])
+            (stats,) = client.stats().values()
+            assert stats["used_bytes"] <= capacity * GC_START_FRACTION
+        (after,) = client.stats().values()
+        assert after["evicted_total"] > 0 and after["entries"] * CHUNK < capacity
+        # RSS loosely: the charged bytes bound the heap; allow allocator slack and gRPC buffers.
+        assert after["rss_bytes"] - before["rss_bytes"] < 2 * capacity + 32 * 1024**2, (before, after)
+
+
+def test_metadata_of_live_files_survives_a_flood(deployments):
+    """A metadata server of adequate capacity: entries that keep being written (live files'
+    lengths, heads, leases) outlive a flood of entries that are written once."""
+    dep = deployments["meta"]
+    with CacheClient(dep.metadata_endpoints, name="metadata cache") as client:
+        live = [b"len/stream/%05d/live.acs" % i for i in range(50)]
+        version = 0
+        for n in range(60):
+            version += 1
+            client.put([(k, b"%d,%d" % (version * 100, version * 100), version) for k in live])
+            client.put([(b"len/stream/old/%d/%d.acs" % (n, i), b"x" * 200, 1) for i in range(100)])
+        (stats,) = client.stats().values()
+        assert stats["role"] == "metadata" and stats["evicted_total"] > 0
+        assert stats["default_ttl_ms"] == 24 * 3600 * 1000
+        got = client.get(live, consistent=True)
+        assert all(e is not None and e.version == version for e in got)
+
+
+def test_ttl_expiry_on_a_short_ttl_server(deployments, plain):
+    with CacheClient(deployments["ttl"].data_endpoints) as client:
+        client.put([(b"t", b"v", 1)])
+        assert client.get([b"t"]) == [Entry(b"v", 1)]
+        time.sleep(0.5)
+        assert client.get([b"t"]) == [None]
+        client.put([(b"long", b"v", 1)], ttl=30)  # a put may carry its own TTL
+        time.sleep(0.5)
+        assert client.get([b"long"]) == [Entry(b"v", 1)]
+    plain.put([(b"short-lived", b"v", 1)], ttl=0.2)  # shorter than the role default
+    time.sleep(0.4)
+    assert plain.get([b"short-lived"]) == [None]
+
+
+def test_token_auth_rejects_a_wrong_or_missing_token(deployments):
+    endpoints = deployments["token"].data_endpoints
+    with CacheClient(endpoints, token="s3cret") as good:
+        good.put([(b"k", b"v", 1)])
+        assert good.get([b"k"]) == [Entry(b"v", 1)]
+    for token in ("wrong", None):
+        with CacheClient(endpoints, token=token) as bad:
+            with pytest.raises(CacheError) as info:
+                bad.get([b"k"])
+            assert not isinstance(info.value, CacheUnavailableError)
+            assert endpoints in str(info.value) and "UNAUTHENTICATED" in str(info.value)
+            assert isinstance(info.value.__cause__, grpc.RpcError)
+            assert bad.health() == {endpoints: False}
+            assert bad.down_endpoints() == ()  # a live replica refusing us is not "down"
+
+
+def test_metrics_endpoint_serves_prometheus_text(deployments, plain):
+    plain.get([b"metrics-probe"])
+    port = deployments["plain"].server("data", 0).metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = resp.read().decode()
+    assert "# TYPE acs_cache_gets_total counter" in text
+    assert re.search(r'^acs_cache_used_bytes\{role="data"\} \d+$', text, re.M)
+    assert re.search(r'^acs_cache_misses_total\{role="data"\} [1-9]\d*$', text, re.M)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+        assert resp.read() == b"ok\n"
+
+
+def test_sigterm_stops_gracefully(tmp_path):
+    with LocalDeployment(tmp_path, data_replicas=1, metadata_replicas=0, capacity="1MiB") as dep:
+        server = dep.server("data", 0)
+        popen = server.popen
+        dep.kill("data", 0, sig=signal.SIGTERM)
+        assert popen.returncode == 0
+        assert "stopped" in open(server.log_path).read()
+        dep.restart("data", 0)  # comes back on the same port
+        assert dep.server("data", 0).port == server.port
+        with CacheClient(dep.data_endpoints) as client:
+            assert client.health() == {dep.data_endpoints: True}
+    assert not os.path.exists(server.pid_path)
+
+
+def run_cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pyspark_acs.server.cache", *args],
+        env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_bad_flags_exit_2_naming_the_flag():
+    cases = {
+        "--capacity": ["--role", "data", "--capacity", "12XB"],
+        "--ttl": ["--role", "data", "--ttl", "soon"],
+        "--role": ["--role", "chunks"],
+        "--port": ["--role", "data", "--port", "70000"],
+        "--capacity ": ["--role", "data", "--capacity", "1KiB"],  # below the minimum
+        "--ttl ": ["--role", "metadata", "--ttl", "0s"],
+    }
+    procs = {flag: run_cli(*args) for flag, args in cases.items()}
+    errs = {}
+    for flag, proc in procs.items():
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 2, (flag, out, err)
+        assert f"argument {flag.strip()}:" in err, err
+        assert out == ""
+        errs[flag] = err
+    assert "'12XB' is not a byte size" in errs["--capacity"]
+    assert "too small" in errs["--capacity "] and "too small" in errs["--ttl "]
+    assert "invalid choice: 'chunks'" in errs["--role"]
+    assert "not a port number" in errs["--port"]
+
+
+def test_port_in_use_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = run_cli("--role", "data", "--port", str(port), "--parent-pid", str(os.getpid()))
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert f"127.0.0.1:{port}" in err and "cannot bind" in err
