@@ -98,6 +98,8 @@ def parse_duration(
                 option=option,
             )
         result = float(match.group(1)) * _DURATION_UNITS[unit]
+    if result != result:  # NaN compares false with everything, so the minimum check would pass it
+        raise AcsOptionError(f"{option}: {value!r} is not a duration", option=option)
     if result < minimum:
         raise AcsOptionError(
             f"{option}: {value!r} is too small; it must be at least {minimum} s", option=option
