@@ -241,6 +241,8 @@ class DurableStore:
         """Replace a small file's content (write to a temporary name, then move over)."""
         tmp = f"{rel}.tmp-{os.getpid()}-{threading.get_ident()}"
         with _translate(f"write {self.uri(rel)}"):
+            if "/" in rel:  # like open_appender, create the folder (a copy target may not have it)
+                self.fs.create_dir(self.path(rel.rsplit("/", 1)[0]), recursive=True)
             with self.fs.open_output_stream(self.path(tmp)) as f:
                 f.write(data)
             self.fs.move(self.path(tmp), self.path(rel))
