@@ -571,8 +571,9 @@ class CacheClient:
 
         ``build(idxs)`` makes the requests for one replica (split into batches);
         ``acked(response, batch)`` returns the batch indexes acknowledged and how many were
-        refused as too large. Stragglers are left running (not cancelled): the third replica
-        still gets the write.
+        refused as too large. Once every key has its majority, stragglers get ``hedge_after``
+        more to finish; after that they are left running (not cancelled), so a slow third
+        replica still gets the write.
         """
         n = len(keys)
         self._check_open()
@@ -601,11 +602,23 @@ class CacheClient:
                     inflight[i] += 1
         remaining = sum(1 for i in range(n) if acks[i] < need[i])
         hopeless = [i for i in range(n) if acks[i] + inflight[i] < need[i]]
-        while remaining > 0 and pending > 0 and not hopeless:
+        grace_until: Optional[float] = None
+        while pending > 0 and not hopeless:
+            if remaining == 0:
+                # Quorum reached. Give the other replicas a short grace (hedge_after) to finish
+                # too, so a relaxed read right after this put rarely meets a replica that has
+                # not stored it yet; a slow replica still costs at most that grace.
+                if grace_until is None:
+                    grace_until = min(end, time.monotonic() + self.hedge_after)
+                wait = grace_until - time.monotonic()
+                if wait <= 0:
+                    break
+            else:
+                wait = end + 0.25 - time.monotonic()  # safety bound only: gRPC deadlines fire at `end`
             try:
-                batch, rep, response, exc = out.get(timeout=max(0.0, end + 0.25 - time.monotonic()))
+                batch, rep, response, exc = out.get(timeout=max(0.0, wait))
             except queue.Empty:
-                break  # safety bound only: gRPC deadlines fire at `end`
+                break
             pending -= 1
             for i in batch:
                 inflight[i] -= 1
@@ -639,8 +652,11 @@ class CacheClient:
     def put(self, items: Sequence[Tuple[bytes, bytes, int]], *, ttl: Optional[float] = None) -> None:
         """Write ``(key, value, version)`` triples to all replicas of each key.
 
-        A replica stores an entry only if its version is ``>=`` the stored one; a refusal
-        because the replica holds a newer version counts as an acknowledgement.
+        Batched per replica, sent in parallel; succeeds once every key has a majority of
+        acknowledgements (the remaining replica gets ``hedge_after`` more to finish before the
+        call returns; it is never cancelled). A replica stores an entry only if its version is
+        ``>=`` the stored one; a refusal because it holds a newer version counts as an
+        acknowledgement.
 
         Parameters
         ----------

@@ -1,0 +1,328 @@
+"""CacheClient against real replicated cache servers: quorums, hedging, failover, recovery."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from pyspark_acs.cache_client import (
+    DOWN_BACKOFF_INITIAL_S,
+    CacheClient,
+    Entry,
+    parse_endpoints,
+)
+from pyspark_acs.errors import (
+    AcsOptionError,
+    CacheError,
+    CacheTimeoutError,
+    CacheUnavailableError,
+    ClosedError,
+)
+from pyspark_acs.server.deploy import LocalDeployment
+
+CHUNK = 4096
+
+
+def chunk(i: int) -> bytes:
+    return (b"%08d" % i) * (CHUNK // 8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Three data servers that stay healthy (tests here may pause one, and resume it)."""
+    with LocalDeployment(tmp_path_factory.mktemp("cluster"), data_replicas=3, metadata_replicas=0,
+                         capacity="64MiB") as dep:
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def fragile(tmp_path_factory):
+    """Three data servers the failure test kills and restarts."""
+    with LocalDeployment(tmp_path_factory.mktemp("fragile"), data_replicas=3, metadata_replicas=0,
+                         capacity="64MiB") as dep:
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with CacheClient(cluster.data_endpoints, name="data cache") as c:
+        yield c
+
+
+def single(endpoint: str) -> CacheClient:
+    """A client of one replica, to look at (or skew) what one replica holds."""
+    return CacheClient(endpoint, replication=1)
+
+
+# -- endpoints and construction -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad, item", [
+    ("localhost", "localhost"),
+    ("127.0.0.1:", "127.0.0.1:"),
+    (":7001", ":7001"),
+    ("127.0.0.1:0", "127.0.0.1:0"),
+    ("127.0.0.1:99999", "127.0.0.1:99999"),
+    ("127.0.0.1:7001,,127.0.0.1:7002", ""),
+    ("http://127.0.0.1:7001", "http://127.0.0.1:7001"),
+    ("127.0.0.1:7001,a b:1", "a b:1"),
+])
+def test_malformed_endpoints_are_refused_naming_the_item(bad, item):
+    with pytest.raises(AcsOptionError) as info:
+        CacheClient(bad)
+    assert repr(item) in str(info.value)
+    assert "expected 'host:port'" in str(info.value)
+
+
+def test_empty_and_duplicate_endpoints_are_refused():
+    with pytest.raises(AcsOptionError, match="host:port"):
+        CacheClient([])
+    with pytest.raises(AcsOptionError, match="'127.0.0.1:7001' is listed twice"):
+        CacheClient("127.0.0.1:7001,127.0.0.1:7001")
+
+
+def test_endpoint_forms():
+    assert parse_endpoints(" 127.0.0.1:7001 ,localhost:7002,[::1]:7003") == (
+        "127.0.0.1:7001", "localhost:7002", "[::1]:7003")
+    assert CacheClient(["127.0.0.1:1", "127.0.0.1:2"]).endpoints == ("127.0.0.1:1", "127.0.0.1:2")
+    with pytest.raises(AcsOptionError, match="replication"):
+        CacheClient("127.0.0.1:1", replication=0)
+    with pytest.raises(AcsOptionError, match="deadline"):
+        CacheClient("127.0.0.1:1", deadline=0)
+
+
+def test_client_is_never_pickled_and_closes(cluster):
+    c = CacheClient(cluster.data_endpoints)
+    with pytest.raises(TypeError, match="endpoint string"):
+        pickle.dumps(c)
+    c.put([(b"x", b"y", 1)])
+    c.close()
+    with pytest.raises(ClosedError):
+        c.get([b"x"])
+
+
+# -- replication ----------------------------------------------------------------------------
+
+
+def test_put_reaches_all_replicas_and_chunks_spread(client, cluster):
+    items = [(b"/root/s/00000/f.acs#%d" % i, chunk(i), CHUNK) for i in range(300)]
+    client.put(items)
+    for endpoint in cluster.endpoints("data"):
+        with single(endpoint) as one:
+            got = one.get([k for k, _, _ in items])
+        # r = 3 over 3 servers: every replica holds every chunk of the file
+        assert [e.value for e in got] == [v for _, v, _ in items]
+    assert client.get([k for k, _, _ in items]) == [Entry(v, CHUNK) for _, v, _ in items]
+    assert client.get([b"/root/s/00000/f.acs#999"]) == [None]
+
+
+def test_chunks_of_a_file_spread_over_all_primaries(tmp_path):
+    eps = ",".join(f"127.0.0.1:{p}" for p in range(7001, 7006))
+    c = CacheClient(eps)
+    primaries = {c.replicas_for(b"/root/s/00000/f.acs#%d" % i)[0] for i in range(200)}
+    assert primaries == set(c.endpoints)
+    assert all(len(set(c.replicas_for(b"k%d" % i))) == 3 for i in range(50))
+
+
+def test_consistent_read_returns_the_majority_write(client, cluster):
+    key = b"/root/s/00000/g.acs#0"
+    client.put([(key, b"ab", 2)])
+    lagging, *ahead = client.replicas_for(key)
+    for endpoint in ahead:  # chunk 0 grew on 2 of 3 replicas only (paper figure 5)
+        with single(endpoint) as one:
+            one.put([(key, b"abcd", 4)])
+    for _ in range(20):  # whichever majority is asked, it overlaps the one written
+        assert client.get([key], consistent=True) == [Entry(b"abcd", 4)]
+    relaxed = {client.get([key])[0] for _ in range(40)}
+    assert relaxed <= {Entry(b"ab", 2), Entry(b"abcd", 4)}
+    client.put([(key, b"a", 1)])  # an older writer never shortens the chunk anywhere
+    with single(lagging) as one:
+        assert one.get([key]) == [Entry(b"ab", 2)]
+
+
+def test_compare_and_set_majorities(client, cluster):
+    key = b"lease/f.acs"
+    assert client.compare_and_set(key, None, b"A", version=1) == (True, Entry(b"A", 1))
+    assert client.compare_and_set(key, None, b"B") == (False, Entry(b"A", 1))
+    assert client.compare_and_set(key, b"A", b"A-poisoned", version=2) == (True, Entry(b"A-poisoned", 2))
+    # Replicas disagree: one already holds a lease, two are empty -> the majority swaps.
+    key2 = b"lease/g.acs"
+    first, second, third = client.replicas_for(key2)
+    with single(first) as one:
+        one.put([(key2, b"old", 1)])
+    assert client.compare_and_set(key2, None, b"new", version=2) == (True, Entry(b"new", 2))
+    # Two hold a lease, one is empty -> only a minority can swap.
+    key3 = b"lease/h.acs"
+    for endpoint in (first, second):
+        with single(endpoint) as one:
+            one.put([(key3, b"held", 5)])
+    swapped, current = client.compare_and_set(key3, None, b"mine", version=1)
+    assert not swapped and current == Entry(b"held", 5)
+
+
+def test_delete_and_version_refusal_counts_as_ack(client):
+    client.put([(b"d1", b"v", 9), (b"d2", b"v", 1)])
+    client.put([(b"d1", b"older", 3)])  # every replica refuses (STALE): still a success
+    assert client.get([b"d1"], consistent=True) == [Entry(b"v", 9)]
+    client.delete([b"d1", b"d2", b"never-there"])
+    assert client.get([b"d1", b"d2"], consistent=True) == [None, None]
+
+
+def test_too_large_is_a_cache_error_not_unavailable(tmp_path):
+    with LocalDeployment(tmp_path, data_replicas=1, metadata_replicas=0, capacity="64KiB") as dep:
+        with CacheClient(dep.data_endpoints) as c:
+            with pytest.raises(CacheError, match="too large") as info:
+                c.put([(b"big", b"x" * 60000, 1)])
+            assert not isinstance(info.value, CacheUnavailableError)
+            assert dep.data_endpoints in info.value.endpoints
+
+
+def test_many_threads_share_one_client(client):
+    errors = []
+
+    def work(t: int) -> None:
+        try:
+            for n in range(30):
+                items = [(b"t%d/%d/%d" % (t, n, i), chunk(i), CHUNK) for i in range(16)]
+                client.put(items)
+                want = [Entry(v, CHUNK) for _, v, _ in items]
+                assert client.get([k for k, _, _ in items], consistent=True) == want
+                # relaxed: a replica that has not stored it yet may miss (never a wrong value)
+                got = client.get([k for k, _, _ in items])
+                assert all(g is None or g == w for g, w in zip(got, want))
+        except BaseException as exc:  # collected and re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors[0]
+
+
+# -- slow and dead replicas -----------------------------------------------------------------
+
+
+def test_hedged_reads_hide_a_stalled_replica(cluster):
+    keys = [b"hedge#%d" % i for i in range(60)]
+    with CacheClient(cluster.data_endpoints, deadline=0.5, hedge_after=0.03) as c:
+        c.put([(k, b"v", 1) for k in keys])
+        stalled = cluster.server("data", 0)
+        os.kill(stalled.pid, signal.SIGSTOP)  # alive but silent: the case hedging is for
+        try:
+            for _ in range(5):
+                t0 = time.monotonic()
+                assert c.get(keys) == [Entry(b"v", 1)] * len(keys)
+                assert time.monotonic() - t0 < 0.3  # hedged after 30 ms, not the 0.5 s deadline
+                t0 = time.monotonic()
+                assert c.get(keys, consistent=True) == [Entry(b"v", 1)] * len(keys)
+                assert time.monotonic() - t0 < 0.3
+            c.put([(k, b"w", 2) for k in keys])  # returns on 2 acks
+            # With 2 of 3 silent, consistent reads time out, naming them, within the deadline.
+            other = cluster.server("data", 1)
+            os.kill(other.pid, signal.SIGSTOP)
+            try:
+                with CacheClient(cluster.data_endpoints, deadline=0.5) as fresh:
+                    t0 = time.monotonic()
+                    with pytest.raises(CacheTimeoutError) as info:
+                        fresh.get(keys, consistent=True)
+                    assert time.monotonic() - t0 < 2.0
+                    assert set(info.value.endpoints) == {stalled.endpoint, other.endpoint}
+                    assert stalled.endpoint in str(info.value) and "DEADLINE_EXCEEDED" in str(info.value)
+            finally:
+                os.kill(other.pid, signal.SIGCONT)
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+    with CacheClient(cluster.data_endpoints) as c:
+        assert c.get(keys, consistent=True) == [Entry(b"w", 2)] * len(keys)
+
+
+def test_nothing_listening_fails_fast_naming_the_endpoint():
+    dead = f"127.0.0.1:{free_port()}"
+    with CacheClient(dead, deadline=0.5) as c:
+        for call in (lambda: c.get([b"k"]), lambda: c.get([b"k"], consistent=True),
+                     lambda: c.put([(b"k", b"v", 1)]), lambda: c.delete([b"k"]),
+                     lambda: c.compare_and_set(b"k", None, b"v")):
+            t0 = time.monotonic()
+            with pytest.raises(CacheUnavailableError) as info:
+                call()
+            assert time.monotonic() - t0 < 2.0
+            assert info.value.endpoints == (dead,) and dead in str(info.value)
+        assert c.health() == {dead: False}
+        assert "error" in c.stats()[dead]
+
+
+def test_replica_failures_and_recovery(fragile):
+    eps = fragile.endpoints("data")
+    keys = [b"/root/s/00001/f.acs#%d" % i for i in range(200)]
+    with CacheClient(fragile.data_endpoints, deadline=0.5) as c:
+        c.put([(k, chunk(i), CHUNK) for i, k in enumerate(keys)])
+
+        # kill -9 one of three: reads and writes go on
+        fragile.kill("data", 0)
+        assert c.get(keys) == [Entry(chunk(i), CHUNK) for i in range(len(keys))]
+        assert c.get(keys, consistent=True) == [Entry(chunk(i), CHUNK) for i in range(len(keys))]
+        c.put([(k, chunk(i + 1), CHUNK + 1) for i, k in enumerate(keys)])
+        assert eps[0] in c.down_endpoints()
+        t0 = time.monotonic()  # a known-dead replica is skipped, not waited for
+        for _ in range(10):
+            c.get(keys[:20], consistent=True)
+        assert time.monotonic() - t0 < 0.5
+
+        # kill two: quorum calls fail naming them; relaxed reads still work off the survivor
+        fragile.kill("data", 1)
+        with pytest.raises(CacheUnavailableError) as info:
+            c.get(keys, consistent=True)
+        assert set(info.value.endpoints) == {eps[0], eps[1]}
+        assert eps[0] in str(info.value) and eps[1] in str(info.value)
+        with pytest.raises(CacheUnavailableError) as info:
+            c.put([(b"new", b"v", 1)])
+        assert set(info.value.endpoints) == {eps[0], eps[1]}
+        with pytest.raises(CacheUnavailableError):
+            c.compare_and_set(b"lease", None, b"me")
+        assert c.get(keys) == [Entry(chunk(i + 1), CHUNK + 1) for i in range(len(keys))]
+        health = c.health()
+        assert health == {eps[0]: False, eps[1]: False, eps[2]: True}
+
+        # restart both (same ports, empty): after the back-off the client uses them again
+        fragile.restart("data", 0)
+        fragile.restart("data", 1)
+        time.sleep(DOWN_BACKOFF_INITIAL_S)
+
+        def recovered():
+            try:
+                c.put([(b"after", b"v", 1)])
+                c.get([b"after"], consistent=True)
+            except CacheUnavailableError:
+                return False
+            return not c.down_endpoints()
+
+        wait_until(recovered, timeout=15)
+        c.put([(k, chunk(i), CHUNK + 2) for i, k in enumerate(keys)])
+        stats = c.stats()
+        for endpoint in eps[:2]:
+            assert stats[endpoint]["stored_total"] >= len(keys) * 2 // 3 - 20
+        assert c.get(keys, consistent=True) == [Entry(chunk(i), CHUNK + 2) for i in range(len(keys))]
