@@ -19,7 +19,7 @@ check-java:
 $(STAMP): setup.py | check-python
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --progress-bar off -e '.[test]'
+	$(BIN)/pip install --quiet --progress-bar off --config-settings editable_mode=compat -e '.[test]'
 	@touch $(STAMP)
 
 # 1. Set up and run the main job: the end-to-end demo on an embedded local deployment.

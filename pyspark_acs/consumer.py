@@ -211,11 +211,26 @@ class ShardTailer:
         return True
 
     def _finished_early(self) -> bool:
-        """Bounded read: the current file precedes the end file, so it will not grow."""
+        """Bounded read: the current file precedes the end file, so it will not grow.
+
+        It is finished once every complete block of its durable length is read; a torn
+        block left by a crashed writer at its end is skipped (and logged).
+        """
         durable = self.path.durable_length(self.rel)
-        if durable is not None and durable > self.length:
-            self._skip_torn_tail(durable)
+        if durable is None or durable <= self.length:
+            return True
+        if self._complete_block_at(durable):
+            return False  # readable blocks remain (the read path may be postponing them)
+        self._skip_torn_tail(durable)
         return True
+
+    def _complete_block_at(self, durable: int) -> bool:
+        """True if a whole block starts at the position within the file's durable length."""
+        if durable - self.length < HEADER_SIZE:
+            return False
+        head = self.store.read(self.rel, self.length, self.length + HEADER_SIZE)
+        header = parse_header(head, 0, path=self.store.uri(self.rel), position=self.length)
+        return self.length + header.size <= durable
 
     def _abandoned(self) -> bool:
         """At the end of an unsealed file: move on if a newer file exists (writer replaced)."""
@@ -233,8 +248,7 @@ class ShardTailer:
         durable = self.path.durable_length(self.rel)
         if durable is not None and durable > self.length:
             # Complete blocks not yet published (caches lagging) are read in a later step.
-            data = self.store.read(self.rel, self.length, durable)
-            if next(scan_blocks(data, path=self.store.uri(self.rel), base=self.length), None):
+            if self._complete_block_at(durable):
                 return False
             self._skip_torn_tail(durable)
         return self._next_file()
