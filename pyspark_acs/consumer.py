@@ -13,9 +13,10 @@ it is there.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import pyarrow as pa
 
@@ -90,6 +91,8 @@ class ShardTailer:
         self.fail_on_data_loss = fail_on_data_loss
         self.limiter = limiter or RateLimiter(None)
         self._stalled_since: Optional[float] = None
+        #: Position after each batch of the last step's result (same length as that result).
+        self.batch_ends: List[Offset] = []
 
     @property
     def offset(self) -> Offset:
@@ -120,6 +123,7 @@ class ShardTailer:
             Stop at this position (bounded reads); the tailer never reads past it.
         """
         out: List[pa.RecordBatch] = []
+        self.batch_ends = []
         while True:
             if end is not None and self.offset >= end:
                 return out
@@ -197,6 +201,8 @@ class ShardTailer:
                     )
                 )
             self.length = start + at + header.size
+            if header.count:
+                self.batch_ends.append(self.offset)
             if header.sealed:
                 self.sealed = True
                 break
@@ -411,6 +417,10 @@ class Consumer:
                 )
         self._closed = False
         self._stats = {"messages": 0, "batches": 0}
+        # Batches read from the tailers but not handed out yet: (batch, tailer index, position
+        # after it). offsets() reports _reported, the position after what was handed out.
+        self._pending: Deque[Tuple[pa.RecordBatch, int, Offset]] = collections.deque()
+        self._reported: List[Offset] = []
         self.seek(start)
 
     def seek(self, start: StartSpec) -> None:
@@ -423,6 +433,8 @@ class Consumer:
                     if mode == "earliest"
                     else latest_offset(self.path, t.stream, t.shard)
                 )
+            self._pending.clear()
+            self._reported = [t.offset for t in self._tailers]
             return
         if isinstance(start, str) and not start.lstrip().startswith("{"):
             raise AcsOptionError(
@@ -431,27 +443,42 @@ class Consumer:
         offsets: OffsetMap = parse_offsets(start, option="start")
         for t in self._tailers:
             t.seek(offsets.get((t.stream, t.shard)) or earliest_offset(self.store, t.stream, t.shard))
+        self._pending.clear()
+        self._reported = [t.offset for t in self._tailers]
 
     def offsets(self) -> Dict[str, Dict[str, Dict[str, Any]]]:
         """The JSON-able position of every followed shard (after the last returned batch)."""
-        return format_offsets({(t.stream, t.shard): t.offset for t in self._tailers})
+        return format_offsets({(t.stream, t.shard): off for t, off in zip(self._tailers, self._reported)})
+
+    def _fill(self) -> None:
+        """One round over every shard: queue what is new. Call only when nothing is pending."""
+        if self._closed:
+            raise ClosedError("consumer is closed")
+        rels = [t.rel for t in self._tailers if t.rel]
+        lengths = self.path.lengths(rels) if rels else {}
+        for i, t in enumerate(self._tailers):
+            got = t.step(lengths.get(t.rel), known=True) if t.rel else t.step()
+            ends = list(t.batch_ends)
+            for j, batch in enumerate(got):
+                # the last batch of a round ends where the tailer is (it may have passed a seal)
+                self._pending.append((batch, i, ends[j] if j < len(got) - 1 and j < len(ends) else t.offset))
+            if not got:
+                self._reported[i] = t.offset
+
+    def _hand_out(self) -> pa.RecordBatch:
+        batch, i, end = self._pending.popleft()
+        self._reported[i] = end
+        self._stats["batches"] += 1
+        self._stats["messages"] += batch.num_rows
+        return batch
 
     def poll(self) -> List[pa.RecordBatch]:
         """One round over every shard: return what is new now (possibly nothing)."""
         if self._closed:
             raise ClosedError("consumer is closed")
-        rels = [t.rel for t in self._tailers if t.rel]
-        lengths = self.path.lengths(rels) if rels else {}
-        out: List[pa.RecordBatch] = []
-        for t in self._tailers:
-            if t.rel:
-                out.extend(t.step(lengths.get(t.rel), known=True))
-            else:
-                out.extend(t.step())
-        if out:
-            self._stats["batches"] += len(out)
-            self._stats["messages"] += sum(b.num_rows for b in out)
-        return out
+        if not self._pending:
+            self._fill()
+        return [self._hand_out() for _ in range(len(self._pending))]
 
     def batches(self, timeout: Optional[float] = None) -> Iterator[pa.RecordBatch]:
         """Yield record batches as data arrives.
@@ -469,9 +496,13 @@ class Consumer:
         """
         idle_since = time.monotonic()
         while True:
-            got = self.poll()
-            if got:
-                yield from got
+            if self._closed:
+                raise ClosedError("consumer is closed")
+            if not self._pending:
+                self._fill()
+            if self._pending:
+                while self._pending:
+                    yield self._hand_out()
                 idle_since = time.monotonic()
                 continue
             if timeout is not None and time.monotonic() - idle_since >= timeout:
