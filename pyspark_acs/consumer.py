@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -90,7 +91,7 @@ class ShardTailer:
         self.max_read_bytes = max_read_bytes
         self.fail_on_data_loss = fail_on_data_loss
         self.limiter = limiter or RateLimiter(None)
-        self._stalled_since: Optional[float] = None
+        self._stalled_since: Optional[float] = -math.inf
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
 
@@ -108,7 +109,9 @@ class ShardTailer:
             self.path.forget(self.rel)  # drop per-file read state of the file we leave
         self.file, self.length = offset
         self.sealed = False
-        self._stalled_since = None
+        # Check for a newer file at the first stall after a seek: a position saved right after
+        # a seal (a restart from offsets) must not wait ABANDON_CHECK_INTERVAL_S to move on.
+        self._stalled_since = -math.inf
 
     def step(self, length: Optional[int] = None, *, known: bool = False, end: Optional[Offset] = None) -> List[pa.RecordBatch]:
         """Read what is new; return decoded batches (possibly none).
