@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Union
 from .block import DEFAULT_MAX_BLOCK_BYTES, encode_block, encode_seal
 from .errors import AcsError, AcsOptionError, CacheError, ClosedError
 from .leases import DEFAULT_LEASE_SECONDS, StoreLease
-from .names import file_name, new_writer_id, parse_file_name, shard_dir, validate_shard, validate_stream
+from .names import MAX_SHARDS, file_name, new_writer_id, parse_file_name, shard_dir, validate_shard, validate_stream
 from .store import Appender, DurableStore, open_store
 
 __all__ = [
@@ -99,6 +99,11 @@ class ProducerOptions:
         for name, value, minimum in checks:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
                 raise AcsOptionError(f"{name}: {value!r} is not allowed; it must be a number >= {minimum}", option=name)
+        if not isinstance(self.shards, int) or self.shards > MAX_SHARDS:
+            raise AcsOptionError(
+                f"shards: {self.shards!r} is not allowed; it must be a whole number from 1 to {MAX_SHARDS}",
+                option="shards",
+            )
 
 
 class _Shard:
