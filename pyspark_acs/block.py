@@ -56,6 +56,7 @@ __all__ = [
     "encode_block",
     "encode_seal",
     "parse_header",
+    "rebase_blocks",
     "scan_blocks",
 ]
 
@@ -413,3 +414,23 @@ def scan_blocks(
             return
         yield at, header
         at += header.size
+
+
+def rebase_blocks(data: bytes, first_index: int, *, path: str = "") -> Tuple[bytes, int]:
+    """Rewrite the ``first_index`` of every block in ``data`` so they continue a file at
+    message index ``first_index``; return the new bytes and the number of messages.
+
+    Used when blocks encoded elsewhere (staged by Spark tasks) are appended to a message
+    file. Bodies are untouched; each header's checksum is recomputed. The result depends only
+    on ``data`` and ``first_index``, so a resumed append writes the same bytes again.
+    """
+    out = bytearray(data)
+    index = first_index
+    for at, header in scan_blocks(memoryview(data), path=path, final=True):
+        raw = _HEADER.pack(MAGIC, FORMAT_VERSION, header.flags, header.header_len, header.count, header.body_len,
+                           header.body_crc, 0, index, header.first_ts, header.last_ts)
+        out[at : at + 20] = raw[:20]
+        out[at + 20 : at + 24] = struct.pack("<I", zlib.crc32(raw))
+        out[at + 24 : at + HEADER_SIZE] = raw[24:]
+        index += header.count
+    return bytes(out), index - first_index
