@@ -40,6 +40,12 @@ DEFAULT_DURABLE_POLL_INTERVAL_S = 1.0
 _METADATA_RETRY_S = 1.0
 
 
+def _max_known(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    if a is None:
+        return b
+    return a if b is None else max(a, b)
+
+
 class DelayedDurableReads:
     """Algorithm 1 of the paper for one file: postpone durable reads while the cache catches up."""
 
@@ -142,6 +148,11 @@ class CachedReadPath:
                     if d is None:
                         out[r] = None
                         continue
+                # Files only grow: never let a length go below one already seen (a durable
+                # length cached before the metadata cache went down, or a lagging replica,
+                # would otherwise look like the file shrank).
+                c0, d0 = self._published.get(r, (None, None))
+                c, d = _max_known(c, c0), _max_known(d, d0)
                 self._published[r] = (c, d)
                 out[r] = max(c or 0, d or 0)
         return out
