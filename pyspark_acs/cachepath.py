@@ -210,7 +210,13 @@ class CachedReadPath:
                     continue
                 if run_start is not None:
                     # One durable read for the whole run of missing chunks (Fig. 6).
-                    parts.append(self._durable(rel, run_start, s))
+                    got = self._durable(rel, run_start, s)
+                    parts.append(got)
+                    if len(got) < s - run_start:
+                        # The store does not have these bytes yet (the cache can lead it):
+                        # stop here so the result stays a prefix; later chunks must not
+                        # be joined on after a gap.
+                        return b"".join(parts)
                     run_start = None
                 if data:
                     parts.append(data)
