@@ -176,7 +176,22 @@ class MetadataLease:
         LeasePoisonedError
             A newer writer poisoned or took the lease: stop writing now.
         """
-        cur = self._current()
+        try:
+            cur = self._current()
+        except CacheError:
+            # Metadata cache unreachable: writes go on (availability first); try again after
+            # one check interval rather than on every write.
+            self._checked = time.monotonic()
+            raise
+        if cur is None and self.record is not None:
+            # The entry is gone, not released (a released lease holds b""): the replicas were
+            # wiped (restarted) or evicted it. Nobody poisoned us: put our lease back.
+            renewed = LeaseRecord(self.record, expires=time.time() + self.seconds)
+            if self._cas(None, renewed):
+                self.record = renewed
+                self._checked = time.monotonic()
+                return
+            cur = self._current()  # someone else took it meanwhile
         rec = LeaseRecord.decode(cur.value) if cur else None
         if self.record is None or not self.record.same_holder(rec) or (rec and rec.get("poisoned")):
             if rec is not None and self.record is not None and self.record.same_holder(rec):
