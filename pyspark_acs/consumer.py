@@ -92,6 +92,7 @@ class ShardTailer:
         self.fail_on_data_loss = fail_on_data_loss
         self.limiter = limiter or RateLimiter(None)
         self._stalled_since: Optional[float] = -math.inf
+        self._loss_logged: Optional[Offset] = None  # the lost position already logged
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
 
@@ -303,8 +304,11 @@ class ShardTailer:
             log.warning("%s; continuing from file %s", msg, later[0])
             self.seek(Offset(later[0], 0))
             return True
-        log.warning("%s; waiting for new data", msg)
-        self.seek(Offset())
+        # Wait at this position for a newer file. (Seeking to Offset() would restart the shard
+        # from its oldest file and replay messages already consumed.)
+        if self._loss_logged != self.offset:
+            log.warning("%s; waiting for new data", msg)
+            self._loss_logged = self.offset
         return False
 
 
