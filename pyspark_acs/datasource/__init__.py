@@ -1,0 +1,105 @@
+"""Spark Structured Streaming connector: ``format("acs")`` source and sink, no jars.
+
+``pyspark_acs.DefaultSource`` is :class:`AcsDataSource`; Spark finds it after ``pip install``
+because it looks for installed ``pyspark_*`` packages that export ``DefaultSource``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader
+from pyspark.sql.types import StructType
+
+from .options import SinkOptions, SourceOptions, parse_sink_options, parse_source_options
+
+__all__ = ["AcsDataSource", "DefaultSource", "SinkOptions", "SourceOptions"]
+
+
+class AcsDataSource(DataSource):
+    """Read and write pyspark_acs streams with Spark: ``format("acs")``.
+
+    Source options (``spark.readStream.format("acs")`` / ``spark.read.format("acs")``)
+    --------------------------------------------------------------------------------
+    root : required
+        Durable store root of this cluster: a local path or URI (``file:///``, ``hdfs://``).
+        ``load(path)`` sets it too.
+    stream : required
+        A stream name or a comma-separated list.
+    dataCache, metadataCache : optional
+        Cache endpoints ``host:port,host:port,...``. Lengths are polled from the metadata
+        cache and bytes read from the data cache, with the durable store as the fallback;
+        without them everything comes from the durable store.
+    startingOffsets : ``latest`` (streams) / ``earliest`` (batch) / JSON
+        Where a new query starts; JSON as ``{"stream": {"0": {"file": "...acs", "length": 0}}}``.
+        Shards missing from the JSON start at the earliest position.
+    startingTimestamp : optional
+        Milliseconds since the epoch: per shard, start at the first block holding a message at
+        or after it (offsets are block boundaries, so earlier messages of that block come too).
+    endingOffsets : ``latest`` (default) / JSON
+        Batch reads only.
+    maxBytesPerTrigger, maxRowsPerTrigger : optional
+        Admission control through Spark's ``ReadLimit``: bytes (``"8MiB"``) or messages per
+        micro-batch, split across shards in proportion to their backlog. Offsets are block
+        boundaries, so a single block larger than a shard's share is still read whole.
+        ``Trigger.AvailableNow`` honours them (several bounded batches); ``once`` reads all.
+    failOnDataLoss : ``true``
+        When a file in the offsets is gone or shorter than the offset: fail naming stream,
+        shard, file and bytes (true), or log and continue at the next available data (false).
+    pollInterval : ``10ms``
+        How often a read task retries bytes that are published but not yet readable.
+    readTimeout : ``60s``
+        How long a task waits for such bytes before failing with a data-loss error.
+    maxBytesPerSecond : optional
+        Read-rate cap of one read task.
+
+    Schema: ``stream string, shard int, file string, position long, timestamp timestamp,
+    key binary, value binary``. ``position`` is the message's index in its file.
+
+    Sink options (``df.writeStream.format("acs")`` / ``df.write.format("acs")``)
+    --------------------------------------------------------------------------
+    root, stream : required
+    shards : required when the stream does not exist yet; must match when it does.
+    dataCache, metadataCache : optional
+        Written like a Producer: durable store, then chunks, then lengths.
+    maxBlockBytes : ``1MiB``;  rollBytes : ``64MiB``
+    sinkId : optional
+        Identity of the sink for exactly-once; defaults to the query's checkpointLocation.
+
+    Columns: ``value`` (binary or string, required), ``key`` (binary or string: picks the
+    shard by crc32 hash), ``shard`` (int), ``timestamp`` (default now). Each committed
+    micro-batch lands exactly once per batch id, after all earlier batches in every shard
+    (see :mod:`pyspark_acs.datasource.sink`).
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return "acs"
+
+    def schema(self) -> str:
+        from .source import SCHEMA_DDL
+
+        return SCHEMA_DDL
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        from .source import AcsBatchReader
+
+        return AcsBatchReader(parse_source_options(self.options))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        from .source import AcsStreamReader
+
+        return AcsStreamReader(parse_source_options(self.options))
+
+    def writer(self, schema: StructType, overwrite: bool) -> Any:
+        from .sink import AcsBatchWriter
+
+        return AcsBatchWriter(parse_sink_options(self.options), schema, overwrite)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> Any:
+        from .sink import AcsStreamWriter
+
+        return AcsStreamWriter(parse_sink_options(self.options), schema)
+
+
+DefaultSource = AcsDataSource

@@ -1,0 +1,168 @@
+"""Options of the ``acs`` Spark source and sink, parsed once from Spark's string options.
+
+Names and meanings follow Spark's Kafka source where they overlap (``startingOffsets``,
+``startingTimestamp``, ``endingOffsets``, ``failOnDataLoss``, ``maxBytesPerTrigger``,
+``maxRowsPerTrigger`` ~ ``maxOffsetsPerTrigger``). Names match case-insensitively; an
+unknown name is refused with the list of valid ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Tuple
+
+from ..errors import AcsOptionError
+from ..names import validate_stream
+from ..offsets import parse_offsets
+from ..options import bytes_parser, duration_parser, option, parse_bool, parse_int, parse_options, parse_str
+
+__all__ = ["SinkOptions", "SourceOptions", "parse_sink_options", "parse_source_options"]
+
+#: How long a read task waits for bytes that were published but are not readable yet
+#: (e.g. chunks lost with a cache replica while the durable copy is still catching up).
+DEFAULT_READ_TIMEOUT_S = 60.0
+DEFAULT_SOURCE_POLL_INTERVAL_S = 0.01
+
+
+def _streams(value: Any, name: str) -> Tuple[str, ...]:
+    items = tuple(s.strip() for s in str(value).split(",") if s.strip())
+    if not items:
+        raise AcsOptionError(f"{name}: give one stream name or a comma-separated list", option=name)
+    for s in items:
+        try:
+            validate_stream(s)
+        except ValueError as exc:
+            raise AcsOptionError(f"{name}: {exc}", option=name) from None
+    if len(set(items)) != len(items):
+        raise AcsOptionError(f"{name}: a stream is listed twice in {value!r}", option=name)
+    return items
+
+
+def _one_stream(value: Any, name: str) -> str:
+    items = _streams(value, name)
+    if len(items) != 1:
+        raise AcsOptionError(f"{name}: the sink writes exactly one stream, got {value!r}", option=name)
+    return items[0]
+
+
+def _offsets_spec(*keywords: str):
+    def parse(value: Any, name: str) -> Any:
+        text = str(value).strip()
+        if text.lower() in keywords:
+            return text.lower()
+        if not text.startswith("{"):
+            raise AcsOptionError(
+                f"{name}: {value!r} is not allowed; use {' or '.join(repr(k) for k in keywords)} or a JSON object "
+                f'like {{"stream": {{"0": {{"file": "<name>.acs", "length": 0}}}}}}',
+                option=name,
+            )
+        parse_offsets(text, option=name)  # validate now; kept as text (hashable, picklable)
+        return text
+
+    return parse
+
+
+def _endpoints(value: Any, name: str) -> str:
+    from ..cache_client import parse_endpoints
+
+    return ",".join(parse_endpoints(str(value), option=name))
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """Options of ``spark.readStream.format("acs")`` and ``spark.read.format("acs")``."""
+
+    root: str = option("root", parse=parse_str, required=True, doc="durable store root URI or path")
+    streams: Tuple[str, ...] = option("stream", parse=_streams, required=True, doc="stream name or comma list")
+    data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="data-cache endpoints host:port,...")
+    metadata_cache: Optional[str] = option(
+        "metadataCache", None, parse=_endpoints, doc="metadata-cache endpoints host:port,..."
+    )
+    starting_offsets: Optional[str] = option(
+        "startingOffsets", None, parse=_offsets_spec("earliest", "latest"),
+        doc="earliest | latest | offsets JSON (default: latest for streams, earliest for batch)",
+    )
+    starting_timestamp: Optional[int] = option(
+        "startingTimestamp", None, parse=parse_int(0), doc="ms since the epoch: start at the first message at or after it"
+    )
+    ending_offsets: Optional[str] = option(
+        "endingOffsets", None, parse=_offsets_spec("latest"), doc="batch reads only: latest | offsets JSON"
+    )
+    max_bytes_per_trigger: Optional[int] = option(
+        "maxBytesPerTrigger", None, parse=bytes_parser(1), doc="bytes per micro-batch, split over shards by backlog"
+    )
+    max_rows_per_trigger: Optional[int] = option(
+        "maxRowsPerTrigger", None, parse=parse_int(1), doc="messages per micro-batch, split over shards by backlog"
+    )
+    fail_on_data_loss: bool = option("failOnDataLoss", True, parse=parse_bool, doc="fail when data is gone (true)")
+    poll_interval: float = option(
+        "pollInterval", DEFAULT_SOURCE_POLL_INTERVAL_S, parse=duration_parser(0.0), doc="read retry interval (10ms)"
+    )
+    max_bytes_per_second: Optional[int] = option(
+        "maxBytesPerSecond", None, parse=bytes_parser(1), doc="read-rate cap of one read task"
+    )
+    read_timeout: float = option(
+        "readTimeout", DEFAULT_READ_TIMEOUT_S, parse=duration_parser(0.001),
+        doc="how long a task waits for published bytes to become readable (60s)",
+    )
+
+
+@dataclass(frozen=True)
+class SinkOptions:
+    """Options of ``df.writeStream.format("acs")`` and ``df.write.format("acs")``."""
+
+    root: str = option("root", parse=parse_str, required=True, doc="durable store root URI or path")
+    stream: str = option("stream", parse=_one_stream, required=True, doc="stream name")
+    shards: Optional[int] = option(
+        "shards", None, parse=parse_int(1, 99_999), doc="shard count (required if the stream does not exist)"
+    )
+    data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="data-cache endpoints host:port,...")
+    metadata_cache: Optional[str] = option(
+        "metadataCache", None, parse=_endpoints, doc="metadata-cache endpoints host:port,..."
+    )
+    max_block_bytes: int = option("maxBlockBytes", 1024 * 1024, parse=bytes_parser(1024), doc="block size (1MiB)")
+    roll_bytes: int = option("rollBytes", 64 * 1024 * 1024, parse=bytes_parser(1), doc="file rollover size (64MiB)")
+    sink_id: Optional[str] = option(
+        "sinkId", None, parse=parse_str, doc="identity for exactly-once (default: the query's checkpointLocation)"
+    )
+    checkpoint_location: Optional[str] = option(
+        "checkpointLocation", None, parse=parse_str, doc="set by Spark from the query; identifies the sink"
+    )
+
+
+def _with_path(raw: Mapping[str, Any]) -> dict:
+    """``load(path)``/``save(path)`` pass the path as option "path": it means root."""
+    opts = dict(raw)
+    path = next((k for k in opts if k.lower() == "path"), None)
+    if path is not None:
+        value = opts.pop(path)
+        if not any(k.lower() == "root" for k in opts):
+            opts["root"] = value
+    return opts
+
+
+def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
+    """Parse and check the source options (raises AcsOptionError naming the option)."""
+    opts = parse_options(SourceOptions, _with_path(raw), component="acs source")
+    if opts.starting_offsets is not None and opts.starting_timestamp is not None:
+        raise AcsOptionError(
+            "acs source: give startingOffsets or startingTimestamp, not both", option="startingTimestamp"
+        )
+    for name, value in (("startingOffsets", opts.starting_offsets), ("endingOffsets", opts.ending_offsets)):
+        if value and value.startswith("{"):
+            unknown = {s for s, _ in parse_offsets(value, option=name)} - set(opts.streams)
+            if unknown:
+                raise AcsOptionError(
+                    f"{name}: streams {sorted(unknown)} are not in option stream={','.join(opts.streams)}", option=name
+                )
+    return opts
+
+
+def parse_sink_options(raw: Mapping[str, Any]) -> SinkOptions:
+    """Parse and check the sink options (raises AcsOptionError naming the option)."""
+    return parse_options(SinkOptions, _with_path(raw), component="acs sink")
+
+
+def offsets_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)

@@ -1,0 +1,495 @@
+"""The ``acs`` Spark sink: exactly-once per batch id, in batch order per shard.
+
+How a micro-batch lands
+-----------------------
+1. Each Spark task (``write``) encodes its rows into blocks per shard and *stages* them as
+   files under ``<root>/<stream>/_sinks/<sink id>/staging/``; its commit message lists them
+   (plain data: shard, path, bytes, rows).
+2. The driver (``commit``) appends the staged blocks of all tasks, in task order, to each
+   shard's current file, behind a shard lease: durable store first, then chunks to the data
+   cache and lengths to the metadata cache, as the Producer does. Before the first byte it
+   writes an *intent* (target file, start length and message index per shard, the staged
+   files in order); after the last, the sink *state* records the batch id as committed.
+3. A batch id at or below the committed one is a replay (the query restarted from its
+   checkpoint after the sink committed): nothing is written again. A batch whose intent
+   exists but which is not committed (the driver died while appending) is completed from its
+   intent: the bytes already appended are exactly a prefix of the planned bytes (headers are
+   renumbered deterministically), so the rest is appended and nothing is duplicated.
+
+The guarantee is therefore **exactly-once per batch id** for one sink identity. The sink
+identity is the query's ``checkpointLocation`` (hashed) or the ``sinkId`` option: two
+queries that write the same stream need different checkpoints, and a query started afresh
+(new checkpoint) is a new sink. Rows of one batch appear after all rows of earlier batches
+in every shard; within a batch, a shard holds task 0's rows, then task 1's, and so on.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import time
+import uuid
+import zlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import (
+    BinaryType,
+    ByteType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StringType,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+from ..block import encode_block, encode_seal, rebase_blocks, scan_blocks
+from ..errors import AcsError, AcsOptionError, CacheError
+from ..leases import StoreLease
+from ..names import file_name, parse_file_name, shard_dir
+from ..store import DurableStore, open_store
+from .options import SinkOptions
+
+__all__ = ["AcsCommitMessage", "AcsStreamWriter", "AcsBatchWriter", "check_sink_schema", "SinkCommitter"]
+
+log = logging.getLogger(__name__)
+
+#: Staged files of failed task attempts older than this are swept at commit time.
+STAGING_SWEEP_AFTER_S = 3600.0
+_LEASE_FILE = "_writer.lease"
+
+
+def check_sink_schema(schema: StructType) -> None:
+    """Refuse a DataFrame the sink cannot write, naming the column and the allowed types.
+
+    Raises
+    ------
+    AcsOptionError
+        No ``value`` column, or a column of a wrong type.
+    """
+    fields = {f.name.lower(): f for f in schema.fields}
+    allowed = {
+        "value": ((BinaryType, StringType), "binary or string"),
+        "key": ((BinaryType, StringType), "binary or string"),
+        "shard": ((IntegerType, LongType, ShortType, ByteType), "an integer type"),
+        "timestamp": ((TimestampType, TimestampNTZType), "timestamp"),
+    }
+    if "value" not in fields:
+        raise AcsOptionError(
+            f"acs sink: the DataFrame needs a 'value' column (binary or string); it has: "
+            f"{', '.join(schema.fieldNames()) or 'no columns'}",
+            option="value",
+        )
+    for name, (types, text) in allowed.items():
+        f = fields.get(name)
+        if f is not None and not isinstance(f.dataType, types):
+            raise AcsOptionError(
+                f"acs sink: column {f.name!r} must be {text}, not {f.dataType.simpleString()}", option=name
+            )
+
+
+class AcsCommitMessage(WriterCommitMessage):
+    """What one task staged: ``[(shard, staged file path relative to the root, bytes, rows)]``."""
+
+    def __init__(self, staged: List[Tuple[int, str, int, int]], staging_dir: str) -> None:
+        self.staged = staged
+        self.staging_dir = staging_dir
+
+
+def _sink_id(opts: SinkOptions) -> str:
+    ident = opts.sink_id or opts.checkpoint_location or "default"
+    return hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
+
+
+def _column(batch: pa.RecordBatch, name: str) -> Optional[pa.Array]:
+    for i, field in enumerate(batch.schema):
+        if field.name.lower() == name:
+            return batch.column(i)
+    return None
+
+
+class _Stager:
+    """Task side: encode rows into blocks per shard and stage them in the durable store."""
+
+    def __init__(self, opts: SinkOptions, sink_id: str, shards: int) -> None:
+        self.opts = opts
+        self.sink_id = sink_id
+        self.shards = shards
+
+    def write(self, batches: Iterator[pa.RecordBatch]) -> AcsCommitMessage:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        pid = ctx.partitionId() if ctx else 0
+        store = open_store(self.opts.root)
+        staging = f"{self.opts.stream}/_sinks/{self.sink_id}/staging/{uuid.uuid4().hex}-{pid}"
+        appenders: Dict[int, Any] = {}
+        counts: Dict[int, List[int]] = {}
+        row = 0
+        try:
+            for batch in batches:
+                if batch.num_rows == 0:
+                    continue
+                shard_ids = self._shards_of(batch, pid, row)
+                row += batch.num_rows
+                for shard, part in self._split(batch, shard_ids):
+                    app = appenders.get(shard)
+                    if app is None:
+                        app = appenders[shard] = store.open_appender(f"{staging}/{shard:05d}.blk")
+                        counts[shard] = [0, 0]
+                    for block, n in self._blocks(part):
+                        app.write(block)
+                        counts[shard][0] += len(block)
+                        counts[shard][1] += n
+        finally:
+            for app in appenders.values():
+                app.close()
+        staged = [(s, f"{staging}/{s:05d}.blk", counts[s][0], counts[s][1]) for s in sorted(appenders)]
+        return AcsCommitMessage(staged, staging)
+
+    def _shards_of(self, batch: pa.RecordBatch, pid: int, row: int) -> pa.Array:
+        n = batch.num_rows
+        shard = _column(batch, "shard")
+        if shard is not None:
+            shard = pc.cast(shard, pa.int64())
+            if shard.null_count == 0:
+                bad = pc.or_(pc.less(shard, 0), pc.greater_equal(shard, self.shards))
+                if pc.any(bad).as_py():
+                    value = pc.filter(shard, bad)[0].as_py()
+                    raise AcsOptionError(
+                        f"acs sink: shard {value} is out of range for stream {self.opts.stream!r} with "
+                        f"{self.shards} shards (allowed 0..{self.shards - 1})",
+                        option="shard",
+                    )
+                return shard
+        key = _column(batch, "key")
+        if key is not None and key.null_count < n:
+            if pa.types.is_string(key.type) or pa.types.is_large_string(key.type):
+                key = key.cast(pa.binary())
+            rr = (row + pid) % self.shards
+            ids = [
+                (zlib.crc32(k) % self.shards) if k is not None else (rr + i) % self.shards
+                for i, k in enumerate(key.to_pylist())
+            ]
+            base = pa.array(ids, pa.int64())
+        else:
+            # No key: spread rows round-robin, starting where this task left off.
+            seq = pc.add(pc.cumulative_sum(pa.repeat(pa.scalar(1, pa.int64()), n)), row + pid - 1)
+            base = pc.subtract(seq, pc.multiply(pc.divide(seq, self.shards), self.shards))  # seq mod shards
+        if shard is not None:  # explicit shard where given, hash/round-robin for nulls
+            return pc.if_else(pc.is_null(shard), base, shard)
+        return base
+
+    def _split(self, batch: pa.RecordBatch, shard_ids: pa.Array) -> Iterator[Tuple[int, pa.RecordBatch]]:
+        if self.shards == 1:
+            yield 0, batch
+            return
+        order = pc.sort_indices(shard_ids)  # stable: keeps the row order within a shard
+        sorted_ids = pc.take(shard_ids, order)
+        table = batch.take(order)
+        counts = pc.value_counts(sorted_ids)
+        at = 0
+        for item in sorted(counts.to_pylist(), key=lambda d: d["values"]):
+            yield int(item["values"]), table.slice(at, item["counts"])
+            at += item["counts"]
+
+    def _blocks(self, part: pa.RecordBatch) -> Iterator[Tuple[bytes, int]]:
+        values = _column(part, "value")
+        keys = _column(part, "key")
+        stamps = _column(part, "timestamp")
+        sizes = pc.binary_length(values.cast(pa.binary()) if not pa.types.is_binary(values.type) else values)
+        if keys is not None:
+            ksizes = pc.binary_length(keys.cast(pa.binary()) if not pa.types.is_binary(keys.type) else keys)
+            sizes = pc.add(pc.fill_null(sizes, 0), pc.fill_null(ksizes, 0))
+        cum = pc.cumulative_sum(pc.add(pc.fill_null(sizes, 0), 16)).to_pylist()
+        start, n, base = 0, part.num_rows, 0
+        limit = self.opts.max_block_bytes
+        import bisect
+
+        while start < n:
+            end = bisect.bisect_right(cum, base + limit, lo=start)
+            end = max(end, start + 1)
+            ts = None
+            if stamps is not None:
+                ts = stamps.slice(start, end - start)
+                if pa.types.is_timestamp(ts.type) and ts.type.tz is None:
+                    ts = ts.cast(pa.timestamp("us"))
+            yield (
+                encode_block(
+                    values.slice(start, end - start),
+                    None if keys is None else keys.slice(start, end - start),
+                    ts,
+                ),
+                end - start,
+            )
+            base = cum[end - 1]
+            start = end
+
+
+class SinkCommitter:
+    """Driver side: appends staged blocks to the shards, exactly once per batch id."""
+
+    def __init__(self, opts: SinkOptions, sink_id: str) -> None:
+        self.opts = opts
+        self.sink_id = sink_id
+        self.writer_id = f"sink{sink_id}"
+        self.dir = f"{opts.stream}/_sinks/{sink_id}"
+
+    def _load(self, store: DurableStore, name: str) -> Optional[Dict[str, Any]]:
+        raw = store.read_small(f"{self.dir}/{name}")
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise AcsError(f"{store.uri(self.dir + '/' + name)}: corrupt sink record: {exc}") from exc
+
+    def commit(self, messages: Sequence[Optional[AcsCommitMessage]], batch_id: Optional[int]) -> None:
+        store = open_store(self.opts.root)
+        try:
+            self._commit(store, messages, batch_id)
+        finally:
+            store.close()
+
+    def _commit(self, store: DurableStore, messages: Sequence[Optional[AcsCommitMessage]], batch_id: Optional[int]) -> None:
+        state = self._load(store, "state.json") or {"last_batch": None, "shards": {}}
+        last = state.get("last_batch")
+        if batch_id is not None and last is not None and batch_id <= last:
+            log.info("acs sink %s: batch %d was committed before (last %d); replay writes nothing", self.sink_id, batch_id, last)
+            self._discard(store, messages)
+            return
+        intent_name = f"intent-{batch_id if batch_id is not None else 'batch'}.json"
+        intent = self._load(store, intent_name) if batch_id is not None else None
+        if intent is None:
+            intent = self._plan(store, state, messages, batch_id)
+            store.write_small(f"{self.dir}/{intent_name}", json.dumps(intent).encode())
+        else:
+            log.warning("acs sink %s: completing batch %s from its intent (the driver stopped while appending)",
+                        self.sink_id, batch_id)
+            self._discard(store, messages)  # this attempt's staging is not used: the intent's is
+        shards_state = dict(state.get("shards", {}))
+        for shard_s, plan in sorted(intent["shards"].items(), key=lambda kv: int(kv[0])):
+            shards_state[shard_s] = self._append_shard(store, int(shard_s), plan)
+        new_state = {"last_batch": batch_id if batch_id is not None else last, "shards": shards_state,
+                     "updated": time.time()}
+        store.write_small(f"{self.dir}/state.json", json.dumps(new_state).encode())
+        store.delete(f"{self.dir}/{intent_name}")
+        for rel in intent["staging_dirs"]:
+            self._delete_dir(store, rel)
+        self._sweep(store)
+
+    def _plan(self, store: DurableStore, state: Dict[str, Any], messages: Sequence[Optional[AcsCommitMessage]],
+              batch_id: Optional[int]) -> Dict[str, Any]:
+        per_shard: Dict[int, List[Tuple[str, int, int]]] = {}
+        staging_dirs = []
+        for m in messages:
+            if m is None:
+                continue
+            staging_dirs.append(m.staging_dir)
+            for shard, rel, nbytes, nrows in m.staged:
+                per_shard.setdefault(shard, []).append((rel, nbytes, nrows))
+        plans = {}
+        for shard, staged in per_shard.items():
+            prev = state.get("shards", {}).get(str(shard))
+            files = store.list_files(self.opts.stream, shard)
+            reuse = (
+                prev is not None
+                and not prev.get("sealed")
+                and files
+                and files[-1] == prev["file"]
+                and store.lengths([f"{shard_dir(self.opts.stream, shard)}/{prev['file']}"]).get(
+                    f"{shard_dir(self.opts.stream, shard)}/{prev['file']}") == prev["length"]
+            )
+            if reuse:
+                target, length, index = prev["file"], prev["length"], prev["next_index"]
+            else:
+                target, length, index = self._new_file_name(files), 0, 0
+            total = sum(b for _, b, _ in staged)
+            plans[str(shard)] = {
+                "file": target,
+                "start_length": length,
+                "start_index": index,
+                "staged": [[rel, b, r] for rel, b, r in staged],
+                "seal": length + total >= self.opts.roll_bytes,
+            }
+        return {"batch": batch_id, "shards": plans, "staging_dirs": staging_dirs}
+
+    def _new_file_name(self, existing: List[str]) -> str:
+        created = _dt.datetime.now(_dt.timezone.utc)
+        if existing:
+            last = parse_file_name(existing[-1]).created
+            if created <= last:
+                created = last + _dt.timedelta(microseconds=1)
+        return file_name(created, self.writer_id)
+
+    def _append_shard(self, store: DurableStore, shard: int, plan: Dict[str, Any]) -> Dict[str, Any]:
+        rel = f"{shard_dir(self.opts.stream, shard)}/{plan['file']}"
+        parts = []
+        for staged_rel, nbytes, _ in plan["staged"]:
+            data = store.read(staged_rel, 0, nbytes)
+            if len(data) != nbytes:
+                raise AcsError(f"{store.uri(staged_rel)}: staged file has {len(data)} of {nbytes} bytes")
+            parts.append(data)
+        data, count = rebase_blocks(b"".join(parts), plan["start_index"], path=store.uri(rel))
+        if plan["seal"]:
+            data += encode_seal(plan["start_index"] + count)
+        lease = StoreLease(store, f"{shard_dir(self.opts.stream, shard)}/{_LEASE_FILE}", self.writer_id,
+                           f"shard {shard} of stream {self.opts.stream!r} (acs sink)")
+        lease.acquire()
+        try:
+            lengths = store.lengths([rel])
+            current = lengths[rel] or 0
+            done = current - plan["start_length"]
+            if not 0 <= done <= len(data):
+                raise AcsError(
+                    f"{store.uri(rel)}: the file is {current} bytes long, but this sink's batch expected it between "
+                    f"{plan['start_length']} and {plan['start_length'] + len(data)}: another writer appended to it"
+                )
+            if done < len(data):
+                app = store.open_appender(rel)
+                try:
+                    app.write(data[done:])
+                finally:
+                    app.close()
+            self._shadow(store, shard, rel, plan, data)
+        finally:
+            lease.release()
+        return {
+            "file": plan["file"],
+            "length": plan["start_length"] + len(data),
+            "next_index": plan["start_index"] + count,
+            "sealed": bool(plan["seal"]),
+        }
+
+    def _shadow(self, store: DurableStore, shard: int, rel: str, plan: Dict[str, Any], data: bytes) -> None:
+        """Chunks to the data cache, then lengths and head to the metadata cache (best effort)."""
+        if not (self.opts.data_cache or self.opts.metadata_cache):
+            return
+        from ..cache_client import CacheClient
+        from ..chunks import CHUNK_SIZE, ChunkWriter
+        from ..metadata import MetadataCache
+
+        start = plan["start_length"]
+        end = start + len(data)
+        uri = store.uri(rel)
+        cache_length = None
+        try:
+            if self.opts.data_cache:
+                with CacheClient(self.opts.data_cache, name="data cache") as client:
+                    chunk_start = start - start % CHUNK_SIZE
+                    prefix = store.read(rel, chunk_start, start) if start % CHUNK_SIZE else b""
+                    cache_length = ChunkWriter(client, uri, start, prefix).append(data)
+        except CacheError as exc:
+            log.warning("acs sink: data cache write for %s failed, readers use the durable store: %s", uri, exc)
+        try:
+            if self.opts.metadata_cache:
+                with CacheClient(self.opts.metadata_cache, name="metadata cache") as client:
+                    meta = MetadataCache(client)
+                    meta.set_head(store.uri(shard_dir(self.opts.stream, shard)), plan["file"])
+                    meta.publish(uri, cache_length=cache_length, durable_length=end)
+        except CacheError as exc:
+            log.warning("acs sink: metadata cache update for %s failed, readers poll the store: %s", uri, exc)
+
+    def _discard(self, store: DurableStore, messages: Sequence[Optional[AcsCommitMessage]]) -> None:
+        for m in messages:
+            if m is not None:
+                self._delete_dir(store, m.staging_dir)
+
+    def _delete_dir(self, store: DurableStore, rel: str) -> None:
+        try:
+            store.fs.delete_dir(store.path(rel))
+        except (OSError, pa.ArrowException):
+            pass  # already gone (deleted by an earlier attempt)
+
+    def _sweep(self, store: DurableStore) -> None:
+        """Delete staging folders of failed task attempts (older than an hour)."""
+        import pyarrow.fs as pafs
+
+        base = f"{self.dir}/staging"
+        try:
+            infos = store.fs.get_file_info(pafs.FileSelector(store.path(base), allow_not_found=True))
+        except (OSError, pa.ArrowException):
+            return
+        cutoff = time.time() - STAGING_SWEEP_AFTER_S
+        for info in infos:
+            if info.mtime is not None and info.mtime.timestamp() < cutoff:
+                self._delete_dir(store, f"{base}/{info.base_name}")
+
+
+def _prepare(opts: SinkOptions) -> int:
+    """Create the stream or check its shard count; return the shard count."""
+    store = open_store(opts.root)
+    try:
+        existing = store.stream_shards(opts.stream)
+        if existing is None:
+            if opts.shards is None:
+                raise AcsOptionError(
+                    f"acs sink: stream {opts.stream!r} does not exist in {opts.root}; give option 'shards' to create it",
+                    option="shards",
+                )
+            return store.create_stream(opts.stream, opts.shards)
+        if opts.shards is not None and opts.shards != existing:
+            raise AcsOptionError(
+                f"shards: stream {opts.stream!r} has {existing} shards, but option shards={opts.shards}", option="shards"
+            )
+        return existing
+    finally:
+        store.close()
+
+
+class AcsStreamWriter(DataSourceStreamArrowWriter):
+    """Stream writer of ``df.writeStream.format("acs")`` (see the module docstring for the guarantee)."""
+
+    def __init__(self, opts: SinkOptions, schema: StructType) -> None:
+        check_sink_schema(schema)
+        self.opts = opts
+        self.sink_id = _sink_id(opts)
+        self.shards = _prepare(opts)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> AcsCommitMessage:
+        return _Stager(self.opts, self.sink_id, self.shards).write(iterator)
+
+    def commit(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
+        SinkCommitter(self.opts, self.sink_id).commit(messages, batchId)
+
+    def abort(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
+        store = open_store(self.opts.root)
+        try:
+            SinkCommitter(self.opts, self.sink_id)._discard(store, messages)
+        finally:
+            store.close()
+
+
+class AcsBatchWriter(DataSourceArrowWriter):
+    """Batch writer of ``df.write.format("acs")``: appends the DataFrame once, in task order."""
+
+    def __init__(self, opts: SinkOptions, schema: StructType, overwrite: bool) -> None:
+        if overwrite:
+            raise AcsOptionError("acs sink: streams are append-only; use mode('append')", option="mode")
+        check_sink_schema(schema)
+        self.opts = opts
+        self.sink_id = "batch" + uuid.uuid4().hex[:12]
+        self.shards = _prepare(opts)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> AcsCommitMessage:
+        return _Stager(self.opts, self.sink_id, self.shards).write(iterator)
+
+    def commit(self, messages: List[Optional[WriterCommitMessage]]) -> None:
+        SinkCommitter(self.opts, self.sink_id).commit(messages, None)
+
+    def abort(self, messages: List[Optional[WriterCommitMessage]]) -> None:
+        store = open_store(self.opts.root)
+        try:
+            SinkCommitter(self.opts, self.sink_id)._discard(store, messages)
+        finally:
+            store.close()

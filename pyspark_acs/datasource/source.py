@@ -1,0 +1,293 @@
+"""The ``acs`` Spark source: micro-batch stream reader and batch reader.
+
+Offsets are the consumer offsets of DESIGN.md, one entry per shard::
+
+    {"orders": {"0": {"file": "20261122T091242032052Z-5f2c.acs", "length": 4096}, ...}}
+
+The driver (``latestOffset``) finds each shard's newest readable block boundary from the
+metadata cache's published lengths (durable listing and lengths when it is down) and, under
+``maxBytesPerTrigger`` / ``maxRowsPerTrigger``, walks block headers to cut each shard's share
+of the budget, split in proportion to the shards' backlogs. Each Spark task reads one shard's
+range through the Consumer's read path (data cache first, durable store as fallback) and
+returns Arrow record batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+
+from ..consumer import ShardTailer, earliest_offset
+from ..errors import AcsOptionError, DataLossError
+from ..offsets import Offset, OffsetMap, format_offsets, parse_offsets
+from ..positions import BoundaryCache, advance, offset_for_timestamp, shard_extent
+from ..readpath import DurableReadPath, RateLimiter, ReadPath
+from ..store import open_store
+from .options import SourceOptions
+
+__all__ = ["AcsBatchReader", "AcsPartition", "AcsStreamReader", "SCHEMA_DDL", "open_read_path", "read_partition"]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_DDL = (
+    "stream string, shard int, file string, position long, timestamp timestamp, key binary, value binary"
+)
+
+
+class AcsPartition(InputPartition):
+    """One shard's byte range: plain, picklable data (no channels or files)."""
+
+    def __init__(self, stream: str, shard: int, start: Tuple[str, int], end: Tuple[str, int]) -> None:
+        super().__init__((stream, shard))
+        self.stream = stream
+        self.shard = shard
+        self.start = tuple(start)
+        self.end = tuple(end)
+
+    def __repr__(self) -> str:
+        return f"AcsPartition({self.stream}/{self.shard} {self.start} -> {self.end})"
+
+
+def open_read_path(opts: SourceOptions) -> ReadPath:
+    """The read path for the options: the caches when configured, else the durable store."""
+    store = open_store(opts.root)
+    if opts.data_cache or opts.metadata_cache:
+        from ..cachepath import CachedReadPath
+
+        return CachedReadPath(store, data_cache=opts.data_cache, metadata_cache=opts.metadata_cache)
+    return DurableReadPath(store)
+
+
+def read_partition(opts: SourceOptions, partition: AcsPartition) -> Iterator[pa.RecordBatch]:
+    """Read one partition's range, in order, as Arrow record batches (runs in a Spark task).
+
+    Raises
+    ------
+    DataLossError
+        When bytes in the range are gone (``failOnDataLoss=true``), or published bytes did
+        not become readable within ``readTimeout``.
+    """
+    path = open_read_path(opts)
+    try:
+        end = Offset(*partition.end)
+        tailer = ShardTailer(
+            path,
+            partition.stream,
+            partition.shard,
+            Offset(*partition.start),
+            fail_on_data_loss=opts.fail_on_data_loss,
+            limiter=RateLimiter(opts.max_bytes_per_second),
+        )
+        waited_since: Optional[float] = None
+        while tailer.offset < end:
+            batches = tailer.step(end=end)
+            if batches:
+                waited_since = None
+                yield from batches
+                continue
+            if tailer.offset >= end:
+                break
+            now = time.monotonic()
+            waited_since = waited_since or now
+            if now - waited_since > opts.read_timeout:
+                raise DataLossError(
+                    f"stream {partition.stream!r} shard {partition.shard}: bytes from {tailer.offset.file} "
+                    f"byte {tailer.offset.length} up to {end.file} byte {end.length} were published but are "
+                    f"readable neither in the data cache nor in the durable store after {opts.read_timeout:.0f} s",
+                    stream=partition.stream,
+                    shard=partition.shard,
+                    file=tailer.offset.file,
+                    start=tailer.offset.length,
+                    end=end.length if end.file == tailer.offset.file else -1,
+                )
+            time.sleep(opts.poll_interval)
+    finally:
+        path.close()
+
+
+class _Planner:
+    """Driver-side offset logic shared by the stream and batch readers."""
+
+    def __init__(self, opts: SourceOptions) -> None:
+        self.opts = opts
+        self._path: Optional[ReadPath] = None
+        self._boundaries = BoundaryCache()
+
+    # Spark pickles readers to ship read(); drop live clients and rebuild them lazily.
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"opts": self.opts}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["opts"])
+
+    @property
+    def path(self) -> ReadPath:
+        if self._path is None:
+            self._path = open_read_path(self.opts)
+        return self._path
+
+    def shards(self) -> List[Tuple[str, int]]:
+        out = []
+        store = self.path.store
+        for stream in self.opts.streams:
+            count = store.stream_shards(stream)
+            if count is None:
+                raise AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
+            out.extend((stream, shard) for shard in range(count))
+        return out
+
+    def start_offsets(self, spec: Optional[str], default: str) -> OffsetMap:
+        opts = self.opts
+        spec = spec or default
+        shards = self.shards()
+        if opts.starting_timestamp is not None:
+            ts_us = opts.starting_timestamp * 1000
+            return {s: offset_for_timestamp(self.path, s[0], s[1], ts_us) for s in shards}
+        if spec == "earliest":
+            return {s: earliest_offset(self.path.store, *s) for s in shards}
+        if spec == "latest":
+            return self.latest(shards)
+        given = parse_offsets(spec, option="startingOffsets")
+        return {s: given.get(s) or earliest_offset(self.path.store, *s) for s in shards}
+
+    def latest(self, shards: Sequence[Tuple[str, int]], start: Optional[OffsetMap] = None) -> OffsetMap:
+        out: OffsetMap = {}
+        for s in shards:
+            extent = shard_extent(self.path, s[0], s[1], (start or {}).get(s, Offset()))
+            latest = extent.latest(self._boundaries, self.path)
+            begin = (start or {}).get(s)
+            out[s] = max(latest, begin) if begin is not None else latest
+        return out
+
+    def limited(self, start: OffsetMap, limit: ReadLimit) -> OffsetMap:
+        """End offsets from ``start`` under ``limit`` (plus the other configured budget)."""
+        shards = sorted(start)
+        max_bytes = max_rows = None
+        if not isinstance(limit, ReadAllAvailable):
+            if isinstance(limit, ReadMaxBytes):
+                max_bytes, max_rows = limit.max_bytes, self.opts.max_rows_per_trigger
+            elif isinstance(limit, ReadMaxRows):
+                max_rows, max_bytes = limit.max_rows, self.opts.max_bytes_per_trigger
+        extents = {s: shard_extent(self.path, s[0], s[1], start[s]) for s in shards}
+        latest = {s: max(extents[s].latest(self._boundaries, self.path), start[s]) for s in shards}
+        if max_bytes is None and max_rows is None:
+            return latest
+        backlog = {s: extents[s].backlog(start[s]) for s in shards}
+        total = sum(backlog.values())
+        end: OffsetMap = {}
+        for s in shards:
+            if not backlog[s] or latest[s] <= start[s]:
+                end[s] = start[s]
+                continue
+            share = backlog[s] / total
+            end[s] = advance(
+                self.path,
+                extents[s],
+                start[s],
+                latest[s],
+                max_bytes=None if max_bytes is None else max(1, int(max_bytes * share)),
+                max_rows=None if max_rows is None else max(1, int(max_rows * share)),
+            )
+        return end
+
+    def partitions(self, start: OffsetMap, end: OffsetMap) -> List[AcsPartition]:
+        parts = []
+        for s in sorted(end):
+            a = start.get(s, Offset())
+            b = end[s]
+            if b > a:
+                parts.append(AcsPartition(s[0], s[1], tuple(a), tuple(b)))
+        return parts
+
+
+def _to_map(offsets: Dict[str, Any], what: str) -> OffsetMap:
+    return parse_offsets(offsets, option=what)
+
+
+class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batch reader of ``spark.readStream.format("acs")`` (see :class:`~pyspark_acs.datasource.AcsDataSource`)."""
+
+    def __init__(self, opts: SourceOptions) -> None:
+        self.opts = opts
+        self.planner = _Planner(opts)
+        self._available_now: Optional[OffsetMap] = None
+        self._reported: Optional[OffsetMap] = None
+
+    def initialOffset(self) -> dict:
+        return format_offsets(self.planner.start_offsets(self.opts.starting_offsets, "latest"))
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.opts.max_rows_per_trigger is not None:
+            return ReadMaxRows(self.opts.max_rows_per_trigger)
+        if self.opts.max_bytes_per_trigger is not None:
+            return ReadMaxBytes(self.opts.max_bytes_per_trigger)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        shards = self.planner.shards()
+        self._available_now = self.planner.latest(shards)
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        begin = _to_map(start, "start offset")
+        for s in self.planner.shards():  # shards a stream gained since the checkpoint
+            begin.setdefault(s, earliest_offset(self.planner.path.store, *s))
+        end = self.planner.limited(begin, limit)
+        self._reported = self.planner.latest(sorted(begin), begin)
+        if self._available_now is not None:
+            end = {s: min(o, self._available_now.get(s, begin[s])) if o > begin[s] else o for s, o in end.items()}
+            end = {s: max(o, begin[s]) for s, o in end.items()}
+        return format_offsets(end)
+
+    def reportLatestOffset(self) -> Optional[dict]:
+        return format_offsets(self._reported) if self._reported else None
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        return self.planner.partitions(_to_map(start, "start offset"), _to_map(end, "end offset"))
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return read_partition(self.opts, partition)
+
+    def commit(self, end: dict) -> None:
+        """Nothing to do: message files are kept by retention, not by consumer commits."""
+
+    def stop(self) -> None:
+        if self.planner._path is not None:
+            self.planner._path.close()
+            self.planner._path = None
+
+
+class AcsBatchReader(DataSourceReader):
+    """Batch reader of ``spark.read.format("acs")``: ``startingOffsets`` .. ``endingOffsets``
+    (default earliest .. latest)."""
+
+    def __init__(self, opts: SourceOptions) -> None:
+        self.opts = opts
+        self.planner = _Planner(opts)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        start = self.planner.start_offsets(self.opts.starting_offsets, "earliest")
+        if self.opts.ending_offsets and self.opts.ending_offsets != "latest":
+            given = parse_offsets(self.opts.ending_offsets, option="endingOffsets")
+            latest = self.planner.latest(sorted(start), start)
+            end = {s: given.get(s, latest[s]) for s in start}
+        else:
+            end = self.planner.latest(sorted(start), start)
+        parts = self.planner.partitions(start, end)
+        if self.planner._path is not None:
+            self.planner._path.close()
+            self.planner._path = None
+        return parts
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return read_partition(self.opts, partition)
