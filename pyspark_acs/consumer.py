@@ -21,9 +21,9 @@ from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import pyarrow as pa
 
-from .block import BLOCK_SCHEMA, HEADER_SIZE, decode_block, parse_header, scan_blocks
-from .errors import AcsOptionError, ClosedError, DataLossError
-from .names import shard_dir, validate_shard, validate_stream
+from .block import BLOCK_SCHEMA, HEADER_SIZE, MAGIC, decode_block, parse_header, scan_blocks
+from .errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError, InvalidNameError, TruncatedBlockError
+from .names import parse_file_name, shard_dir, validate_shard, validate_stream
 from .offsets import Offset, OffsetMap, format_offsets, parse_offsets
 from .readpath import DurableReadPath, RateLimiter, ReadPath
 from .store import DurableStore, open_store
@@ -171,7 +171,15 @@ class ShardTailer:
         data = self.path.read(self.rel, start, want)
         if len(data) < HEADER_SIZE and limit - start >= HEADER_SIZE and len(data) < limit - start:
             return False
-        blocks = list(scan_blocks(data, path=self.store.uri(self.rel), base=start))
+        # Blocks before a bad one are handed out first; the next step starts at the bad block
+        # and raises then.
+        blocks: List[Tuple[int, Any]] = []
+        try:
+            for item in scan_blocks(data, path=self.store.uri(self.rel), base=start):
+                blocks.append(item)
+        except CorruptFileError:
+            if not blocks:
+                raise
         if not blocks and len(data) >= HEADER_SIZE:
             # One block larger than max_read_bytes: read it whole if it is all there.
             header = parse_header(data, 0, path=self.store.uri(self.rel), position=start)
@@ -185,7 +193,12 @@ class ShardTailer:
         file_arr = None
         for at, header in blocks:
             if header.count:
-                _, batch = decode_block(buf, at, path=self.store.uri(self.rel), position=start + at)
+                try:
+                    _, batch = decode_block(buf, at, path=self.store.uri(self.rel), position=start + at)
+                except CorruptFileError:
+                    if self.length == start:
+                        raise
+                    break
                 if file_arr is None:
                     file_arr = (
                         pa.repeat(pa.scalar(self.stream, pa.string()), 1),
@@ -264,11 +277,35 @@ class ShardTailer:
         return self._next_file()
 
     def _skip_torn_tail(self, durable: int) -> None:
+        """The file is finished: skip a block its crashed writer left half written (logged).
+
+        Raises CorruptFileError when the bytes cannot be such a block: they do not start like
+        one, or the file's own writer went on to a newer file (a writer seals a file before it
+        starts its next one, so that file was truncated or damaged after the fact).
+        """
+        uri = self.store.uri(self.rel)
         data = self.store.read(self.rel, self.length, durable)
         good = 0
-        for at, header in scan_blocks(data, path=self.store.uri(self.rel), base=self.length):
+        for at, header in scan_blocks(data, path=uri, base=self.length):
             good = at + header.size
         if self.length + good < durable:
+            bad_at = self.length + good
+            torn = bytes(data[good : good + len(MAGIC)])
+            if torn != MAGIC[: len(torn)]:
+                raise CorruptFileError(
+                    f"{uri} at byte {bad_at}: not a block (magic {torn!r}, expected {MAGIC!r}) in a finished file",
+                    path=uri,
+                    position=bad_at,
+                )
+            later = [f for f in self.store.list_files(self.stream, self.shard) if f > self.file]
+            if later and _writer_of(later[0]) is not None and _writer_of(later[0]) == _writer_of(self.file):
+                raise TruncatedBlockError(
+                    f"{uri}: the block at byte {bad_at} is cut off by the end of the file at byte {durable}, "
+                    f"but the file is finished (its writer went on to {later[0]} without sealing it): "
+                    f"the file was truncated or damaged",
+                    path=uri,
+                    position=bad_at,
+                )
             log.warning(
                 "%s: bytes [%d, %d) are a block its writer never finished (the writer stopped and a newer "
                 "file exists); they were never acknowledged and are skipped",
@@ -310,6 +347,13 @@ class ShardTailer:
             log.warning("%s; waiting for new data", msg)
             self._loss_logged = self.offset
         return False
+
+
+def _writer_of(name: str) -> Optional[str]:
+    try:
+        return parse_file_name(name).writer_id
+    except InvalidNameError:
+        return None
 
 
 def earliest_offset(store: DurableStore, stream: str, shard: int) -> Offset:
