@@ -1,0 +1,231 @@
+"""Cache read throughput: CacheClient + our gRPC cache server vs redis-server MGET.
+
+Both hold the same 4 KiB chunks under the same keys; both are read in batches of ``--batch``
+keys (one batched Get RPC per replica / one MGET), from 1 and from ``--threads`` client
+threads. Prints MB/s and chunk gets per second for each, and the ratio ours / redis.
+
+Our figures come in two set-ups: one server with ``replication=1`` (the like-for-like
+comparison with one redis-server) and three replicas with ``replication=3`` relaxed reads
+(the production path: each batch is split over the three replicas, in parallel).
+
+redis-server is started here on a free loopback port (``--save '' --appendonly no``) and
+stopped at the end. Without it (or without the ``redis`` Python client) only our figures are
+printed, with how to install the missing piece.
+
+Run:  PYTHONPATH=. .venv/bin/python benchmarks/cache_throughput.py [--seconds 3]
+Takes well under two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pyspark_acs.cache_client import CacheClient  # noqa: E402
+from pyspark_acs.server.deploy import LocalDeployment  # noqa: E402
+
+CHUNK_BYTES = 4096
+DEFAULT_CHUNKS = 8192  # 32 MiB of chunks
+DEFAULT_BATCH_KEYS = 256  # 1 MiB per batched read
+DEFAULT_SECONDS = 3.0
+DEFAULT_THREADS = 4
+REDIS_START_TIMEOUT_S = 10.0
+
+
+def chunk_keys(n: int) -> List[bytes]:
+    return [b"/bench/stream/00000/20260101T000000000000Z-w.acs#%d" % i for i in range(n)]
+
+
+def chunk_values(n: int) -> List[bytes]:
+    seed = os.urandom(CHUNK_BYTES * 2)
+    return [seed[i % CHUNK_BYTES : i % CHUNK_BYTES + CHUNK_BYTES] for i in range(n)]
+
+
+def measure(read_batch: Callable[[Sequence[bytes]], int], keys: List[bytes], batch: int,
+            seconds: float, threads: int) -> Dict[str, float]:
+    """Read ``keys`` in batches from ``threads`` threads for ``seconds``; returns MB/s and ops/s."""
+    batches = [keys[i : i + batch] for i in range(0, len(keys), batch)]
+    stop = time.monotonic() + seconds
+    totals = [(0, 0)] * threads
+    errors: List[BaseException] = []
+
+    def work(t: int) -> None:
+        nbytes = nkeys = 0
+        i = t
+        try:
+            while time.monotonic() < stop:
+                b = batches[i % len(batches)]
+                nbytes += read_batch(b)
+                nkeys += len(b)
+                i += 1
+        except BaseException as exc:  # re-raised below in the main thread
+            errors.append(exc)
+        totals[t] = (nbytes, nkeys)
+
+    start = time.monotonic()
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    elapsed = time.monotonic() - start
+    if errors:
+        raise errors[0]
+    nbytes = sum(t[0] for t in totals)
+    nkeys = sum(t[1] for t in totals)
+    return {"MB/s": nbytes / elapsed / 1e6, "ops/s": nkeys / elapsed}
+
+
+def ours(endpoints: str, replication: int, keys: List[bytes], values: List[bytes],
+         batch: int, seconds: float, threads: int) -> Dict[str, float]:
+    with CacheClient(endpoints, replication=replication, name="bench") as client:
+        for i in range(0, len(keys), 1024):
+            client.put([(k, v, CHUNK_BYTES) for k, v in zip(keys[i : i + 1024], values[i : i + 1024])])
+
+        def read(b: Sequence[bytes]) -> int:
+            got = client.get(b)
+            return sum(len(e.value) for e in got if e is not None)
+
+        read(keys[:batch])  # warm the channels
+        return measure(read, keys, batch, seconds, threads)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A throw-away redis-server on a free loopback port, no persistence."""
+
+    def __init__(self, binary: str) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )
+
+    def wait(self, redis_module) -> "object":
+        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+        client = redis_module.Redis(host="127.0.0.1", port=self.port)
+        while True:
+            try:
+                client.ping()
+                return client
+            except redis_module.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+def theirs(keys: List[bytes], values: List[bytes], batch: int, seconds: float,
+           threads: int) -> Optional[List[Dict[str, float]]]:
+    binary = shutil.which("redis-server")
+    try:
+        import redis  # type: ignore
+    except ImportError:
+        redis = None
+    if binary is None or redis is None:
+        missing = []
+        if binary is None:
+            missing.append("redis-server (as root: apt-get install -y redis-server)")
+        if redis is None:
+            missing.append("the redis Python client (pip install redis)")
+        print(f"redis comparison skipped: install {' and '.join(missing)}")
+        return None
+    server = RedisServer(binary)
+    try:
+        client = server.wait(redis)
+        pipe = client.pipeline(transaction=False)
+        for k, v in zip(keys, values):
+            pipe.set(k, v)
+        pipe.execute()
+        pool = redis.ConnectionPool(host="127.0.0.1", port=server.port, max_connections=threads + 2)
+        shared = redis.Redis(connection_pool=pool)
+
+        def read(b: Sequence[bytes]) -> int:
+            return sum(len(v) for v in shared.mget(b) if v is not None)
+
+        read(keys[:batch])
+        return [measure(read, keys, batch, seconds, 1), measure(read, keys, batch, seconds, threads)]
+    finally:
+        server.stop()
+
+
+def run_delivery_delay(args: argparse.Namespace) -> Optional[Dict[str, float]]:
+    """HOOK: the delivery-delay part of this benchmark (producer -> consumer latency through
+    the caches) is added here later by another engineer. Returns its figures, or ``None``."""
+    return None
+
+
+def fmt(r: Dict[str, float]) -> str:
+    return f"{r['MB/s']:8.1f} MB/s {r['ops/s']:10.0f} chunk gets/s"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chunks", type=int, default=DEFAULT_CHUNKS, help="distinct 4 KiB chunks")
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH_KEYS, help="keys per batched read")
+    parser.add_argument("--seconds", type=float, default=DEFAULT_SECONDS, help="per measurement")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="client threads (second run)")
+    args = parser.parse_args(argv)
+    keys = chunk_keys(args.chunks)
+    values = chunk_values(args.chunks)
+    print(f"{args.chunks} chunks of {CHUNK_BYTES} B, batches of {args.batch} keys "
+          f"({args.batch * CHUNK_BYTES / 2**20:.2f} MiB), {args.seconds:.0f} s per run, {os.cpu_count()} CPUs")
+    results: Dict[str, List[Dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="acs-bench-") as tmp:
+        with LocalDeployment(tmp, data_replicas=3, metadata_replicas=0, capacity="1GiB") as dep:
+            first = dep.endpoints("data")[0]
+            results["ours r=1 (1 server)"] = [
+                ours(first, 1, keys, values, args.batch, args.seconds, 1),
+                ours(first, 1, keys, values, args.batch, args.seconds, args.threads),
+            ]
+            results["ours r=3 relaxed"] = [
+                ours(dep.data_endpoints, 3, keys, values, args.batch, args.seconds, 1),
+                ours(dep.data_endpoints, 3, keys, values, args.batch, args.seconds, args.threads),
+            ]
+    redis_results = theirs(keys, values, args.batch, args.seconds, args.threads)
+    if redis_results is not None:
+        results["redis MGET (1 server)"] = redis_results
+    print()
+    for name, (one, many) in results.items():
+        print(f"{name:24s} 1 thread : {fmt(one)}")
+        print(f"{'':24s} {args.threads} threads: {fmt(many)}")
+    if redis_results is not None:
+        print()
+        for name in ("ours r=1 (1 server)", "ours r=3 relaxed"):
+            for label, idx in (("1 thread", 0), (f"{args.threads} threads", 1)):
+                ratio = results[name][idx]["MB/s"] / redis_results[idx]["MB/s"]
+                print(f"ratio {name} / redis, {label}: {ratio:.2f}")
+    delay = run_delivery_delay(args)
+    if delay is not None:
+        print()
+        for key, value in delay.items():
+            print(f"delivery delay {key}: {value:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
