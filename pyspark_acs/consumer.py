@@ -375,8 +375,8 @@ def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
     at = 0
     while at + HEADER_SIZE <= length:
         header = parse_header(store.read(rel, at, at + HEADER_SIZE), 0, path=store.uri(rel), position=at)
-        if at + header.size > length:
-            break
+        if at + header.size > length or header.sealed:
+            break  # stop before a seal: reading it tells the tailer at once to follow the next file
         at += header.size
     return Offset(files[-1], at)
 
