@@ -1,0 +1,245 @@
+"""The block format: encode/decode round trips and clear errors on bad bytes."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pyspark_acs.block import (
+    BLOCK_SCHEMA,
+    FLAG_END_OF_FILE,
+    HEADER_SIZE,
+    MAGIC,
+    decode_block,
+    encode_block,
+    encode_seal,
+    parse_header,
+    scan_blocks,
+)
+from pyspark_acs.errors import ChecksumMismatchError, CorruptFileError, TruncatedBlockError
+
+PATH = "file:///data/s/00000/x.acs"
+
+
+def _rehash_header(block: bytearray, at: int = 0) -> None:
+    """Recompute the header checksum after a deliberate header edit (simulates a 'valid' lie)."""
+    block[at + 20 : at + 24] = b"\0\0\0\0"
+    block[at + 20 : at + 24] = struct.pack("<I", zlib.crc32(bytes(block[at : at + HEADER_SIZE])))
+
+
+key_st = st.one_of(st.none(), st.binary(max_size=20), st.text(max_size=10))
+value_st = st.one_of(st.none(), st.binary(max_size=300), st.text(max_size=30))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    msgs=st.lists(st.tuples(key_st, value_st, st.integers(-(2**62), 2**62)), max_size=40),
+    first_index=st.integers(0, 2**40),
+)
+def test_round_trip(msgs, first_index):
+    keys = [k for k, _, _ in msgs]
+    values = [v for _, v, _ in msgs]
+    stamps = [t for _, _, t in msgs]
+    block = encode_block(values, keys, stamps, first_index=first_index)
+    header, batch = decode_block(block, path=PATH)
+    assert header.size == len(block)
+    assert header.count == len(msgs)
+    assert not header.sealed
+    assert batch.schema == BLOCK_SCHEMA
+    enc = lambda x: x.encode() if isinstance(x, str) else x  # noqa: E731
+    assert batch.column("key").to_pylist() == [enc(k) for k in keys]
+    assert batch.column("value").to_pylist() == [enc(v) for v in values]
+    assert batch.column("timestamp").cast(pa.int64()).to_pylist() == stamps
+    assert batch.column("position").to_pylist() == list(range(first_index, first_index + len(msgs)))
+    if msgs:
+        assert (header.first_ts, header.last_ts) == (stamps[0], stamps[-1])
+    assert [at for at, _ in scan_blocks(block, final=True)] == [0]
+
+
+def test_arrow_inputs_sliced_and_string_arrays():
+    values = pa.array(["a", "bb", None, "dddd", "eeeee"]).slice(1, 3)  # offset != 0, with a null
+    keys = pa.chunked_array([pa.array([b"k1"]), pa.array([None, b"k3"], pa.binary())])
+    stamps = pa.array([10, 20, 30], pa.timestamp("us", tz="UTC"))
+    _, batch = decode_block(encode_block(values, keys, stamps, first_index=7))
+    assert batch.column("value").to_pylist() == [b"bb", None, b"dddd"]
+    assert batch.column("key").to_pylist() == [b"k1", None, b"k3"]
+    assert batch.column("timestamp").cast(pa.int64()).to_pylist() == [10, 20, 30]
+    assert batch.column("position").to_pylist() == [7, 8, 9]
+
+
+def test_default_timestamps_are_now_and_arguments_are_checked():
+    import time
+
+    before = time.time_ns() // 1000
+    header, batch = decode_block(encode_block([b"x", b"y"]))
+    after = time.time_ns() // 1000
+    assert before <= header.first_ts <= header.last_ts <= after
+    assert batch.column("key").null_count == 2
+    with pytest.raises(ValueError, match="keys"):
+        encode_block([b"a", b"b"], [b"k"])
+    with pytest.raises(ValueError, match="timestamps"):
+        encode_block([b"a"], None, [1, 2])
+    with pytest.raises(TypeError, match="values"):
+        encode_block([1, 2])
+
+
+def test_empty_block_and_seal_decode():
+    header, batch = decode_block(encode_block([], first_index=3))
+    assert header.count == 0 and batch.num_rows == 0 and not header.sealed
+    seal = encode_seal(12)
+    assert len(seal) == HEADER_SIZE
+    header, batch = decode_block(seal)
+    assert header.sealed and header.flags == FLAG_END_OF_FILE
+    assert header.count == 0 and header.body_len == 0 and header.first_index == 12
+    assert batch.num_rows == 0 and batch.schema == BLOCK_SCHEMA
+
+
+def test_layout_matches_the_documented_header():
+    block = encode_block([b"hello", b"w"], [b"k", None], [5, 6], first_index=9)
+    magic, version, flags, header_len, count, body_len, body_crc, header_crc, first, t0, t1 = struct.unpack_from(
+        "<4sBBHIIIIQqq", block
+    )
+    assert (magic, version, flags, header_len, count) == (MAGIC, 1, 0, 48, 2)
+    assert body_len == len(block) - 48 and body_crc == zlib.crc32(block[48:])
+    raw = bytearray(block[:48])
+    raw[20:24] = b"\0\0\0\0"
+    assert header_crc == zlib.crc32(bytes(raw))
+    assert (first, t0, t1) == (9, 5, 6)
+    body = block[48:]
+    # timestamps (16), key validity (1 -> pad 8), value validity (1 -> 8), key offsets (12 -> 16),
+    # value offsets (12 -> 16), key bytes (1 -> 8), value bytes (6, unpadded)
+    assert struct.unpack_from("<2q", body, 0) == (5, 6)
+    assert body[16] & 0b11 == 0b01 and body[24] & 0b11 == 0b11  # bits past count are unspecified
+    assert struct.unpack_from("<3i", body, 32) == (0, 1, 1)
+    assert struct.unpack_from("<3i", body, 48) == (0, 5, 6)
+    assert body[64:65] == b"k" and body[72:] == b"hellow"
+    assert len(body) == 78
+
+
+def test_longer_header_of_a_later_version_is_skipped():
+    block = bytearray(encode_block([b"abc"], [b"k"], [1]))
+    extended = bytearray(block[:48]) + b"\xee" * 8 + block[48:]
+    struct.pack_into("<H", extended, 6, 56)
+    _rehash_header(extended)
+    header, batch = decode_block(bytes(extended))
+    assert header.size == len(extended)
+    assert batch.column("value").to_pylist() == [b"abc"]
+
+
+# -- bad bytes ---------------------------------------------------------------------------------
+
+
+def _file_of_blocks(n: int = 3) -> tuple:
+    """Three blocks back to back, as in a message file, and their start positions."""
+    blocks = [encode_block([b"m%d-%d" % (i, j) for j in range(4)], None, [1, 2, 3, 4], first_index=4 * i) for i in range(n)]
+    starts, at = [], 0
+    for b in blocks:
+        starts.append(at)
+        at += len(b)
+    return b"".join(blocks), starts
+
+
+def test_flipped_body_byte_is_a_checksum_mismatch_naming_file_and_position():
+    data, starts = _file_of_blocks()
+    bad = bytearray(data)
+    bad[starts[1] + HEADER_SIZE + 3] ^= 0x40
+    with pytest.raises(ChecksumMismatchError) as err:
+        decode_block(bytes(bad), starts[1], path=PATH)
+    assert err.value.path == PATH and err.value.position == starts[1]
+    assert PATH in str(err.value) and f"byte {starts[1]}" in str(err.value)
+    # scan_blocks only reads headers: the body flip is caught when decoding
+    assert [at for at, _ in scan_blocks(bytes(bad), path=PATH, final=True)] == starts
+    # with verify=False the caller takes responsibility (e.g. bytes already verified)
+    decode_block(bytes(bad), starts[1], verify=False)
+
+
+@pytest.mark.parametrize("byte", range(HEADER_SIZE))
+def test_every_flipped_header_byte_is_detected(byte):
+    data, starts = _file_of_blocks()
+    bad = bytearray(data)
+    bad[starts[2] + byte] ^= 0x01
+    with pytest.raises(CorruptFileError) as err:
+        list(scan_blocks(bytes(bad), path=PATH, base=1000, final=True))
+    assert err.value.position == 1000 + starts[2]
+    assert f"{PATH}" in str(err.value) and f"byte {1000 + starts[2]}" in str(err.value)
+    with pytest.raises(CorruptFileError) as err:
+        decode_block(bytes(bad), starts[2], path=PATH)
+    assert err.value.position == starts[2]
+
+
+def test_wrong_magic():
+    data, starts = _file_of_blocks()
+    bad = bytearray(data)
+    bad[starts[1] : starts[1] + 4] = b"XXXX"
+    with pytest.raises(CorruptFileError, match="not a block") as err:
+        list(scan_blocks(bytes(bad), path=PATH))
+    assert type(err.value) is CorruptFileError
+    assert err.value.position == starts[1] and f"byte {starts[1]}" in str(err.value)
+    with pytest.raises(CorruptFileError, match="magic"):
+        parse_header(bytes(bad), starts[1], path=PATH, position=starts[1])
+
+
+def test_unknown_version_and_flags_are_refused():
+    for offset, value, pattern in ((4, 2, "version 2"), (5, 0x80, "flags")):
+        bad = bytearray(encode_block([b"x"]))
+        bad[offset] = value
+        _rehash_header(bad)
+        with pytest.raises(CorruptFileError, match=pattern):
+            decode_block(bytes(bad), path=PATH)
+
+
+def test_truncated_header():
+    data, starts = _file_of_blocks()
+    cut = data[: starts[2] + 20]
+    # not final: a block still being written, so the scan stops before it silently
+    assert [at for at, _ in scan_blocks(cut, path=PATH)] == starts[:2]
+    with pytest.raises(TruncatedBlockError) as err:
+        list(scan_blocks(cut, path=PATH, base=64, final=True))
+    assert err.value.position == 64 + starts[2]
+    assert "truncated block header" in str(err.value) and f"byte {64 + starts[2]}" in str(err.value)
+    assert PATH in str(err.value)
+    with pytest.raises(TruncatedBlockError, match="20 of 48 bytes"):
+        decode_block(cut, starts[2], path=PATH)
+
+
+def test_block_longer_than_the_data():
+    data, starts = _file_of_blocks()
+    cut = data[:-5]
+    assert [at for at, _ in scan_blocks(cut)] == starts[:2]
+    with pytest.raises(TruncatedBlockError) as err:
+        list(scan_blocks(cut, path=PATH, final=True))
+    assert err.value.position == starts[2] and "claims" in str(err.value)
+    with pytest.raises(TruncatedBlockError) as err:
+        decode_block(cut, starts[2], path=PATH)
+    assert f"byte {starts[2]}" in str(err.value) and PATH in str(err.value)
+    # a header that lies about its body length (valid header checksum), in the middle of data
+    lie = bytearray(data)
+    struct.pack_into("<I", lie, starts[0] + 12, 1 << 30)
+    _rehash_header(lie, starts[0])
+    assert list(scan_blocks(bytes(lie))) == []
+    with pytest.raises(TruncatedBlockError):
+        list(scan_blocks(bytes(lie), path=PATH, final=True))
+
+
+def test_inconsistent_sections_with_a_valid_checksum():
+    block = bytearray(encode_block([b"abc", b"de"], None, [1, 2]))
+    # value offsets start at body byte 8*2 + 8 + 8 + 16 (key offsets: 3 x int32 -> 16)
+    struct.pack_into("<i", block, HEADER_SIZE + 48 + 8, 1000)  # last value offset far too big
+    body = bytes(block[HEADER_SIZE:])
+    struct.pack_into("<I", block, 16, zlib.crc32(body))
+    _rehash_header(block)
+    with pytest.raises(CorruptFileError, match="byte 0"):
+        decode_block(bytes(block), path=PATH)
+
+
+def test_decode_shares_memory_and_handles_offsets_into_a_buffer():
+    data, starts = _file_of_blocks()
+    buf = pa.py_buffer(b"\0" * 5 + data)
+    header, batch = decode_block(buf, 5 + starts[1], position=starts[1])
+    assert batch.column("value").to_pylist() == [b"m1-%d" % j for j in range(4)]
+    assert batch.column("position").to_pylist() == [4, 5, 6, 7]

@@ -1,0 +1,676 @@
+"""Producer and Consumer on real files: round trips, live tails, restarts, bad bytes, crashes,
+one writer per shard, bad options and data loss."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pyspark_acs.consumer as consumer_mod
+from pyspark_acs.block import HEADER_SIZE, encode_block, scan_blocks
+from pyspark_acs.consumer import Consumer
+from pyspark_acs.errors import (
+    AcsOptionError,
+    ChecksumMismatchError,
+    ClosedError,
+    CorruptFileError,
+    DataLossError,
+    InvalidNameError,
+    WriterConflictError,
+)
+from pyspark_acs.names import file_name, parse_file_name, shard_dir
+from pyspark_acs.producer import Producer, shard_for_key
+from pyspark_acs.store import DurableStore
+
+MiB = 1024 * 1024
+WAIT_S = 20.0  # upper bound of every wait; tests normally finish far sooner
+
+
+def rows_of(batches):
+    """Flatten record batches into dicts (one per message)."""
+    out = []
+    for b in batches:
+        d = b.to_pydict()
+        for i in range(b.num_rows):
+            out.append({k: d[k][i] for k in d})
+    return out
+
+
+def consume(consumer, n, timeout=WAIT_S):
+    """Poll until ``n`` messages arrived (fail after ``timeout`` s); return their rows."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"only {len(got)} of {n} messages arrived within {timeout} s"
+        batches = consumer.poll()
+        if batches:
+            got.extend(rows_of(batches))
+        else:
+            time.sleep(0.005)
+    return got
+
+
+def assert_quiet(consumer, seconds=0.2):
+    """Nothing more arrives for a while."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert rows_of(consumer.poll()) == []
+        time.sleep(0.01)
+
+
+def shard_files(root, stream, shard=0):
+    return DurableStore(root).list_files(stream, shard)
+
+
+def file_path(root, stream, name, shard=0):
+    return os.path.join(root, shard_dir(stream, shard), name)
+
+
+def new_file(root, stream, writer, shard=0, offset_s=0.0):
+    """Path of a fresh message file (named as a Producer would) for hand-made contents."""
+    created = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=offset_s)
+    return file_path(root, stream, file_name(created, writer), shard)
+
+
+# -- round trip --------------------------------------------------------------------------------
+
+size_st = st.one_of(
+    st.integers(0, 64), st.integers(0, 64), st.integers(0, 5000), st.sampled_from([0, 1, MiB - 1, 2 * MiB]),
+    st.integers(0, 2 * MiB),
+)
+key_st = st.one_of(st.none(), st.binary(max_size=12), st.text(max_size=6))
+ts_st = st.one_of(st.none(), st.integers(0, 2**53))
+message_st = st.tuples(size_st, key_st, ts_st)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(
+    flushes=st.lists(st.lists(message_st, max_size=6), min_size=1, max_size=4),
+    shards=st.integers(1, 3),
+    roll_bytes=st.sampled_from([1, 3000, 64 * 1024, 8 * MiB]),
+    max_block_bytes=st.sampled_from([1024, 4096, MiB]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_round_trip_property(flushes, shards, roll_bytes, max_block_bytes, seed):
+    rnd = random.Random(seed)
+    budget = 10 * MiB  # keep one example to a few MiB whatever sizes hypothesis draws
+    with tempfile.TemporaryDirectory() as root:
+        expected = {s: [] for s in range(shards)}
+        producer = Producer(root, "rt", shards=shards, roll_bytes=roll_bytes, max_block_bytes=max_block_bytes)
+        total = 0
+        for group in flushes:
+            for size, key, ts in group:
+                size = min(size, budget)
+                budget -= size
+                value = rnd.randbytes(size)
+                before = time.time_ns() // 1000
+                shard = producer.send(value, key=key, timestamp=ts)
+                after = time.time_ns() // 1000
+                kb = key.encode() if isinstance(key, str) else key
+                if kb is not None:
+                    assert shard == shard_for_key(kb, shards)
+                expected[shard].append((kb, value, ts, before, after))
+                total += 1
+            producer.flush(timeout=WAIT_S)
+        producer.close()
+        with Consumer(root, "rt") as consumer:
+            got = consume(consumer, total)
+            assert_quiet(consumer, 0.02)
+        by_shard = {s: [r for r in got if r["shard"] == s] for s in range(shards)}
+        store = DurableStore(root)
+        for s in range(shards):
+            rows, exp = by_shard[s], expected[s]
+            assert len(rows) == len(exp)
+            for row, (key, value, ts, before, after) in zip(rows, exp):
+                assert row["stream"] == "rt"
+                assert row["key"] == key
+                assert row["value"] == value  # byte-exact, in send order
+                stamp = (row["timestamp"] - dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)) // dt.timedelta(
+                    microseconds=1
+                )
+                if ts is None:
+                    assert before <= stamp <= after
+                else:
+                    assert stamp == ts
+            # positions count messages within each file, from 0, with no gap
+            files = store.list_files("rt", s)
+            assert [r["file"] for r in rows] == sorted(r["file"] for r in rows)
+            for f in files:
+                positions = [r["position"] for r in rows if r["file"] == f]
+                assert positions == list(range(len(positions)))
+            # every file a closed producer leaves is sealed, and each roll started a new file
+            for f in files:
+                data = open(file_path(root, "rt", f, s), "rb").read()
+                blocks = list(scan_blocks(data, final=True))
+                assert blocks[-1][1].sealed and sum(1 for _, h in blocks if h.sealed) == 1
+                if roll_bytes == 1:
+                    assert sum(1 for _, h in blocks if h.count) <= 1
+            if roll_bytes == 1:
+                assert len(files) == len({r["file"] for r in rows})
+
+
+def test_rollover_by_size_and_age_and_stats(root):
+    with Producer(root, "roll", roll_bytes=2000, max_block_bytes=1024) as p:
+        for i in range(40):
+            p.send(b"%04d" % i + b"x" * 196)
+        p.flush(timeout=WAIT_S)
+        files_by_size = len(shard_files(root, "roll"))
+        assert files_by_size >= 3
+        stats = p.stats()
+        assert stats["messages"] == 40 and stats["files"] == files_by_size and stats["bytes"] > 8000
+        assert p.current_files()[0] in ("", *shard_files(root, "roll"))
+    with Producer(root, "age", roll_seconds=0.05) as p:
+        p.send(b"a")
+        p.flush(timeout=WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while len(shard_files(root, "age")) < 1 or not _sealed(root, "age", shard_files(root, "age")[0]):
+            assert time.monotonic() < deadline, "age rollover never sealed the file"
+            time.sleep(0.01)
+        p.send(b"b")
+        p.flush(timeout=WAIT_S)
+        assert len(shard_files(root, "age")) == 2
+    with Consumer(root, ["roll", "age"]) as c:
+        rows = consume(c, 42)
+    assert [r["value"][:4] for r in rows if r["stream"] == "roll"] == [b"%04d" % i for i in range(40)]
+    assert [r["value"] for r in rows if r["stream"] == "age"] == [b"a", b"b"]
+    assert [r["position"] for r in rows if r["stream"] == "age"] == [0, 0]
+
+
+def _sealed(root, stream, name, shard=0):
+    data = open(file_path(root, stream, name, shard), "rb").read()
+    blocks = list(scan_blocks(data))
+    return bool(blocks) and blocks[-1][1].sealed
+
+
+def test_keys_route_by_hash_and_none_round_robin(root):
+    with Producer(root, "keys", shards=4) as p:
+        assert [p.send(b"v") for _ in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+        assert p.send(b"v", key="abc") == shard_for_key(b"abc", 4) == p.send(b"v", key=b"abc")
+        assert p.send(b"v", key="abc", shard=2) == 2
+        with pytest.raises(InvalidNameError, match="invalid shard 4"):
+            p.send(b"v", shard=4)
+        with pytest.raises(TypeError, match="value must be bytes, str or None"):
+            p.send(12)
+        with pytest.raises(TypeError, match="key"):
+            p.send(b"v", key=3.5)
+        p.send("text value", key=bytearray(b"k"), timestamp=dt.datetime(2020, 1, 1, tzinfo=dt.timezone.utc))
+        p.send(None)
+    with pytest.raises(ClosedError, match="closed"):
+        p.send(b"late")
+    p.close()  # idempotent
+    with Consumer(root, "keys") as c:
+        rows = consume(c, 13)
+    text = [r for r in rows if r["value"] == b"text value"][0]
+    assert text["key"] == b"k" and text["timestamp"] == dt.datetime(2020, 1, 1, tzinfo=dt.timezone.utc)
+    assert any(r["value"] is None for r in rows)
+
+
+# -- live tailing and restarts -----------------------------------------------------------------
+
+
+def _produce_in_thread(root, stream, n, pause=0.001, **kwargs):
+    """Send ``n`` numbered messages with small pauses from a thread; return (thread, errors)."""
+    errors = []
+    started = threading.Event()
+
+    def run():
+        try:
+            with Producer(root, stream, **kwargs) as p:
+                started.set()
+                for i in range(n):
+                    p.send(b"msg-%05d" % i + b"." * (i % 50), key=None)
+                    if i % 7 == 0:
+                        time.sleep(pause)
+                    if i % 50 == 0:
+                        p.flush(timeout=WAIT_S)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+        finally:
+            started.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert started.wait(WAIT_S)
+    return t, errors
+
+
+def _numbers(rows):
+    return [int(r["value"][4:9]) for r in rows]
+
+
+def test_consumer_tails_a_live_producer(root):
+    n = 600
+    # the stream must exist before the consumer starts
+    DurableStore(root).create_stream("live", 1)
+    with Consumer(root, "live", start="earliest", poll_interval=0.001) as c:
+        t, errors = _produce_in_thread(root, "live", n, roll_bytes=4000)
+        got = []
+        deadline = time.monotonic() + WAIT_S
+        polls_with_data = 0
+        while len(got) < n:
+            assert time.monotonic() < deadline, f"got {len(got)} of {n}"
+            batch = rows_of(c.poll())
+            polls_with_data += bool(batch)
+            got.extend(batch)
+            time.sleep(0.001)
+        t.join(WAIT_S)
+        assert not errors
+        assert_quiet(c, 0.05)
+    assert _numbers(got) == list(range(n))
+    assert polls_with_data > 1  # it really tailed: data arrived over several polls
+    assert len({r["file"] for r in got}) > 3  # and followed the rollovers
+
+
+def test_restart_from_saved_offsets_has_no_gap_and_no_duplicate(root):
+    n = 900
+    DurableStore(root).create_stream("rs", 1)
+    t, errors = _produce_in_thread(root, "rs", n, roll_bytes=6000, max_block_bytes=1024)
+    got = []
+    restarts = 0
+    offsets = "earliest"
+    deadline = time.monotonic() + WAIT_S
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"got {len(got)} of {n}"
+        # each consumer instance takes a few batches, saves its offsets and goes away
+        c = Consumer(root, "rs", start=offsets, poll_interval=0.001)
+        taken = 0
+        for batch in c.batches(timeout=0.2):
+            got.extend(rows_of([batch]))
+            taken += 1
+            if taken == 2:
+                break
+        offsets = c.offsets()
+        c.close()
+        restarts += 1
+    t.join(WAIT_S)
+    assert not errors
+    with Consumer(root, "rs", start=offsets) as c:
+        assert_quiet(c, 0.05)
+    assert _numbers(got) == list(range(n))
+    assert restarts > 3
+
+
+def test_offsets_after_each_batch_of_a_poll(root):
+    # many blocks are read in one poll; offsets() after a yielded batch covers that batch only
+    with Producer(root, "ob", max_block_bytes=1024) as p:
+        for i in range(200):
+            p.send(b"msg-%05d" % i + b"x" * 100)
+    c = Consumer(root, "ob")
+    it = c.batches(timeout=0.5)
+    first = next(it)
+    offsets = c.offsets()
+    it.close()
+    c.close()
+    rest = Consumer(root, "ob", start=offsets)
+    rows = rows_of([first]) + consume(rest, 200 - first.num_rows)
+    assert _numbers(rows) == list(range(200))
+    # a generator left mid-poll does not lose the batches it did not hand out
+    c = Consumer(root, "ob")
+    it = c.batches(timeout=0.5)
+    rows = rows_of([next(it)])
+    it.close()
+    rows += consume(c, 200 - len(rows))
+    assert _numbers(rows) == list(range(200))
+
+
+def test_start_latest_sees_only_new_messages(root, monkeypatch):
+    monkeypatch.setattr(consumer_mod, "ABANDON_CHECK_INTERVAL_S", 0.05)
+    p = Producer(root, "lt", roll_bytes=500)
+    for i in range(30):
+        p.send(b"old-%d" % i)
+    p.flush(timeout=WAIT_S)
+    with Consumer(root, "lt", start="latest") as c:
+        assert_quiet(c, 0.05)
+        for i in range(20):
+            p.send(b"new-%d" % i)
+        p.flush(timeout=WAIT_S)
+        assert [r["value"] for r in consume(c, 20)] == [b"new-%d" % i for i in range(20)]
+        p.close()
+        assert_quiet(c, 0.05)
+    # latest after a closed (sealed) file: the next producer's file is followed
+    with Consumer(root, "lt", start="latest") as c:
+        with Producer(root, "lt") as p2:
+            p2.send(b"after")
+        assert [r["value"] for r in consume(c, 1)] == [b"after"]
+        assert_quiet(c, 0.05)
+    # latest on an empty stream
+    DurableStore(root).create_stream("empty", 1)
+    with Consumer(root, "empty", start="latest") as c:
+        assert c.offsets() == {"empty": {"0": {"file": "", "length": 0}}}
+        with Producer(root, "empty") as p3:
+            p3.send(b"first")
+        assert [r["value"] for r in consume(c, 1)] == [b"first"]
+
+
+def test_consumer_follows_chosen_shards_and_several_streams(root):
+    with Producer(root, "a", shards=3) as p:
+        for i in range(9):
+            p.send(b"a%d" % i, shard=i % 3)
+    with Producer(root, "b") as p:
+        p.send(b"b0")
+    with Consumer(root, "a", shards=[1]) as c:
+        assert [r["value"] for r in consume(c, 3)] == [b"a1", b"a4", b"a7"]
+        assert list(c.offsets()["a"]) == ["1"]
+    with Consumer(root, ["a", "b"]) as c:
+        rows = consume(c, 10)
+        assert sorted(c.offsets()) == ["a", "b"]
+    assert [r["value"] for r in rows if r["stream"] == "b"] == [b"b0"]
+
+
+# -- bad bytes ---------------------------------------------------------------------------------
+
+
+def _three_sealed_files(root, stream="bad"):
+    with Producer(root, stream, roll_bytes=600, max_block_bytes=1024) as p:
+        for i in range(30):
+            p.send(b"msg-%05d" % i + b"v" * 90)
+            p.flush(timeout=WAIT_S)  # one message per block, about four blocks per file
+    files = shard_files(root, stream)
+    assert len(files) >= 3
+    return files
+
+
+def _block_starts(path):
+    data = open(path, "rb").read()
+    return [at for at, _ in scan_blocks(data, final=True)]
+
+
+def _patch(path, at, new):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(new)
+
+
+def _consume_until_error(consumer, exc_type):
+    deadline = time.monotonic() + WAIT_S
+    rows = []
+    with pytest.raises(exc_type) as err:
+        while True:
+            assert time.monotonic() < deadline, "the corruption was never reported"
+            rows.extend(rows_of(consumer.poll()))
+            time.sleep(0.005)
+    return rows, err.value
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["body_byte", "header_byte", "magic", "garbage_tail", "truncated_header", "block_longer_than_file"],
+)
+def test_corrupt_finished_file_names_file_and_position(root, damage, monkeypatch):
+    monkeypatch.setattr(consumer_mod, "ABANDON_CHECK_INTERVAL_S", 0.05)
+    files = _three_sealed_files(root)
+    path = file_path(root, "bad", files[0])
+    uri = DurableStore(root).uri(f"{shard_dir('bad', 0)}/{files[0]}")
+    data = open(path, "rb").read()
+    starts = _block_starts(path)
+    counts = {at: h.count for at, h in scan_blocks(data, final=True)}
+    size = len(data)
+    bad_at = starts[1]
+    if damage == "body_byte":
+        _patch(path, bad_at + HEADER_SIZE + 5, b"\xff")
+        expected = ChecksumMismatchError
+    elif damage == "header_byte":
+        _patch(path, bad_at + 9, b"\x7f")
+        expected = CorruptFileError
+    elif damage == "magic":
+        _patch(path, bad_at, b"NOPE")
+        expected = CorruptFileError
+    elif damage == "garbage_tail":  # the seal replaced by garbage
+        bad_at = starts[-1]
+        _patch(path, bad_at, os.urandom(HEADER_SIZE))
+        expected = CorruptFileError
+    elif damage == "truncated_header":  # the file ends 10 bytes into the seal
+        bad_at = starts[-1]
+        os.truncate(path, bad_at + 10)
+        expected = CorruptFileError
+    else:  # the file ends inside its last message block (seal and tail cut off)
+        bad_at = starts[-2]
+        os.truncate(path, size - HEADER_SIZE - 7)
+        expected = CorruptFileError
+    with Consumer(root, "bad") as c:
+        rows, err = _consume_until_error(c, expected)
+    assert isinstance(err, CorruptFileError)
+    assert err.path == uri and err.position == bad_at
+    assert uri in str(err) and f"byte {bad_at}" in str(err)
+    # the messages before the bad block are delivered, none after it
+    assert _numbers(rows) == list(range(sum(n for at, n in counts.items() if at < bad_at)))
+    assert rows
+    assert all(r["file"] == files[0] for r in rows)
+
+
+def test_partial_last_block_is_waited_for_not_reported(root, monkeypatch):
+    monkeypatch.setattr(consumer_mod, "ABANDON_CHECK_INTERVAL_S", 0.05)
+    DurableStore(root).create_stream("part", 1)
+    path = new_file(root, "part", "w1")
+    b1 = encode_block([b"one", b"two"], None, [1, 2])
+    b2 = encode_block([b"three" * 1000, b"four"], [b"k3", None], [3, 4], first_index=2)
+    with open(path, "ab") as f:
+        f.write(b1 + b2[:HEADER_SIZE // 2])
+    with Consumer(root, "part") as c:
+        assert [r["value"] for r in consume(c, 2)] == [b"one", b"two"]
+        assert_quiet(c, 0.2)  # half a header: wait
+        with open(path, "ab") as f:
+            f.write(b2[HEADER_SIZE // 2 : HEADER_SIZE + 100])
+        assert_quiet(c, 0.2)  # header and part of the body: wait
+        with open(path, "ab") as f:
+            f.write(b2[HEADER_SIZE + 100 :])
+        rows = consume(c, 2)
+        assert [r["value"] for r in rows] == [b"three" * 1000, b"four"]
+        assert [r["position"] for r in rows] == [2, 3]
+        assert c.offsets()["part"]["0"] == {"file": os.path.basename(path), "length": len(b1) + len(b2)}
+
+
+def test_crashed_producer_torn_tail_is_skipped_with_a_warning(root, monkeypatch, caplog):
+    monkeypatch.setattr(consumer_mod, "ABANDON_CHECK_INTERVAL_S", 0.05)
+    DurableStore(root).create_stream("crash", 1)
+    old = new_file(root, "crash", "deadwriter", offset_s=-1)
+    good = encode_block([b"before-crash"], None, [1])
+    torn = encode_block([b"never-acked" * 100], None, [2], first_index=1)[:300]
+    with open(old, "ab") as f:
+        f.write(good + torn)
+    with Consumer(root, "crash") as c:
+        assert [r["value"] for r in consume(c, 1)] == [b"before-crash"]
+        assert_quiet(c, 0.15)  # no newer file: the torn block might still be completed
+        with caplog.at_level(logging.WARNING, logger="pyspark_acs.consumer"):
+            with Producer(root, "crash", lease_seconds=0.5) as p:
+                p.send(b"after-restart")
+            rows = consume(c, 1)
+        assert [r["value"] for r in rows] == [b"after-restart"]
+        assert rows[0]["file"] != os.path.basename(old)
+    warning = [r.getMessage() for r in caplog.records if "never finished" in r.getMessage()]
+    assert len(warning) == 1
+    assert os.path.basename(old) in warning[0]
+    assert f"bytes [{len(good)}, {len(good) + len(torn)})" in warning[0]
+
+
+_CHILD = r"""
+import sys, time
+from pyspark_acs.producer import Producer
+p = Producer(sys.argv[1], "kill", lease_seconds=float(sys.argv[2]))
+for i in range(10):
+    p.send(b"child-%d" % i)
+p.flush(timeout=20)
+print(p.current_files()[0], flush=True)
+time.sleep(60)
+"""
+
+
+def test_one_writer_per_shard_and_takeover_after_a_killed_writer(root, python_exe, subprocess_env, monkeypatch):
+    monkeypatch.setattr(consumer_mod, "ABANDON_CHECK_INTERVAL_S", 0.05)
+    child = subprocess.Popen(
+        [python_exe, "-c", _CHILD, root, "1.0"], stdout=subprocess.PIPE, env=subprocess_env, text=True
+    )
+    try:
+        line = child.stdout.readline().strip()  # the child flushed its messages
+        assert line.endswith(".acs"), line
+        with pytest.raises(WriterConflictError) as err:
+            Producer(root, "kill")
+        msg = str(err.value)
+        assert "shard 0 of stream 'kill'" in msg and f"pid {child.pid}" in msg and "held by writer" in msg
+        # the writer dies mid-block: SIGKILL, then the half-written block it left behind
+        child.send_signal(signal.SIGKILL)
+        child.wait(WAIT_S)
+        torn = encode_block([b"x" * 500], None, [1], first_index=10)[:200]
+        with open(file_path(root, "kill", line), "ab") as f:
+            f.write(torn)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                p = Producer(root, "kill", lease_seconds=1.0)
+                break
+            except WriterConflictError:
+                assert time.monotonic() < deadline, "the dead writer's lease never expired"
+                time.sleep(0.05)
+        with p:
+            p.send(b"successor")
+        with Consumer(root, "kill") as c:
+            rows = consume(c, 11)
+            assert_quiet(c, 0.1)
+        assert [r["value"] for r in rows] == [b"child-%d" % i for i in range(10)] + [b"successor"]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(WAIT_S)
+
+
+def test_second_producer_refused_until_the_first_closes(root):
+    first = Producer(root, "one", shards=2)
+    with pytest.raises(WriterConflictError, match="stream 'one'.*held by writer " + first.writer_id):
+        Producer(root, "one", shards=2)
+    first.send(b"from first")
+    first.close()
+    with Producer(root, "one", shards=2) as second:
+        second.send(b"from second")
+    with Consumer(root, "one") as c:
+        assert sorted(r["value"] for r in consume(c, 2)) == [b"from first", b"from second"]
+
+
+# -- bad options -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["..", "a/b", "", "x" * 129, "bad\x01name", ".hidden", "a\nb"])
+def test_unsafe_stream_names_refused_everywhere(root, name):
+    with pytest.raises(InvalidNameError, match="invalid stream name"):
+        Producer(root, name)
+    with pytest.raises(InvalidNameError, match="invalid stream name"):
+        Consumer(root, name)
+    assert os.listdir(root) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [({"shards": 0}, "shards"), ({"shards": -2}, "shards"), ({"shards": True}, "shards"),
+     ({"max_block_bytes": 10}, "max_block_bytes"), ({"roll_bytes": 0}, "roll_bytes"),
+     ({"roll_seconds": 0}, "roll_seconds"), ({"max_batch_delay": -1}, "max_batch_delay"),
+     ({"lease_seconds": 0}, "lease_seconds"), ({"max_pending_bytes": "big"}, "max_pending_bytes"),
+     ({"shards": 200_000}, "shards"), ({"shards": 1.5}, "shards")],
+)
+def test_bad_producer_options_name_the_option(root, kwargs, option):
+    with pytest.raises(AcsOptionError) as err:
+        Producer(root, "opts", **kwargs)
+    assert err.value.option == option and str(err.value).startswith(option)
+    assert os.listdir(root) == []
+
+
+def test_bad_consumer_options_name_the_option(root):
+    Producer(root, "copts", shards=2).close()
+    cases = [
+        ({"poll_interval": -0.1}, "poll_interval"),
+        ({"poll_interval": "fast"}, "poll_interval"),
+        ({"start": "middle"}, "start"),
+        ({"start": "{not json"}, "start"),
+        ({"start": {"copts": {"0": {"file": "../x", "length": 0}}}}, "start"),
+        ({"max_bytes_per_second": 0}, "max_bytes_per_second"),
+    ]
+    for kwargs, option in cases:
+        with pytest.raises(AcsOptionError) as err:
+            Consumer(root, "copts", **kwargs)
+        assert err.value.option == option and option in str(err.value), kwargs
+    with pytest.raises(AcsOptionError, match="no stream 'missing'"):
+        Consumer(root, "missing")
+    with pytest.raises(InvalidNameError, match="invalid shard 2"):
+        Consumer(root, "copts", shards=[2])
+
+
+def test_mismatched_shard_count_refused(root):
+    Producer(root, "sc", shards=2).close()
+    with pytest.raises(AcsOptionError, match="has 2 shards, not 3") as err:
+        Producer(root, "sc", shards=3)
+    assert err.value.option == "shards"
+    Producer(root, "sc", shards=2).close()
+
+
+def test_closed_consumer(root):
+    Producer(root, "cc").close()
+    c = Consumer(root, "cc")
+    c.close()
+    c.close()
+    with pytest.raises(ClosedError):
+        c.poll()
+
+
+# -- data loss ---------------------------------------------------------------------------------
+
+
+def _offsets_inside(root, stream, files, n_files_before):
+    """Offsets in the middle of file ``files[n_files_before]`` (after its first block)."""
+    path = file_path(root, stream, files[n_files_before])
+    starts = _block_starts(path)
+    return {stream: {"0": {"file": files[n_files_before], "length": starts[1]}}}
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated"])
+def test_data_loss_raises_or_skips_to_the_next_file(root, how, caplog):
+    files = _three_sealed_files(root, "dl")
+    offsets = _offsets_inside(root, "dl", files, 1)
+    with Consumer(root, "dl") as c:
+        everything = consume(c, 30)
+    expected_after = [r for r in everything if r["file"] > files[1]]
+    path = file_path(root, "dl", files[1])
+    position = offsets["dl"]["0"]["length"]
+    if how == "deleted":
+        os.remove(path)
+    else:
+        os.truncate(path, position - 10)
+    with Consumer(root, "dl", start=offsets) as c:
+        with pytest.raises(DataLossError) as err:
+            consume(c, 1)
+    e = err.value
+    assert (e.stream, e.shard, e.file) == ("dl", 0, files[1])
+    msg = str(e)
+    assert "stream 'dl' shard 0" in msg and files[1] in msg and f"byte {position}" in msg
+    if how == "truncated":
+        assert (e.start, e.end) == (position - 10, position) and f"only {position - 10} bytes" in msg
+    else:
+        assert "gone" in msg
+    with caplog.at_level(logging.WARNING, logger="pyspark_acs.consumer"):
+        with Consumer(root, "dl", start=offsets, fail_on_data_loss=False) as c:
+            rows = consume(c, len(expected_after))
+            assert_quiet(c, 0.1)
+    assert [r["value"] for r in rows] == [r["value"] for r in expected_after]
+    assert any("data loss" in r.getMessage() and files[1] in r.getMessage() for r in caplog.records)
+
+
+def test_data_loss_of_the_newest_file_waits_without_replaying_older_files(root, caplog):
+    files = _three_sealed_files(root, "dn")
+    offsets = _offsets_inside(root, "dn", files, len(files) - 1)
+    os.remove(file_path(root, "dn", files[-1]))
+    with caplog.at_level(logging.WARNING, logger="pyspark_acs.consumer"):
+        with Consumer(root, "dn", start=offsets, fail_on_data_loss=False) as c:
+            assert_quiet(c, 0.1)  # older files are not read again
+            with Producer(root, "dn") as p:
+                p.send(b"later")
+            assert [r["value"] for r in consume(c, 1)] == [b"later"]
+    assert any("data loss" in r.getMessage() for r in caplog.records)

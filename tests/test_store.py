@@ -1,0 +1,207 @@
+"""The durable store (real local files through pyarrow.fs) and store leases."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+
+import pytest
+
+from pyspark_acs.errors import (
+    AcsOptionError,
+    InvalidNameError,
+    LeasePoisonedError,
+    StoreError,
+    StoreFileNotFoundError,
+    WriterConflictError,
+)
+from pyspark_acs.leases import LeaseRecord, StoreLease
+from pyspark_acs.store import STREAM_META_FILE, DurableStore, open_store
+
+REL = "s/00000/20260102T030405000006Z-w.acs"
+
+
+def test_append_read_length_list(root):
+    store = DurableStore(root)
+    a = store.open_appender(REL)
+    assert a.position == 0
+    assert a.write(b"hello ") == 6
+    assert store.length(REL) == 6
+    assert store.read(REL, 0, 6) == b"hello "
+    # the store caches input files: bytes appended after the first read are still seen
+    assert a.write(b"world") == 11
+    assert store.read(REL, 6, 11) == b"world"
+    assert store.read(REL, 3, 100) == b"lo world"  # short only at the end of the file
+    assert store.read(REL, 5, 5) == b""
+    a.close()
+    a.close()  # idempotent
+    # reopening appends after the existing bytes
+    b = store.open_appender(REL)
+    assert b.position == 11
+    b.write(b"!")
+    b.close()
+    with open(os.path.join(root, REL), "rb") as f:
+        assert f.read() == b"hello world!"
+    assert store.lengths([REL, "s/00000/missing.acs"]) == {REL: 12, "s/00000/missing.acs": None}
+    assert store.lengths([]) == {}
+    assert store.list_dir("s/00000") == ["20260102T030405000006Z-w.acs"]
+    assert store.list_dir("nope") == []
+    assert store.exists(REL) and not store.exists("s/00000/x")
+    store.close()
+
+
+def test_missing_files_raise_store_file_not_found_naming_the_uri(root):
+    store = DurableStore(root)
+    with pytest.raises(StoreFileNotFoundError) as err:
+        store.length("s/00000/missing.acs")
+    assert isinstance(err.value, FileNotFoundError) and isinstance(err.value, StoreError)
+    assert store.uri("s/00000/missing.acs") in str(err.value)
+    with pytest.raises(StoreFileNotFoundError, match="missing.acs"):
+        store.read("s/00000/missing.acs", 0, 10)
+    assert store.read_small("nothing.json") is None
+    store.delete("s/00000/missing.acs")  # missing is fine
+
+
+def test_uri_paths_and_roots(root, tmp_path):
+    store = DurableStore(root)
+    assert store.uri(REL) == f"file://{os.path.abspath(root)}/{REL}"
+    same = DurableStore("file://" + os.path.abspath(root))
+    assert same.uri(REL) == store.uri(REL)
+    assert open_store(store) is store
+    assert pickle.loads(pickle.dumps(store)).uri(REL) == store.uri(REL)
+    fresh = tmp_path / "new" / "root"
+    DurableStore(str(fresh))
+    assert fresh.is_dir()
+    for bad in ("", "   ", None):
+        with pytest.raises(AcsOptionError, match="root"):
+            DurableStore(bad)
+    with pytest.raises(AcsOptionError, match="cannot open durable store"):
+        DurableStore("nosuchscheme://x/y")
+
+
+def test_streams_and_shard_counts(root):
+    store = DurableStore(root)
+    assert store.list_streams() == []
+    assert store.stream_shards("orders") is None
+    assert store.create_stream("orders", 3) == 3
+    assert store.create_stream("orders", 3) == 3
+    assert sorted(os.listdir(os.path.join(root, "orders"))) == ["00000", "00001", "00002", STREAM_META_FILE]
+    with pytest.raises(AcsOptionError, match="has 3 shards, not 2") as err:
+        store.create_stream("orders", 2)
+    assert err.value.option == "shards"
+    assert store.list_streams() == ["orders"]
+    os.makedirs(os.path.join(root, "not-a-stream"))
+    assert store.list_streams() == ["orders"]
+    with pytest.raises(InvalidNameError):
+        store.stream_shards("../orders")
+    with open(os.path.join(root, "orders", STREAM_META_FILE), "w") as f:
+        f.write("{broken")
+    with pytest.raises(StoreError, match="malformed stream metadata"):
+        store.stream_shards("orders")
+
+
+def test_list_files_sorted_and_only_message_files(root):
+    store = DurableStore(root)
+    store.create_stream("s", 1)
+    for name in ("20260102T030405000007Z-b.acs", "20260102T030405000006Z-a.acs", "_writer.lease", "x.tmp"):
+        store.open_appender(f"s/00000/{name}").close()
+    assert store.list_files("s", 0) == ["20260102T030405000006Z-a.acs", "20260102T030405000007Z-b.acs"]
+
+
+def test_write_small_replaces_atomically_and_delete_drops_cached_handles(root):
+    store = DurableStore(root)
+    store.write_small("a/meta.json", b"one")
+    store.write_small("a/meta.json", b"two")
+    assert store.read_small("a/meta.json") == b"two"
+    assert os.listdir(os.path.join(root, "a")) == ["meta.json"]  # no temporary left behind
+    a = store.open_appender(REL)
+    a.write(b"abc")
+    a.close()
+    assert store.read(REL, 0, 3) == b"abc"
+    store.delete(REL)
+    assert not store.exists(REL)
+    with pytest.raises(StoreFileNotFoundError):
+        store.read(REL, 0, 3)
+
+
+def test_read_reopens_stale_handles(root):
+    store = DurableStore(root)
+    a = store.open_appender(REL)
+    a.write(b"x" * 10)
+    assert store.read(REL, 0, 10) == b"x" * 10
+    for i in range(20):
+        a.write(b"%03d" % i)
+        assert store.read(REL, 10 + 3 * i, 13 + 3 * i) == b"%03d" % i
+    a.close()
+
+
+def test_store_errors_name_the_path(root):
+    store = DurableStore(root)
+    os.makedirs(os.path.join(root, "s", "00000", "dir.acs"))
+    with pytest.raises(StoreError) as err:
+        store.open_appender("s/00000/dir.acs").write(b"x")
+    assert "dir.acs" in str(err.value)
+
+
+# -- leases ------------------------------------------------------------------------------------
+
+
+def _lease(store, writer, seconds=10.0):
+    return StoreLease(store, "s/00000/_writer.lease", writer, "shard 0 of stream 's'", seconds)
+
+
+def test_lease_conflict_release_and_expiry(root):
+    store = DurableStore(root)
+    first = _lease(store, "w1", seconds=0.5)
+    first.acquire()
+    record = json.loads(store.read_small("s/00000/_writer.lease"))
+    assert record["writer"] == "w1" and record["pid"] == os.getpid() and not record["poisoned"]
+    with pytest.raises(WriterConflictError) as err:
+        _lease(store, "w2").acquire()
+    msg = str(err.value)
+    assert "shard 0 of stream 's'" in msg and "writer w1" in msg and f"pid {os.getpid()}" in msg
+    assert "lease expires in" in msg
+    # a held lease renews and stays ours
+    assert not first.due()
+    first.renew()
+    first.release()
+    assert store.read_small("s/00000/_writer.lease") is None
+    second = _lease(store, "w2", seconds=0.3)
+    second.acquire()
+    # second "dies" (never renews): after its expiry a third writer takes over
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            _lease(store, "w3").acquire()
+            break
+        except WriterConflictError:
+            assert time.monotonic() < deadline, "expired lease was never freed"
+            time.sleep(0.05)
+    with pytest.raises(LeasePoisonedError, match="taken over"):
+        second.renew()
+    second.release()  # not ours any more: must not delete w3's lease
+    assert json.loads(store.read_small("s/00000/_writer.lease"))["writer"] == "w3"
+
+
+def test_lease_due_and_poisoned_flag(root):
+    store = DurableStore(root)
+    lease = _lease(store, "w1", seconds=0.15)
+    lease.acquire()
+    time.sleep(0.06)
+    assert lease.due()
+    lease.renew()
+    assert not lease.due()
+    rec = LeaseRecord.decode(store.read_small("s/00000/_writer.lease"))
+    rec["poisoned"] = True
+    store.write_small("s/00000/_writer.lease", rec.encode())
+    with pytest.raises(LeasePoisonedError):
+        lease.renew()
+
+
+def test_torn_lease_file_counts_as_free(root):
+    store = DurableStore(root)
+    store.write_small("s/00000/_writer.lease", b"{torn")
+    _lease(store, "w1").acquire()
+    assert LeaseRecord.decode(b"") is None and LeaseRecord.decode(b"[x") is None
