@@ -120,8 +120,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 def _start_spec(text: str):
     if text.startswith("@"):
-        with open(text[1:], encoding="utf-8") as f:
-            return json.load(f)
+        try:
+            with open(text[1:], encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError) as exc:
+            raise AcsOptionError(f"--from: cannot read offsets from {text[1:]}: {exc}", option="--from") from exc
     return text
 
 
@@ -138,7 +141,11 @@ def cmd_tail(args: argparse.Namespace) -> int:
     from .consumer import Consumer
 
     streams = [s.strip() for s in args.stream.split(",") if s.strip()]
-    shards = [int(s) for s in args.shards.split(",")] if args.shards else None
+    try:
+        shards = [int(s) for s in args.shards.split(",")] if args.shards else None
+    except ValueError:
+        raise AcsOptionError(f"--shards: {args.shards!r} is not a comma-separated list of shard numbers",
+                             option="--shards") from None
     consumer = Consumer(
         args.root, streams, shards, start=_start_spec(args.start), read_path=_read_path(args, args.root)
     )
