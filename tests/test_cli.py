@@ -1,0 +1,206 @@
+"""The ``acs`` command line.
+
+The main flows run ``acs`` as a real subprocess (``python -m pyspark_acs.cli``); the many
+small error and help cases call :func:`pyspark_acs.cli.main` in-process (same code, same
+exit codes) so the file stays fast: each subprocess pays pyarrow's import.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+
+import pytest
+
+from pyspark_acs.cli import _load_extra_commands, build_parser, main
+from pyspark_acs.producer import Producer
+
+TIMEOUT = 60
+
+
+@pytest.fixture
+def acs(python_exe, subprocess_env):
+    def run(*args, input=None, check=None):
+        proc = subprocess.run(
+            [python_exe, "-m", "pyspark_acs.cli", *args],
+            input=input,
+            capture_output=True,
+            env=subprocess_env,
+            timeout=TIMEOUT,
+        )
+        if check is not None:
+            assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)
+        return proc
+
+    return run
+
+
+@pytest.fixture
+def acs_inproc(capsysbinary):
+    """``main(argv)`` in this process: (exit code, stdout bytes, stderr text)."""
+
+    def run(*args):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse usage errors and --help
+            code = exc.code
+        out, err = capsysbinary.readouterr()
+        return code, out, err.decode()
+
+    return run
+
+
+def _lines(out: bytes):
+    return out.decode().splitlines()
+
+
+def test_produce_with_key_separator_then_tail_json_and_text(acs, root):
+    lines = b"".join(b"k%d:value %d\n" % (i % 3, i) for i in range(20)) + b"no separator here\n"
+    p = acs("produce", "--root", root, "--stream", "s", "--shards", "3", "--key-separator", ":", input=lines, check=0)
+    assert "sent 21 messages to stream 's'" in p.stderr.decode()
+    t = acs("tail", "--root", root, "--stream", "s", "--timeout", "0.3", "--format", "json", check=0)
+    recs = [json.loads(line) for line in _lines(t.stdout)]
+    assert len(recs) == 21
+    for key in ("k0", "k1", "k2"):
+        mine = [r for r in recs if r["key"] == key]
+        assert [r["value"] for r in mine] == ["value %d" % i for i in range(20) if "k%d" % (i % 3) == key]
+        assert len({r["shard"] for r in mine}) == 1  # one key, one shard, in order
+        for r in mine:
+            assert r["stream"] == "s" and r["file"].endswith(".acs") and r["timestamp"].endswith("+00:00")
+    assert [r["value"] for r in recs if r["key"] is None] == ["no separator here"]
+    t = acs("tail", "--root", root, "--stream", "s", "--timeout", "0.3", check=0)
+    assert sorted(_lines(t.stdout)) == sorted(["value %d" % i for i in range(20)] + ["no separator here"])
+
+
+def test_files_as_messages_binary_json_and_raw(acs, acs_inproc, root, tmp_path):
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(b"\xff\x00\xfe" * 100)
+    acs("produce", "--root", root, "--stream", "bin", "--file", str(blob), "--file", str(blob), check=0)
+    code, out, _ = acs_inproc("tail", "--root", root, "--stream", "bin", "--timeout", "0.2", "--format", "json")
+    recs = [json.loads(line) for line in _lines(out)]
+    assert code == 0 and len(recs) == 2 and recs[0]["value"].startswith("base64:")
+    assert base64.b64decode(recs[0]["value"][7:]) == blob.read_bytes()
+    assert [r["position"] for r in recs] == [0, 1]
+    code, out, _ = acs_inproc("tail", "--root", root, "--stream", "bin", "--timeout", "0.2", "--format", "raw")
+    assert code == 0 and out == blob.read_bytes() * 2
+
+
+def test_offsets_out_then_resume_from_file_without_gap_or_duplicate(acs, acs_inproc, root, tmp_path):
+    offsets = tmp_path / "offsets.json"
+    with Producer(root, "r", shards=2) as p:
+        for i in range(10):
+            p.send(b"first %d" % i)
+    t = acs("tail", "--root", root, "--stream", "r", "--timeout", "0.3", "--offsets-out", str(offsets), check=0)
+    assert sorted(_lines(t.stdout)) == sorted("first %d" % i for i in range(10))
+    saved = json.loads(offsets.read_text())
+    assert set(saved["r"]) == {"0", "1"} and all(v["length"] > 0 for v in saved["r"].values())
+    acs("produce", "--root", root, "--stream", "r", "--shards", "2",
+        input=b"".join(b"second %d\n" % i for i in range(10)), check=0)
+    t = acs("tail", "--root", root, "--stream", "r", "--timeout", "0.3", "--from", "@" + str(offsets),
+            "--offsets-out", str(offsets), check=0)
+    assert sorted(_lines(t.stdout)) == sorted("second %d" % i for i in range(10))
+    # nothing new since: the resumed tail prints nothing
+    code, out, _ = acs_inproc("tail", "--root", root, "--stream", "r", "--timeout", "0.2", "--from", "@" + str(offsets))
+    assert (code, out) == (0, b"")
+    # --from also takes the JSON itself; --shards and --max-messages narrow the output
+    code, out, _ = acs_inproc("tail", "--root", root, "--stream", "r", "--timeout", "0.2", "--from",
+                              json.dumps(saved), "--shards", "0")
+    assert code == 0 and out and all(line.startswith("second") for line in _lines(out))
+    code, out, _ = acs_inproc("tail", "--root", root, "--stream", "r", "--timeout", "0.2", "--max-messages", "3")
+    assert code == 0 and len(_lines(out)) == 3
+    code, out, _ = acs_inproc("tail", "--root", root, "--stream", "r", "--from", "latest", "--timeout", "0.1")
+    assert (code, out) == (0, b"")
+
+
+def test_ls(acs, acs_inproc, root):
+    with Producer(root, "alpha", shards=2) as p:
+        for v in (b"a", b"b", b"c"):
+            p.send(v)
+    with Producer(root, "beta") as p:
+        p.send(b"x")
+    out = _lines(acs("ls", "--root", root, check=0).stdout)
+    # per stream a line, then per shard a summary line and one line per file with its length
+    expected = []
+    for stream, shards in (("alpha", 2), ("beta", 1)):
+        expected.append(f"{stream}  shards={shards}")
+        for shard in range(shards):
+            folder = os.path.join(root, stream, "%05d" % shard)
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".acs"))
+            sizes = [os.path.getsize(os.path.join(folder, n)) for n in names]
+            expected.append(f"  shard {shard:5d}  files={len(names)}  bytes={sum(sizes)}")
+            expected += [f"    {n}  {size}" for n, size in zip(names, sizes)]
+    assert out == expected
+    code, only, _ = acs_inproc("ls", "--root", root, "--stream", "beta")
+    assert code == 0 and _lines(only)[0] == "beta  shards=1" and b"alpha" not in only
+    code, _, err = acs_inproc("ls", "--root", root, "--stream", "gamma")
+    assert code == 1 and "acs ls: error: stream: no stream 'gamma'" in err
+
+
+def test_unknown_option_exits_2(acs, acs_inproc, root):
+    p = acs("tail", "--root", root, "--stream", "s", "--bogus", check=2)
+    assert "unrecognized arguments: --bogus" in p.stderr.decode()
+    for args, text in [
+        (("produce", "--root", root, "--stream", "s", "--nope", "1"), "unrecognized arguments: --nope 1"),
+        (("produce", "--root", root), "the following arguments are required: --stream"),
+        (("nosuchcommand",), "invalid choice: 'nosuchcommand'"),
+        ((), "required: COMMAND"),
+        (("tail", "--root", root, "--stream", "s", "--format", "xml"), "invalid choice: 'xml'"),
+        (("tail", "--root", root, "--stream", "s", "--timeout", "soon"), "invalid float value: 'soon'"),
+    ]:
+        code, _, err = acs_inproc(*args)
+        assert code == 2 and text in err, (args, err)
+
+
+def test_bad_stream_name_exits_1_with_a_clear_message(acs, acs_inproc, root):
+    p = acs("produce", "--root", root, "--stream", "../etc", input=b"x\n", check=1)
+    assert p.stderr.decode().startswith("acs produce: error: invalid stream name '../etc'")
+    assert "Traceback" not in p.stderr.decode()
+    for cmd in ("produce", "tail", "ls"):
+        for name in ("../etc", "a/b", ".hidden", "x" * 129, "bad\x01name"):
+            extra = ["--timeout", "0.1"] if cmd == "tail" else []
+            code, _, err = acs_inproc(cmd, "--root", root, "--stream", name, *extra)
+            assert code == 1 and err.startswith(f"acs {cmd}: error: invalid stream name"), (cmd, name, err)
+    assert os.listdir(root) == []
+
+
+def test_library_errors_exit_1_with_one_line(acs_inproc, root, tmp_path):
+    Producer(root, "two", shards=2).close()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    missing = tmp_path / "missing.json"
+    tail = ("tail", "--root", root, "--stream", "two", "--timeout", "0.1")
+    for args, text in [
+        (("produce", "--root", root, "--stream", "two", "--shards", "3"), "has 2 shards, not 3"),
+        (("tail", "--root", root, "--stream", "nope", "--timeout", "0.1"), "no stream 'nope'"),
+        (tail + ("--from", "middle"), "start: 'middle' is not allowed"),
+        (tail + ("--from", "{broken"), "not valid JSON"),
+        (tail + ("--from", "@" + str(missing)), f"--from: cannot read offsets from {missing}"),
+        (tail + ("--from", "@" + str(bad)), f"--from: cannot read offsets from {bad}"),
+        (tail + ("--shards", "0,x"), "--shards: '0,x' is not a comma-separated list"),
+        (tail + ("--shards", "5"), "invalid shard 5"),
+    ]:
+        code, _, err = acs_inproc(*args)
+        assert code == 1, (args, code, err)
+        assert err.startswith(f"acs {args[0]}: error: ") and text in err and err.count("\n") == 1, (args, err)
+
+
+def _all_commands():
+    _load_extra_commands()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return sorted(sub.choices)
+
+
+def test_every_command_has_help(acs, acs_inproc):
+    top = acs("--help", check=0)
+    assert b"usage: acs" in top.stdout
+    commands = _all_commands()
+    assert {"produce", "tail", "ls"} <= set(commands)
+    for cmd in commands:
+        code, out, err = acs_inproc(cmd, "--help")
+        assert code == 0 and out.decode().startswith(f"usage: acs {cmd}"), (cmd, err)
+    for cmd in ("produce", "tail", "ls"):
+        _, out, _ = acs_inproc(cmd, "--help")
+        assert b"--root" in out and b"--stream" in out
