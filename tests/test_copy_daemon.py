@@ -247,3 +247,176 @@ def test_chain_copy_durable_and_cache(make_env):
     values = consume_all(env, "C", 300)
     check_order(values, 300)
     assert len(env.files("C")) > 2  # files rolled over on the way
+
+
+class Background:
+    """Produce ``n`` messages in a thread, paced, so faults hit mid-stream."""
+
+    def __init__(self, p: Producer, start: int, n: int, pause: float = 0.004) -> None:
+        self.error: Optional[BaseException] = None
+
+        def run() -> None:
+            try:
+                produce(p, start, n, pause=pause)
+            except BaseException as exc:  # reported by join()
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = 60.0) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "producer thread did not finish"
+        if self.error:
+            raise self.error
+
+
+def metric(proc: subprocess.Popen, name: str, **labels: str) -> float:
+    import urllib.request
+
+    url = proc.banner.split(" metrics=", 1)[1]
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"acs_copy_{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_tree_copy_with_live_consumer_in_c(make_env):
+    env = make_env(STAR)
+    for c in CLUSTERS:
+        env.start_daemon(c)
+    with env.producer() as p:
+        produce(p, 0, 50)
+        env.wait_same("C")  # the stream exists in C before the consumer starts
+        bg = Background(p, 50, 250, pause=0.002)
+        values = consume_all(env, "C", 300)
+        bg.join()
+    check_order(values, 300)
+    env.wait_same("B")
+    env.wait_same("C")
+    assert metric(env.daemons["C"][0], "bytes_total", source="A", target="C", storage="cache") > 0
+
+
+def test_kill_b_daemon_mid_stream_then_restart(make_env):
+    env = make_env(CHAIN)
+    for c in CLUSTERS:
+        env.start_daemon(c)
+    with env.producer() as p:
+        bg = Background(p, 0, 400)
+        time.sleep(0.6)
+        env.kill_daemon("B")  # kill -9
+        time.sleep(1.0)
+        env.start_daemon("B")
+        bg.join()
+    env.wait_same("B")
+    env.wait_same("C")
+    check_order(consume_all(env, "C", 400), 400)
+
+
+def test_kill_b_data_caches_durable_keeps_c_complete(make_env, caches):
+    env = make_env(CHAIN)
+    for c in CLUSTERS:
+        env.start_daemon(c)
+    with env.producer() as p:
+        produce(p, 0, 100)
+        env.wait_same("C")
+        caches["B"].kill("data", 0)
+        try:
+            produce(p, 100, 150, pause=0.002)
+            env.wait_same("B")
+            env.wait_same("C")
+        finally:
+            caches["B"].restart("data", 0)
+        produce(p, 250, 150, pause=0.002)
+        env.wait_same("C")
+    check_order(consume_all(env, "C", 400), 400)
+    # The cache path resumed: C's metadata cache publishes the cache length of its newest file.
+    store = DurableStore(env.roots["C"])
+    from pyspark_acs.cache_client import CacheClient
+    from pyspark_acs.metadata import MetadataCache
+
+    meta = MetadataCache(CacheClient(caches["C"].metadata_endpoints))
+    try:
+        deadline = time.monotonic() + ARRIVE_S
+        while True:
+            ok = True
+            for shard in range(2):
+                rel = f"{shard_dir(env.stream, shard)}/{store.list_files(env.stream, shard)[-1]}"
+                c_len, _ = meta.lengths([store.uri(rel)])[store.uri(rel)]
+                ok = ok and c_len == store.length(rel)
+            if ok:
+                break
+            assert time.monotonic() < deadline, "cache copies did not resume in C"
+            time.sleep(0.1)
+    finally:
+        meta.client.close()
+
+
+def test_kill_a_metadata_cache_copy_continues_from_durable(make_env, caches):
+    env = make_env(CHAIN)
+    for c in CLUSTERS:
+        env.start_daemon(c)
+    with env.producer() as p:
+        produce(p, 0, 100)
+        env.wait_same("C")
+        caches["A"].kill("metadata", 0)
+        try:
+            produce(p, 100, 200, pause=0.002)
+            env.wait_same("B")
+            env.wait_same("C")
+        finally:
+            caches["A"].restart("metadata", 0)
+    env.wait_same("C")
+    check_order(consume_all(env, "C", 300), 300)
+
+
+def test_stale_replica_dueling_writers_stay_byte_exact(make_env):
+    env = make_env(CHAIN, dests=("B",))
+    env.start_daemon("A")
+    env.start_daemon("A")  # a stale replica owning the same operations
+    env.start_daemon("B")
+    with env.producer(roll_bytes=1_000_000) as p:  # long-lived files: both readers meet on them
+        produce(p, 0, 300, pause=0.005)
+    env.wait_same("B")
+    a1, a2 = env.daemons["A"]
+    poisoned = metric(a1, "errors_total", kind="poisoned") + metric(a2, "errors_total", kind="poisoned")
+    assert poisoned > 0, "one of the two readers should have been stopped by the lease"
+    check_order(consume_all(env, "B", 300), 300)
+
+
+def test_unhealthy_b_rebuilds_tree_and_c_continues(make_env):
+    env = make_env(CHAIN)
+    for c in CLUSTERS:
+        env.start_daemon(c)
+    with env.producer(roll_bytes=200_000) as p:
+        produce(p, 0, 100)
+        env.wait_same("C")
+        env.healthy["B"] = False
+        env.write_topology()
+        time.sleep(1.0)  # the daemons reread the file within listing_interval
+        produce(p, 100, 200, pause=0.002)
+        env.wait_same("C")
+        env.wait_same("B")
+    # C is now fed by A: C's writer saw bytes from A.
+    assert metric(env.daemons["C"][0], "bytes_total", source="A", target="C") > 0
+    check_order(consume_all(env, "C", 300), 300)
+
+
+def test_bad_topology_and_unknown_cluster_exit_2(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"clusters": {"A": {"root": "/tmp/x"}}}')
+    base = [sys.executable, "-m", "pyspark_acs.server.copy_daemon", "--topology"]
+    r = subprocess.run(base + [str(bad), "--cluster", "A"], capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 2 and "missing required field" in r.stderr, r.stderr
+    good = Path(ROOT) / "examples" / "topology.json"
+    r = subprocess.run(base + [str(good), "--cluster", "Z"], capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 2 and "unknown cluster 'Z'" in r.stderr, r.stderr
+    r = subprocess.run(base + [str(good), "--cluster", "A", "--set", "nope=1"], capture_output=True, text=True,
+                       env=env, timeout=30)
+    assert r.returncode == 2 and "unknown option 'nope'" in r.stderr, r.stderr
+    r = subprocess.run(base + [str(tmp_path / "missing.json"), "--cluster", "A"], capture_output=True, text=True,
+                       env=env, timeout=30)
+    assert r.returncode == 2 and "cannot read topology file" in r.stderr, r.stderr
