@@ -19,9 +19,11 @@ probed again by one real request after a back-off that starts at :data:`DOWN_BAC
 and doubles up to :data:`DOWN_BACKOFF_MAX_S`; a success clears it. gRPC errors become
 :class:`~pyspark_acs.errors.CacheError` subclasses naming the endpoints (``raise ... from``).
 
-The client is thread-safe and meant to be shared: one lazily created gRPC channel per endpoint.
-It is never pickled; code that ships work to Spark executors pickles the endpoint string and
-builds a client there.
+The client is thread-safe and meant to be shared: one lazily created gRPC channel per endpoint,
+and one small I/O thread pool that runs the calls of a fan-out in parallel (see
+:meth:`CacheClient._send` for why a pool rather than gRPC futures). Importing this module does
+not import grpc; the first call does. The client is never pickled: code that ships work to
+Spark executors pickles the endpoint string and builds a client there.
 """
 
 from __future__ import annotations
@@ -39,17 +41,17 @@ from .errors import AcsOptionError, CacheError, CacheTimeoutError, CacheUnavaila
 from .ring import DEFAULT_VNODES, HashRing
 
 __all__ = [
+    "CacheClient",
     "DEFAULT_DEADLINE_S",
     "DEFAULT_HEDGE_AFTER_S",
     "DEFAULT_REPLICATION",
     "DOWN_BACKOFF_INITIAL_S",
     "DOWN_BACKOFF_MAX_S",
+    "Entry",
     "IO_THREADS",
     "MAX_BATCH_BYTES",
     "MAX_BATCH_KEYS",
     "MAX_MESSAGE_BYTES",
-    "CacheClient",
-    "Entry",
     "parse_endpoints",
 ]
 
@@ -549,19 +551,19 @@ class CacheClient:
                         failed.append(i)
                         remaining -= 1
                 continue
-            found = response.found
-            values = response.values
-            versions = response.versions
-            for j, i in enumerate(batch):
+            data = response.data
+            offset = 0
+            for i, found, size, version in zip(batch, response.found, response.sizes, response.versions):
+                start_at = offset
+                offset += size
                 inflight[i] -= 1
                 if done[i]:
                     continue
                 answers[i] += 1
-                if found[j]:
-                    entry = Entry(values[j], versions[j])
+                if found:
                     current = best[i]
-                    if current is None or entry.version > current.version:
-                        best[i] = entry
+                    if current is None or version > current.version:
+                        best[i] = Entry(data[start_at:offset], version)
                 if answers[i] >= need[i]:
                     done[i] = True
                     remaining -= 1
@@ -718,18 +720,22 @@ class CacheClient:
                 size += value_len
             if batch:
                 requests.append(batch)
-            return [
-                (
-                    pb.PutRequest(
-                        keys=[items[i][0] for i in b],
-                        values=[items[i][1] for i in b],
-                        versions=[items[i][2] for i in b],
-                        ttl_ms=ttl_ms,
-                    ),
-                    b,
+            out = []
+            for b in requests:
+                values = [items[i][1] for i in b]
+                out.append(
+                    (
+                        pb.PutRequest(
+                            keys=[items[i][0] for i in b],
+                            data=b"".join(values),
+                            sizes=[len(v) for v in values],
+                            versions=[items[i][2] for i in b],
+                            ttl_ms=ttl_ms,
+                        ),
+                        b,
+                    )
                 )
-                for b in requests
-            ]
+            return out
 
         too_large_code = pb.TOO_LARGE
 

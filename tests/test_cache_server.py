@@ -205,16 +205,17 @@ def test_deployment_files_and_banner(deployments):
 def test_put_get_versions_over_grpc(deployments):
     channel, stub = stub_for(deployments["plain"].data_endpoints)
     with channel:
-        resp = stub.Put(acs_pb2.PutRequest(keys=[b"a", b"b"], values=[b"1", b"22"], versions=[5, 1]), timeout=2)
+        resp = stub.Put(acs_pb2.PutRequest(keys=[b"a", b"b"], data=b"122", sizes=[1, 2], versions=[5, 1]),
+                        timeout=2)
         assert list(resp.status) == [acs_pb2.STORED, acs_pb2.STORED]
-        resp = stub.Put(acs_pb2.PutRequest(keys=[b"a"], values=[b"0"], versions=[4]), timeout=2)
+        resp = stub.Put(acs_pb2.PutRequest(keys=[b"a"], data=b"0", sizes=[1], versions=[4]), timeout=2)
         assert list(resp.status) == [acs_pb2.STALE]
         got = stub.Get(acs_pb2.GetRequest(keys=[b"a", b"nope", b"b"]), timeout=2)
         assert list(got.found) == [True, False, True]
-        assert list(got.values) == [b"1", b"", b"22"]
+        assert got.data == b"122" and list(got.sizes) == [1, 0, 2]
         assert list(got.versions) == [5, 0, 1]
         with pytest.raises(grpc.RpcError) as info:
-            stub.Put(acs_pb2.PutRequest(keys=[b"a"], values=[], versions=[1]), timeout=2)
+            stub.Put(acs_pb2.PutRequest(keys=[b"a"], data=b"xy", sizes=[1], versions=[1]), timeout=2)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -243,7 +244,7 @@ def test_batched_multi_mib_put_and_get(plain):
     channel, stub = stub_for(plain.endpoints[0])
     with channel:  # one unsplit 8 MiB message is accepted by the server too
         resp = stub.Get(acs_pb2.GetRequest(keys=[k for k, _, _ in items[:2048]]), timeout=5)
-        assert len(resp.values) == 2048 and all(resp.found)
+        assert len(resp.data) == 2048 * CHUNK and all(resp.found)
 
 
 def test_capacity_evicts_least_recently_modified_reads_do_not_save(deployments):

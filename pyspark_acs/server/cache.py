@@ -39,6 +39,8 @@ from .proto import acs_pb2, acs_pb2_grpc
 from .store import DATA_TTL_S, METADATA_TTL_S, Store
 
 __all__ = [
+    "CacheServer",
+    "CacheServicer",
     "DEFAULT_CAPACITY_BYTES",
     "DEFAULT_HOST",
     "DEFAULT_SERVER_THREADS",
@@ -48,8 +50,6 @@ __all__ = [
     "ROLES",
     "ROLE_DEFAULT_TTL_S",
     "STOP_GRACE_S",
-    "CacheServer",
-    "CacheServicer",
     "build_parser",
     "format_endpoint",
     "main",
@@ -112,20 +112,28 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
 
     def Get(self, request, context):  # noqa: N802 (gRPC method name)
         entries = self.store.get_many(request.keys)
+        values = [e.value if e is not None else b"" for e in entries]
         return acs_pb2.GetResponse(
             found=[e is not None for e in entries],
-            values=[e.value if e is not None else b"" for e in entries],
+            data=b"".join(values),
+            sizes=[len(v) for v in values],
             versions=[e.version if e is not None else 0 for e in entries],
         )
 
     def Put(self, request, context):  # noqa: N802
-        keys, values, versions = request.keys, request.values, request.versions
-        if not (len(keys) == len(values) == len(versions)):
+        keys, sizes, versions = request.keys, list(request.sizes), request.versions
+        data = request.data
+        if not (len(keys) == len(sizes) == len(versions)) or sum(sizes) != len(data):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"put: keys, values and versions differ in length "
-                f"({len(keys)}, {len(values)}, {len(versions)})",
+                f"put: {len(keys)} keys, {len(sizes)} sizes and {len(versions)} versions, "
+                f"sizes summing to {sum(sizes)} for {len(data)} data bytes; they must agree",
             )
+        values = []
+        offset = 0
+        for size in sizes:
+            values.append(data[offset : offset + size])
+            offset += size
         ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
         results = self.store.put_many(zip(keys, values, versions), ttl_s=ttl_s)
         return acs_pb2.PutResponse(status=results)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pyspark_acs/server/proto/acs.proto\x12\x11pyspark_acs.cache\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\">\n\x0bGetResponse\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\x12\x0e\n\x06values\x18\x02 \x03(\x0c\x12\x10\n\x08versions\x18\x03 \x03(\x04\"L\n\nPutRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06values\x18\x02 \x03(\x0c\x12\x10\n\x08versions\x18\x03 \x03(\x04\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x04\";\n\x0bPutResponse\x12,\n\x06status\x18\x01 \x03(\x0e\x32\x1c.pyspark_acs.cache.PutStatus\"|\n\x14\x43ompareAndSetRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x15\n\rexpect_absent\x18\x02 \x01(\x08\x12\x10\n\x08\x65xpected\x18\x03 \x01(\x0c\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\x04\"W\n\x15\x43ompareAndSetResponse\x12\x0f\n\x07swapped\x18\x01 \x01(\x08\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\x9c\x01\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12<\n\x06values\x18\x02 \x03(\x0b\x32,.pyspark_acs.cache.StatsResponse.ValuesEntry\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x0f\n\rHealthRequest\"A\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01*1\n\tPutStatus\x12\n\n\x06STORED\x10\x00\x12\t\n\x05STALE\x10\x01\x12\r\n\tTOO_LARGE\x10\x02\x32\xe1\x03\n\x05\x43\x61\x63he\x12\x44\n\x03Get\x12\x1d.pyspark_acs.cache.GetRequest\x1a\x1e.pyspark_acs.cache.GetResponse\x12\x44\n\x03Put\x12\x1d.pyspark_acs.cache.PutRequest\x1a\x1e.pyspark_acs.cache.PutResponse\x12\x62\n\rCompareAndSet\x12\'.pyspark_acs.cache.CompareAndSetRequest\x1a(.pyspark_acs.cache.CompareAndSetResponse\x12M\n\x06\x44\x65lete\x12 .pyspark_acs.cache.DeleteRequest\x1a!.pyspark_acs.cache.DeleteResponse\x12J\n\x05Stats\x12\x1f.pyspark_acs.cache.StatsRequest\x1a .pyspark_acs.cache.StatsResponse\x12M\n\x06Health\x12 .pyspark_acs.cache.HealthRequest\x1a!.pyspark_acs.cache.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pyspark_acs/server/proto/acs.proto\x12\x11pyspark_acs.cache\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"K\n\x0bGetResponse\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\r\x12\x10\n\x08versions\x18\x04 \x03(\x04\"Y\n\nPutRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\r\x12\x10\n\x08versions\x18\x04 \x03(\x04\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\x04\";\n\x0bPutResponse\x12,\n\x06status\x18\x01 \x03(\x0e\x32\x1c.pyspark_acs.cache.PutStatus\"|\n\x14\x43ompareAndSetRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x15\n\rexpect_absent\x18\x02 \x01(\x08\x12\x10\n\x08\x65xpected\x18\x03 \x01(\x0c\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\x04\"W\n\x15\x43ompareAndSetResponse\x12\x0f\n\x07swapped\x18\x01 \x01(\x08\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\x9c\x01\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12<\n\x06values\x18\x02 \x03(\x0b\x32,.pyspark_acs.cache.StatsResponse.ValuesEntry\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x0f\n\rHealthRequest\"A\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01*1\n\tPutStatus\x12\n\n\x06STORED\x10\x00\x12\t\n\x05STALE\x10\x01\x12\r\n\tTOO_LARGE\x10\x02\x32\xe1\x03\n\x05\x43\x61\x63he\x12\x44\n\x03Get\x12\x1d.pyspark_acs.cache.GetRequest\x1a\x1e.pyspark_acs.cache.GetResponse\x12\x44\n\x03Put\x12\x1d.pyspark_acs.cache.PutRequest\x1a\x1e.pyspark_acs.cache.PutResponse\x12\x62\n\rCompareAndSet\x12\'.pyspark_acs.cache.CompareAndSetRequest\x1a(.pyspark_acs.cache.CompareAndSetResponse\x12M\n\x06\x44\x65lete\x12 .pyspark_acs.cache.DeleteRequest\x1a!.pyspark_acs.cache.DeleteResponse\x12J\n\x05Stats\x12\x1f.pyspark_acs.cache.StatsRequest\x1a .pyspark_acs.cache.StatsResponse\x12M\n\x06Health\x12 .pyspark_acs.cache.HealthRequest\x1a!.pyspark_acs.cache.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSRESPONSE_VALUESENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_PUTSTATUS']._serialized_start=828
-  _globals['_PUTSTATUS']._serialized_end=877
+  _globals['_PUTSTATUS']._serialized_start=854
+  _globals['_PUTSTATUS']._serialized_end=903
   _globals['_GETREQUEST']._serialized_start=57
   _globals['_GETREQUEST']._serialized_end=83
   _globals['_GETRESPONSE']._serialized_start=85
-  _globals['_GETRESPONSE']._serialized_end=147
-  _globals['_PUTREQUEST']._serialized_start=149
-  _globals['_PUTREQUEST']._serialized_end=225
-  _globals['_PUTRESPONSE']._serialized_start=227
-  _globals['_PUTRESPONSE']._serialized_end=286
-  _globals['_COMPAREANDSETREQUEST']._serialized_start=288
-  _globals['_COMPAREANDSETREQUEST']._serialized_end=412
-  _globals['_COMPAREANDSETRESPONSE']._serialized_start=414
-  _globals['_COMPAREANDSETRESPONSE']._serialized_end=501
-  _globals['_DELETEREQUEST']._serialized_start=503
-  _globals['_DELETEREQUEST']._serialized_end=532
-  _globals['_DELETERESPONSE']._serialized_start=534
-  _globals['_DELETERESPONSE']._serialized_end=567
-  _globals['_STATSREQUEST']._serialized_start=569
-  _globals['_STATSREQUEST']._serialized_end=583
-  _globals['_STATSRESPONSE']._serialized_start=586
-  _globals['_STATSRESPONSE']._serialized_end=742
-  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_start=697
-  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_end=742
-  _globals['_HEALTHREQUEST']._serialized_start=744
-  _globals['_HEALTHREQUEST']._serialized_end=759
-  _globals['_HEALTHRESPONSE']._serialized_start=761
-  _globals['_HEALTHRESPONSE']._serialized_end=826
-  _globals['_CACHE']._serialized_start=880
-  _globals['_CACHE']._serialized_end=1361
+  _globals['_GETRESPONSE']._serialized_end=160
+  _globals['_PUTREQUEST']._serialized_start=162
+  _globals['_PUTREQUEST']._serialized_end=251
+  _globals['_PUTRESPONSE']._serialized_start=253
+  _globals['_PUTRESPONSE']._serialized_end=312
+  _globals['_COMPAREANDSETREQUEST']._serialized_start=314
+  _globals['_COMPAREANDSETREQUEST']._serialized_end=438
+  _globals['_COMPAREANDSETRESPONSE']._serialized_start=440
+  _globals['_COMPAREANDSETRESPONSE']._serialized_end=527
+  _globals['_DELETEREQUEST']._serialized_start=529
+  _globals['_DELETEREQUEST']._serialized_end=558
+  _globals['_DELETERESPONSE']._serialized_start=560
+  _globals['_DELETERESPONSE']._serialized_end=593
+  _globals['_STATSREQUEST']._serialized_start=595
+  _globals['_STATSREQUEST']._serialized_end=609
+  _globals['_STATSRESPONSE']._serialized_start=612
+  _globals['_STATSRESPONSE']._serialized_end=768
+  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_start=723
+  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_end=768
+  _globals['_HEALTHREQUEST']._serialized_start=770
+  _globals['_HEALTHREQUEST']._serialized_end=785
+  _globals['_HEALTHRESPONSE']._serialized_start=787
+  _globals['_HEALTHRESPONSE']._serialized_end=852
+  _globals['_CACHE']._serialized_start=906
+  _globals['_CACHE']._serialized_end=1387
 # @@protoc_insertion_point(module_scope)

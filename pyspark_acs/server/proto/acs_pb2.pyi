@@ -23,26 +23,30 @@ class GetRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("found", "values", "versions")
+    __slots__ = ("found", "data", "sizes", "versions")
     FOUND_FIELD_NUMBER: _ClassVar[int]
-    VALUES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     found: _containers.RepeatedScalarFieldContainer[bool]
-    values: _containers.RepeatedScalarFieldContainer[bytes]
+    data: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, found: _Optional[_Iterable[bool]] = ..., values: _Optional[_Iterable[bytes]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, found: _Optional[_Iterable[bool]] = ..., data: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("keys", "values", "versions", "ttl_ms")
+    __slots__ = ("keys", "data", "sizes", "versions", "ttl_ms")
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    VALUES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    values: _containers.RepeatedScalarFieldContainer[bytes]
+    data: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     ttl_ms: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., values: _Optional[_Iterable[bytes]] = ..., versions: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., data: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("status",)
