@@ -412,3 +412,46 @@ def test_port_in_use_is_a_clear_error():
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 1
     assert f"127.0.0.1:{port}" in err and "cannot bind" in err
+
+
+def test_start_failure_reports_the_log_tail(tmp_path):
+    from pyspark_acs.server.deploy import DeploymentError
+
+    dep = LocalDeployment(tmp_path, data_replicas=1, metadata_replicas=0, capacity=1024)  # below the minimum
+    t0 = time.monotonic()
+    with pytest.raises(DeploymentError) as info:
+        dep.start()
+    assert time.monotonic() - t0 < 15
+    message = str(info.value)
+    assert "data-0 cache server exited with status 2" in message
+    assert "argument --capacity" in message and "too small" in message
+    assert not (tmp_path / "deployment.json").exists()
+
+
+def test_acs_up_then_acs_down_from_another_process(tmp_path):
+    from pyspark_acs.server.deploy import DeploymentError, acs_down, acs_up
+
+    dep = acs_up(tmp_path, data_replicas=2, metadata_replicas=1, capacity="4MiB")
+    try:
+        state = load_deployment(tmp_path)
+        assert state["data_endpoints"] == dep.data_endpoints and len(state["servers"]) == 3
+        assert oct((tmp_path / "deployment.json").stat().st_mode & 0o777) == "0o600"
+        with pytest.raises(DeploymentError, match="already has a running deployment"):
+            acs_up(tmp_path)
+        pids = [s["pid"] for s in state["servers"]]
+        with CacheClient(dep.metadata_endpoints) as client:
+            client.put([(b"k", b"v", 1)])
+        code = (
+            "import sys, json; from pyspark_acs.server.deploy import acs_down; "
+            f"print(json.dumps(acs_down({str(tmp_path)!r})))"
+        )
+        out = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert sorted(__import__("json").loads(out.stdout)) == ["data-0", "data-1", "metadata-0"]
+        for popen in (s.popen for role in ("data", "metadata") for s in dep.servers[role]):
+            assert popen.wait(timeout=10) == 0  # SIGTERM: graceful exit
+        assert all(not os.path.exists(f"/proc/{pid}") for pid in pids)
+        assert load_deployment(tmp_path) is None
+        assert acs_down(tmp_path) == []
+    finally:
+        dep.stop()
