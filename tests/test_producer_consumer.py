@@ -101,9 +101,10 @@ message_st = st.tuples(size_st, key_st, ts_st)
     shards=st.integers(1, 3),
     roll_bytes=st.sampled_from([1, 3000, 64 * 1024, 8 * MiB]),
     max_block_bytes=st.sampled_from([1024, 4096, MiB]),
+    max_read_bytes=st.sampled_from([100, 64 * 1024, 16 * MiB]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_round_trip_property(flushes, shards, roll_bytes, max_block_bytes, seed):
+def test_round_trip_property(flushes, shards, roll_bytes, max_block_bytes, max_read_bytes, seed):
     rnd = random.Random(seed)
     budget = 10 * MiB  # keep one example to a few MiB whatever sizes hypothesis draws
     with tempfile.TemporaryDirectory() as root:
@@ -125,7 +126,8 @@ def test_round_trip_property(flushes, shards, roll_bytes, max_block_bytes, seed)
                 total += 1
             producer.flush(timeout=WAIT_S)
         producer.close()
-        with Consumer(root, "rt") as consumer:
+        # max_read_bytes below a block's size reads that block whole
+        with Consumer(root, "rt", max_read_bytes=max_read_bytes) as consumer:
             got = consume(consumer, total)
             assert_quiet(consumer, 0.02)
         by_shard = {s: [r for r in got if r["shard"] == s] for s in range(shards)}
