@@ -227,7 +227,7 @@ def _load_extra_commands() -> None:
     """Import the modules that add commands (deployment, status, copy tree) if present."""
     import importlib
 
-    for module in ("pyspark_acs.server.commands",):
+    for module in ("pyspark_acs.server.commands", "pyspark_acs.server.copy_commands"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
