@@ -248,6 +248,24 @@ def test_chain_copy_durable_and_cache(make_env):
     check_order(values, 300)
     assert len(env.files("C")) > 2  # files rolled over on the way
 
+    from pyspark_acs.server.copy_status import copy_status, format_status
+    from pyspark_acs.server.topology import load_topology
+
+    rows = copy_status(load_topology(env.topology), env.stream)
+    assert [(r["shard"], r["cluster"], r["parent"]) for r in rows] == [
+        (s, c, p) for s in (0, 1) for c, p in (("A", None), ("B", "A"), ("C", "B"))
+    ]
+    for r in rows:
+        assert r["bytes_behind"] == 0 and r["cache_length"] == r["durable_length"], r
+        assert r["cache_delay_s"] is not None and r["hop_delay_s"] is not None or r["cluster"] == "A", format_status(rows)
+    assert "hop" in format_status(rows)
+    acs = os.path.join(os.path.dirname(sys.executable), "acs")
+    out = subprocess.run([acs, "copy-status", "--topology", str(env.topology), "--stream", env.stream],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.count("\n") == 7, out.stderr
+    out = subprocess.run([acs, "tree", "--topology", str(env.topology)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "└── C" in out.stdout, out.stderr
+
 
 class Background:
     """Produce ``n`` messages in a thread, paced, so faults hit mid-stream."""

@@ -445,7 +445,8 @@ class CopyOperation:
         at, last = blocks[-1]
         end = at + last.size
         sealed = any(h.sealed for _, h in blocks)
-        self._emit(session, pos, data[:end], last.last_ts if last.count else 0, sealed, inflight)
+        last_ts = max((h.last_ts for _, h in blocks if h.count), default=0)  # a seal block has no timestamp
+        self._emit(session, pos, data[:end], last_ts, sealed, inflight)
         self._boundaries.add(pos + end)
         return pos + end, sealed
 
