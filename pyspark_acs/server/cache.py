@@ -25,6 +25,7 @@ import hmac
 import http.server
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -250,6 +251,10 @@ def _metrics_handler(servicer: CacheServicer) -> type:
     return Handler
 
 
+class _HTTPServer6(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class CacheServer:
     """One cache replica: gRPC server + store + metrics endpoint + expiry sweeper.
 
@@ -339,10 +344,10 @@ class CacheServer:
             raise OSError(f"cannot bind the cache gRPC port {address} (in use or not a local address?)")
         self.port = port
         if self.metrics_port_requested is not None:
+            host = self.host.strip("[]")
+            server_class = _HTTPServer6 if ":" in host else http.server.ThreadingHTTPServer
             try:
-                self._http = http.server.ThreadingHTTPServer(
-                    (self.host.strip("[]"), self.metrics_port_requested), _metrics_handler(self.servicer)
-                )
+                self._http = server_class((host, self.metrics_port_requested), _metrics_handler(self.servicer))
             except OSError as exc:
                 server.stop(None)
                 raise OSError(
@@ -351,7 +356,9 @@ class CacheServer:
                 ) from exc
             self._http.daemon_threads = True
             self.metrics_port = self._http.server_address[1]
-            self._spawn("acs-cache-metrics", self._http.serve_forever)
+            http_server = self._http
+            # A short poll interval keeps shutdown() (on SIGTERM) quick.
+            self._spawn("acs-cache-metrics", lambda: http_server.serve_forever(poll_interval=0.1))
         server.start()
         self._server = server
         self._spawn("acs-cache-expiry", self._sweep_expired)

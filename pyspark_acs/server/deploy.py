@@ -141,8 +141,13 @@ def _is_cache_server(pid: int) -> bool:
         return True  # no /proc (not Linux): trust the pid file
 
 
-def _terminate(pid: int, popen: Optional[subprocess.Popen], timeout: float) -> None:
-    """SIGTERM ``pid``, then SIGKILL after ``timeout``; returns once it is gone (bounded)."""
+def _terminate(pid: int, popen: Optional[subprocess.Popen], timeout: float, *, signalled: bool = False) -> None:
+    """SIGTERM ``pid`` (unless ``signalled`` says the caller already did), then SIGKILL after
+    ``timeout``; returns once it is gone (bounded).
+
+    SIGTERM is sent once only: a second one may land after the server restored the default
+    handler on its way out and turn a clean exit into death by signal.
+    """
 
     def gone() -> bool:
         if popen is not None:
@@ -151,10 +156,11 @@ def _terminate(pid: int, popen: Optional[subprocess.Popen], timeout: float) -> N
 
     if gone():
         return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+    if not signalled:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if gone():
@@ -432,7 +438,7 @@ class LocalDeployment:
                 except ProcessLookupError:
                     pass
             for server in everyone:
-                _terminate(server.pid, server.popen, timeout)
+                _terminate(server.pid, server.popen, timeout, signalled=True)
                 server.pid = None
                 server.popen = None
                 try:
@@ -534,7 +540,7 @@ def acs_down(base_dir: Union[str, os.PathLike], timeout: float = DEFAULT_STOP_TI
     for server in servers:
         pid = server.get("pid")
         if pid and f"{server['role']}-{server['index']}" in stopped:
-            _terminate(pid, None, timeout)
+            _terminate(pid, None, timeout, signalled=True)
         pid_path = server.get("pid_path")
         if pid_path:
             try:
