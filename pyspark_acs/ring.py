@@ -17,11 +17,15 @@ import bisect
 import hashlib
 from typing import Dict, Iterable, List, Sequence, Tuple
 
-__all__ = ["DEFAULT_VNODES", "HashRing", "key_hash"]
+__all__ = ["DEFAULT_VNODES", "HashRing", "MEMO_KEYS", "key_hash"]
 
 #: Virtual nodes per endpoint: with 128, each endpoint's share of the keys stays within about
 #: +-15 % of the mean for small clusters, and the ring table stays tiny (384 points for 3 servers).
 DEFAULT_VNODES = 128
+
+#: Keys whose replicas :meth:`HashRing.replicas_for_many` remembers (per replication factor),
+#: about 100 bytes each.
+MEMO_KEYS = 32768
 
 _DIGEST_BYTES = 8
 
@@ -48,7 +52,7 @@ class HashRing:
         If ``endpoints`` is empty, holds duplicates, or ``vnodes < 1``.
     """
 
-    __slots__ = ("_endpoints", "_vnodes", "_points", "_owners", "_tables")
+    __slots__ = ("_endpoints", "_vnodes", "_points", "_owners", "_tables", "_memo")
 
     def __init__(self, endpoints: Iterable[str], *, vnodes: int = DEFAULT_VNODES) -> None:
         eps = tuple(endpoints)
@@ -69,6 +73,8 @@ class HashRing:
         # from it. Built lazily; the ring is immutable, so a plain dict write is race-free enough
         # (two threads may build the same table; both results are equal).
         self._tables: Dict[int, List[Tuple[str, ...]]] = {}
+        # Per r: key -> replicas. Plain dicts: single operations are atomic under the GIL.
+        self._memo: Dict[int, Dict[bytes, Tuple[str, ...]]] = {}
 
     @property
     def endpoints(self) -> Tuple[str, ...]:
@@ -124,19 +130,33 @@ class HashRing:
         return table[index if index < len(table) else 0]
 
     def replicas_for_many(self, keys: Sequence[bytes], r: int) -> List[Tuple[str, ...]]:
-        """:meth:`replicas_for` for each of ``keys`` (one table look-up per key)."""
+        """:meth:`replicas_for` for each of ``keys``.
+
+        Results are memoized (up to :data:`MEMO_KEYS` keys per ``r``, then the memo starts
+        over): the metadata poller asks for the same few keys every few milliseconds, and a
+        blake2b per key is most of the cost here.
+        """
         if r < 1:
             raise ValueError(f"replication must be >= 1, got {r}")
         r = min(r, len(self._endpoints))
+        memo = self._memo.get(r)
+        if memo is None:
+            memo = self._memo.setdefault(r, {})
+        if len(memo) > MEMO_KEYS:
+            memo.clear()  # racing threads may each clear or refill it: both are harmless
         table = self._table(r)
         points = self._points
         size = len(table)
         blake = hashlib.blake2b
         find = bisect.bisect_left
         out = []
+        append = out.append
         for key in keys:
-            index = find(points, int.from_bytes(blake(key, digest_size=_DIGEST_BYTES).digest(), "big"))
-            out.append(table[index if index < size else 0])
+            reps = memo.get(key)
+            if reps is None:
+                index = find(points, int.from_bytes(blake(key, digest_size=_DIGEST_BYTES).digest(), "big"))
+                reps = memo[key] = table[index if index < size else 0]
+            append(reps)
         return out
 
     def primary(self, key: bytes) -> str:
