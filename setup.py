@@ -20,7 +20,7 @@ setup(
         "cachetools>=5",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.60", "pandas"],
+        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.60", "pandas<3"],
         "bench": ["redis"],
     },
     entry_points={

@@ -1,0 +1,264 @@
+"""The Spark connector with a real local SparkSession: format("acs") source, batch reader, sink."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import threading
+import time
+
+import pytest
+from chispa import assert_df_equality
+
+from pyspark_acs import Producer
+from pyspark_acs.consumer import Consumer
+
+pytestmark = pytest.mark.spark
+
+COLS = ["shard", "key", "value"]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def produce(root, stream, messages, shards=2, flush_each=False, **kw):
+    """Send (shard, key, value) triples (one block each with flush_each); return them."""
+    with Producer(root, stream, shards=shards, **kw) as p:
+        for shard, key, value in messages:
+            p.send(value, key=key, shard=shard)
+            if flush_each:
+                p.flush()
+    return messages
+
+
+def random_messages(n, shards, seed=0, max_size=300):
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        size = rnd.choice([0, 1, 10, max_size, rnd.randrange(max_size)])
+        out.append((i % shards, f"k{i}".encode(), rnd.randbytes(size)))
+    return out
+
+
+def read_acs(spark, root, stream, **opts):
+    reader = spark.read.format("acs").option("root", root).option("stream", stream)
+    for k, v in opts.items():
+        reader = reader.option(k, v)
+    return reader.load()
+
+
+def ordered(df):
+    """Rows per shard in stream order, as (shard, key, value)."""
+    return df.orderBy("shard", "file", "position").select(*COLS)
+
+
+def test_batch_read_is_byte_exact_and_ordered(spark, root):
+    msgs = produce(root, "orders", random_messages(500, 3, seed=1), shards=3, max_block_bytes=4096, roll_bytes=20_000)
+    got = ordered(read_acs(spark, root, "orders"))
+    expected = spark.createDataFrame(sorted(msgs, key=lambda m: m[0]), got.schema)  # stable: per-shard order kept
+    assert_df_equality(got, expected)
+    assert read_acs(spark, root, "orders").schema.simpleString() == (
+        "struct<stream:string,shard:int,file:string,position:bigint,timestamp:timestamp,key:binary,value:binary>"
+    )
+
+
+def test_batch_sink_then_source_round_trip(spark, root):
+    rows = [(i % 2, f"k{i}".encode(), os.urandom(i % 50)) for i in range(300)]
+    df = spark.createDataFrame(rows, "shard int, key binary, value binary").repartition(1)
+    df.write.format("acs").option("root", root).option("stream", "copy").option("shards", 2).mode("append").save()
+    got = ordered(read_acs(spark, root, "copy"))
+    assert_df_equality(got, spark.createDataFrame(sorted(rows, key=lambda r: r[0]), got.schema))
+
+
+def test_streaming_sink_to_source_restart_exactly_once(spark, root, tmp_path):
+    """acs -> Spark -> acs with a stop and restart mid-stream and a replayed batch."""
+    first = produce(root, "src", random_messages(400, 2, seed=2), max_block_bytes=2048)
+    ckpt = str(tmp_path / "ckpt")
+
+    def start(trigger):
+        q = (
+            spark.readStream.format("acs").option("root", root).option("stream", "src")
+            .option("startingOffsets", "earliest").option("maxRowsPerTrigger", 150).load()
+            .select("shard", "key", "value", "timestamp")
+            .writeStream.format("acs").option("root", root).option("stream", "dst").option("shards", 2)
+            .option("checkpointLocation", ckpt)
+        )
+        return q.trigger(**trigger).start()
+
+    q = start({"processingTime": "0 seconds"})
+    wait_for(lambda: sum(p["numInputRows"] for p in q.recentProgress) >= 150, 120, "the first batches")
+    q.stop()
+    second = produce(root, "src", random_messages(300, 2, seed=3), max_block_bytes=2048)
+    q = start({"availableNow": True})
+    q.awaitTermination(180)
+    assert q.exception() is None
+    # Replay: forget the sink's last commit in the checkpoint; Spark runs that batch again.
+    last = max(int(n) for n in os.listdir(os.path.join(ckpt, "commits")) if n.isdigit())
+    for name in (str(last), f".{last}.crc"):
+        path = os.path.join(ckpt, "commits", name)
+        if os.path.exists(path):
+            os.remove(path)
+    q = start({"availableNow": True})
+    q.awaitTermination(180)
+    assert q.exception() is None
+    expected = sorted(first + second, key=lambda m: m[0])
+    got = ordered(read_acs(spark, root, "dst"))
+    assert_df_equality(got, spark.createDataFrame(expected, got.schema))
+
+
+def test_admission_control_bounds_batches_and_available_now_drains(spark, root, tmp_path):
+    produce(root, "adm", [(i % 2, None, b"x" * 100) for i in range(600)], max_block_bytes=1024)
+    q = (
+        spark.readStream.format("acs").option("root", root).option("stream", "adm")
+        .option("startingOffsets", "earliest").option("maxRowsPerTrigger", 100).load()
+        .writeStream.format("memory").queryName("adm_rows").trigger(availableNow=True).start()
+    )
+    q.awaitTermination(180)
+    sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
+    assert sum(sizes) == 600 and spark.table("adm_rows").count() == 600
+    assert len(sizes) >= 6 and max(sizes) <= 100, sizes
+    q = (
+        spark.readStream.format("acs").option("root", root).option("stream", "adm")
+        .option("startingOffsets", "earliest").option("maxBytesPerTrigger", "20KiB").load()
+        .writeStream.format("memory").queryName("adm_bytes").trigger(availableNow=True).start()
+    )
+    q.awaitTermination(180)
+    sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
+    # 20 KiB of ~1 KiB blocks of 9 messages of 100 B: at most ~20 blocks a batch.
+    assert sum(sizes) == 600 and len(sizes) >= 3 and max(sizes) <= 200, sizes
+    q = (
+        spark.readStream.format("acs").option("root", root).option("stream", "adm")
+        .option("startingOffsets", "earliest").option("maxRowsPerTrigger", 100).load()
+        .writeStream.format("memory").queryName("adm_once").trigger(once=True).start()
+    )
+    q.awaitTermination(180)
+    assert [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]] == [600]
+
+
+def test_offsets_latest_timestamp_and_ending(spark, root):
+    produce(root, "pos", [(0, None, b"old-%d" % i) for i in range(20)], shards=1)
+    time.sleep(0.05)
+    cut_ms = int(time.time() * 1000)
+    time.sleep(0.05)
+    produce(root, "pos", [(0, None, b"new-%d" % i) for i in range(10)], shards=1)
+    values = [r.value for r in ordered(read_acs(spark, root, "pos", startingTimestamp=cut_ms)).collect()]
+    assert values == [b"new-%d" % i for i in range(10)]
+    c = Consumer(root, "pos")
+    first = next(c.batches(timeout=1))
+    mid = c.offsets()
+    c.close()
+    assert first.num_rows == 20
+    values = [r.value for r in ordered(read_acs(spark, root, "pos", endingOffsets=json.dumps(mid))).collect()]
+    assert values == [b"old-%d" % i for i in range(20)]
+    values = [r.value for r in ordered(read_acs(spark, root, "pos", startingOffsets=json.dumps(mid))).collect()]
+    assert values == [b"new-%d" % i for i in range(10)]
+
+
+def test_fail_on_data_loss_both_ways(spark, root):
+    produce(root, "lossy", [(0, None, b"a%d" % i) for i in range(50)], shards=1, flush_each=True, roll_bytes=1500)
+    c = Consumer(root, "lossy")
+    files = sorted(os.listdir(os.path.join(root, "lossy", "00000")))
+    files = [f for f in files if f.endswith(".acs")]
+    assert len(files) >= 3
+    os.remove(os.path.join(root, "lossy", "00000", files[0]))
+    start = json.dumps({"lossy": {"0": {"file": files[0], "length": 0}}})
+    with pytest.raises(Exception) as err:
+        read_acs(spark, root, "lossy", startingOffsets=start).count()
+    text = str(err.value)
+    assert "data loss" in text and files[0] in text and "shard 0" in text
+    rest = read_acs(spark, root, "lossy", startingOffsets=start, failOnDataLoss="false").count()
+    c.close()
+    assert 0 < rest < 50
+
+
+@pytest.mark.parametrize(
+    "opts, needle",
+    [
+        ({"stream": "x", "bogus": "1"}, "valid options are"),
+        ({"stream": "x", "startingOffsets": "beginning"}, "startingOffsets"),
+        ({"stream": "x", "maxBytesPerTrigger": "lots"}, "maxBytesPerTrigger"),
+        ({"stream": "x", "failOnDataLoss": "maybe"}, "failOnDataLoss"),
+        ({"stream": "x", "dataCache": "localhost"}, "dataCache"),
+        ({"stream": "../x"}, "invalid stream name"),
+        ({}, "'stream' is required"),
+        ({"stream": "nope"}, "no stream 'nope'"),
+    ],
+)
+def test_bad_source_options_are_named(spark, root, opts, needle):
+    with pytest.raises(Exception) as err:
+        read_acs_raw = spark.read.format("acs").option("root", root)
+        for k, v in opts.items():
+            read_acs_raw = read_acs_raw.option(k, v)
+        read_acs_raw.load().count()
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "ddl, opts, needle",
+    [
+        ("key binary", {"shards": "1"}, "needs a 'value' column"),
+        ("value int", {"shards": "1"}, "column 'value' must be binary or string"),
+        ("value binary, shard string", {"shards": "1"}, "column 'shard' must be an integer type"),
+        ("value binary", {}, "give option 'shards'"),
+        ("value binary", {"shards": "1", "colour": "red"}, "unknown option 'colour'"),
+    ],
+)
+def test_bad_sink_input_is_refused(spark, root, ddl, opts, needle):
+    df = spark.createDataFrame([], ddl)
+    writer = df.write.format("acs").option("root", root).option("stream", "sinkbad").mode("append")
+    for k, v in opts.items():
+        writer = writer.option(k, v)
+    with pytest.raises(Exception) as err:
+        writer.save()
+    assert needle in str(err.value)
+
+
+def test_cache_replica_killed_during_streaming_query(spark, tmp_path):
+    from pyspark_acs.server.deploy import LocalDeployment
+
+    root = str(tmp_path / "store")
+    with LocalDeployment(str(tmp_path / "caches")) as dep:
+        caches = {"dataCache": dep.data_endpoints, "metadataCache": dep.metadata_endpoints}
+        total = 3000
+        stop = threading.Event()
+
+        def feed():
+            with Producer(root, "live", shards=2, data_cache=dep.data_endpoints,
+                          metadata_cache=dep.metadata_endpoints) as p:
+                for i in range(total):
+                    p.send(b"m%05d" % i, shard=i % 2)
+                    if i % 100 == 99:
+                        p.flush()
+                        time.sleep(0.02)
+            stop.set()
+
+        Producer(root, "live", shards=2).close()  # create the stream before the query starts
+        reader = spark.readStream.format("acs").option("root", root).option("stream", "live")
+        for k, v in caches.items():
+            reader = reader.option(k, v)
+        q = (reader.option("startingOffsets", "earliest").load()
+             .writeStream.format("memory").queryName("live_rows").trigger(processingTime="0 seconds").start())
+        try:
+            feeder = threading.Thread(target=feed)
+            feeder.start()
+            wait_for(lambda: spark.table("live_rows").count() > 300, 120, "rows before the kill")
+            dep.kill("data", 0)
+            feeder.join(120)
+            assert stop.is_set()
+            wait_for(lambda: spark.table("live_rows").count() >= total, 120, "every row after the kill")
+            assert q.exception() is None
+        finally:
+            q.stop()
+        rows = spark.table("live_rows").orderBy("shard", "file", "position").select("shard", "value").collect()
+        for shard in (0, 1):
+            got = [r.value for r in rows if r.shard == shard]
+            assert got == [b"m%05d" % i for i in range(shard, total, 2)]
