@@ -512,7 +512,7 @@ time.sleep(60)
 def test_one_writer_per_shard_and_takeover_after_a_killed_writer(root, python_exe, subprocess_env, monkeypatch):
     monkeypatch.setattr(consumer_mod, "ABANDON_CHECK_INTERVAL_S", 0.05)
     child = subprocess.Popen(
-        [python_exe, "-c", _CHILD, root, "1.0"], stdout=subprocess.PIPE, env=subprocess_env, text=True
+        [python_exe, "-c", _CHILD, root, "3.0"], stdout=subprocess.PIPE, env=subprocess_env, text=True
     )
     try:
         line = child.stdout.readline().strip()  # the child flushed its messages
