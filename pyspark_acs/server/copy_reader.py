@@ -40,7 +40,7 @@ from .copy_metrics import CopyMetrics
 from .copy_options import CopyDaemonOptions
 from .proto import copy_pb2, copy_pb2_grpc
 
-__all__ = ["ABANDONED_AFTER_S", "ACK_TIMEOUT_S", "CopyOperation", "LengthPoller", "OperationEnded"]
+__all__ = ["ABANDONED_AFTER_S", "ACK_TIMEOUT_S", "DURABLE_POLL_INTERVAL_S", "CopyOperation", "LengthPoller", "OperationEnded"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 ABANDONED_AFTER_S = 3.0
 #: How long a reader waits for any acknowledgement before it reconnects.
 ACK_TIMEOUT_S = 10.0
+#: The poller also reads every followed file's length from the durable store this often.
+DURABLE_POLL_INTERVAL_S = 1.0
 #: After a metadata-cache failure the poller uses store lengths for this long.
 _META_RETRY_S = 1.0
 
@@ -74,6 +76,7 @@ class LengthPoller:
         self._lengths: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
         self._round = 0
         self._meta_down_until = 0.0
+        self._store_polled = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="acs-copy-poller", daemon=True)
 
@@ -126,7 +129,13 @@ class LengthPoller:
                 self._meta_down_until = now + _META_RETRY_S
                 log.warning("metadata cache of %s unavailable, copying from durable lengths: %s", self.io.name, exc)
         # Files the metadata cache does not know (or all, while it is down): the store's lengths.
-        unknown = [r for r in rels if published.get(r, (None, None))[1] is None]
+        # Every DURABLE_POLL_INTERVAL_S all files are checked in the store too: a writer killed
+        # between its append and its publish leaves a published length behind the file.
+        if now - self._store_polled >= DURABLE_POLL_INTERVAL_S:
+            self._store_polled = now
+            unknown = rels
+        else:
+            unknown = [r for r in rels if published.get(r, (None, None))[1] is None]
         durable = self.io.store.lengths(unknown) if unknown else {}
         out = {}
         for r in rels:
@@ -211,8 +220,10 @@ class CopyOperation:
     stub_for : callable
         ``stub_for(cluster name) -> CopyStub`` of the child's daemon.
     is_final : callable
-        ``is_final() -> bool``: a newer file exists in the shard, so this one will not grow
-        except for its writer's last blocks.
+        ``is_final() -> bool``: a newer file exists in the shard.
+    is_source : bool
+        This cluster is the stream's source: an unsealed file with a newer file after it was
+        abandoned by its writer and ends once it stops growing (elsewhere its copy waits).
     options : CopyDaemonOptions
     metrics : CopyMetrics
     operation_prefix : str
@@ -230,8 +241,10 @@ class CopyOperation:
         options: CopyDaemonOptions,
         metrics: CopyMetrics,
         operation_prefix: str,
+        is_source: bool = False,
     ) -> None:
         self.key = key
+        self.is_source = is_source
         self.shards = shards
         self.io = io
         self.poller = poller
@@ -251,6 +264,8 @@ class CopyOperation:
         #: Positions known to be block boundaries of the source (acked delta ends).
         self._boundaries: Set[int] = {0}
         self._stalled_since: Optional[float] = None
+        self._tail_checked = -1
+        self._tail_sealed = False
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -377,19 +392,38 @@ class CopyOperation:
                 seen_round = self.poller.wait(seen_round, self.options.poll_interval * 2)
 
     def _complete(self, pos: int) -> bool:
-        """Whether a file that is not sealed in what we copied is finished anyway."""
-        if not self.is_final():
+        """Whether the file is finished although no delta we sent carried its seal (the
+        destination already had the bytes when this operation started)."""
+        # The store is the truth here (a published length can lag it).
+        durable = self.io.store.lengths([self.rel])[self.rel] or 0
+        if pos < durable or durable == 0:
             self._stalled_since = None
             return False
-        _, durable = self._source_lengths()
-        if pos >= durable and durable > 0:
-            # A newer file exists and the durable file holds nothing more: its writer sealed it
-            # (in bytes before we started) or was replaced.
+        if durable != self._tail_checked:
+            self._tail_checked = durable
+            self._tail_sealed = self._ends_with_seal(durable)
+        if self._tail_sealed:
             return True
+        # Files are copied in parallel, so a newer file here does not mean this one is done,
+        # except in the source cluster: there the writer was replaced and left it unsealed.
+        if not (self.is_source and self.is_final()):
+            self._stalled_since = None
+            return False
         now = time.monotonic()
         if self._stalled_since is None:
             self._stalled_since = now
         return now - self._stalled_since >= ABANDONED_AFTER_S
+
+    def _ends_with_seal(self, length: int) -> bool:
+        """The last block of ``[0, length)`` is an END_OF_FILE seal (header checksum verified)."""
+        if length < HEADER_SIZE:
+            return False
+        tail = self.io.store.read(self.rel, length - HEADER_SIZE, length)
+        try:
+            header = parse_header(tail, 0, path=self.uri, position=length - HEADER_SIZE)
+        except CorruptFileError:
+            return False
+        return header.sealed and header.count == 0 and header.size == HEADER_SIZE
 
     # -- reading the source ----------------------------------------------------------------
 

@@ -281,6 +281,7 @@ class CopyScheduler:
                                     key, shards, self.io, self.poller, self.stub_for,
                                     lambda s=stream, h=shard, f=file: self.is_final(s, h, f),
                                     self.options, self.metrics, self.operation_prefix,
+                                    is_source=self._trees[stream].source == self.cluster,
                                 )
                                 thread = threading.Thread(target=op.run, name=f"acs-copy-{key.storage}-{child}", daemon=True)
                                 self._ops[key] = (op, thread)

@@ -179,6 +179,12 @@ class _DurableWriter(_OpWriter):
         # may have left a partial delta; its bytes are a correct prefix of the source's).
         self.appender = self.io.store.open_appender(self.rel)
         self.position = self.appender.position
+        if self.position:
+            # A writer killed between append and publish left the published length behind.
+            try:
+                self.io.meta.publish(self.uri, durable_length=self.position)
+            except CacheError as exc:
+                log.debug("%s: durable length not published: %s", self.what(), exc)
         return _ack(copy_pb2.OK, self.position, durable_length=self.position)
 
     def write(self, req: copy_pb2.CopyRequest) -> copy_pb2.CopyAck:
