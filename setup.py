@@ -14,13 +14,13 @@ setup(
     install_requires=[
         "pyspark>=4.2,<5",
         "py4j",
-        "grpcio>=1.60",
-        "protobuf>=5.26",
+        "grpcio>=1.85.1",
+        "protobuf>=7.35",
         "pyarrow>=15",
         "cachetools>=5",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.60", "pandas<3"],
+        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3"],
         "bench": ["redis"],
     },
     entry_points={
