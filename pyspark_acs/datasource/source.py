@@ -170,8 +170,9 @@ class _Planner:
             out[s] = max(latest, begin) if begin is not None else latest
         return out
 
-    def limited(self, start: OffsetMap, limit: ReadLimit) -> OffsetMap:
-        """End offsets from ``start`` under ``limit`` (plus the other configured budget)."""
+    def limited(self, start: OffsetMap, limit: ReadLimit) -> Tuple[OffsetMap, OffsetMap]:
+        """End offsets from ``start`` under ``limit`` (plus the other configured budget), and
+        the latest offsets (for progress reporting)."""
         shards = sorted(start)
         max_bytes = max_rows = None
         if not isinstance(limit, ReadAllAvailable):
@@ -182,7 +183,7 @@ class _Planner:
         extents = {s: shard_extent(self.path, s[0], s[1], start[s]) for s in shards}
         latest = {s: max(extents[s].latest(self._boundaries, self.path), start[s]) for s in shards}
         if max_bytes is None and max_rows is None:
-            return latest
+            return latest, latest
         backlog = {s: extents[s].backlog(start[s]) for s in shards}
         total = sum(backlog.values())
         end: OffsetMap = {}
@@ -199,7 +200,7 @@ class _Planner:
                 max_bytes=None if max_bytes is None else max(1, int(max_bytes * share)),
                 max_rows=None if max_rows is None else max(1, int(max_rows * share)),
             )
-        return end
+        return end, latest
 
     def partitions(self, start: OffsetMap, end: OffsetMap) -> List[AcsPartition]:
         parts = []
@@ -242,8 +243,7 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         begin = _to_map(start, "start offset")
         for s in self.planner.shards():  # shards a stream gained since the checkpoint
             begin.setdefault(s, earliest_offset(self.planner.path.store, *s))
-        end = self.planner.limited(begin, limit)
-        self._reported = self.planner.latest(sorted(begin), begin)
+        end, self._reported = self.planner.limited(begin, limit)
         if self._available_now is not None:
             end = {s: min(o, self._available_now.get(s, begin[s])) if o > begin[s] else o for s, o in end.items()}
             end = {s: max(o, begin[s]) for s, o in end.items()}
