@@ -1,0 +1,206 @@
+"""The runnable examples: examples/demo.py, examples/producer_job.py + consumer_job.py, and the
+jars-free launcher jars-free/cache_server.py, each run as its own process (as a user would).
+
+Spark-heavy runs are marked ``spark``; every wait is bounded, and a process that overruns
+gets SIGTERM (the scripts clean up on it), then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from conftest import ROOT
+
+EXAMPLES = Path(ROOT) / "examples"
+JARS_FREE = Path(ROOT) / "jars-free"
+
+
+def run(cmd: List[str], env, timeout: float, cwd: str = ROOT) -> subprocess.CompletedProcess:
+    """Run ``cmd``; on timeout SIGTERM it (scripts clean up), then SIGKILL, and fail with its output."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout:.0f} s; output tail:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def explain(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}; output tail:\n{result.stdout[-6000:]}"
+
+
+@pytest.fixture
+def env(subprocess_env):
+    e = dict(subprocess_env)
+    e["PYSPARK_PYTHON"] = sys.executable
+    e["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    return e
+
+
+# -- jars-free/cache_server.py ------------------------------------------------------------------
+
+
+def _first_line(proc: subprocess.Popen, timeout: float) -> str:
+    got: List[str] = []
+    t = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    return got[0].strip() if got else ""
+
+
+def test_cache_server_launcher_serves_and_stops_on_sigterm(env, tmp_path):
+    cmd = [sys.executable, str(JARS_FREE / "cache_server.py"), "--role", "data", "--port", "0", "--capacity", "16MiB",
+           "--metrics-port", "-1"]
+    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+    try:
+        line = _first_line(proc, 30.0)
+        assert re.match(r"acs-cache-server role=data listening on 127\.0\.0\.1:\d+ metrics=off$", line), (
+            line, proc.poll())
+        endpoint = line.split(" listening on ", 1)[1].split()[0]
+
+        from pyspark_acs.cache_client import CacheClient
+
+        with CacheClient(endpoint, name="data cache") as client:  # it really serves
+            client.put([(b"k", b"v" * 10, 10)])
+            assert client.get([b"k"])[0].value == b"v" * 10
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_cache_server_launcher_help_and_bad_flag(env):
+    ok = run([sys.executable, str(JARS_FREE / "cache_server.py"), "--help"], env, 60)
+    assert ok.returncode == 0 and "--role" in ok.stdout and "--capacity" in ok.stdout, explain(ok)
+    bad = run([sys.executable, str(JARS_FREE / "cache_server.py"), "--role", "data", "--capacity", "lots"], env, 60)
+    assert bad.returncode == 2 and "--capacity" in bad.stdout, explain(bad)
+
+
+# -- examples/producer_job.py + consumer_job.py -------------------------------------------------
+
+
+def test_job_help(env):
+    for script in ("producer_job.py", "consumer_job.py", "demo.py"):
+        result = run([sys.executable, str(EXAMPLES / script), "--help"], env, 60)
+        assert result.returncode == 0 and "usage:" in result.stdout, (script, explain(result))
+    missing = run([sys.executable, str(EXAMPLES / "consumer_job.py")], env, 60)
+    assert missing.returncode == 2 and "--root" in missing.stdout, explain(missing)
+
+
+@pytest.mark.spark
+def test_producer_job_then_consumer_job_available_now(env, tmp_path):
+    root = str(tmp_path / "store")
+    produced = run(
+        [sys.executable, str(EXAMPLES / "producer_job.py"), "--root", root, "--stream", "events", "--shards", "3",
+         "--messages", "2500", "--rows-per-batch", "1000", "--trigger-interval", "0 seconds", "--value-bytes", "64",
+         "--checkpoint", str(tmp_path / "ckpt-producer")],
+        env, 240,
+    )
+    assert produced.returncode == 0, explain(produced)
+    assert "done: 2500 messages written to 'events'" in produced.stdout, explain(produced)
+
+    consumed = run(
+        [sys.executable, str(EXAMPLES / "consumer_job.py"), "--root", root, "--stream", "events", "--available-now",
+         "--max-rows-per-trigger", "1000", "--show", "1", "--expect", "2500",
+         "--checkpoint", str(tmp_path / "ckpt-consumer")],
+        env, 240,
+    )
+    assert consumed.returncode == 0, explain(consumed)
+    summary = re.search(r"consumed (\d+) messages \((\d+) value bytes\) in (\d+) batches", consumed.stdout)
+    assert summary, explain(consumed)
+    assert int(summary.group(1)) == 2500 and int(summary.group(2)) == 2500 * 64, explain(consumed)
+    assert int(summary.group(3)) >= 3, explain(consumed)  # maxRowsPerTrigger=1000 under AvailableNow
+    assert "value=b'000000000000:xxx" in consumed.stdout, explain(consumed)
+
+
+# -- examples/demo.py ---------------------------------------------------------------------------
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_demo_runs_end_to_end(env):
+    result = run([sys.executable, str(EXAMPLES / "demo.py"), "--messages", "6000", "--rate", "1500",
+                  "--timeout", "200"], env, 270)
+    assert result.returncode == 0, explain(result)
+    out = result.stdout
+    assert "byte-exact: 6000/6000 messages match" in out, explain(result)
+    assert "byte-exact: a batch read of the durable store equals the 6000 streamed rows" in out, explain(result)
+    assert re.search(r"delivery delay \(source row arrival - message timestamp\).*p50 \d+ ms\s+p99 \d+ ms", out), (
+        explain(result))
+    assert "demo OK" in out and "stopped" in out.splitlines()[-1], explain(result)
+    if "cluster B: skipped" not in out:
+        assert "byte-exact: cluster B holds the same 6000 messages" in out, explain(result)
+
+
+def _load_demo():
+    spec = importlib.util.spec_from_file_location("acs_demo", EXAMPLES / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_verification_catches_mismatches(tmp_path):
+    """The demo's checks (no Spark): a right stream passes; a flipped byte, a lost, a duplicated or
+    a reordered message each fail with a message saying what differs."""
+    import pyarrow as pa
+
+    demo_mod = _load_demo()
+    n, vb, shards = 40, 100, 2
+
+    def table(numbers, corrupt=None):
+        rows = {"shard": [], "position": [], "file": [], "timestamp": [], "key": [], "value": []}
+        positions = {}
+        for v in numbers:
+            key = demo_mod.expected_key(v)
+            shard = demo_mod.zlib.crc32(key) % shards
+            value = demo_mod.expected_value(v, vb)
+            if v == corrupt:
+                value = value[:-1] + b"!"
+            rows["shard"].append(shard)
+            rows["position"].append(positions.setdefault(shard, 0))
+            positions[shard] += 1
+            rows["file"].append("f.acs")
+            rows["timestamp"].append(1_700_000_000_000_000 + v)
+            rows["key"].append(key)
+            rows["value"].append(value)
+        return pa.table({**rows, "timestamp": pa.array(rows["timestamp"], pa.timestamp("us", tz="UTC"))})
+
+    def check(numbers, **kw):
+        d = demo_mod.Demo(demo_mod.parse_args(["--messages", str(n), "--value-bytes", str(vb), "--shards",
+                                               str(shards), "--workdir", str(tmp_path / "w")]))
+        d.collector.tables.append((0.0, table(numbers, **kw)))
+        return d.verify_stream()
+
+    assert len(check(list(range(n)))) == n
+    with pytest.raises(demo_mod.Mismatch, match="message 7 .*value differs"):
+        check(list(range(n)), corrupt=7)
+    with pytest.raises(demo_mod.Mismatch, match=r"1 messages missing \(first: \[5\]\)"):
+        check([v for v in range(n) if v != 5])
+    with pytest.raises(demo_mod.Mismatch, match="message 3 arrived twice"):
+        check(list(range(n)) + [3])
+    same = [v for v in range(n) if demo_mod.zlib.crc32(demo_mod.expected_key(v)) % shards == 0][:2]
+    swapped = list(range(n))
+    swapped[same[0]], swapped[same[1]] = same[1], same[0]
+    with pytest.raises(demo_mod.Mismatch, match="shard 0: messages out of order"):
+        check(swapped)
