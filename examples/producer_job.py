@@ -110,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         messages = rows.select(
             F.concat(F.lit("key-"), (v % args.keys).cast("string")).cast("binary").alias("key"),
             F.concat(F.lpad(v.cast("string"), 12, "0"), F.lit(":"),
-                     F.lit("x" * (args.value_bytes - VALUE_HEAD))).cast("binary").alias("value"),
+                     F.repeat(F.lit("x"), args.value_bytes - VALUE_HEAD)).cast("binary").alias("value"),
         )
         writer = (
             messages.writeStream.format("acs")

@@ -204,3 +204,26 @@ def test_demo_verification_catches_mismatches(tmp_path):
     swapped[same[0]], swapped[same[1]] = same[1], same[0]
     with pytest.raises(demo_mod.Mismatch, match="shard 0: messages out of order"):
         check(swapped)
+
+
+def test_demo_goes_on_without_cluster_b_when_the_copy_daemon_does_not_start(tmp_path, monkeypatch):
+    """--copy auto: a copy daemon that fails to start is reported and cluster B is skipped
+    (cluster A's servers keep running); --copy on makes it an error."""
+    demo_mod = _load_demo()
+
+    def broken(self, dep):
+        raise demo_mod.DemoError("copy daemon of cluster A did not start (exit 1): boom")
+
+    monkeypatch.setattr(demo_mod.Demo, "start_cluster_b", broken)
+    for mode in ("auto", "on"):
+        d = demo_mod.Demo(demo_mod.parse_args(["--copy", mode, "--workdir", str(tmp_path / mode)]))
+        try:
+            if mode == "on":
+                with pytest.raises(demo_mod.DemoError, match="boom"):
+                    d.start_clusters()
+            else:
+                d.start_clusters()
+                assert set(d.deps) == {"A"} and d.deps["A"].is_running("data", 0)
+        finally:
+            d.close()
+        assert not (tmp_path / mode).exists()  # close() removed the work folder

@@ -1,0 +1,282 @@
+"""The Spark ``acs`` source against Spark's built-in text file source, and sink-to-source delay.
+
+1. Throughput: N messages of 1 KiB (default 200k = 200 MiB) are written once as an acs stream
+   (Producer, 2 shards) and once as text files (the same bytes, one message per line, 2 files).
+   Each is read by Spark (local[2]) into the ``noop`` sink, in the same run:
+
+   * batch:     ``spark.read.format("acs")``           vs ``spark.read.text(dir)``
+   * streaming: ``readStream.format("acs")``           vs ``readStream.text(dir)``
+     with ``Trigger.AvailableNow`` (query start to termination, fresh checkpoints)
+
+   Rows/s and MB/s (of message bytes) of each and the acs/text ratio are printed. Both inputs
+   are checked up front to hold exactly N rows (and message 0 byte-exact); each streaming run
+   must read N rows. ``--caches`` also reads the acs stream through a
+   local deployment's caches (the Producer then writes through them as well).
+
+2. End-to-end delay: a sink query (``rate`` source -> ``writeStream.format("acs")`` with
+   caches) and a source query (``readStream.format("acs")`` with caches -> ``foreachBatch``)
+   run together at ``processingTime="0 seconds"``; the delay of a message is its arrival in
+   ``foreachBatch`` minus its timestamp (set by the sink when it encoded the row). p50/p99
+   of the arrivals after a warm-up (``--warmup`` seconds after the first arrival).
+
+Usage::
+
+    .venv/bin/python benchmarks/spark_source.py [--messages 200000] [--repeat 2]
+        [--delay-seconds 30] [--delay-rate 1000] [--caches] [--skip-delay]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+from _common import percentile, progress, report
+
+from pyspark_acs import Producer
+from pyspark_acs.server.deploy import LocalDeployment
+
+SIZE = 1024
+SHARDS = 2
+
+
+def message(i: int, filler: bytes) -> bytes:
+    """Message i: 1 KiB, printable, no newline (so it is also one text line)."""
+    head = b"%012d " % i
+    return head + filler[: SIZE - len(head)]
+
+
+def write_inputs(base: str, n: int, dep: Optional[LocalDeployment]) -> Dict[str, str]:
+    filler = (b"abcdefghijklmnopqrstuvwxyz0123456789" * 40)[:SIZE]
+    root = os.path.join(base, "acs")
+    text_dir = os.path.join(base, "text")
+    os.makedirs(text_dir)
+    progress(f"writing {n} messages of {SIZE} B as an acs stream ({SHARDS} shards"
+             f"{', through the caches' if dep else ''}) and as {SHARDS} text files")
+    caches = {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints} if dep else {}
+    files = [open(os.path.join(text_dir, f"part-{s}.txt"), "wb") for s in range(SHARDS)]
+    try:
+        with Producer(root, "bench", shards=SHARDS, **caches) as p:
+            for i in range(n):
+                m = message(i, filler)
+                p.send(m, shard=i % SHARDS)
+                files[i % SHARDS].write(m + b"\n")
+            p.flush()
+    finally:
+        for f in files:
+            f.close()
+    return {"root": root, "text": text_dir}
+
+
+def build_spark():
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("acs-spark-source-bench")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.python.worker.reuse", "true")
+        .config("spark.sql.files.maxPartitionBytes", str(512 * 1024 * 1024))  # one partition per text file
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def rows_read(query) -> int:
+    """Rows a finished query read, from its progress reports (numInputRows)."""
+    return sum(p["numInputRows"] for p in query.recentProgress)
+
+
+def timed(fn: Callable[[], int]) -> Dict[str, float]:
+    t0 = time.perf_counter()
+    rows = fn()
+    return {"s": time.perf_counter() - t0, "rows": rows}
+
+
+def throughput(spark, paths: Dict[str, str], n: int, repeat: int, tmp: str, dep: Optional[LocalDeployment]) -> None:
+    acs_opts = {"root": paths["root"], "stream": "bench"}
+    cache_opts = dict(acs_opts, dataCache=dep.data_endpoints, metadataCache=dep.metadata_endpoints) if dep else None
+    counter = [0]
+
+    def batch(reader: Callable[[], object]) -> Callable[[], int]:
+        def run() -> int:
+            df = reader()
+            df.write.format("noop").mode("overwrite").save()
+            return n  # the noop sink reports no count; counts are checked once up front
+        return run
+
+    def stream(make: Callable[[], object]) -> Callable[[], int]:
+        def run() -> int:
+            counter[0] += 1
+            q = (
+                make()
+                .writeStream.format("noop")
+                .option("checkpointLocation", os.path.join(tmp, f"ckpt-{counter[0]}"))
+                .trigger(availableNow=True)
+                .start()
+            )
+            if not q.awaitTermination(900):
+                q.stop()
+                raise RuntimeError("AvailableNow query did not finish in 900 s")
+            if q.exception():
+                raise RuntimeError(str(q.exception()))
+            return rows_read(q)
+        return run
+
+    cases = {
+        "acs batch": batch(lambda: spark.read.format("acs").options(**acs_opts).load()),
+        "text batch": batch(lambda: spark.read.text(paths["text"])),
+        "acs stream AvailableNow": stream(
+            lambda: spark.readStream.format("acs").options(**acs_opts).option("startingOffsets", "earliest").load()),
+        "text stream AvailableNow": stream(lambda: spark.readStream.text(paths["text"])),
+    }
+    if cache_opts:
+        cases["acs batch (caches)"] = batch(lambda: spark.read.format("acs").options(**cache_opts).load())
+        cases["acs stream AvailableNow (caches)"] = stream(
+            lambda: spark.readStream.format("acs").options(**cache_opts).option("startingOffsets", "earliest").load())
+
+    progress("checking row counts and warming up the Python workers")
+    got_acs = spark.read.format("acs").options(**acs_opts).load().count()
+    got_text = spark.read.text(paths["text"]).count()
+    if got_acs != n or got_text != n:
+        raise SystemExit(f"row counts differ: acs {got_acs}, text {got_text}, expected {n}")
+    sample = spark.read.format("acs").options(**acs_opts).load().where("shard = 0 and position = 0").collect()
+    if not sample or bytes(sample[0]["value"]) != message(0, (b"abcdefghijklmnopqrstuvwxyz0123456789" * 40)[:SIZE]):
+        raise SystemExit("the acs source returned different bytes for message 0")
+
+    best: Dict[str, Dict[str, float]] = {}
+    for r in range(repeat):
+        for name, fn in cases.items():
+            progress(f"run {r + 1}/{repeat}: {name}")
+            res = timed(fn)
+            if res["rows"] != n:
+                raise SystemExit(f"{name}: read {res['rows']} rows, expected {n}")
+            if name not in best or res["s"] < best[name]["s"]:
+                best[name] = res
+            progress(f"  {res['s']:.2f} s")
+    mb = n * SIZE / 1e6
+    rows = {}
+    for name, res in best.items():
+        rows[name] = f"{n / res['s']:>10,.0f} rows/s  {mb / res['s']:7.1f} MB/s  ({res['s']:.2f} s, best of {repeat})"
+    rows["ratio acs/text, batch"] = f"{best['text batch']['s'] / best['acs batch']['s']:.2f}x"
+    rows["ratio acs/text, stream"] = (
+        f"{best['text stream AvailableNow']['s'] / best['acs stream AvailableNow']['s']:.2f}x")
+    report(f"Spark source throughput: {n} messages of {SIZE} B ({mb:.0f} MB), local[2]", rows)
+
+
+def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warmup: float) -> None:
+    root = os.path.join(tmp, "delay")
+    from pyspark.sql import functions as F
+
+    from pyspark_acs.store import open_store
+
+    opts = {"root": root, "stream": "live", "dataCache": dep.data_endpoints, "metadataCache": dep.metadata_endpoints}
+    open_store(root).create_stream("live", SHARDS)
+    lock = threading.Lock()
+    samples: List[tuple] = []  # (arrival s, delay ms)
+
+    def collect(df, batch_id):
+        ts = df.select("timestamp").toArrow().column("timestamp").cast("int64").to_pylist()
+        now = time.time()
+        with lock:
+            samples.extend((now, (now * 1e6 - t) / 1000.0) for t in ts)
+
+    source = (
+        spark.readStream.format("acs").options(**opts).option("startingOffsets", "earliest").load()
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", os.path.join(tmp, "ckpt-delay-source"))
+        .trigger(processingTime="0 seconds").start()
+    )
+    sink = None
+    try:
+        deadline = time.monotonic() + 180
+        while source.lastProgress is None:  # first (empty) batch: workers warm
+            if source.exception() or time.monotonic() > deadline:
+                raise RuntimeError(f"source query did not start: {source.exception()}")
+            time.sleep(0.2)
+        sink = (
+            spark.readStream.format("rate").option("rowsPerSecond", rate).option("numPartitions", 1).load()
+            .select(F.concat(F.lpad(F.col("value").cast("string"), 12, "0"), F.lit(" "), F.repeat(F.lit("y"), SIZE - 13))
+                    .cast("binary").alias("value"))
+            .writeStream.format("acs").options(**opts)
+            .option("checkpointLocation", os.path.join(tmp, "ckpt-delay-sink"))
+            .trigger(processingTime="0 seconds").start()
+        )
+        progress(f"sink ({rate} rows/s of {SIZE} B) and source queries running for {seconds:.0f} s "
+                 f"(arrivals in the first {warmup:.0f} s after the first one are warm-up)")
+        start = time.time()
+        while time.time() - start < seconds:
+            for q in (source, sink):
+                if q.exception():
+                    raise RuntimeError(str(q.exception()))
+            time.sleep(1)
+            with lock:
+                recent = [d for t, d in samples if t > time.time() - 5]
+            if recent:
+                progress(f"  {len(samples)} rows arrived; last 5 s: p50 {percentile(recent, 50):.0f} ms")
+    finally:
+        if sink is not None:
+            sink.stop()
+        source.stop()
+    with lock:
+        first = min((t for t, _ in samples), default=start)
+        steady = [d for t, d in samples if t >= first + warmup]
+    reports = sink.recentProgress if sink is not None else []
+    durations = [r["durationMs"].get("triggerExecution", 0) for r in reports]
+    rows = {
+        "messages arrived": f"{len(samples)} ({len(steady)} after warm-up)",
+        "delay p50": f"{percentile(steady, 50):.0f} ms",
+        "delay p99": f"{percentile(steady, 99):.0f} ms",
+        "delay max": f"{max(steady) if steady else float('nan'):.0f} ms",
+    }
+    if durations:
+        rows["sink micro-batch p50"] = f"{percentile(durations, 50):.0f} ms"
+    report(f"End-to-end delay, sink write -> source row (processingTime=0, caches, {rate} msg/s)", rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--messages", type=int, default=200_000)
+    p.add_argument("--repeat", type=int, default=2, help="runs per case; the best is reported (default 2)")
+    p.add_argument("--caches", action="store_true", help="also read the acs stream through local caches")
+    p.add_argument("--delay-seconds", type=float, default=30.0)
+    p.add_argument("--delay-rate", type=int, default=1000, help="messages/s of the delay run (default 1000)")
+    p.add_argument("--warmup", type=float, default=5.0, help="arrivals in the first seconds after the first arrival, ignored in the delay figures (default 5)")
+    p.add_argument("--skip-delay", action="store_true")
+    p.add_argument("--skip-throughput", action="store_true")
+    args = p.parse_args()
+    tmp = tempfile.mkdtemp(prefix="acs-spark-bench-")
+    dep = None
+    spark = None
+    try:
+        if args.caches or not args.skip_delay:
+            dep = LocalDeployment(os.path.join(tmp, "servers"), capacity="512MiB").start()
+            progress(f"cache servers: data {dep.data_endpoints}")
+        spark = build_spark()
+        if not args.skip_throughput:
+            paths = write_inputs(tmp, args.messages, dep if args.caches else None)
+            throughput(spark, paths, args.messages, args.repeat, tmp, dep if args.caches else None)
+        if not args.skip_delay:
+            delay(spark, tmp, dep, args.delay_seconds, args.delay_rate, args.warmup)
+    finally:
+        if spark is not None:
+            spark.stop()
+        if dep is not None:
+            dep.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
