@@ -241,4 +241,8 @@ def register_command(name: str, add_parser: Callable[[argparse._SubParsersAction
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # Run as `python -m pyspark_acs.cli`: this module is __main__, while the command modules
+    # register with `pyspark_acs.cli`; call that module's main so their commands are there.
+    from pyspark_acs.cli import main as _main
+
+    sys.exit(_main())
