@@ -12,7 +12,11 @@ redis-server is started here on a free loopback port (``--save '' --appendonly n
 stopped at the end. Without it (or without the ``redis`` Python client) only our figures are
 printed, with how to install the missing piece.
 
-Run:  PYTHONPATH=. .venv/bin/python benchmarks/cache_throughput.py [--seconds 3]
+Then the delivery delay p50/p99 of Producer -> Consumer through the caches at a fixed rate
+(default 2000 msg/s of 1 KiB for 5 s), and of the same Producer -> Consumer through the
+durable store alone, in the same run.
+
+Run:  PYTHONPATH=. .venv/bin/python benchmarks/cache_throughput.py [--seconds 3] [--delay-only]
 Takes well under two minutes.
 """
 
@@ -178,10 +182,114 @@ def theirs(keys: List[bytes], values: List[bytes], batch: int, seconds: float,
         server.stop()
 
 
+def _percentile(samples: Sequence[float], q: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[max(0, min(len(ordered) - 1, int(round(q / 100.0 * (len(ordered) - 1)))))]
+
+
+def _live_delay(root: str, stream: str, rate: float, seconds: float, size: int, warmup: float,
+                caches: Dict[str, str]) -> Dict[str, float]:
+    """Producer -> Consumer delivery delay at a fixed rate; ``caches`` empty = durable store alone.
+
+    The producer thread sends ``size``-byte messages at ``rate``/s for ``warmup + seconds``
+    (paced on absolute due times, so it does not drift); the consumer polls in this thread at
+    its default 10 ms interval. A message's delay is the time it is returned by ``poll()``
+    minus its producer timestamp (taken at ``send``); the warm-up's messages are dropped.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from pyspark_acs.consumer import Consumer
+    from pyspark_acs.producer import Producer
+
+    value = b"v" * size
+    total = int(rate * (warmup + seconds))
+    samples: List[float] = []
+    errors: List[BaseException] = []
+    with Producer(root, stream, shards=1, **caches) as producer, \
+            Consumer(root, stream, start="earliest", **caches) as consumer:
+        done = threading.Event()
+
+        def produce() -> None:
+            try:
+                start = time.perf_counter()
+                for i in range(total):
+                    wait = start + i / rate - time.perf_counter()
+                    if wait > 0:
+                        time.sleep(wait)
+                    producer.send(value)
+                producer.flush(timeout=30)
+            except BaseException as exc:  # re-raised below
+                errors.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=produce, name="bench-producer")
+        measure_from_us = (time.time_ns() // 1000) + int(warmup * 1e6)
+        thread.start()
+        seen = 0
+        deadline = time.monotonic() + warmup + seconds + 30
+        while seen < total and time.monotonic() < deadline:
+            got = consumer.poll()
+            now_us = time.time_ns() // 1000
+            for b in got:
+                seen += b.num_rows
+                ts = b.column("timestamp").cast(pa.int64())
+                keep = pc.greater_equal(ts, pa.scalar(measure_from_us, pa.int64()))
+                late = pc.filter(ts, keep)
+                samples.extend(pc.divide(pc.subtract(pa.scalar(now_us, pa.int64()), late), 1000.0).to_pylist())
+            if not got:
+                time.sleep(consumer.poll_interval)
+        thread.join(30)
+        if errors:
+            raise errors[0]
+        if seen < total:
+            raise AssertionError(f"{stream}: consumer got {seen} of {total} messages")
+        stats = consumer.stats()
+        perr = producer.stats()["cache_errors"]
+    return {
+        "p50": _percentile(samples, 50),
+        "p99": _percentile(samples, 99),
+        "max": max(samples) if samples else float("nan"),
+        "n": float(len(samples)),
+        "cache_mb": stats.get("cache_bytes", 0) / 1e6,
+        "durable_mb": stats.get("durable_bytes", 0) / 1e6,
+        "producer_cache_errors": float(perr),
+    }
+
+
 def run_delivery_delay(args: argparse.Namespace) -> Optional[Dict[str, float]]:
-    """HOOK: the delivery-delay part of this benchmark (producer -> consumer latency through
-    the caches) is added here later by another engineer. Returns its figures, or ``None``."""
-    return None
+    """Delivery delay p50/p99 of Producer -> Consumer through the caches (3 data + 3 metadata
+    replicas) at a fixed rate, and of the same Producer -> Consumer through the durable store
+    alone, in the same run. Returns ``{"caches p50 ms": ..., ...}``."""
+    if args.delay_seconds <= 0:
+        return None
+    print(f"\ndelivery delay: {args.rate:.0f} msg/s of {args.message_bytes} B for {args.delay_seconds:.0f} s "
+          f"(after {args.warmup:.1f} s warm-up), 1 shard, consumer polls every 10 ms")
+    results: Dict[str, Dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="acs-bench-delay-") as tmp:
+        root = os.path.join(tmp, "store")
+        with LocalDeployment(os.path.join(tmp, "dep"), data_replicas=3, metadata_replicas=3,
+                             capacity="256MiB") as dep:
+            results["caches"] = _live_delay(
+                root, "via-caches", args.rate, args.delay_seconds, args.message_bytes, args.warmup,
+                {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints},
+            )
+        results["durable"] = _live_delay(
+            root, "durable-only", args.rate, args.delay_seconds, args.message_bytes, args.warmup, {}
+        )
+    for name, r in results.items():
+        print(f"  {name:8s} p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  max {r['max']:7.2f} ms  "
+              f"n={r['n']:.0f}  read {r['cache_mb']:.1f} MB from the data cache, {r['durable_mb']:.1f} MB "
+              f"from the store  (producer cache errors {r['producer_cache_errors']:.0f})")
+    c, d = results["caches"], results["durable"]
+    print(f"  ratio caches / durable: p50 {c['p50'] / d['p50']:.2f}  p99 {c['p99'] / d['p99']:.2f}")
+    return {
+        "caches p50 ms": c["p50"], "caches p99 ms": c["p99"],
+        "durable p50 ms": d["p50"], "durable p99 ms": d["p99"],
+    }
 
 
 def fmt(r: Dict[str, float]) -> str:
@@ -194,7 +302,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=DEFAULT_BATCH_KEYS, help="keys per batched read")
     parser.add_argument("--seconds", type=float, default=DEFAULT_SECONDS, help="per measurement")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="client threads (second run)")
+    parser.add_argument("--rate", type=float, default=2000.0, help="delivery delay: messages/s (default 2000)")
+    parser.add_argument("--message-bytes", type=int, default=1024, help="delivery delay: message size (default 1 KiB)")
+    parser.add_argument("--delay-seconds", type=float, default=5.0,
+                        help="delivery delay: measured seconds per set-up (0 skips it; default 5)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="delivery delay: seconds not measured first")
+    parser.add_argument("--delay-only", action="store_true", help="skip the throughput part")
     args = parser.parse_args(argv)
+    if args.delay_only:
+        delay = run_delivery_delay(args)
+        return 0 if delay is not None else 2
     keys = chunk_keys(args.chunks)
     values = chunk_values(args.chunks)
     print(f"{args.chunks} chunks of {CHUNK_BYTES} B, batches of {args.batch} keys "
