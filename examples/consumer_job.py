@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -110,7 +111,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="without --available-now: stop after this many seconds (default 0: until Ctrl-C)")
     p.add_argument("--show", type=int, default=0, metavar="N", help="print the first N messages of each batch")
     p.add_argument("--expect", type=int, help="exit 1 unless exactly this many messages were consumed")
-    p.add_argument("--checkpoint", help="checkpoint folder (default: a new temp folder)")
+    p.add_argument("--checkpoint", help="checkpoint folder (default: a temp folder, removed at exit)")
     p.add_argument("--master", help="Spark master (default: spark-submit's, or local[2] with plain python)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="with --available-now: fail if not done within this many seconds (default 600)")
@@ -172,6 +173,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if query is not None:
             query.stop()
         spark.stop()
+        if not args.checkpoint:  # a throw-away checkpoint: nothing can resume from it
+            shutil.rmtree(checkpoint, ignore_errors=True)
     shards = dict(sorted(counter.per_shard.items()))
     log(f"consumed {counter.messages} messages ({counter.bytes} value bytes) in {counter.batches} batches; "
         f"per shard {shards}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -75,7 +76,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (default 0: no limit)")
     p.add_argument("--keys", type=int, default=16, help="distinct keys (default 16)")
     p.add_argument("--value-bytes", type=int, default=100, help=f"value size, >= {VALUE_HEAD} (default 100)")
-    p.add_argument("--checkpoint", help="checkpoint folder (default: a new temp folder, i.e. a new sink)")
+    p.add_argument("--checkpoint", help="checkpoint folder (default: a temp folder, removed at exit; i.e. a new sink every run)")
     p.add_argument("--master", help="Spark master (default: spark-submit's, or local[2] with plain python)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="with --messages: fail if they are not committed within this many seconds (default 600)")
@@ -164,6 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if query is not None:
             query.stop()
         spark.stop()
+        if not args.checkpoint:  # a throw-away checkpoint: nothing can resume from it
+            shutil.rmtree(checkpoint, ignore_errors=True)
 
 
 if __name__ == "__main__":
