@@ -30,6 +30,9 @@ from pyspark_acs.producer import Producer
 from pyspark_acs.server.deploy import LocalDeployment
 from pyspark_acs.store import open_store
 
+#: A safety net only: every wait in these tests has its own, shorter deadline.
+pytestmark = pytest.mark.timeout(240)
+
 PAD = b"." * 180
 #: Cache-call deadline of the clients tests build: generous, so a loaded test machine does not
 #: turn a healthy replica into a "failed" one (the library default is 0.5 s).

@@ -14,6 +14,9 @@ import pytest
 from pyspark_acs.consumer import Consumer
 from pyspark_acs.server.deploy import acs_down, load_deployment
 
+#: A safety net only: every wait in these tests has its own, shorter deadline.
+pytestmark = pytest.mark.timeout(120)
+
 TIMEOUT = 60
 
 
