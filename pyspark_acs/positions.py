@@ -21,6 +21,16 @@ __all__ = ["BoundaryCache", "ShardExtent", "advance", "offset_for_timestamp", "s
 WALK_WINDOW_BYTES = 256 * 1024
 
 
+def _read_now(path: ReadPath, rel: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` without waiting: the read path may stop short while it
+    postpones durable reads for a lagging cache (Algorithm 1); planning cannot wait, so the
+    rest comes straight from the durable store (which may itself be shorter)."""
+    data = path.read(rel, start, end)
+    if len(data) < end - start:
+        data += path.store.read(rel, start + len(data), end)
+    return data
+
+
 def walk_blocks(
     path: ReadPath,
     rel: str,
@@ -42,7 +52,7 @@ def walk_blocks(
     at, rows, blocks = start, 0, 0
     uri = path.store.uri(rel)
     while at + HEADER_SIZE <= stop:
-        data = path.read(rel, at, min(stop, at + WALK_WINDOW_BYTES))
+        data = _read_now(path, rel, at, min(stop, at + WALK_WINDOW_BYTES))
         if len(data) < HEADER_SIZE:
             break
         off = 0
@@ -167,7 +177,7 @@ def offset_for_timestamp(path: ReadPath, stream: str, shard: int, ts_us: int) ->
         at = 0
         uri = path.store.uri(rel)
         while at + HEADER_SIZE <= length:
-            data = path.read(rel, at, min(length, at + WALK_WINDOW_BYTES))
+            data = _read_now(path, rel, at, min(length, at + WALK_WINDOW_BYTES))
             off = 0
             while off + HEADER_SIZE <= len(data):
                 header = parse_header(data, off, path=uri, position=at + off)

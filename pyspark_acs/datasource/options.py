@@ -129,6 +129,7 @@ class SinkOptions:
     checkpoint_location: Optional[str] = option(
         "checkpointLocation", None, parse=parse_str, doc="set by Spark from the query; identifies the sink"
     )
+    query_name: Optional[str] = option("queryName", None, parse=parse_str, doc="set by Spark from queryName(); unused")
 
 
 def _with_path(raw: Mapping[str, Any]) -> dict:
