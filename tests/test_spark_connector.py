@@ -89,8 +89,8 @@ def test_streaming_sink_to_source_restart_exactly_once(spark, root, tmp_path):
             spark.readStream.format("acs").option("root", root).option("stream", "src")
             .option("startingOffsets", "earliest").option("maxRowsPerTrigger", 150).load()
             .select("shard", "key", "value", "timestamp")
-            .writeStream.format("acs").option("root", root).option("stream", "dst").option("shards", 2)
-            .option("checkpointLocation", ckpt)
+            .writeStream.queryName("relay").format("acs").option("root", root).option("stream", "dst")
+            .option("shards", 2).option("checkpointLocation", ckpt)
         )
         return q.trigger(**trigger).start()
 
@@ -262,3 +262,16 @@ def test_cache_replica_killed_during_streaming_query(spark, tmp_path):
         for shard in (0, 1):
             got = [r.value for r in rows if r.shard == shard]
             assert got == [b"m%05d" % i for i in range(shard, total, 2)]
+
+
+def test_batch_read_with_caches_plans_everything_when_data_cache_lacks_chunks(spark, tmp_path):
+    """Published lengths without chunks (the data cache lost them): planning reads headers
+    from the durable store instead of waiting for the cache (Algorithm 1 is for tail reads)."""
+    from pyspark_acs.server.deploy import LocalDeployment
+
+    root = str(tmp_path / "store")
+    with LocalDeployment(str(tmp_path / "caches"), data_replicas=1, metadata_replicas=1) as dep:
+        produce(root, "nochunks", [(i % 2, None, b"v%d" % i) for i in range(200)],
+                metadata_cache=dep.metadata_endpoints)
+        df = read_acs(spark, root, "nochunks", dataCache=dep.data_endpoints, metadataCache=dep.metadata_endpoints)
+        assert df.count() == 200
