@@ -18,24 +18,40 @@ Policy (paper section 3, "Tuning the caches"):
   already has something newer, which the client counts as an acknowledgement.
 - **Compare-and-set** on the exact value bytes, or on absence, for leases.
 
-Why not ``cachetools``: its caches order entries by insertion (FIFO), by use (LRU, LFU) or by
-expiry (TTL/TLRU). Least-recently-*modified* is none of these: FIFO keeps a rewritten key at its
-first insertion slot and LRU moves it on reads. So the engine keeps its own ordered maps.
+Why ``cachetools``: :class:`cachetools.FIFOCache` is exactly a least-recently-*modified* cache.
+Its ``__setitem__`` appends a new key to its order and moves a rewritten key to the end
+(``OrderedDict.move_to_end``), its ``__getitem__`` does not touch the order, and ``popitem`` takes
+the front, so ``popitem`` evicts the entry whose last write is oldest and reads never refresh an
+entry. FIFOCache has behaved so since it appeared in cachetools 4.2.0 (same ``__setitem__`` in the
+4.2.0, 5.0.0 and 8.0.1 sources; the store passes its tests on all three), so ``cachetools>=5`` in
+``setup.py`` is enough. The cachetools documentation only says FIFO evicts "in the order they
+were added", so the move on rewrite is an implementation detail:
+``test_store_evicts_least_recently_modified_and_reads_do_not_refresh`` pins it. A ``getsizeof``
+returning ``item.charged`` (key, value and :data:`ENTRY_OVERHEAD_BYTES`) with ``maxsize`` set to
+the capacity makes ``currsize`` the byte accounting and the capacity a hard bound: if one batch
+grows past it, cachetools itself evicts least-recently-modified entries before inserting (after
+the store has swept expired entries). cachetools caches are not thread-safe; the store's lock
+covers them.
 
-Layout. Entries live in one ordered map per distinct TTL (``_groups``), in modification order.
-Within a group, modification order is also expiry order, so expiring is popping from the front
-of each group, and least-recently-modified eviction is popping the group whose front entry was
-written first. There are normally one or two groups (the role default, and the TTL the lease
-code asks for); a put with a new TTL creates a group, an empty group is dropped.
+Layout. ``_entries`` is that FIFOCache subclass (:class:`_Entries`), key -> :class:`_Item`.
+Expiry needs a second order, because one cache holds entries with different TTLs (the role
+default, and the TTL the lease code asks for): ``_Entries.by_ttl`` keeps, per distinct TTL, the
+keys in modification order, which within one TTL is also expiry order. Sweeping is therefore
+popping expired keys from the front of each group (cost proportional to what expires, plus one
+look per group), and an expired entry also reads as absent at once. There are normally one or
+two groups; a put with a new TTL creates a group, an empty group is dropped.
 """
 
 from __future__ import annotations
 
 import enum
+import operator
 import threading
 import time
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+import cachetools
 
 __all__ = [
     "DATA_TTL_S",
@@ -59,9 +75,11 @@ GC_START_FRACTION = 0.8
 GC_LOW_WATERMARK_FRACTION = 0.7
 #: Bytes charged per entry on top of its key and value bytes: the CPython headers of the key and
 #: value ``bytes`` objects (2 x 33), the version int (~32) and what the store itself allocates per
-#: entry (entry record, expiry float, key index slot, ordered group node): tracemalloc measured
-#: 286 bytes of the latter for 50k 4 KiB chunks, so ~384 in all. Capacity is therefore a bound
-#: on the Python heap the entries take, not just on their payload.
+#: entry (entry record; the cache's data, size and order slots; the TTL group node). tracemalloc
+#: measures ~420 bytes of the latter for 50k 4 KiB chunks (cachetools 8.0, CPython 3.11; 286 with
+#: the hand-rolled maps this module had before), so ~520 in all: 384 under-counts by ~3 % of a
+#: 4 KiB chunk. Capacity is therefore roughly a bound on the Python heap the entries take, not
+#: just on their payload.
 ENTRY_OVERHEAD_BYTES = 384
 #: Versions are unsigned 64-bit on the wire.
 MAX_VERSION = 2**64 - 1
@@ -92,7 +110,43 @@ class _Item:
         self.version = version
         self.expires_at = expires_at
         self.ttl_ms = ttl_ms
+        #: ``len(key) + len(value) + ENTRY_OVERHEAD_BYTES``: what the cache charges for it.
         self.charged = charged
+
+
+class _Entries(cachetools.FIFOCache):
+    """key -> :class:`_Item`; ``currsize`` is the charged bytes, ``popitem`` evicts the LRM entry.
+
+    ``entries[key]`` is the item or ``None`` (:meth:`__missing__`), so a lookup needs no
+    exception. ``by_ttl`` maps each TTL (ms) to its keys in modification order (the value is the
+    item, so a sweep needs no second lookup); the store keeps it in step on every write and
+    delete, and :meth:`popitem` on the evictions cachetools makes by itself. Not thread-safe:
+    the store's lock guards it.
+    """
+
+    def __init__(self, capacity_bytes: int, counts: Dict[str, int]) -> None:
+        # getsizeof: item.charged, read by a C-level attrgetter (no Python frame per write).
+        super().__init__(capacity_bytes, getsizeof=operator.attrgetter("charged"))
+        self.by_ttl: Dict[int, "OrderedDict[bytes, _Item]"] = {}
+        self._counts = counts
+
+    def __missing__(self, key: bytes) -> None:
+        return None
+
+    def popitem(self) -> Tuple[bytes, _Item]:
+        """Evict the least recently modified entry (GC, or cachetools when a batch overflows)."""
+        key, item = super().popitem()
+        self.unindex(key, item.ttl_ms)
+        self._counts["evicted_total"] += 1
+        return key, item
+
+    def unindex(self, key: bytes, ttl_ms: int) -> None:
+        """Take ``key`` out of its TTL group, if it is there."""
+        group = self.by_ttl.get(ttl_ms)
+        if group is not None:
+            group.pop(key, None)
+            if not group:
+                del self.by_ttl[ttl_ms]
 
 
 _COUNTERS = (
@@ -146,13 +200,12 @@ class Store:
         #: Largest charged size one entry may have; bigger ones would be evicted at once.
         self.max_entry_bytes = self.gc_low_bytes
         self._clock = clock
-        # _lock guards everything below: _index, _groups, _used and _counts. It is held for
-        # whole batches so a batched put or get is atomic with respect to GC.
+        # _lock guards everything below: _entries (the cache, its TTL groups and its byte
+        # accounting) and _counts. It is held for whole batches so a batched put or get is atomic
+        # with respect to GC.
         self._lock = threading.Lock()
-        self._index: Dict[bytes, _Item] = {}
-        self._groups: Dict[int, "OrderedDict[bytes, _Item]"] = {}
-        self._used = 0
         self._counts: Dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self._entries = _Entries(self.capacity_bytes, self._counts)
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -164,9 +217,9 @@ class Store:
         hits = 0
         nbytes = 0
         with self._lock:
-            index = self._index
+            entries = self._entries
             for key in keys:
-                item = index.get(key)
+                item = entries[key]  # None when absent; a read leaves the eviction order alone
                 if item is None:
                     append(None)
                 elif item.expires_at <= now:
@@ -219,31 +272,57 @@ class Store:
         results: List[PutResult] = []
         append = results.append
         now = self._clock()
+        expires_at = now + ttl_ms / 1000.0
+        max_entry_bytes = self.max_entry_bytes
         with self._lock:
             counts = self._counts
-            index = self._index
-            n = 0
+            entries = self._entries
+            by_ttl = entries.by_ttl
+            group = by_ttl.get(ttl_ms)
+            # Bytes left before cachetools would evict by itself (only a batch bigger than the
+            # room above the GC start gets there): then drop expired entries first.
+            room = self.capacity_bytes - entries.currsize
+            n = stored = nbytes = 0
             for key, value, version in items:
                 n += 1
                 charged = len(key) + len(value) + ENTRY_OVERHEAD_BYTES
-                if charged > self.max_entry_bytes:
+                if charged > max_entry_bytes:
                     counts["too_large_total"] += 1
                     append(PutResult.TOO_LARGE)
                     continue
-                old = index.get(key)
+                old = entries[key] if key in entries else None
                 if old is not None:
-                    if old.expires_at > now and version < old.version:
+                    if old.expires_at <= now:
+                        self._drop(key, old)  # expired: as if absent, any version replaces it
+                        old = None
+                    elif version < old.version:
                         counts["stale_total"] += 1
                         append(PutResult.STALE)
                         continue
-                    self._drop(key, old)
-                self._insert(key, _Item(value, version, now + ttl_ms / 1000.0, ttl_ms, charged))
-                counts["stored_total"] += 1
-                counts["written_bytes_total"] += len(value)
+                item = _Item(value, version, expires_at, ttl_ms, charged)
+                room -= charged if old is None else charged - old.charged
+                if room < 0:
+                    self._expire_locked(now)
+                    room = self.capacity_bytes - entries.currsize - charged
+                # What _write does, inlined (this loop is the hot path). FIFOCache appends a new
+                # key and moves a rewritten one to the end: the most recently modified. It may
+                # evict least-recently-modified entries itself (popitem) when over capacity.
+                entries[key] = item
+                if old is not None and old.ttl_ms != ttl_ms:
+                    entries.unindex(key, old.ttl_ms)
+                if group is None or by_ttl.get(ttl_ms) is not group:  # new, or emptied meanwhile
+                    group = by_ttl.setdefault(ttl_ms, OrderedDict())
+                group[key] = item
+                if old is not None:
+                    group.move_to_end(key)
+                stored += 1
+                nbytes += len(value)
                 append(PutResult.STORED)
             counts["puts_total"] += n
+            counts["stored_total"] += stored
+            counts["written_bytes_total"] += nbytes
             self._expire_locked(now)
-            if self._used > self.gc_start_bytes:
+            if entries.currsize > self.gc_start_bytes:
                 self._gc_locked(now)
         return results
 
@@ -285,7 +364,7 @@ class Store:
         now = self._clock()
         with self._lock:
             self._counts["cas_total"] += 1
-            old = self._index.get(key)
+            old = self._entries[key]
             if old is not None and old.expires_at <= now:
                 self._drop(key, old)
                 self._counts["expired_total"] += 1
@@ -293,12 +372,11 @@ class Store:
             matches = old is None if expected is None else (old is not None and old.value == expected)
             if not matches:
                 return False, (None if old is None else StoredEntry(old.value, old.version))
-            if old is not None:
-                self._drop(key, old)
-            self._insert(key, _Item(value, version, now + ttl_ms / 1000.0, ttl_ms, charged))
+            item = _Item(value, version, now + ttl_ms / 1000.0, ttl_ms, charged)
+            self._write(key, old, item, now)
             self._counts["cas_swapped_total"] += 1
             self._counts["written_bytes_total"] += len(value)
-            if self._used > self.gc_start_bytes:
+            if self._entries.currsize > self.gc_start_bytes:
                 self._gc_locked(now)
             return True, StoredEntry(value, version)
 
@@ -307,9 +385,10 @@ class Store:
         deleted = 0
         with self._lock:
             n = 0
+            entries = self._entries
             for key in keys:
                 n += 1
-                item = self._index.get(key)
+                item = entries[key]
                 if item is not None:
                     self._drop(key, item)
                     deleted += 1
@@ -325,29 +404,27 @@ class Store:
     def clear(self) -> None:
         """Drop every entry (counters are kept)."""
         with self._lock:
-            self._index.clear()
-            self._groups.clear()
-            self._used = 0
+            self._entries = _Entries(self.capacity_bytes, self._counts)
 
     # -- introspection ---------------------------------------------------------------------
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._index)
+            return len(self._entries)
 
     @property
     def used_bytes(self) -> int:
         """Charged bytes of the entries held (expired ones not yet swept included)."""
         with self._lock:
-            return self._used
+            return self._entries.currsize
 
     def stats(self) -> Dict[str, int]:
         """Gauges and counters: entries, used/capacity/watermark bytes, and the ``*_total`` counters."""
         with self._lock:
             out = dict(self._counts)
-            out["entries"] = len(self._index)
-            out["used_bytes"] = self._used
-            out["ttl_groups"] = len(self._groups)
+            out["entries"] = len(self._entries)
+            out["used_bytes"] = self._entries.currsize
+            out["ttl_groups"] = len(self._entries.by_ttl)
         out["capacity_bytes"] = self.capacity_bytes
         out["gc_start_bytes"] = self.gc_start_bytes
         out["gc_low_bytes"] = self.gc_low_bytes
@@ -358,26 +435,32 @@ class Store:
 
     # -- internals (caller holds _lock) -----------------------------------------------------
 
-    def _insert(self, key: bytes, item: _Item) -> None:
-        group = self._groups.get(item.ttl_ms)
+    def _write(self, key: bytes, old: Optional[_Item], item: _Item, now: float) -> None:
+        """Store ``item`` under ``key`` (``old``: the live entry it replaces, or ``None``)."""
+        entries = self._entries
+        if entries.currsize + item.charged > self.capacity_bytes:
+            # Only a batch bigger than the room left above the GC start gets here. cachetools
+            # evicts least-recently-modified entries to make room; drop expired ones first.
+            self._expire_locked(now)
+        # FIFOCache appends a new key and moves a rewritten one to the end: most recently modified.
+        entries[key] = item
+        ttl_ms = item.ttl_ms
+        if old is not None and old.ttl_ms != ttl_ms:
+            entries.unindex(key, old.ttl_ms)
+        group = entries.by_ttl.get(ttl_ms)
         if group is None:
-            group = self._groups[item.ttl_ms] = OrderedDict()
-        group[key] = item  # a fresh key goes to the end: the most recently modified
-        self._index[key] = item
-        self._used += item.charged
+            group = entries.by_ttl[ttl_ms] = OrderedDict()
+        group[key] = item
+        group.move_to_end(key)
 
     def _drop(self, key: bytes, item: _Item) -> None:
-        del self._index[key]
-        group = self._groups[item.ttl_ms]
-        del group[key]
-        if not group:
-            del self._groups[item.ttl_ms]
-        self._used -= item.charged
+        del self._entries[key]
+        self._entries.unindex(key, item.ttl_ms)
 
     def _expire_locked(self, now: float) -> int:
         expired = 0
-        for ttl_ms in list(self._groups):
-            group = self._groups[ttl_ms]
+        by_ttl = self._entries.by_ttl
+        for group in list(by_ttl.values()):
             # Within a group modification order is expiry order: stop at the first live entry.
             while group:
                 key, item = next(iter(group.items()))
@@ -385,27 +468,12 @@ class Store:
                     break
                 self._drop(key, item)
                 expired += 1
-                if ttl_ms not in self._groups:
-                    break
         self._counts["expired_total"] += expired
         return expired
 
     def _gc_locked(self, now: float) -> None:
         self._counts["gc_runs_total"] += 1
         self._expire_locked(now)
-        evicted = 0
-        groups = self._groups
-        while self._used > self.gc_low_bytes and groups:
-            # The least recently modified entry overall is the oldest-written front of a group;
-            # written_at = expires_at - ttl.
-            oldest_key = None
-            oldest_item = None
-            oldest_written = 0.0
-            for group in groups.values():
-                key, item = next(iter(group.items()))
-                written = item.expires_at - item.ttl_ms / 1000.0
-                if oldest_item is None or written < oldest_written:
-                    oldest_key, oldest_item, oldest_written = key, item, written
-            self._drop(oldest_key, oldest_item)  # type: ignore[arg-type]
-            evicted += 1
-        self._counts["evicted_total"] += evicted
+        entries = self._entries
+        while entries.currsize > self.gc_low_bytes:
+            entries.popitem()  # the least recently modified entry, whatever its TTL (counts it)
