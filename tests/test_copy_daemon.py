@@ -251,7 +251,14 @@ def test_chain_copy_durable_and_cache(make_env):
     from pyspark_acs.server.copy_status import copy_status, format_status
     from pyspark_acs.server.topology import load_topology
 
-    rows = copy_status(load_topology(env.topology), env.stream)
+    # The cache copy publishes its length independently of the durable copy: wait for both.
+    deadline = time.monotonic() + 30
+    while True:
+        rows = copy_status(load_topology(env.topology), env.stream)
+        settled = all(r["bytes_behind"] == 0 and r["cache_length"] == r["durable_length"] for r in rows)
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert [(r["shard"], r["cluster"], r["parent"]) for r in rows] == [
         (s, c, p) for s in (0, 1) for c, p in (("A", None), ("B", "A"), ("C", "B"))
     ]

@@ -77,10 +77,9 @@ GC_LOW_WATERMARK_FRACTION = 0.7
 #: value ``bytes`` objects (2 x 33), the version int (~32) and what the store itself allocates per
 #: entry (entry record; the cache's data, size and order slots; the TTL group node). tracemalloc
 #: measures ~420 bytes of the latter for 50k 4 KiB chunks (cachetools 8.0, CPython 3.11; 286 with
-#: the hand-rolled maps this module had before), so ~520 in all: 384 under-counts by ~3 % of a
-#: 4 KiB chunk. Capacity is therefore roughly a bound on the Python heap the entries take, not
-#: just on their payload.
-ENTRY_OVERHEAD_BYTES = 384
+#: the hand-rolled maps this module had before), so ~520 in all; 512 is charged. Capacity is
+#: therefore a bound on the Python heap the entries take (within ~1 %), not just on their payload.
+ENTRY_OVERHEAD_BYTES = 512
 #: Versions are unsigned 64-bit on the wire.
 MAX_VERSION = 2**64 - 1
 
