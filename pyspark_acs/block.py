@@ -37,7 +37,7 @@ import struct
 import sys
 import time
 import zlib
-from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import pyarrow as pa
 import pyarrow.compute as pc

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .cache_client import CacheClient
 

@@ -10,8 +10,7 @@ import argparse
 import base64
 import json
 import sys
-import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from .errors import AcsError, AcsOptionError
 

@@ -15,7 +15,8 @@ that already catch ``ValueError``, ``OSError``, ``ConnectionError`` or
     │   └── StoreFileNotFoundError (FileNotFoundError)
     ├── CacheError (ConnectionError)         a cache server call failed; names the endpoint
     │   ├── CacheUnavailableError            no (or too few) replicas answered; names them
-    │   └── CacheTimeoutError (TimeoutError) a replica missed the deadline
+    │   ├── CacheTimeoutError (TimeoutError) a replica missed the deadline
+    │   └── DeploymentError                  a local cache server did not start or stop; holds its log tail
     ├── LeaseError                           one-writer-per-file violations
     │   ├── WriterConflictError              another live writer holds the file or shard
     │   └── LeasePoisonedError               our lease was poisoned by a newer writer: stop
@@ -41,6 +42,7 @@ __all__ = [
     "ClosedError",
     "CorruptFileError",
     "DataLossError",
+    "DeploymentError",
     "InvalidNameError",
     "LeaseError",
     "LeasePoisonedError",
@@ -133,6 +135,10 @@ class CacheUnavailableError(CacheError):
 
 class CacheTimeoutError(CacheUnavailableError, TimeoutError):
     """A cache replica did not answer within the call's deadline."""
+
+
+class DeploymentError(CacheError):
+    """A cache server of a local deployment failed to start or to stop; the message holds its log tail."""
 
 
 class LeaseError(AcsError):

@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,7 +29,7 @@ from pyspark_acs.errors import (
     InvalidNameError,
     WriterConflictError,
 )
-from pyspark_acs.names import file_name, parse_file_name, shard_dir
+from pyspark_acs.names import file_name, shard_dir
 from pyspark_acs.producer import Producer, shard_for_key
 from pyspark_acs.store import DurableStore
 

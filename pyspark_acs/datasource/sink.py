@@ -53,7 +53,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from ..block import encode_block, encode_seal, rebase_blocks, scan_blocks
+from ..block import encode_block, encode_seal, rebase_blocks
 from ..errors import AcsError, AcsOptionError, CacheError
 from ..leases import StoreLease
 from ..names import file_name, parse_file_name, shard_dir

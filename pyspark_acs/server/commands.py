@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from ..cli import register_command
 from ..errors import AcsOptionError

@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 from concurrent import futures
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import grpc
 
@@ -43,7 +43,7 @@ from .copy_options import CopyDaemonOptions
 from .copy_scheduler import CopyScheduler
 from .copy_writer import CopyServicer
 from .proto import copy_pb2_grpc
-from .topology import Topology, load_topology
+from .topology import load_topology
 
 __all__ = ["MAX_MESSAGE_BYTES", "STOP_GRACE_S", "CopyDaemon", "build_parser", "main"]
 

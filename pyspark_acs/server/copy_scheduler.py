@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import zlib
-from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Callable, Dict, FrozenSet, List, Set, Tuple
 
 from ..errors import AcsError, CacheError, TopologyError
 from .copy_cluster import STORAGES, ClusterIO, OpKey

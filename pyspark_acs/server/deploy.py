@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from ..errors import CacheError
+from ..errors import DeploymentError
 from ..units import parse_bytes, parse_duration
 
 __all__ = [
@@ -60,10 +60,6 @@ _SERVER_MODULE = "pyspark_acs.server.cache"
 # The directory holding the pyspark_acs package, put on the servers' PYTHONPATH so they import
 # this very copy whether it is pip-installed or a source checkout.
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
-
-
-class DeploymentError(CacheError):
-    """A cache server of a local deployment failed to start or to stop; the message holds its log tail."""
 
 
 @dataclass
