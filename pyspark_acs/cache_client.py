@@ -52,6 +52,7 @@ __all__ = [
     "MAX_BATCH_BYTES",
     "MAX_BATCH_KEYS",
     "MAX_MESSAGE_BYTES",
+    "client_for",
     "parse_endpoints",
 ]
 
@@ -915,3 +916,18 @@ class _NoAnswer(Exception):
 
 def _deadline_error(endpoint: str, deadline: float) -> BaseException:
     return _NoAnswer(f"no answer from {endpoint} within {deadline:.3f} s")
+
+
+def client_for(value: "Union[str, Sequence[str], CacheClient, None]", name: str, owned: List["CacheClient"]) -> Optional["CacheClient"]:
+    """The client for an option that is an endpoint string or a ready :class:`CacheClient`.
+
+    ``None`` or ``""`` gives None. A client created here is appended to ``owned``: the caller
+    closes those (and only those) when it closes.
+    """
+    if value is None or value == "":
+        return None
+    if isinstance(value, CacheClient):
+        return value
+    client = CacheClient(value, name=name)
+    owned.append(client)
+    return client

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Deque, Dict, Optional, Sequence, Tuple, Union
 
-from .cache_client import CacheClient
+from .cache_client import CacheClient, client_for
 from .chunks import ChunkReader
 from .errors import CacheError
 from .metadata import MetadataCache
@@ -93,8 +93,8 @@ class CachedReadPath:
     ) -> None:
         self.store = store
         self._own = []
-        self.data = self._client(data_cache, "data cache")
-        meta = self._client(metadata_cache, "metadata cache")
+        self.data = client_for(data_cache, "data cache", self._own)
+        meta = client_for(metadata_cache, "metadata cache", self._own)
         self.meta = MetadataCache(meta) if meta else None
         self.chunks = ChunkReader(self.data) if self.data else None
         self.max_delay = max_delay
@@ -106,15 +106,6 @@ class CachedReadPath:
         self._durable_cache: Dict[str, Tuple[float, Optional[int]]] = {}
         self._meta_down_until = 0.0
         self._stats = {"durable_bytes": 0, "durable_fallbacks": 0, "metadata_fallbacks": 0}
-
-    def _client(self, value: Union[str, CacheClient, None], name: str) -> Optional[CacheClient]:
-        if value is None or value == "":
-            return None
-        if isinstance(value, CacheClient):
-            return value
-        client = CacheClient(value, name=name)
-        self._own.append(client)
-        return client
 
     # -- lengths ---------------------------------------------------------------------------
 

@@ -209,8 +209,12 @@ class Producer:
         self._block_ewma = 0.0
         self._stats = {"messages": 0, "blocks": 0, "bytes": 0, "files": 0, "cache_errors": 0}
         self._own_clients: list = []
-        self._data = self._client(data_cache, "data cache")
-        meta_client = self._client(metadata_cache, "metadata cache")
+        self._data = meta_client = None
+        if data_cache or metadata_cache:  # grpc is imported only when caches are used
+            from .cache_client import client_for
+
+            self._data = client_for(data_cache, "data cache", self._own_clients)
+            meta_client = client_for(metadata_cache, "metadata cache", self._own_clients)
         self._meta = None
         if meta_client is not None:
             from .metadata import MetadataCache
@@ -228,17 +232,6 @@ class Producer:
             raise
         self._thread = threading.Thread(target=self._run, name=f"acs-producer-{self.stream}", daemon=True)
         self._thread.start()
-
-    def _client(self, value: Any, name: str) -> Any:
-        if value is None or value == "":
-            return None
-        from .cache_client import CacheClient
-
-        if isinstance(value, CacheClient):
-            return value
-        client = CacheClient(value, name=name)
-        self._own_clients.append(client)
-        return client
 
     def _acquire_leases(self, sh: _Shard) -> None:
         what = f"shard {sh.index} of stream {self.stream!r} in {self.store.root}"
