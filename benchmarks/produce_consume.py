@@ -30,6 +30,14 @@ def bench_produce_consume(root: str, n: int, size: int, shards: int) -> dict:
             p.send(value)
         p.flush()
     t_prod = time.perf_counter() - t0
+    progress(f"producing {n} messages with send_many (batches of 1000)")
+    t0 = time.perf_counter()
+    with Producer(root, "bench_many", shards=shards) as p:
+        batch = [value] * 1000
+        for _ in range(n // 1000):
+            p.send_many(batch)
+        p.flush()
+    t_many = time.perf_counter() - t0
     progress("consuming")
     t0 = time.perf_counter()
     got = 0
@@ -38,7 +46,7 @@ def bench_produce_consume(root: str, n: int, size: int, shards: int) -> dict:
             for b in c.poll():
                 got += b.num_rows
     t_cons = time.perf_counter() - t0
-    return {"produce_s": t_prod, "consume_s": t_cons, "n": n, "bytes": n * size}
+    return {"produce_s": t_prod, "produce_many_s": t_many, "consume_s": t_cons, "n": n, "bytes": n * size}
 
 
 def bench_plain_files(root: str, n: int, size: int) -> dict:
@@ -111,10 +119,12 @@ def main() -> None:
             f"throughput, {args.messages} x {args.size} B messages, {args.shards} shards, local files",
             {
                 "produce": f"{args.messages / r['produce_s']:,.0f} msg/s  {mb / r['produce_s']:,.1f} MB/s",
+                "produce (send_many)": f"{args.messages / r['produce_many_s']:,.0f} msg/s  {mb / r['produce_many_s']:,.1f} MB/s",
                 "consume": f"{args.messages / r['consume_s']:,.0f} msg/s  {mb / r['consume_s']:,.1f} MB/s",
                 "peer produce (plain lines)": f"{args.messages / peer['produce_s']:,.0f} msg/s",
                 "peer consume (plain lines)": f"{args.messages / peer['consume_s']:,.0f} msg/s",
                 "ratio produce acs/peer": f"{peer['produce_s'] / r['produce_s']:.2f}",
+                "ratio produce send_many/peer": f"{peer['produce_s'] / r['produce_many_s']:.2f}",
                 "ratio consume acs/peer": f"{peer['consume_s'] / r['consume_s']:.2f}",
             },
         )

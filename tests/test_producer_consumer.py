@@ -675,3 +675,25 @@ def test_data_loss_of_the_newest_file_waits_without_replaying_older_files(root, 
                 p.send(b"later")
             assert [r["value"] for r in consume(c, 1)] == [b"later"]
     assert any("data loss" in r.getMessage() for r in caplog.records)
+
+
+def test_send_many_keeps_order_and_shards_like_send(root):
+    values = [b"v%d" % i for i in range(500)]
+    keys = [None if i % 3 == 0 else b"k%d" % (i % 7) for i in range(500)]
+    with Producer(root, "many", shards=3) as p:
+        p.send_many(values[:250], keys[:250])
+        p.send_many(values[250:], keys[250:])
+        p.send_many([b"pinned"], shard=2)
+        with pytest.raises(ValueError):
+            p.send_many([b"a", b"b"], [b"k"])
+    c = Consumer(root, "many")
+    rows = [r for b in c.batches(timeout=0.5) for r in b.to_pylist()]
+    c.close()
+    assert sorted(r["value"] for r in rows) == sorted(values + [b"pinned"])
+    for r in rows:
+        if r["key"] is not None:
+            assert r["shard"] == shard_for_key(r["key"], 3)
+    for shard in range(3):
+        got = [r["value"] for r in rows if r["shard"] == shard and r["value"] != b"pinned"]
+        assert got == sorted(got, key=lambda v: int(v[1:]))
+    assert [r["shard"] for r in rows if r["value"] == b"pinned"] == [2]
