@@ -240,7 +240,9 @@ def test_chain_copy_durable_and_cache(make_env):
     env = make_env(CHAIN)
     for c in CLUSTERS:
         env.start_daemon(c)
-    with env.producer() as p:
+    # Small blocks: the files roll over at 20 kB even when a loaded machine lets the
+    # producer batch all pending messages of a shard into one block.
+    with env.producer(max_block_bytes=4096) as p:
         produce(p, 0, 300, pause=0.001)
     env.wait_same("B")
     env.wait_same("C")
@@ -275,6 +277,51 @@ def test_chain_copy_durable_and_cache(make_env):
     assert out.returncode == 0 and out.stdout.count("\n") == 7, out.stderr
     out = subprocess.run([acs, "tree", "--topology", str(env.topology)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "└── C" in out.stdout, out.stderr
+
+
+def test_cache_copy_after_complete_durable_copy_publishes_cache_length(make_env):
+    """Regression: the durable copy of a file was complete in the destination before its
+    cache operation said hello (a loaded machine delays one of the two operations). The cache
+    copy started at the durable length and the reader ended at once, with no delta to
+    publish the cache length: the destination's metadata cache never had one. The writer now
+    publishes the start position (and writes the partial chunk there) at the hello."""
+    import datetime as dt
+
+    from pyspark_acs.block import encode_block, encode_seal
+    from pyspark_acs.chunks import CHUNK_SIZE, ChunkReader
+    from pyspark_acs.names import file_name
+    from pyspark_acs.server.copy_cluster import ClusterIO
+    from pyspark_acs.server.copy_metrics import CopyMetrics
+    from pyspark_acs.server.copy_options import CopyDaemonOptions
+    from pyspark_acs.server.copy_writer import CopyServicer
+    from pyspark_acs.server.proto import copy_pb2
+    from pyspark_acs.server.topology import load_topology
+
+    env = make_env(CHAIN, dests=("B",))
+    io = ClusterIO(load_topology(env.topology).cluster("B"), cache_deadline=5.0)
+    try:
+        name = file_name(dt.datetime.now(dt.timezone.utc), "t1")
+        rel = f"{shard_dir(env.stream, 0)}/{name}"
+        data = encode_block([b"x" * 100] * 50, first_index=0) + encode_seal(50)
+        assert len(data) % CHUNK_SIZE  # ends inside a chunk
+        io.store.create_stream(env.stream, 1)
+        appender = io.store.open_appender(rel)
+        appender.write(data)  # the durable copy is complete
+        appender.close()
+        servicer = CopyServicer(io, CopyDaemonOptions(lease_seconds=1.5), CopyMetrics("B"))
+        hello = copy_pb2.CopyRequest(hello=True, stream=env.stream, shard=0, file=name, storage=copy_pb2.CACHE,
+                                     shards=1, operation="t1", source_cluster="A")
+        acks = list(servicer.Copy(iter([hello]), None))
+        assert [(a.status, a.length) for a in acks] == [(copy_pb2.OK, len(data))]
+        uri = io.uri(rel)
+        assert io.meta.lengths([uri])[uri][0] == len(data)
+        start = len(data) - len(data) % CHUNK_SIZE
+        assert ChunkReader(io.data).read(uri, start, len(data)) == [(start, len(data), data[start:])]
+        # A second hello (a reconnecting reader) continues from the published length.
+        acks = list(servicer.Copy(iter([hello]), None))
+        assert [(a.status, a.length) for a in acks] == [(copy_pb2.OK, len(data))]
+    finally:
+        io.close()
 
 
 class Background:

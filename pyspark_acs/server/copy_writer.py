@@ -255,13 +255,25 @@ class _CacheWriter(_OpWriter):
                     # Lost: continue from the next chunk boundary (never below the length
                     # already published; readers fetch the gap from the durable store).
                     position, prefix = cache_len - need + CHUNK_SIZE, b""
-        if prefix is None:
-            # The cache lost the file (or never had it): jump to the durable position with
-            # that chunk's prefix from the durable store (paper section 3).
+        jumped = prefix is None
+        if jumped:
+            # The cache lost the file (or never had it, or lags the durable copy): jump to the
+            # durable position with that chunk's prefix from the durable store (paper section 3).
             prefix = self.io.store.read(self.rel, durable - durable % CHUNK_SIZE, durable) if durable else b""
             position = durable
         self.chunks = self._writer(position, prefix)
         self.position = position
+        if jumped and position > (cache_len or 0):
+            # "... and the length in the metadata cache is updated accordingly" (paper
+            # section 3): publish the jump now. Waiting for the next delta is not enough: when
+            # the durable copy already holds the whole (sealed) file no delta follows, the
+            # reader ends at once, and the cache length would never be published.
+            try:
+                self.chunks.append(b"")  # the partial chunk at the position, from its start
+                self.io.meta.publish(self.uri, cache_length=position)
+            except CacheError as exc:
+                self.s.metrics.inc("errors_total", kind="cache_write")
+                return _ack(copy_pb2.FAILED, position, f"cache start at the durable length {position} not published: {exc}")
         return _ack(copy_pb2.OK, position, durable_length=durable)
 
     def write(self, req: copy_pb2.CopyRequest) -> copy_pb2.CopyAck:
@@ -351,6 +363,8 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
                 yield _ack(copy_pb2.FAILED, 0, f"cannot open {writer.what()}: {exc}")
                 return
             yield ack
+            if ack.status != copy_pb2.OK:
+                return
             for req in request_iterator:
                 try:
                     ack = writer.write(req)
