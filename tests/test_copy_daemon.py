@@ -324,6 +324,26 @@ def test_cache_copy_after_complete_durable_copy_publishes_cache_length(make_env)
         io.close()
 
 
+def test_poller_notify_wakes_followers_of_the_file_only():
+    """A length this daemon's writer published wakes the next hop's readers of that file at
+    once (no poll wait per intermediate hop); lengths only grow; other files stay asleep."""
+    from pyspark_acs.server.copy_reader import LengthPoller
+
+    poller = LengthPoller(io=None, interval=0.05)  # never started: no poll rounds
+    a, b = poller.follow("s/00000/a"), poller.follow("s/00000/b")
+    poller.notify("s/00000/a", durable_length=100)
+    assert a.is_set() and not b.is_set()
+    assert poller.lengths("s/00000/a") == (None, 100)
+    a.clear()
+    poller.notify("s/00000/a", cache_length=100, durable_length=50)
+    assert a.is_set() and poller.lengths("s/00000/a") == (100, 100)
+    poller.notify("s/00000/zzz", cache_length=1)  # not followed: ignored
+    assert poller.lengths("s/00000/zzz") == (None, None)
+    poller.unfollow("s/00000/a", a)
+    poller.notify("s/00000/a", cache_length=200)
+    assert poller.lengths("s/00000/a") == (None, None)
+
+
 class Background:
     """Produce ``n`` messages in a thread, paced, so faults hit mid-stream."""
 

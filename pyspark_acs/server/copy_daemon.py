@@ -95,7 +95,9 @@ class CopyDaemon:
             self.cluster, self.topology_path, topology, self.io, self.options, self.metrics,
             self.stub_for, self.operation_prefix,
         )
-        self.servicer = CopyServicer(self.io, self.options, self.metrics, reading=self.scheduler.running)
+        # Lengths this daemon's writers publish wake its own readers of the next hop at once.
+        self.servicer = CopyServicer(self.io, self.options, self.metrics, reading=self.scheduler.running,
+                                     on_published=self.scheduler.poller.notify)
         self.health = HealthMonitor(
             self.cluster, self.options.health_interval, self.options.unhealthy_after, self.stub_for,
             self.scheduler.set_unhealthy,

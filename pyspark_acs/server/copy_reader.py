@@ -3,7 +3,9 @@
 A :class:`LengthPoller` (one background thread per daemon) reads the lengths of every file
 being copied in one batched consistent read of this cluster's metadata cache every poll
 interval (50 ms); for files the metadata cache does not know, or while it is down, the
-durable store's lengths are used (paper section 2.4, "Readers").
+durable store's lengths are used (paper section 2.4, "Readers"). This daemon's own writer
+also reports every length it publishes (:meth:`LengthPoller.notify`), so in an intermediate
+cluster the next hop starts at once instead of at the next poll.
 
 A :class:`CopyOperation` copies one file to one storage of one child cluster over ONE
 long-lived bidirectional gRPC stream: a hello, answered with the destination length to
@@ -26,7 +28,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, Optional, Set, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import grpc
 
@@ -59,20 +61,27 @@ class OperationEnded(Exception):
     """Internal: the operation must stop (stopped, poisoned)."""
 
 
+def _max_len(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    if a is None:
+        return b
+    return a if b is None else max(a, b)
+
+
 class LengthPoller:
     """One thread polling the source lengths of all files being copied.
 
-    ``lengths(rel)`` returns ``(cache length or None, durable length or None)``; ``wait``
-    blocks until the next round. ``_lock`` guards ``_rels``, ``_lengths`` and ``_round``;
-    ``_cond`` (on ``_lock``) announces rounds.
+    ``lengths(rel)`` returns ``(cache length or None, durable length or None)``. Every
+    follower registers a wake-up event, set after every poll round and whenever this
+    daemon's own copy writer published a new length of the file (:meth:`notify`): an
+    intermediate cluster's reader sends a delta as soon as its writer wrote it, without
+    waiting for the next poll. ``_lock`` guards ``_rels``, ``_lengths`` and ``_round``.
     """
 
     def __init__(self, io: ClusterIO, interval: float) -> None:
         self.io = io
         self.interval = interval
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._rels: Dict[str, int] = {}
+        self._rels: Dict[str, List[threading.Event]] = {}
         self._lengths: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
         self._round = 0
         self._meta_down_until = 0.0
@@ -85,33 +94,56 @@ class LengthPoller:
 
     def stop(self) -> None:
         self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
+        self._wake_all()
         self._thread.join(timeout=5)
 
-    def follow(self, rel: str) -> None:
+    def follow(self, rel: str, wake: Optional[threading.Event] = None) -> threading.Event:
+        """Poll ``rel`` from now on; ``wake`` (returned; a new event if None) is set on news."""
+        wake = wake if wake is not None else threading.Event()
         with self._lock:
-            self._rels[rel] = self._rels.get(rel, 0) + 1
+            self._rels.setdefault(rel, []).append(wake)
+        return wake
 
-    def unfollow(self, rel: str) -> None:
+    def unfollow(self, rel: str, wake: Optional[threading.Event] = None) -> None:
         with self._lock:
-            n = self._rels.get(rel, 0) - 1
-            if n <= 0:
+            events = self._rels.get(rel)
+            if events is None:
+                return
+            if wake is not None and wake in events:
+                events.remove(wake)
+            elif events:
+                events.pop()
+            if not events:
                 self._rels.pop(rel, None)
                 self._lengths.pop(rel, None)
-            else:
-                self._rels[rel] = n
 
     def lengths(self, rel: str) -> Tuple[Optional[int], Optional[int]]:
         with self._lock:
             return self._lengths.get(rel, (None, None))
 
-    def wait(self, seen_round: int, timeout: float) -> int:
-        """Wait for a round after ``seen_round``; return the current round."""
-        with self._cond:
-            if self._round == seen_round and not self._stop.is_set():
-                self._cond.wait(timeout)
+    @property
+    def rounds(self) -> int:
+        with self._lock:
             return self._round
+
+    def notify(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None) -> None:
+        """This daemon's writer published a length of ``rel`` (a majority write, so a
+        consistent read would return it): raise the known lengths and wake its followers."""
+        with self._lock:
+            events = self._rels.get(rel)
+            if not events:
+                return
+            c, d = self._lengths.get(rel, (None, None))
+            self._lengths[rel] = (_max_len(c, cache_length), _max_len(d, durable_length))
+            events = list(events)
+        for e in events:
+            e.set()
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            events = [e for es in self._rels.values() for e in es]
+        for e in events:
+            e.set()
 
     def poll_once(self) -> None:
         with self._lock:
@@ -143,10 +175,14 @@ class LengthPoller:
             if r in durable and durable[r] is not None:
                 d = max(d or 0, durable[r])
             out[r] = (c, d)
-        with self._cond:
-            self._lengths.update({r: v for r, v in out.items() if r in self._rels})
+        with self._lock:
+            for r, (c, d) in out.items():
+                if r in self._rels:
+                    # Lengths never shrink: a notify() newer than this round's read stays.
+                    old_c, old_d = self._lengths.get(r, (None, None))
+                    self._lengths[r] = (_max_len(old_c, c), _max_len(old_d, d))
             self._round += 1
-            self._cond.notify_all()
+        self._wake_all()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -163,9 +199,10 @@ class _Session:
 
     _END = object()
 
-    def __init__(self, stub: copy_pb2_grpc.CopyStub) -> None:
+    def __init__(self, stub: copy_pb2_grpc.CopyStub, wake: Optional[threading.Event] = None) -> None:
         self._requests: "queue.Queue" = queue.Queue()
         self.acks: "queue.Queue" = queue.Queue()
+        self._wake = wake
         self.call = stub.Copy(self._iter_requests())
         self._thread = threading.Thread(target=self._pump, name="acs-copy-acks", daemon=True)
         self._thread.start()
@@ -180,10 +217,15 @@ class _Session:
     def _pump(self) -> None:
         try:
             for ack in self.call:
-                self.acks.put(ack)
-            self.acks.put(None)
+                self._put(ack)
+            self._put(None)
         except grpc.RpcError as exc:
-            self.acks.put(exc)
+            self._put(exc)
+
+    def _put(self, item: object) -> None:
+        self.acks.put(item)
+        if self._wake is not None:
+            self._wake.set()  # the operation waits for news of any kind on one event
 
     def send(self, req: copy_pb2.CopyRequest) -> None:
         self._requests.put(req)
@@ -266,15 +308,18 @@ class CopyOperation:
         self._stalled_since: Optional[float] = None
         self._tail_checked = -1
         self._tail_sealed = False
+        #: Set by the poller (a round, or a length this daemon's writer published) and by acks.
+        self._wake = threading.Event()
 
     def stop(self) -> None:
         self.stop_event.set()
+        self._wake.set()
 
     # -- thread body -----------------------------------------------------------------------
 
     def run(self) -> None:
         """Copy until finished, poisoned or stopped; reconnect after errors."""
-        self.poller.follow(self.rel)
+        self.poller.follow(self.rel, self._wake)
         self.metrics.inc("operations", 1, role="reader", storage=self.key.storage)
         try:
             while not self.stop_event.is_set():
@@ -288,7 +333,7 @@ class CopyOperation:
                     log.info("%s: %s; retrying in %.2f s", self.key, exc, self.options.retry)
                     self.stop_event.wait(self.options.retry)
         finally:
-            self.poller.unfollow(self.rel)
+            self.poller.unfollow(self.rel, self._wake)
             self.metrics.inc("operations", -1, role="reader", storage=self.key.storage)
             self.metrics.remove("lag_bytes", stream=self.key.stream, shard=self.key.shard,
                                 target=self.key.child, storage=self.key.storage)
@@ -304,7 +349,7 @@ class CopyOperation:
         )
 
     def _session(self) -> None:
-        session = _Session(self.stub_for(self.key.child))
+        session = _Session(self.stub_for(self.key.child), self._wake)
         try:
             session.send(self._request(hello=True))
             ack = session.next_ack(ACK_TIMEOUT_S + 3 * self.options.lease_seconds)
@@ -345,10 +390,12 @@ class CopyOperation:
         inflight: Deque[int] = deque()
         window = 1 if self.key.storage == DURABLE else self.options.cache_window
         sealed = False
-        seen_round = -1
         while True:
             if self.stop_event.is_set():
                 raise OperationEnded()
+            # Cleared before looking: news arriving from here on (a poll round, a length our
+            # own writer published, an ack) ends the wait below at once.
+            self._wake.clear()
             # Collect acknowledgements that arrived; block while the window is full.
             while inflight:
                 try:
@@ -381,15 +428,8 @@ class CopyOperation:
                 sealed = sealed or sealed_now
             if sent:
                 continue
-            if inflight:
-                # Nothing new to send: wait for the next acknowledgement instead of a poll round.
-                try:
-                    ack = session.acks.get(timeout=self.options.poll_interval)
-                except queue.Empty:
-                    continue
-                acked = self._take_ack(ack, inflight)
-            else:
-                seen_round = self.poller.wait(seen_round, self.options.poll_interval * 2)
+            # Nothing to send now: sleep until a poll round, a local publish or an ack.
+            self._wake.wait(self.options.poll_interval * 2)
 
     def _complete(self, pos: int) -> bool:
         """Whether the file is finished although no delta we sent carried its seal (the

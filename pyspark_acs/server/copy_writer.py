@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import grpc
 
@@ -185,6 +185,7 @@ class _DurableWriter(_OpWriter):
                 self.io.meta.publish(self.uri, durable_length=self.position)
             except CacheError as exc:
                 log.debug("%s: durable length not published: %s", self.what(), exc)
+            self.s.published(self.rel, durable_length=self.position)
         return _ack(copy_pb2.OK, self.position, durable_length=self.position)
 
     def write(self, req: copy_pb2.CopyRequest) -> copy_pb2.CopyAck:
@@ -206,6 +207,8 @@ class _DurableWriter(_OpWriter):
                 self.io.meta.publish(self.uri, durable_length=self.position)
             except CacheError as exc:
                 log.debug("%s: durable length not published: %s", self.what(), exc)
+            # The store has the bytes: this daemon's readers of the next hop may send them now.
+            self.s.published(self.rel, durable_length=self.position)
             self.note_delay(req, len(req.data))
         return _ack(copy_pb2.OK, self.position)
 
@@ -271,6 +274,7 @@ class _CacheWriter(_OpWriter):
             try:
                 self.chunks.append(b"")  # the partial chunk at the position, from its start
                 self.io.meta.publish(self.uri, cache_length=position)
+                self.s.published(self.rel, cache_length=position)
             except CacheError as exc:
                 self.s.metrics.inc("errors_total", kind="cache_write")
                 return _ack(copy_pb2.FAILED, position, f"cache start at the durable length {position} not published: {exc}")
@@ -297,6 +301,7 @@ class _CacheWriter(_OpWriter):
             self.s.metrics.inc("errors_total", kind="cache_write")
             return _ack(copy_pb2.FAILED, self.position, f"cache write failed: {exc}")
         self.position = self.chunks.position
+        self.s.published(self.rel, cache_length=self.position)
         self.note_delay(req, len(req.data))
         return _ack(copy_pb2.OK, self.position)
 
@@ -312,19 +317,34 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
     metrics : CopyMetrics
     reading : callable
         Returns how many operations this daemon reads now (for Health).
+    on_published : callable, optional
+        ``on_published(rel, cache_length=None, durable_length=None)`` after every length a
+        writer published (the daemon's :meth:`LengthPoller.notify
+        <pyspark_acs.server.copy_reader.LengthPoller.notify>`: the readers of the next hop
+        send the bytes at once instead of at their next poll).
     """
 
-    def __init__(self, io: ClusterIO, options: CopyDaemonOptions, metrics: CopyMetrics, reading=lambda: 0) -> None:
+    def __init__(self, io: ClusterIO, options: CopyDaemonOptions, metrics: CopyMetrics, reading=lambda: 0,
+                 on_published: Optional[Callable[..., None]] = None) -> None:
         self.io = io
         self.options = options
         self.metrics = metrics
         self.generations = _Generations()
         self._reading = reading
+        self._on_published = on_published
         # _lock guards _streams (streams whose _stream.json exists here) and _writing.
         self._lock = threading.Lock()
         self._streams: Dict[str, int] = {}
         self._writing = 0
         self.serving = True
+
+    def published(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None) -> None:
+        """A writer published a length of ``rel`` (or appended it to the store)."""
+        if self._on_published is not None:
+            try:
+                self._on_published(rel, cache_length=cache_length, durable_length=durable_length)
+            except Exception:  # a wake-up only: never fail a write for it
+                log.exception("on_published hook failed for %s", rel)
 
     def ensure_stream(self, stream: str, shards: int) -> None:
         with self._lock:
