@@ -326,7 +326,8 @@ def test_cache_copy_after_complete_durable_copy_publishes_cache_length(make_env)
 
 def test_poller_notify_wakes_followers_of_the_file_only():
     """A length this daemon's writer published wakes the next hop's readers of that file at
-    once (no poll wait per intermediate hop); lengths only grow; other files stay asleep."""
+    once (no poll wait per intermediate hop) and hands them the bytes; lengths only grow;
+    other files stay asleep."""
     from pyspark_acs.server.copy_reader import LengthPoller
 
     poller = LengthPoller(io=None, interval=0.05)  # never started: no poll rounds
@@ -337,11 +338,14 @@ def test_poller_notify_wakes_followers_of_the_file_only():
     a.clear()
     poller.notify("s/00000/a", cache_length=100, durable_length=50)
     assert a.is_set() and poller.lengths("s/00000/a") == (100, 100)
+    poller.notify("s/00000/a", cache_length=300, data=(100, b"y" * 200))  # bytes the writer wrote
+    assert poller.recent("s/00000/a", 150, 300) == b"y" * 150
+    assert poller.recent("s/00000/a", 50, 300) is None and poller.recent("s/00000/a", 100, 301) is None
     poller.notify("s/00000/zzz", cache_length=1)  # not followed: ignored
     assert poller.lengths("s/00000/zzz") == (None, None)
     poller.unfollow("s/00000/a", a)
-    poller.notify("s/00000/a", cache_length=200)
-    assert poller.lengths("s/00000/a") == (None, None)
+    poller.notify("s/00000/a", cache_length=400)
+    assert poller.lengths("s/00000/a") == (None, None) and poller.recent("s/00000/a", 150, 300) is None
 
 
 class Background:

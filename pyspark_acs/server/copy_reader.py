@@ -53,6 +53,9 @@ ABANDONED_AFTER_S = 3.0
 ACK_TIMEOUT_S = 10.0
 #: The poller also reads every followed file's length from the durable store this often.
 DURABLE_POLL_INTERVAL_S = 1.0
+#: Largest delta a local writer hands to the next hop's readers with its notification (the
+#: last one per file is kept while the file is followed); larger ones are read from the cache.
+RECENT_MAX_BYTES = 1024 * 1024
 #: After a metadata-cache failure the poller uses store lengths for this long.
 _META_RETRY_S = 1.0
 
@@ -83,6 +86,7 @@ class LengthPoller:
         self._lock = threading.Lock()
         self._rels: Dict[str, List[threading.Event]] = {}
         self._lengths: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
+        self._recent: Dict[str, Tuple[int, bytes]] = {}
         self._round = 0
         self._meta_down_until = 0.0
         self._store_polled = 0.0
@@ -116,6 +120,7 @@ class LengthPoller:
             if not events:
                 self._rels.pop(rel, None)
                 self._lengths.pop(rel, None)
+                self._recent.pop(rel, None)
 
     def lengths(self, rel: str) -> Tuple[Optional[int], Optional[int]]:
         with self._lock:
@@ -126,18 +131,30 @@ class LengthPoller:
         with self._lock:
             return self._round
 
-    def notify(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None) -> None:
+    def notify(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None,
+               data: Optional[Tuple[int, bytes]] = None) -> None:
         """This daemon's writer published a length of ``rel`` (a majority write, so a
-        consistent read would return it): raise the known lengths and wake its followers."""
+        consistent read would return it): raise the known lengths and wake its followers.
+        ``data`` = ``(start, bytes)``: the bytes it just wrote there, kept for :meth:`recent`."""
         with self._lock:
             events = self._rels.get(rel)
             if not events:
                 return
             c, d = self._lengths.get(rel, (None, None))
             self._lengths[rel] = (_max_len(c, cache_length), _max_len(d, durable_length))
+            if data is not None and 0 < len(data[1]) <= RECENT_MAX_BYTES:
+                self._recent[rel] = (data[0], bytes(data[1]))
             events = list(events)
         for e in events:
             e.set()
+
+    def recent(self, rel: str, start: int, end: int) -> Optional[bytes]:
+        """Bytes ``[start, end)`` of ``rel`` if the last local write of it covers them."""
+        with self._lock:
+            got = self._recent.get(rel)
+        if got is None or not (got[0] <= start and end <= got[0] + len(got[1])):
+            return None
+        return got[1][start - got[0]: end - got[0]]
 
     def _wake_all(self) -> None:
         with self._lock:
@@ -476,7 +493,12 @@ class CopyOperation:
         parts = []
         at = start
         cache_end = min(end, cache_len)
-        if cache_end > start:
+        local = self.poller.recent(self.rel, start, cache_end) if cache_end > start else None
+        if local is not None:
+            # This daemon's writer just wrote these bytes to the cache: no cache read needed.
+            parts.append(local)
+            at = cache_end
+        elif cache_end > start:
             try:
                 chunks = self.chunks.read(self.uri, start, cache_end)
             except CacheError:

@@ -301,7 +301,7 @@ class _CacheWriter(_OpWriter):
             self.s.metrics.inc("errors_total", kind="cache_write")
             return _ack(copy_pb2.FAILED, self.position, f"cache write failed: {exc}")
         self.position = self.chunks.position
-        self.s.published(self.rel, cache_length=self.position)
+        self.s.published(self.rel, cache_length=self.position, data=(req.start, req.data))
         self.note_delay(req, len(req.data))
         return _ack(copy_pb2.OK, self.position)
 
@@ -318,7 +318,7 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
     reading : callable
         Returns how many operations this daemon reads now (for Health).
     on_published : callable, optional
-        ``on_published(rel, cache_length=None, durable_length=None)`` after every length a
+        ``on_published(rel, cache_length=None, durable_length=None, data=None)`` after every length a
         writer published (the daemon's :meth:`LengthPoller.notify
         <pyspark_acs.server.copy_reader.LengthPoller.notify>`: the readers of the next hop
         send the bytes at once instead of at their next poll).
@@ -338,11 +338,13 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         self._writing = 0
         self.serving = True
 
-    def published(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None) -> None:
-        """A writer published a length of ``rel`` (or appended it to the store)."""
+    def published(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None,
+                  data: Optional[Tuple[int, bytes]] = None) -> None:
+        """A writer published a length of ``rel`` (or appended it to the store); ``data`` =
+        ``(start, bytes)`` it wrote to the cache."""
         if self._on_published is not None:
             try:
-                self._on_published(rel, cache_length=cache_length, durable_length=durable_length)
+                self._on_published(rel, cache_length=cache_length, durable_length=durable_length, data=data)
             except Exception:  # a wake-up only: never fail a write for it
                 log.exception("on_published hook failed for %s", rel)
 
