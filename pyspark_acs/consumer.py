@@ -141,7 +141,12 @@ class ShardTailer:
                 length = self.path.lengths([self.rel])[self.rel]
             known = False
             if length is None or length < self.length:
-                if not self._data_loss(length):
+                # A cache's published length can trail a position taken elsewhere (evicted or
+                # lagging metadata): only the durable store's own length proves a loss.
+                durable = self.path.durable_length(self.rel)
+                if durable is not None and durable >= self.length:
+                    return out
+                if not self._data_loss(durable):
                     return out
                 continue
             limit = length
@@ -186,6 +191,8 @@ class ShardTailer:
             if start + header.size > limit:
                 return False
             data = self.path.read(self.rel, start, start + header.size)
+            if len(data) < header.size:
+                return False  # the read path postponed part of it (cache catching up)
             blocks = [(0, header)]
         if not blocks:
             return False

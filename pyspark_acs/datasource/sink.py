@@ -107,7 +107,21 @@ class AcsCommitMessage(WriterCommitMessage):
 
 
 def _sink_id(opts: SinkOptions) -> str:
-    ident = opts.sink_id or opts.checkpoint_location or "default"
+    """The sink identity: ``sinkId``, else the query's ``checkpointLocation``.
+
+    Raises
+    ------
+    AcsOptionError
+        When neither is given (e.g. the checkpoint comes from the session configuration):
+        without an identity, queries would share one commit log and drop each other's batches.
+    """
+    ident = opts.sink_id or opts.checkpoint_location
+    if not ident:
+        raise AcsOptionError(
+            "acs sink: give the query a checkpointLocation option, or a sinkId option, so the sink can "
+            "recognise replayed batches (exactly-once per batch id)",
+            option="sinkId",
+        )
     return hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
 
 
@@ -154,6 +168,7 @@ class _Stager:
         finally:
             for app in appenders.values():
                 app.close()
+            store.close()
         staged = [(s, f"{staging}/{s:05d}.blk", counts[s][0], counts[s][1]) for s in sorted(appenders)]
         return AcsCommitMessage(staged, staging)
 
@@ -162,15 +177,15 @@ class _Stager:
         shard = _column(batch, "shard")
         if shard is not None:
             shard = pc.cast(shard, pa.int64())
+            bad = pc.fill_null(pc.or_(pc.less(shard, 0), pc.greater_equal(shard, self.shards)), False)
+            if pc.any(bad).as_py():
+                value = pc.filter(shard, bad)[0].as_py()
+                raise AcsOptionError(
+                    f"acs sink: shard {value} is out of range for stream {self.opts.stream!r} with "
+                    f"{self.shards} shards (allowed 0..{self.shards - 1})",
+                    option="shard",
+                )
             if shard.null_count == 0:
-                bad = pc.or_(pc.less(shard, 0), pc.greater_equal(shard, self.shards))
-                if pc.any(bad).as_py():
-                    value = pc.filter(shard, bad)[0].as_py()
-                    raise AcsOptionError(
-                        f"acs sink: shard {value} is out of range for stream {self.opts.stream!r} with "
-                        f"{self.shards} shards (allowed 0..{self.shards - 1})",
-                        option="shard",
-                    )
                 return shard
         key = _column(batch, "key")
         if key is not None and key.null_count < n:
@@ -255,17 +270,40 @@ class SinkCommitter:
             raise AcsError(f"{store.uri(self.dir + '/' + name)}: corrupt sink record: {exc}") from exc
 
     def commit(self, messages: Sequence[Optional[AcsCommitMessage]], batch_id: Optional[int]) -> None:
+        """Append a batch's staged blocks to its shards, exactly once per ``batch_id``."""
         store = open_store(self.opts.root)
+        self._clients: List[Any] = []  # cache clients of this commit, one per cache
         try:
             self._commit(store, messages, batch_id)
         finally:
+            for client in self._clients:
+                client.close()
             store.close()
+
+    def _cache_clients(self) -> Tuple[Any, Any]:
+        """(data client, metadata cache) of this commit, created on first use."""
+        if not hasattr(self, "_data"):
+            from ..cache_client import client_for
+            from ..metadata import MetadataCache
+
+            self._data = client_for(self.opts.data_cache, "data cache", self._clients)
+            meta = client_for(self.opts.metadata_cache, "metadata cache", self._clients)
+            self._meta = MetadataCache(meta) if meta is not None else None
+        return self._data, self._meta
 
     def _commit(self, store: DurableStore, messages: Sequence[Optional[AcsCommitMessage]], batch_id: Optional[int]) -> None:
         state = self._load(store, "state.json") or {"last_batch": None, "shards": {}}
         last = state.get("last_batch")
-        if batch_id is not None and last is not None and batch_id <= last:
-            log.info("acs sink %s: batch %d was committed before (last %d); replay writes nothing", self.sink_id, batch_id, last)
+        if batch_id is not None and last is not None and batch_id < last:
+            # Spark only ever replays the last batch: a smaller id is another query (e.g. a
+            # checkpoint folder deleted and reused) whose batches would otherwise be dropped.
+            raise AcsError(
+                f"acs sink {self.sink_id} (stream {self.opts.stream!r}): batch {batch_id} is older than the last "
+                f"committed batch {last}; this looks like a new query reusing a sink identity. Give it its own "
+                f"checkpointLocation or sinkId"
+            )
+        if batch_id is not None and batch_id == last:
+            log.info("acs sink %s: batch %d was committed before; the replay writes nothing", self.sink_id, batch_id)
             self._discard(store, messages)
             return
         intent_name = f"intent-{batch_id if batch_id is not None else 'batch'}.json"
@@ -375,28 +413,24 @@ class SinkCommitter:
         """Chunks to the data cache, then lengths and head to the metadata cache (best effort)."""
         if not (self.opts.data_cache or self.opts.metadata_cache):
             return
-        from ..cache_client import CacheClient
         from ..chunks import CHUNK_SIZE, ChunkWriter
-        from ..metadata import MetadataCache
 
+        data_client, meta = self._cache_clients()
         start = plan["start_length"]
         end = start + len(data)
         uri = store.uri(rel)
         cache_length = None
         try:
-            if self.opts.data_cache:
-                with CacheClient(self.opts.data_cache, name="data cache") as client:
-                    chunk_start = start - start % CHUNK_SIZE
-                    prefix = store.read(rel, chunk_start, start) if start % CHUNK_SIZE else b""
-                    cache_length = ChunkWriter(client, uri, start, prefix).append(data)
+            if data_client is not None:
+                chunk_start = start - start % CHUNK_SIZE
+                prefix = store.read(rel, chunk_start, start) if start % CHUNK_SIZE else b""
+                cache_length = ChunkWriter(data_client, uri, start, prefix).append(data)
         except CacheError as exc:
             log.warning("acs sink: data cache write for %s failed, readers use the durable store: %s", uri, exc)
         try:
-            if self.opts.metadata_cache:
-                with CacheClient(self.opts.metadata_cache, name="metadata cache") as client:
-                    meta = MetadataCache(client)
-                    meta.set_head(store.uri(shard_dir(self.opts.stream, shard)), plan["file"])
-                    meta.publish(uri, cache_length=cache_length, durable_length=end)
+            if meta is not None:
+                meta.set_head(store.uri(shard_dir(self.opts.stream, shard)), plan["file"])
+                meta.publish(uri, cache_length=cache_length, durable_length=end)
         except CacheError as exc:
             log.warning("acs sink: metadata cache update for %s failed, readers poll the store: %s", uri, exc)
 
@@ -406,10 +440,11 @@ class SinkCommitter:
                 self._delete_dir(store, m.staging_dir)
 
     def _delete_dir(self, store: DurableStore, rel: str) -> None:
-        try:
-            store.fs.delete_dir(store.path(rel))
-        except (OSError, pa.ArrowException):
-            pass  # already gone (deleted by an earlier attempt)
+        if store.exists(rel):  # an earlier attempt may have deleted it already
+            try:
+                store.fs.delete_dir(store.path(rel))
+            except FileNotFoundError:
+                pass  # deleted concurrently by another attempt
 
     def _sweep(self, store: DurableStore) -> None:
         """Delete staging folders of failed task attempts (older than an hour)."""
@@ -463,9 +498,19 @@ class AcsStreamWriter(DataSourceStreamArrowWriter):
         SinkCommitter(self.opts, self.sink_id).commit(messages, batchId)
 
     def abort(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
+        """Delete the staged files of a batch that will not be committed.
+
+        If a commit of this batch already wrote its intent (it failed part way), the staged
+        files belong to that intent: they are kept so the next attempt can finish the batch.
+        """
+        committer = SinkCommitter(self.opts, self.sink_id)
         store = open_store(self.opts.root)
         try:
-            SinkCommitter(self.opts, self.sink_id)._discard(store, messages)
+            if store.exists(f"{committer.dir}/intent-{batchId}.json"):
+                log.warning("acs sink %s: batch %d failed while committing; its staged data is kept for the retry",
+                            self.sink_id, batchId)
+                return
+            committer._discard(store, messages)
         finally:
             store.close()
 
