@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     AcsError,
     AcsOptionError,
+    AcsTimeoutError,
     CacheError,
     CacheTimeoutError,
     CacheUnavailableError,
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AcsError",
     "AcsOptionError",
+    "AcsTimeoutError",
     "CacheClient",
     "CacheError",
     "CacheTimeoutError",

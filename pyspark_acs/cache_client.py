@@ -28,6 +28,7 @@ Spark executors pickles the endpoint string and builds a client there.
 
 from __future__ import annotations
 
+import os
 import queue
 import random
 import re
@@ -52,11 +53,14 @@ __all__ = [
     "MAX_BATCH_BYTES",
     "MAX_BATCH_KEYS",
     "MAX_MESSAGE_BYTES",
+    "TOKEN_ENV",
     "client_for",
     "parse_endpoints",
 ]
 
 DEFAULT_REPLICATION = 3
+#: Environment variable holding the shared token when none is passed (servers read it too).
+TOKEN_ENV = "ACS_CACHE_TOKEN"
 #: Deadline of every cache call (the paper's "strict sub-second deadlines").
 DEFAULT_DEADLINE_S = 0.5
 #: A relaxed read still unanswered after this long is also sent to a second replica.
@@ -214,7 +218,7 @@ class CacheClient:
         Seconds after which a relaxed read still unanswered is also sent to another replica;
         ``0`` disables hedging.
     token : str, optional
-        Shared token sent as ``authorization: Bearer <token>``.
+        Shared token sent as ``authorization: Bearer <token>``; default ``$ACS_CACHE_TOKEN``.
     name : str, default "cache"
         Named in error messages (e.g. ``"data cache"``).
 
@@ -245,6 +249,8 @@ class CacheClient:
         self.deadline = float(deadline)
         self.hedge_after = float(hedge_after)
         self.name = name
+        if token is None:  # the same variable the servers read, so one setting covers both
+            token = os.environ.get(TOKEN_ENV) or None
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._ring = HashRing(self.endpoints, vnodes=DEFAULT_VNODES)
         # _lock guards _replicas' channel/stub creation, every _Replica's down state, _executor

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_DELAY_S = 1.0
 #: How often durable lengths are polled from the store while the metadata cache is down.
 DEFAULT_DURABLE_POLL_INTERVAL_S = 1.0
+#: Repeated data-cache failures are logged at most this often.
+_WARN_INTERVAL_S = 10.0
 #: After a metadata-cache failure, retry it no sooner than this.
 _METADATA_RETRY_S = 1.0
 
@@ -191,7 +193,7 @@ class CachedReadPath:
             try:
                 chunks = self.chunks.read(uri, start, cache_end)
             except CacheError as exc:
-                log.debug("data cache read failed for %s: %s", uri, exc)
+                self._warn_data_cache(exc)
                 chunks = [(start, cache_end, None)]
             run_start = None
             for s, e, data in chunks + [(cache_end, cache_end, b"")]:
@@ -215,6 +217,16 @@ class CachedReadPath:
             if self.chunks is None or self._delay(rel).should_read_durable(cache_len, durable_len or end):
                 parts.append(self._durable(rel, cache_end, end))
         return b"".join(parts)
+
+    def _warn_data_cache(self, exc: Exception) -> None:
+        """Log a data-cache failure (reads fall back to the store), at most every 10 s."""
+        now = time.monotonic()
+        with self._lock:
+            due = now - getattr(self, "_warned_at", -1e9) >= _WARN_INTERVAL_S
+            if due:
+                self._warned_at = now
+        if due:
+            log.warning("data cache read failed, reading from the durable store: %s", exc)
 
     def _delay(self, rel: str) -> DelayedDurableReads:
         with self._lock:

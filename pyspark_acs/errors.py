@@ -21,6 +21,7 @@ that already catch ``ValueError``, ``OSError``, ``ConnectionError`` or
     │   ├── WriterConflictError              another live writer holds the file or shard
     │   └── LeasePoisonedError               our lease was poisoned by a newer writer: stop
     ├── DataLossError                        bytes a reader needed are gone; says which
+    ├── AcsTimeoutError (TimeoutError)       flush/close did not finish in the time given
     ├── TopologyError (ValueError)           bad copy-daemon topology file
     └── ClosedError (RuntimeError)           use of a closed Producer, Consumer or client
 
@@ -35,6 +36,7 @@ from typing import Optional
 __all__ = [
     "AcsError",
     "AcsOptionError",
+    "AcsTimeoutError",
     "CacheError",
     "CacheTimeoutError",
     "CacheUnavailableError",
@@ -180,6 +182,10 @@ class DataLossError(AcsError):
         self.file = file
         self.start = start
         self.end = end
+
+
+class AcsTimeoutError(AcsError, TimeoutError):
+    """An operation with a caller-given timeout (flush, close) did not finish in time."""
 
 
 class TopologyError(AcsError, ValueError):

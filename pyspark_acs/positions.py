@@ -8,7 +8,8 @@ small blocks), through a read path, so it costs little even on large files.
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Tuple
+from collections import OrderedDict
+from typing import List, Optional, Tuple
 
 from .block import HEADER_SIZE, parse_header
 from .names import shard_dir
@@ -19,6 +20,8 @@ __all__ = ["BoundaryCache", "ShardExtent", "advance", "offset_for_timestamp", "s
 
 #: Bytes read at once while walking headers of small blocks.
 WALK_WINDOW_BYTES = 256 * 1024
+#: Files whose last block boundary the driver remembers.
+MAX_KNOWN_FILES = 4096
 
 
 def _read_now(path: ReadPath, rel: str, start: int, end: int) -> bytes:
@@ -51,13 +54,16 @@ def walk_blocks(
     """
     at, rows, blocks = start, 0, 0
     uri = path.store.uri(rel)
+    window = WALK_WINDOW_BYTES
     while at + HEADER_SIZE <= stop:
-        data = _read_now(path, rel, at, min(stop, at + WALK_WINDOW_BYTES))
+        data = _read_now(path, rel, at, min(stop, at + window))
         if len(data) < HEADER_SIZE:
             break
         off = 0
         while off + HEADER_SIZE <= len(data):
             header = parse_header(data, off, path=uri, position=at + off)
+            # Large blocks: read just the next header instead of a window of body bytes.
+            window = HEADER_SIZE if header.size > WALK_WINDOW_BYTES // 4 else WALK_WINDOW_BYTES
             end = at + off + header.size
             over_bytes = max_bytes is not None and end - start > max_bytes
             over_rows = max_rows is not None and rows + header.count > max_rows
@@ -75,7 +81,7 @@ class BoundaryCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # guards _known
-        self._known: Dict[str, int] = {}
+        self._known: "OrderedDict[str, int]" = OrderedDict()
 
     def boundary(self, path: ReadPath, rel: str, length: int) -> int:
         """The last block boundary at or below ``length`` in ``rel``."""
@@ -86,8 +92,9 @@ class BoundaryCache:
         end, _, _ = walk_blocks(path, rel, at, length)
         with self._lock:
             self._known[rel] = end
-            if len(self._known) > 4096:
-                self._known.pop(next(iter(self._known)))
+            self._known.move_to_end(rel)  # least recently used files go first
+            if len(self._known) > MAX_KNOWN_FILES:
+                self._known.popitem(last=False)
         return end
 
 

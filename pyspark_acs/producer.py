@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
 from .block import DEFAULT_MAX_BLOCK_BYTES, encode_block, encode_seal
-from .errors import AcsError, AcsOptionError, CacheError, ClosedError
+from .errors import AcsError, AcsOptionError, AcsTimeoutError, CacheError, ClosedError
 from .leases import DEFAULT_LEASE_SECONDS, StoreLease
 from .names import MAX_SHARDS, file_name, new_writer_id, parse_file_name, shard_dir, validate_shard, validate_stream
 from .store import Appender, DurableStore, open_store
@@ -366,7 +366,9 @@ class Producer:
             while self._written < target and self._error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"flush: {target - self._written} messages still unwritten after {timeout} s")
+                    raise AcsTimeoutError(
+                        f"flush: {target - self._written} messages still unwritten after {timeout} s"
+                    )
                 self._cond.wait(left if left is not None else 0.5)
             if self._error is not None:
                 raise self._error
@@ -383,10 +385,16 @@ class Producer:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
-            self._thread.join()
-            self.store.close()
-            for c in self._own_clients:
-                c.close()
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self.store.close()
+                for c in self._own_clients:
+                    c.close()
+        if self._thread.is_alive():
+            raise AcsTimeoutError(
+                f"close: the writer of stream {self.stream!r} is still writing after {timeout} s "
+                f"(the store does not answer?); it keeps trying in the background"
+            )
         if self._error is not None and not isinstance(self._error, ClosedError):
             raise self._error
 
@@ -468,12 +476,15 @@ class Producer:
     def _write_pending(self) -> int:
         """Write every shard's pending messages as blocks; return how many were written."""
         written = 0
-        for sh in self._shards:
-            while True:
+        with self._lock:
+            # Each round writes what was queued when it started, shard by shard, so a shard
+            # that never empties (a hot key) cannot starve the others or the housekeeping.
+            budgets = [len(sh.values) for sh in self._shards]
+        for sh, budget in zip(self._shards, budgets):
+            while budget > 0:
                 with self._lock:
-                    if not sh.values:
-                        break
-                    take, size = self._take_block(sh)
+                    take, size = self._take_block(sh, budget)
+                    budget -= take
                     values, keys, stamps = sh.values[:take], sh.keys[:take], sh.timestamps[:take]
                     del sh.values[:take], sh.keys[:take], sh.timestamps[:take]
                     sh.pending_bytes -= size
@@ -486,17 +497,19 @@ class Producer:
                     self._cond.notify_all()
         return written
 
-    def _take_block(self, sh: _Shard) -> "tuple[int, int]":
-        """How many pending messages fit one block (at least one). Caller holds _lock."""
-        if sh.pending_bytes <= self.options.max_block_bytes:
-            return len(sh.values), sh.pending_bytes
+    def _take_block(self, sh: _Shard, limit: int) -> "tuple[int, int]":
+        """How many of the first ``limit`` pending messages fit one block (at least one), and
+        their accounted bytes. Caller holds _lock."""
+        if limit == len(sh.values) and sh.pending_bytes <= self.options.max_block_bytes:
+            return limit, sh.pending_bytes
         total = 0
-        for i, (v, k) in enumerate(zip(sh.values, sh.keys)):
+        for i in range(limit):
+            v, k = sh.values[i], sh.keys[i]
             size = (len(v) if v else 0) + (len(k) if k else 0) + 16
             if i and total + size > self.options.max_block_bytes:
                 return i, total
             total += size
-        return len(sh.values), total
+        return limit, total
 
     def _write_block(self, sh: _Shard, values: list, keys: list, stamps: list) -> None:
         self._check_leases(sh)  # never write after a newer writer took the shard over

@@ -170,14 +170,13 @@ class DurableStore:
                 return f
         with _translate(f"open {path}"):
             f = self.fs.open_input_file(path)
+        # Handles dropped here are not closed explicitly: another thread may be inside
+        # read_at on one; the NativeFile closes itself once the last reference goes.
         with self._files_lock:
-            old = self._files.pop(path, None)
+            self._files.pop(path, None)
             self._files[path] = f
             while len(self._files) > MAX_OPEN_READ_FILES:
-                _, evicted = self._files.popitem(last=False)
-                evicted.close()
-        if old is not None:
-            old.close()
+                self._files.popitem(last=False)
         return f
 
     def read_small(self, rel: str) -> Optional[bytes]:
@@ -255,9 +254,7 @@ class DurableStore:
         except StoreFileNotFoundError:
             pass
         with self._files_lock:
-            f = self._files.pop(self.path(rel), None)
-        if f is not None:
-            f.close()
+            self._files.pop(self.path(rel), None)  # closes when unreferenced (see _input_file)
 
     def open_appender(self, rel: str) -> Appender:
         """Open ``rel`` for appending (created if missing)."""

@@ -29,7 +29,7 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from ..consumer import ShardTailer, earliest_offset
-from ..errors import AcsOptionError, DataLossError
+from ..errors import AcsError, AcsOptionError, DataLossError
 from ..offsets import Offset, OffsetMap, format_offsets, parse_offsets
 from ..positions import BoundaryCache, advance, offset_for_timestamp, shard_extent
 from ..readpath import DurableReadPath, RateLimiter, ReadPath
@@ -180,6 +180,11 @@ class _Planner:
                 max_bytes, max_rows = limit.max_bytes, self.opts.max_rows_per_trigger
             elif isinstance(limit, ReadMaxRows):
                 max_rows, max_bytes = limit.max_rows, self.opts.max_bytes_per_trigger
+            else:
+                raise AcsError(
+                    f"acs source: Spark asked for read limit {limit!r}; this source supports "
+                    f"maxBytesPerTrigger (ReadMaxBytes) and maxRowsPerTrigger (ReadMaxRows)"
+                )
         extents = {s: shard_extent(self.path, s[0], s[1], start[s]) for s in shards}
         latest = {s: max(extents[s].latest(self._boundaries, self.path), start[s]) for s in shards}
         if max_bytes is None and max_rows is None:
@@ -242,7 +247,8 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         begin = _to_map(start, "start offset")
         for s in self.planner.shards():  # shards a stream gained since the checkpoint
-            begin.setdefault(s, earliest_offset(self.planner.path.store, *s))
+            if s not in begin:
+                begin[s] = earliest_offset(self.planner.path.store, *s)
         end, self._reported = self.planner.limited(begin, limit)
         if self._available_now is not None:
             end = {s: min(o, self._available_now.get(s, begin[s])) if o > begin[s] else o for s, o in end.items()}
@@ -280,6 +286,13 @@ class AcsBatchReader(DataSourceReader):
         if self.opts.ending_offsets and self.opts.ending_offsets != "latest":
             given = parse_offsets(self.opts.ending_offsets, option="endingOffsets")
             latest = self.planner.latest(sorted(start), start)
+            for s, off in given.items():
+                if s in latest and off > latest[s]:
+                    raise AcsOptionError(
+                        f"endingOffsets: {s[0]}/{s[1]} {off.to_json()} is past the end of the shard "
+                        f"({latest[s].to_json()})",
+                        option="endingOffsets",
+                    )
             end = {s: given.get(s, latest[s]) for s in start}
         else:
             end = self.planner.latest(sorted(start), start)
