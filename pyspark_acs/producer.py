@@ -474,27 +474,33 @@ class Producer:
                     log.warning("lease check skipped, metadata cache unavailable: %s", exc)
 
     def _write_pending(self) -> int:
-        """Write every shard's pending messages as blocks; return how many were written."""
+        """Write the pending messages as blocks; return how many were written.
+
+        A round writes what was queued when it started, one block per shard in turn, so a
+        shard that never empties (a hot key) cannot starve the others, and housekeeping
+        (lease renewal, age rollover) runs between the turns.
+        """
         written = 0
         with self._lock:
-            # Each round writes what was queued when it started, shard by shard, so a shard
-            # that never empties (a hot key) cannot starve the others or the housekeeping.
             budgets = [len(sh.values) for sh in self._shards]
-        for sh, budget in zip(self._shards, budgets):
-            while budget > 0:
+        while any(budgets):
+            for i, sh in enumerate(self._shards):
+                if budgets[i] <= 0:
+                    continue
                 with self._lock:
-                    take, size = self._take_block(sh, budget)
-                    budget -= take
+                    take, size = self._take_block(sh, budgets[i])
                     values, keys, stamps = sh.values[:take], sh.keys[:take], sh.timestamps[:take]
                     del sh.values[:take], sh.keys[:take], sh.timestamps[:take]
                     sh.pending_bytes -= size
                     self._pending_bytes -= size
+                budgets[i] -= take
                 self._write_block(sh, values, keys, stamps)
                 written += take
                 with self._cond:
                     self._written += take
                     self._stats["messages"] += take
                     self._cond.notify_all()
+            self._housekeeping()
         return written
 
     def _take_block(self, sh: _Shard, limit: int) -> "tuple[int, int]":

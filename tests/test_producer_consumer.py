@@ -697,3 +697,72 @@ def test_send_many_keeps_order_and_shards_like_send(root):
         got = [r["value"] for r in rows if r["shard"] == shard and r["value"] != b"pinned"]
         assert got == sorted(got, key=lambda v: int(v[1:]))
     assert [r["shard"] for r in rows if r["value"] == b"pinned"] == [2]
+
+
+class _ShortOnce:
+    """A read path that returns a short read the first time a large range is asked (as the
+    cached read path does while Algorithm 1 postpones a durable read)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.store = inner.store
+        self.shorted = 0
+
+    def lengths(self, rels):
+        return self.inner.lengths(rels)
+
+    def durable_length(self, rel):
+        return self.inner.durable_length(rel)
+
+    def read(self, rel, start, end):
+        data = self.inner.read(rel, start, end)
+        if end - start > 100_000 and not self.shorted:
+            self.shorted += 1
+            return data[: len(data) // 2]
+        return data
+
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self):
+        self.inner.close()
+
+
+def test_short_read_of_a_block_larger_than_max_read_is_retried_not_corrupt(root):
+    from pyspark_acs.readpath import DurableReadPath
+    from pyspark_acs.store import open_store
+
+    big = os.urandom(300_000)
+    with Producer(root, "big", shards=1) as p:
+        p.send(big)
+    path = _ShortOnce(DurableReadPath(open_store(root)))
+    c = Consumer(root, "big", max_read_bytes=64 * 1024, read_path=path)
+    values = [v for b in c.batches(timeout=0.5) for v in b.column("value").to_pylist()]
+    c.close()
+    assert values == [big] and path.shorted == 1
+
+
+def test_a_hot_shard_does_not_starve_the_others(root):
+    with Producer(root, "hot", shards=2, max_block_bytes=1024) as p:
+        stop = threading.Event()
+
+        def hammer():
+            while not stop.is_set():
+                p.send_many([b"h" * 200] * 50, shard=0)
+
+        t = threading.Thread(target=hammer)
+        t.start()
+        try:
+            time.sleep(0.2)
+            p.send(b"cold", shard=1)
+            c = Consumer(root, "hot", shards=[1])
+            got = []
+            deadline = time.monotonic() + 10
+            while not got and time.monotonic() < deadline:
+                got = [v for b in c.poll() for v in b.column("value").to_pylist()]
+                time.sleep(0.01)
+            c.close()
+            assert got == [b"cold"]  # written while shard 0 never stopped being busy
+        finally:
+            stop.set()
+            t.join()
