@@ -30,8 +30,14 @@ demo: setup check-java
 test: setup check-java
 	$(BIN)/python -m pytest
 
-bench: setup
+# Benchmarks print figures and ratios against peers run in the same process (redis-server for
+# the cache: apt-get install -y redis-server; without it that comparison is skipped with a note).
+bench: setup check-java
+	$(BIN)/pip install --quiet --progress-bar off -e '.[bench]'
 	$(BIN)/python benchmarks/produce_consume.py
+	$(BIN)/python benchmarks/cache_throughput.py
+	$(BIN)/python benchmarks/copy_hops.py
+	$(BIN)/python benchmarks/spark_source.py
 
 # Regenerate the gRPC/protobuf code in pyspark_acs/server/proto/ (never edit it by hand).
 proto: setup
