@@ -42,18 +42,18 @@ from .errors import AcsOptionError, CacheError, CacheTimeoutError, CacheUnavaila
 from .ring import DEFAULT_VNODES, HashRing
 
 __all__ = [
-    "CacheClient",
     "DEFAULT_DEADLINE_S",
     "DEFAULT_HEDGE_AFTER_S",
     "DEFAULT_REPLICATION",
     "DOWN_BACKOFF_INITIAL_S",
     "DOWN_BACKOFF_MAX_S",
-    "Entry",
     "IO_THREADS",
     "MAX_BATCH_BYTES",
     "MAX_BATCH_KEYS",
     "MAX_MESSAGE_BYTES",
     "TOKEN_ENV",
+    "CacheClient",
+    "Entry",
     "client_for",
     "parse_endpoints",
 ]

@@ -17,15 +17,15 @@ from .errors import AcsOptionError
 from .units import parse_bytes, parse_duration
 
 __all__ = [
-    "option",
-    "parse_options",
-    "parse_bool",
-    "parse_int",
-    "parse_str",
     "bytes_parser",
-    "duration_parser",
     "choice_parser",
     "describe_options",
+    "duration_parser",
+    "option",
+    "parse_bool",
+    "parse_int",
+    "parse_options",
+    "parse_str",
 ]
 
 T = TypeVar("T")

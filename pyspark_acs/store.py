@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 from .errors import AcsOptionError, StoreError, StoreFileNotFoundError
 from .names import FILE_SUFFIX, shard_dir, validate_stream
 
-__all__ = ["Appender", "DurableStore", "open_store", "STREAM_META_FILE"]
+__all__ = ["STREAM_META_FILE", "Appender", "DurableStore", "open_store"]
 
 #: Per-stream metadata file (shard count), beside the shard folders.
 STREAM_META_FILE = "_stream.json"

@@ -13,7 +13,7 @@ from typing import Union
 
 from .errors import AcsOptionError
 
-__all__ = ["parse_bytes", "parse_duration", "format_bytes"]
+__all__ = ["format_bytes", "parse_bytes", "parse_duration"]
 
 _SIZE_UNITS = {
     "": 1,

@@ -60,7 +60,7 @@ from ..names import file_name, parse_file_name, shard_dir
 from ..store import DurableStore, open_store
 from .options import SinkOptions
 
-__all__ = ["AcsCommitMessage", "AcsStreamWriter", "AcsBatchWriter", "check_sink_schema", "SinkCommitter"]
+__all__ = ["AcsBatchWriter", "AcsCommitMessage", "AcsStreamWriter", "SinkCommitter", "check_sink_schema"]
 
 log = logging.getLogger(__name__)
 

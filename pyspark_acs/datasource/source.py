@@ -36,7 +36,7 @@ from ..readpath import DurableReadPath, RateLimiter, ReadPath
 from ..store import open_store
 from .options import SourceOptions
 
-__all__ = ["AcsBatchReader", "AcsPartition", "AcsStreamReader", "SCHEMA_DDL", "open_read_path", "read_partition"]
+__all__ = ["SCHEMA_DDL", "AcsBatchReader", "AcsPartition", "AcsStreamReader", "open_read_path", "read_partition"]
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,6 @@ from .proto import acs_pb2, acs_pb2_grpc
 from .store import DATA_TTL_S, METADATA_TTL_S, Store
 
 __all__ = [
-    "CacheServer",
-    "CacheServicer",
     "DEFAULT_CAPACITY_BYTES",
     "DEFAULT_HOST",
     "DEFAULT_SERVER_THREADS",
@@ -51,6 +49,8 @@ __all__ = [
     "ROLES",
     "ROLE_DEFAULT_TTL_S",
     "STOP_GRACE_S",
+    "CacheServer",
+    "CacheServicer",
     "build_parser",
     "format_endpoint",
     "main",

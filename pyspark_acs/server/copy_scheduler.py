@@ -31,7 +31,7 @@ from .copy_reader import CopyOperation, LengthPoller
 from .copytree import CopyTree, build_copy_tree
 from .topology import Topology, load_topology
 
-__all__ = ["CopyScheduler", "YIELD_S", "owns"]
+__all__ = ["YIELD_S", "CopyScheduler", "owns"]
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from .copy_metrics import CopyMetrics
 from .copy_options import CopyDaemonOptions
 from .proto import copy_pb2, copy_pb2_grpc
 
-__all__ = ["CopyServicer", "DELAY_PUBLISH_INTERVAL_S"]
+__all__ = ["DELAY_PUBLISH_INTERVAL_S", "CopyServicer"]
 
 log = logging.getLogger(__name__)
 

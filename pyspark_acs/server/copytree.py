@@ -56,9 +56,9 @@ from ..errors import TopologyError
 from .topology import DEFAULT_MAX_DEPTH, DEFAULT_MAX_FANOUT, StreamSpec, Topology
 
 __all__ = [
+    "UNHEALTHY_PENALTY",
     "CopyTree",
     "Reparent",
-    "UNHEALTHY_PENALTY",
     "build_copy_tree",
     "diff",
 ]

@@ -39,11 +39,11 @@ from ..errors import TopologyError
 
 __all__ = [
     "CLUSTER_NAME_RE",
-    "Cluster",
     "DEFAULT_MAX_DEPTH",
     "DEFAULT_MAX_FANOUT",
-    "Link",
     "STREAM_NAME_RE",
+    "Cluster",
+    "Link",
     "StreamSpec",
     "Topology",
     "load_topology",
