@@ -6,6 +6,8 @@ test_spark_connector.py; here each step is driven directly so the failure cases 
 
 from __future__ import annotations
 
+import os
+
 import pyarrow as pa
 import pytest
 from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
@@ -86,3 +88,27 @@ def test_out_of_range_shard_is_refused_even_next_to_nulls(root):
     w = writer(root)
     with pytest.raises(AcsOptionError, match="shard 99 is out of range"):
         w.write(iter([batch([b"a", b"b"], [None, 99])]))
+
+
+def test_a_large_batch_rolls_over_to_new_files_and_resumes_exactly(root, monkeypatch):
+    w = writer(root, rollBytes="3KiB", maxBlockBytes="1KiB")
+    tasks = [[b"t%d-%03d" % (t, i) + b"." * 200 for i in range(12)] for t in range(3)]
+    msgs = [w.write(iter([batch(vals, [0] * len(vals))])) for vals in tasks]
+    real = SinkCommitter._append_segment
+    calls = []
+
+    def crash_on_second_segment(self, store, shard, seg, lease):
+        calls.append(seg["file"])
+        if len(calls) == 2:
+            raise AcsError("injected: driver died between two files")
+        return real(self, store, shard, seg, lease)
+
+    monkeypatch.setattr(SinkCommitter, "_append_segment", crash_on_second_segment)
+    with pytest.raises(AcsError, match="injected"):
+        w.commit(msgs, 0)
+    w.abort(msgs, 0)
+    monkeypatch.setattr(SinkCommitter, "_append_segment", real)
+    w.commit([w.write(iter([batch([b"ignored"], [0])]))], 0)  # the retry finishes from the intent
+    files = [f for f in sorted(os.listdir(os.path.join(root, "out", "00000"))) if f.endswith(".acs")]
+    assert len(files) >= 3  # ~7.5 KiB of blocks with 3 KiB files
+    assert stream_values(root)[0] == [v for vals in tasks for v in vals]

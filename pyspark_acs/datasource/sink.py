@@ -53,7 +53,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from ..block import encode_block, encode_seal, rebase_blocks
+from ..block import HEADER_SIZE, encode_block, encode_seal, rebase_blocks
 from ..errors import AcsError, AcsOptionError, CacheError
 from ..leases import StoreLease
 from ..names import file_name, parse_file_name, shard_dir
@@ -316,8 +316,8 @@ class SinkCommitter:
                         self.sink_id, batch_id)
             self._discard(store, messages)  # this attempt's staging is not used: the intent's is
         shards_state = dict(state.get("shards", {}))
-        for shard_s, plan in sorted(intent["shards"].items(), key=lambda kv: int(kv[0])):
-            shards_state[shard_s] = self._append_shard(store, int(shard_s), plan)
+        for shard_s, segments in sorted(intent["shards"].items(), key=lambda kv: int(kv[0])):
+            shards_state[shard_s] = self._append_shard(store, int(shard_s), segments)
         new_state = {"last_batch": batch_id if batch_id is not None else last, "shards": shards_state,
                      "updated": time.time()}
         store.write_small(f"{self.dir}/state.json", json.dumps(new_state).encode())
@@ -328,6 +328,12 @@ class SinkCommitter:
 
     def _plan(self, store: DurableStore, state: Dict[str, Any], messages: Sequence[Optional[AcsCommitMessage]],
               batch_id: Optional[int]) -> Dict[str, Any]:
+        """The intent: per shard, the file segments the staged pieces go to, in task order.
+
+        A shard continues its current file when this sink wrote it last and nobody appended
+        since; a piece that would take a file past ``rollBytes`` starts a new file (the old
+        one is sealed), so a large batch rolls over like a Producer does.
+        """
         per_shard: Dict[int, List[Tuple[str, int, int]]] = {}
         staging_dirs = []
         for m in messages:
@@ -336,31 +342,39 @@ class SinkCommitter:
             staging_dirs.append(m.staging_dir)
             for shard, rel, nbytes, nrows in m.staged:
                 per_shard.setdefault(shard, []).append((rel, nbytes, nrows))
-        plans = {}
+        plans: Dict[str, List[Dict[str, Any]]] = {}
         for shard, staged in per_shard.items():
             prev = state.get("shards", {}).get(str(shard))
             files = store.list_files(self.opts.stream, shard)
+            prev_rel = f"{shard_dir(self.opts.stream, shard)}/{prev['file']}" if prev else ""
             reuse = (
                 prev is not None
                 and not prev.get("sealed")
                 and files
                 and files[-1] == prev["file"]
-                and store.lengths([f"{shard_dir(self.opts.stream, shard)}/{prev['file']}"]).get(
-                    f"{shard_dir(self.opts.stream, shard)}/{prev['file']}") == prev["length"]
+                and store.lengths([prev_rel]).get(prev_rel) == prev["length"]
             )
             if reuse:
-                target, length, index = prev["file"], prev["length"], prev["next_index"]
+                seg = self._segment(prev["file"], prev["length"], prev["next_index"])
             else:
-                target, length, index = self._new_file_name(files), 0, 0
-            total = sum(b for _, b, _ in staged)
-            plans[str(shard)] = {
-                "file": target,
-                "start_length": length,
-                "start_index": index,
-                "staged": [[rel, b, r] for rel, b, r in staged],
-                "seal": length + total >= self.opts.roll_bytes,
-            }
+                seg = self._segment(self._new_file_name(files), 0, 0)
+            segments = [seg]
+            size = seg["start_length"]
+            for rel, nbytes, nrows in staged:
+                if seg["staged"] and size + nbytes > self.opts.roll_bytes:
+                    seg["seal"] = True
+                    seg = self._segment(self._new_file_name([seg["file"]]), 0, 0)
+                    segments.append(seg)
+                    size = 0
+                seg["staged"].append([rel, nbytes, nrows])
+                size += nbytes
+            seg["seal"] = size >= self.opts.roll_bytes
+            plans[str(shard)] = segments
         return {"batch": batch_id, "shards": plans, "staging_dirs": staging_dirs}
+
+    @staticmethod
+    def _segment(file: str, start_length: int, start_index: int) -> Dict[str, Any]:
+        return {"file": file, "start_length": start_length, "start_index": start_index, "staged": [], "seal": False}
 
     def _new_file_name(self, existing: List[str]) -> str:
         created = _dt.datetime.now(_dt.timezone.utc)
@@ -370,69 +384,60 @@ class SinkCommitter:
                 created = last + _dt.timedelta(microseconds=1)
         return file_name(created, self.writer_id)
 
-    def _append_shard(self, store: DurableStore, shard: int, plan: Dict[str, Any]) -> Dict[str, Any]:
-        rel = f"{shard_dir(self.opts.stream, shard)}/{plan['file']}"
-        parts = []
-        for staged_rel, nbytes, _ in plan["staged"]:
-            data = store.read(staged_rel, 0, nbytes)
-            if len(data) != nbytes:
-                raise AcsError(f"{store.uri(staged_rel)}: staged file has {len(data)} of {nbytes} bytes")
-            parts.append(data)
-        data, count = rebase_blocks(b"".join(parts), plan["start_index"], path=store.uri(rel))
-        if plan["seal"]:
-            data += encode_seal(plan["start_index"] + count)
+    def _append_shard(self, store: DurableStore, shard: int, segments: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """Append a shard's segments behind its lease; return the shard's new sink state."""
         lease = StoreLease(store, f"{shard_dir(self.opts.stream, shard)}/{_LEASE_FILE}", self.writer_id,
                            f"shard {shard} of stream {self.opts.stream!r} (acs sink)")
         lease.acquire()
         try:
-            lengths = store.lengths([rel])
-            current = lengths[rel] or 0
-            done = current - plan["start_length"]
-            if not 0 <= done <= len(data):
-                raise AcsError(
-                    f"{store.uri(rel)}: the file is {current} bytes long, but this sink's batch expected it between "
-                    f"{plan['start_length']} and {plan['start_length'] + len(data)}: another writer appended to it"
-                )
-            if done < len(data):
-                app = store.open_appender(rel)
-                try:
-                    app.write(data[done:])
-                finally:
-                    app.close()
-            self._shadow(store, shard, rel, plan, data)
+            for seg in segments:
+                result = self._append_segment(store, shard, seg, lease)
         finally:
             lease.release()
-        return {
-            "file": plan["file"],
-            "length": plan["start_length"] + len(data),
-            "next_index": plan["start_index"] + count,
-            "sealed": bool(plan["seal"]),
-        }
+        return result
 
-    def _shadow(self, store: DurableStore, shard: int, rel: str, plan: Dict[str, Any], data: bytes) -> None:
-        """Chunks to the data cache, then lengths and head to the metadata cache (best effort)."""
-        if not (self.opts.data_cache or self.opts.metadata_cache):
-            return
-        from ..chunks import CHUNK_SIZE, ChunkWriter
+    def _append_segment(self, store: DurableStore, shard: int, seg: Dict[str, Any], lease: StoreLease) -> Dict[str, Any]:
+        """Append one segment, one staged piece at a time (memory stays at one piece).
 
-        data_client, meta = self._cache_clients()
-        start = plan["start_length"]
-        end = start + len(data)
+        The planned bytes are the staged pieces with their headers renumbered from the
+        segment's start index, then a seal if planned: deterministic, so after a crash the
+        bytes already in the file are a prefix of them and only the rest is appended.
+        """
+        rel = f"{shard_dir(self.opts.stream, shard)}/{seg['file']}"
         uri = store.uri(rel)
-        cache_length = None
+        start = seg["start_length"]
+        planned = sum(b for _, b, _ in seg["staged"]) + (HEADER_SIZE if seg["seal"] else 0)
+        current = store.lengths([rel])[rel] or 0
+        done = current - start
+        if not 0 <= done <= planned:
+            raise AcsError(
+                f"{uri}: the file is {current} bytes long, but this sink's batch expected it between "
+                f"{start} and {start + planned}: another writer appended to it"
+            )
+        shadow = _Shadow(self, store, shard, rel, seg["file"], start)
+        app = store.open_appender(rel) if done < planned else None
+        offset, index = 0, seg["start_index"]
         try:
-            if data_client is not None:
-                chunk_start = start - start % CHUNK_SIZE
-                prefix = store.read(rel, chunk_start, start) if start % CHUNK_SIZE else b""
-                cache_length = ChunkWriter(data_client, uri, start, prefix).append(data)
-        except CacheError as exc:
-            log.warning("acs sink: data cache write for %s failed, readers use the durable store: %s", uri, exc)
-        try:
-            if meta is not None:
-                meta.set_head(store.uri(shard_dir(self.opts.stream, shard)), plan["file"])
-                meta.publish(uri, cache_length=cache_length, durable_length=end)
-        except CacheError as exc:
-            log.warning("acs sink: metadata cache update for %s failed, readers poll the store: %s", uri, exc)
+            pieces = [(r, b) for r, b, _ in seg["staged"]] + ([(None, HEADER_SIZE)] if seg["seal"] else [])
+            for staged_rel, nbytes in pieces:
+                if staged_rel is None:
+                    data, count = encode_seal(index), 0
+                else:
+                    raw = store.read(staged_rel, 0, nbytes)
+                    if len(raw) != nbytes:
+                        raise AcsError(f"{store.uri(staged_rel)}: staged file has {len(raw)} of {nbytes} bytes")
+                    data, count = rebase_blocks(raw, index, path=uri)
+                if offset + nbytes > done:
+                    app.write(data[max(0, done - offset):])
+                offset += nbytes
+                index += count
+                shadow.append(data, start + offset)
+                if lease.due():
+                    lease.renew()  # a long append keeps its shard
+        finally:
+            if app is not None:
+                app.close()
+        return {"file": seg["file"], "length": start + planned, "next_index": index, "sealed": bool(seg["seal"])}
 
     def _discard(self, store: DurableStore, messages: Sequence[Optional[AcsCommitMessage]]) -> None:
         for m in messages:
@@ -459,6 +464,45 @@ class SinkCommitter:
         for info in infos:
             if info.mtime is not None and info.mtime.timestamp() < cutoff:
                 self._delete_dir(store, f"{base}/{info.base_name}")
+
+
+class _Shadow:
+    """Shadows one segment's appended bytes to the caches as a Producer does: chunks to the
+    data cache, then lengths (and the shard head) to the metadata cache. Best effort: a
+    cache failure is logged once and readers fall back to the durable store."""
+
+    def __init__(self, committer: SinkCommitter, store: DurableStore, shard: int, rel: str, file: str,
+                 start: int) -> None:
+        self.uri = store.uri(rel)
+        self.chunks: Any = None
+        self.meta: Any = None
+        if not (committer.opts.data_cache or committer.opts.metadata_cache):
+            return
+        from ..chunks import CHUNK_SIZE, ChunkWriter
+
+        data_client, self.meta = committer._cache_clients()
+        try:
+            if data_client is not None:
+                prefix = store.read(rel, start - start % CHUNK_SIZE, start) if start % CHUNK_SIZE else b""
+                self.chunks = ChunkWriter(data_client, self.uri, start, prefix)
+            if self.meta is not None:
+                self.meta.set_head(store.uri(shard_dir(committer.opts.stream, shard)), file)
+        except CacheError as exc:
+            self._failed(exc)
+
+    def append(self, data: bytes, durable_length: int) -> None:
+        cache_length = None
+        try:
+            if self.chunks is not None:
+                cache_length = self.chunks.append(data)
+            if self.meta is not None:
+                self.meta.publish(self.uri, cache_length=cache_length, durable_length=durable_length)
+        except CacheError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        log.warning("acs sink: cache update for %s failed, readers use the durable store: %s", self.uri, exc)
+        self.chunks = self.meta = None
 
 
 def _prepare(opts: SinkOptions) -> int:
