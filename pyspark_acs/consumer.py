@@ -98,6 +98,7 @@ class ShardTailer:
 
     @property
     def offset(self) -> Offset:
+        """The position: the file followed and the bytes of it consumed."""
         return Offset(self.file, self.length)
 
     @property
@@ -106,6 +107,7 @@ class ShardTailer:
         return f"{self.dir}/{self.file}" if self.file else None
 
     def seek(self, offset: Offset) -> None:
+        """Move to ``offset`` (a block boundary), forgetting per-file read state of the old file."""
         if self.file and offset.file != self.file and hasattr(self.path, "forget"):
             self.path.forget(self.rel)  # drop per-file read state of the file we leave
         self.file, self.length = offset
@@ -572,6 +574,7 @@ class Consumer:
         return dict(self._stats, **self.path.stats())
 
     def close(self) -> None:
+        """Close the read path (cache clients, open files); idempotent."""
         if not self._closed:
             self._closed = True
             self.path.close()

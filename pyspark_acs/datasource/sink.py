@@ -536,9 +536,11 @@ class AcsStreamWriter(DataSourceStreamArrowWriter):
         self.shards = _prepare(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> AcsCommitMessage:
+        """Task side: stage this partition's rows as blocks per shard; return what was staged."""
         return _Stager(self.opts, self.sink_id, self.shards).write(iterator)
 
     def commit(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
+        """Driver side: append the batch's staged blocks to its shards, exactly once per ``batchId``."""
         SinkCommitter(self.opts, self.sink_id).commit(messages, batchId)
 
     def abort(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
@@ -571,12 +573,15 @@ class AcsBatchWriter(DataSourceArrowWriter):
         self.shards = _prepare(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> AcsCommitMessage:
+        """Task side: stage this partition's rows as blocks per shard; return what was staged."""
         return _Stager(self.opts, self.sink_id, self.shards).write(iterator)
 
     def commit(self, messages: List[Optional[WriterCommitMessage]]) -> None:
+        """Driver side: append every task's staged blocks, in task order."""
         SinkCommitter(self.opts, self.sink_id).commit(messages, None)
 
     def abort(self, messages: List[Optional[WriterCommitMessage]]) -> None:
+        """Delete the staged files of a write that will not be committed."""
         store = open_store(self.opts.root)
         try:
             SinkCommitter(self.opts, self.sink_id)._discard(store, messages)

@@ -231,9 +231,11 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._reported: Optional[OffsetMap] = None
 
     def initialOffset(self) -> dict:
+        """Offsets a new query starts at: ``startingOffsets`` / ``startingTimestamp`` (default latest)."""
         return format_offsets(self.planner.start_offsets(self.opts.starting_offsets, "latest"))
 
     def getDefaultReadLimit(self) -> ReadLimit:
+        """``ReadMaxRows`` / ``ReadMaxBytes`` from ``maxRowsPerTrigger`` / ``maxBytesPerTrigger``, else all."""
         if self.opts.max_rows_per_trigger is not None:
             return ReadMaxRows(self.opts.max_rows_per_trigger)
         if self.opts.max_bytes_per_trigger is not None:
@@ -241,10 +243,12 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
+        """Record the latest offsets now: an AvailableNow query reads up to them and stops."""
         shards = self.planner.shards()
         self._available_now = self.planner.latest(shards)
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        """End offsets of the next micro-batch from ``start`` under ``limit`` (block boundaries per shard)."""
         begin = _to_map(start, "start offset")
         for s in self.planner.shards():  # shards a stream gained since the checkpoint
             if s not in begin:
@@ -256,18 +260,22 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return format_offsets(end)
 
     def reportLatestOffset(self) -> Optional[dict]:
+        """The newest readable offsets seen by the last ``latestOffset`` (for query progress)."""
         return format_offsets(self._reported) if self._reported else None
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        """One partition per shard with data between ``start`` and ``end``; none when they are equal."""
         return self.planner.partitions(_to_map(start, "start offset"), _to_map(end, "end offset"))
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """Read one shard's range in order as Arrow record batches (runs in a Spark task)."""
         return read_partition(self.opts, partition)
 
     def commit(self, end: dict) -> None:
         """Nothing to do: message files are kept by retention, not by consumer commits."""
 
     def stop(self) -> None:
+        """Close the driver-side read path."""
         if self.planner._path is not None:
             self.planner._path.close()
             self.planner._path = None
@@ -282,6 +290,7 @@ class AcsBatchReader(DataSourceReader):
         self.planner = _Planner(opts)
 
     def partitions(self) -> Sequence[InputPartition]:
+        """One partition per shard between ``startingOffsets`` and ``endingOffsets``."""
         start = self.planner.start_offsets(self.opts.starting_offsets, "earliest")
         if self.opts.ending_offsets and self.opts.ending_offsets != "latest":
             given = parse_offsets(self.opts.ending_offsets, option="endingOffsets")
@@ -303,4 +312,5 @@ class AcsBatchReader(DataSourceReader):
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """Read one shard's range in order as Arrow record batches (runs in a Spark task)."""
         return read_partition(self.opts, partition)
