@@ -56,6 +56,19 @@ class DelayedDurableReads:
         self._history: Deque[Tuple[float, int]] = collections.deque()  # (time, durable size)
 
     def should_read_durable(self, cache_size: int, durable_size: int, now: Optional[float] = None) -> bool:
+        """Whether a read past the cache length should go to the durable store now.
+
+        Records ``durable_size``; returns True once the cache has trailed a recorded durable size
+        for more than ``max_delay`` seconds (and then starts over), False while the cache is caught
+        up or may still catch up. Not thread-safe.
+
+        Parameters
+        ----------
+        cache_size, durable_size : int
+            The file's current cache and durable lengths, in bytes.
+        now : float, optional
+            A ``time.monotonic()`` timestamp; defaults to the current time.
+        """
         now = time.monotonic() if now is None else now
         self._history.append((now, durable_size))
         while self._history and self._history[0][1] <= cache_size:
@@ -173,6 +186,7 @@ class CachedReadPath:
         return out
 
     def durable_length(self, rel: str) -> Optional[int]:
+        """The durable store's length of ``rel`` in bytes (``None`` if missing), bypassing the caches."""
         return self.store.lengths([rel])[rel]
 
     # -- bytes -----------------------------------------------------------------------------
@@ -259,6 +273,10 @@ class CachedReadPath:
             self._durable_cache.pop(rel, None)
 
     def close(self) -> None:
+        """Close the cache clients this path created from endpoint strings, and the store's open files.
+
+        Clients passed in as :class:`~pyspark_acs.cache_client.CacheClient` objects stay open.
+        """
         for c in self._own:
             c.close()
         self.store.close()

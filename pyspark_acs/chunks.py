@@ -156,5 +156,9 @@ class ChunkReader:
         return out
 
     def stats(self) -> Dict[str, int]:
+        """A snapshot of the counters since creation.
+
+        ``relaxed_chunks``, ``consistent_chunks``, ``cache_bytes``, ``missing_chunks``.
+        """
         with self._lock:
             return dict(self.counters)

@@ -34,6 +34,7 @@ class LeaseRecord(dict):
 
     @classmethod
     def new(cls, writer: str, seconds: float) -> "LeaseRecord":
+        """A fresh record for ``writer``: random nonce, this host and pid, expiring in ``seconds``."""
         return cls(
             writer=writer,
             nonce=secrets.token_hex(8),
@@ -45,6 +46,7 @@ class LeaseRecord(dict):
 
     @classmethod
     def decode(cls, raw: Optional[bytes]) -> Optional["LeaseRecord"]:
+        """Parse a stored record; ``None`` for no content or invalid JSON (a torn write)."""
         if not raw:
             return None
         try:
@@ -53,15 +55,19 @@ class LeaseRecord(dict):
             return None  # a torn or foreign lease file is treated as no lease
 
     def encode(self) -> bytes:
+        """The record as JSON bytes (sorted keys)."""
         return json.dumps(self, sort_keys=True).encode()
 
     def live(self, now: Optional[float] = None) -> bool:
+        """Whether the lease is unexpired at ``now`` (wall-clock seconds since the epoch; default: now)."""
         return float(self.get("expires", 0)) > (time.time() if now is None else now)
 
     def same_holder(self, other: "Optional[LeaseRecord]") -> bool:
+        """Whether ``other`` is this same acquisition: same writer and nonce (``None`` never is)."""
         return other is not None and other.get("writer") == self["writer"] and other.get("nonce") == self["nonce"]
 
     def describe(self) -> str:
+        """Holder (writer, pid, host) and time to expiry, for error messages."""
         left = float(self.get("expires", 0)) - time.time()
         return (
             f"writer {self.get('writer')} (pid {self.get('pid')} on {self.get('host')}), "

@@ -27,10 +27,26 @@ class Offset(NamedTuple):
     length: int = 0
 
     def to_json(self) -> Dict[str, Any]:
+        """The JSON form: ``{"file": name, "length": bytes}``."""
         return {"file": self.file, "length": self.length}
 
     @classmethod
     def from_json(cls, value: Any, where: str = "offset") -> "Offset":
+        """Build an offset from its JSON form, checking it.
+
+        Parameters
+        ----------
+        value : mapping
+            ``{"file": name, "length": bytes}``; either key may be left out (``""`` and 0).
+        where : str
+            What the value is, for error messages.
+
+        Raises
+        ------
+        AcsOptionError
+            For other keys, a file that is not a message-file name, or a length that is not a
+            non-negative integer (or is non-zero with an empty file).
+        """
         if not isinstance(value, Mapping) or set(value) - {"file", "length"}:
             raise AcsOptionError(f"{where}: expected {{\"file\": name, \"length\": bytes}}, got {value!r}")
         file = value.get("file", "") or ""

@@ -107,6 +107,10 @@ class ShardExtent:
         self.files = files  # [(name, readable length)], oldest first
 
     def latest(self, boundaries: BoundaryCache, path: ReadPath) -> Offset:
+        """The last readable block boundary of the newest file (``Offset()`` when there are none).
+
+        Walks block headers from the boundary ``boundaries`` remembers for that file.
+        """
         if not self.files:
             return Offset()
         name, length = self.files[-1]

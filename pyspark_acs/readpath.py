@@ -49,12 +49,15 @@ class DurableReadPath:
         self._stats = {"durable_bytes": 0, "durable_reads": 0}
 
     def lengths(self, rels: Sequence[str]) -> Dict[str, Optional[int]]:
+        """Durable lengths of files in one batched call (``None``: the file does not exist)."""
         return self.store.lengths(list(rels))
 
     def durable_length(self, rel: str) -> Optional[int]:
+        """The durable store's length of ``rel`` in bytes (``None`` if missing)."""
         return self.store.lengths([rel])[rel]
 
     def read(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` from the store (fewer only if the file is shorter). Thread-safe."""
         data = self.store.read(rel, start, end)
         with self._lock:
             self._stats["durable_bytes"] += len(data)
@@ -62,10 +65,12 @@ class DurableReadPath:
         return data
 
     def stats(self) -> Dict[str, int]:
+        """Counters since creation: ``durable_bytes`` and ``durable_reads``."""
         with self._lock:
             return dict(self._stats)
 
     def close(self) -> None:
+        """Close the store's open files."""
         self.store.close()
 
 
@@ -82,6 +87,10 @@ class RateLimiter:
         self._lock = threading.Lock()  # guards _tokens and _last
 
     def acquire(self, n: int) -> None:
+        """Take ``n`` bytes from the bucket, sleeping while it is in debt; a no-op without a rate.
+
+        Thread-safe: the sleep happens outside the lock, in the calling thread.
+        """
         if not self.rate:
             return
         with self._lock:

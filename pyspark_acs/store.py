@@ -142,6 +142,7 @@ class DurableStore:
         return {r: (int(i.size) if i.type == pafs.FileType.File else None) for r, i in zip(rels, infos)}
 
     def exists(self, rel: str) -> bool:
+        """Whether ``rel`` exists (a file or a folder)."""
         with _translate(f"stat {self.uri(rel)}"):
             return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
 
@@ -233,6 +234,7 @@ class DurableStore:
         return shards
 
     def make_dirs(self, rel: str) -> None:
+        """Create the folder ``rel`` with its parents (existing folders are fine)."""
         with _translate(f"create folder {self.uri(rel)}"):
             self.fs.create_dir(self.path(rel), recursive=True)
 

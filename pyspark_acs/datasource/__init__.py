@@ -74,29 +74,62 @@ class AcsDataSource(DataSource):
 
     @classmethod
     def name(cls) -> str:
+        """The format name: ``"acs"``."""
         return "acs"
 
     def schema(self) -> str:
+        """The read schema as a DDL string (the fixed columns listed above)."""
         from .source import SCHEMA_DDL
 
         return SCHEMA_DDL
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        """The batch reader of ``spark.read.format("acs")``; ``schema`` is not used.
+
+        Raises
+        ------
+        AcsOptionError
+            When an option is missing or invalid (the message names it).
+        """
         from .source import AcsBatchReader
 
         return AcsBatchReader(parse_source_options(self.options))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        """The micro-batch reader of ``spark.readStream.format("acs")``; ``schema`` is not used.
+
+        Raises
+        ------
+        AcsOptionError
+            When an option is missing or invalid (the message names it).
+        """
         from .source import AcsStreamReader
 
         return AcsStreamReader(parse_source_options(self.options))
 
     def writer(self, schema: StructType, overwrite: bool) -> Any:
+        """The batch writer of ``df.write.format("acs")``; creates a missing stream (option ``shards``).
+
+        Raises
+        ------
+        AcsOptionError
+            For invalid options or columns, a shard count that disagrees with the stream's, or
+            ``overwrite`` (streams are append-only).
+        """
         from .sink import AcsBatchWriter
 
         return AcsBatchWriter(parse_sink_options(self.options), schema, overwrite)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> Any:
+        """The stream writer of ``df.writeStream.format("acs")``; creates a missing stream (option ``shards``).
+
+        ``overwrite`` is ignored: streams are append-only.
+
+        Raises
+        ------
+        AcsOptionError
+            For invalid options or columns, or a shard count that disagrees with the stream's.
+        """
         from .sink import AcsStreamWriter
 
         return AcsStreamWriter(parse_sink_options(self.options), schema)

@@ -112,6 +112,10 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         self.started_at = time.monotonic()
 
     def Get(self, request, context):  # noqa: N802 (gRPC method name)
+        """Batched get: per key ``found``, ``versions`` and ``sizes``, the values concatenated in ``data``.
+
+        Absent or expired keys answer ``found=False``, size 0 and version 0.
+        """
         entries = self.store.get_many(request.keys)
         values = [e.value if e is not None else b"" for e in entries]
         return acs_pb2.GetResponse(
@@ -122,6 +126,12 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         )
 
     def Put(self, request, context):  # noqa: N802
+        """Batched versioned put; answers one ``PutStatus`` per key.
+
+        Values come concatenated in ``data`` and are split by ``sizes``; ``ttl_ms`` 0 means the
+        server's default TTL. Aborts with ``INVALID_ARGUMENT`` when the counts of keys, sizes and
+        versions, or the sizes and the data length, disagree.
+        """
         keys, sizes, versions = request.keys, list(request.sizes), request.versions
         data = request.data
         if not (len(keys) == len(sizes) == len(versions)) or sum(sizes) != len(data):
@@ -140,6 +150,11 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         return acs_pb2.PutResponse(status=results)
 
     def CompareAndSet(self, request, context):  # noqa: N802
+        """Set a key to ``value`` if it holds ``expected`` (or is absent, with ``expect_absent``).
+
+        Answers whether it swapped and the entry stored after the call. Aborts with
+        ``INVALID_ARGUMENT`` when the entry could never fit in the store.
+        """
         ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
         expected = None if request.expect_absent else request.expected
         try:
@@ -155,14 +170,17 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         )
 
     def Delete(self, request, context):  # noqa: N802
+        """Delete keys; answers how many were present."""
         return acs_pb2.DeleteResponse(deleted=self.store.delete_many(request.keys))
 
     def stats_values(self) -> Dict[str, int]:
+        """The store's stats plus this process's ``rss_bytes`` (what ``Stats`` and ``/metrics`` report)."""
         values = self.store.stats()
         values["rss_bytes"] = _rss_bytes()
         return values
 
     def Stats(self, request, context):  # noqa: N802
+        """The role, :meth:`stats_values` and the uptime in seconds."""
         return acs_pb2.StatsResponse(
             role=self.role,
             values=self.stats_values(),
@@ -170,6 +188,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         )
 
     def Health(self, request, context):  # noqa: N802
+        """Serving (always, while the process answers), with the role and the uptime in seconds."""
         return acs_pb2.HealthResponse(
             serving=True, role=self.role, uptime_s=time.monotonic() - self.started_at
         )

@@ -47,6 +47,15 @@ def _replicas(text: str) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """``acs up``: start a local deployment in ``args.dir`` and print its endpoints and ``export`` line.
+
+    Returns 0.
+
+    Raises
+    ------
+    DeploymentError
+        If ``args.dir`` already holds a running deployment, or a server fails to start.
+    """
     from .deploy import acs_up
 
     dep = acs_up(
@@ -70,6 +79,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    """``acs down``: stop the deployment in ``args.dir``; returns 0 (also when there is none)."""
     from .deploy import acs_down, load_deployment
 
     if load_deployment(args.dir) is None:
@@ -204,6 +214,16 @@ def _print_status(report: Dict[str, Any]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """``acs status``: print :func:`status_report` as text, or as JSON with ``--json``; returns 0.
+
+    When neither ``--data-cache`` nor ``--metadata-cache`` is given, the endpoints come from
+    ``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE``, else from the deployment in ``--dir``.
+
+    Raises
+    ------
+    AcsOptionError
+        If ``--stream`` names no stream of the store.
+    """
     data, meta = args.data_cache, args.metadata_cache
     if data is None and meta is None:
         # No endpoints given: those of the environment, else of the local deployment in --dir.

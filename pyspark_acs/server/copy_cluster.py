@@ -74,12 +74,15 @@ class ClusterIO:
         self.meta = MetadataCache(self.meta_client)
 
     def uri(self, rel: str) -> str:
+        """The globally unique URI of ``rel`` in this cluster's store (the key of its chunks and lengths)."""
         return self.store.uri(rel)
 
     def shard_uri(self, stream: str, shard: int) -> str:
+        """The URI of a shard's folder (the key of its head and copy-delay records)."""
         return self.store.uri(shard_dir(stream, shard))
 
     def close(self) -> None:
+        """Close both cache clients and the store's open files."""
         self.data.close()
         self.meta_client.close()
         self.store.close()

@@ -120,6 +120,7 @@ class CopyDaemon:
 
     @property
     def endpoint(self) -> str:
+        """``host:port`` of the copy service (port 0 before :meth:`start`)."""
         return f"{self.options.host}:{self.port}"
 
     def start(self) -> "CopyDaemon":
@@ -155,6 +156,7 @@ class CopyDaemon:
         return self
 
     def banner(self) -> str:
+        """The start-up line printed on stdout, which parent processes parse; call after :meth:`start`."""
         metrics = f"http://{self.options.host}:{self._http.port}/metrics" if self._http else "off"
         return f"acs-copy-daemon cluster={self.cluster} listening on {self.endpoint} metrics={metrics}"
 

@@ -67,10 +67,12 @@ class HealthMonitor:
 
     @property
     def unhealthy(self) -> FrozenSet[str]:
+        """The clusters judged unhealthy now (thread-safe)."""
         with self._lock:
             return self._unhealthy
 
     def set_topology(self, topology: Topology) -> None:
+        """Probe the clusters of ``topology`` from now on; closes the cache clients of the previous one."""
         with self._lock:
             old, self._topology = self._clients, topology
             self._clients = {}
@@ -79,9 +81,11 @@ class HealthMonitor:
             meta.close()
 
     def start(self) -> None:
+        """Start the probe thread: :meth:`check_once` every ``interval`` seconds (first after one)."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the probe thread (waiting up to 5 s) and close the cache clients."""
         self._stop.set()
         self._thread.join(timeout=5)
         with self._lock:
@@ -118,6 +122,12 @@ class HealthMonitor:
             return False
 
     def check_once(self) -> None:
+        """Probe every cluster once, update the unhealthy set, and call ``on_change`` if it changed.
+
+        A cluster becomes unhealthy once its probes have failed for ``unhealthy_after`` seconds;
+        one good probe makes it healthy again. Does nothing before :meth:`set_topology`.
+        ``on_change`` runs in the calling thread.
+        """
         with self._lock:
             topology = self._topology
         if topology is None:

@@ -50,23 +50,31 @@ class CopyMetrics:
         return name, tuple(sorted((k, str(v)) for k, v in labels.items()))
 
     def inc(self, name: str, amount: float = 1, **labels: object) -> None:
+        """Add ``amount`` (negative to decrease a gauge) to the series ``name{labels}``, which starts at 0.
+
+        Label values are compared as strings; their order does not matter.
+        """
         key = self._key(name, labels)
         with self._lock:
             self._values[key] = self._values.get(key, 0) + amount
 
     def set(self, name: str, value: float, **labels: object) -> None:
+        """Set the series ``name{labels}`` to ``value``."""
         with self._lock:
             self._values[self._key(name, labels)] = value
 
     def get(self, name: str, **labels: object) -> float:
+        """The value of the series ``name{labels}`` (0 if it does not exist)."""
         with self._lock:
             return self._values.get(self._key(name, labels), 0)
 
     def remove(self, name: str, **labels: object) -> None:
+        """Drop the series ``name{labels}``, so it is no longer exported (missing is fine)."""
         with self._lock:
             self._values.pop(self._key(name, labels), None)
 
     def snapshot(self) -> Dict[_Key, float]:
+        """A copy of every series: ``{(name, sorted (label, value) pairs): value}``."""
         with self._lock:
             return dict(self._values)
 
@@ -119,9 +127,11 @@ class MetricsHTTPServer:
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
+        """Serve on a daemon thread (the socket is bound at construction: see ``port``)."""
         self._thread = threading.Thread(target=self._http.serve_forever, name="acs-copy-metrics", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop serving and close the socket."""
         self._http.shutdown()
         self._http.server_close()

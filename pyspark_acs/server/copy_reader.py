@@ -94,9 +94,11 @@ class LengthPoller:
         self._thread = threading.Thread(target=self._run, name="acs-copy-poller", daemon=True)
 
     def start(self) -> None:
+        """Start the polling thread."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop polling, wake every follower, and wait (up to 5 s) for the thread to end."""
         self._stop.set()
         self._wake_all()
         self._thread.join(timeout=5)
@@ -109,6 +111,11 @@ class LengthPoller:
         return wake
 
     def unfollow(self, rel: str, wake: Optional[threading.Event] = None) -> None:
+        """Undo one :meth:`follow` of ``rel``; when its last follower is gone, forget its lengths.
+
+        ``wake`` is the follower's event; when it is None or not registered, the most recently
+        registered event of ``rel`` is dropped instead.
+        """
         with self._lock:
             events = self._rels.get(rel)
             if events is None:
@@ -123,11 +130,13 @@ class LengthPoller:
                 self._recent.pop(rel, None)
 
     def lengths(self, rel: str) -> Tuple[Optional[int], Optional[int]]:
+        """``(cache length, durable length)`` of ``rel`` in bytes as last seen (``None``: unknown)."""
         with self._lock:
             return self._lengths.get(rel, (None, None))
 
     @property
     def rounds(self) -> int:
+        """How many poll rounds have completed."""
         with self._lock:
             return self._round
 
@@ -163,6 +172,17 @@ class LengthPoller:
             e.set()
 
     def poll_once(self) -> None:
+        """One poll round: read every followed file's lengths, raise the known ones, wake all followers.
+
+        Known lengths never shrink. After a metadata-cache failure, store lengths are used for a
+        second; every ``DURABLE_POLL_INTERVAL_S`` all files are also checked in the store. Not
+        meant to run concurrently with itself (the polling thread calls it).
+
+        Raises
+        ------
+        StoreError
+            When the durable store cannot be asked.
+        """
         with self._lock:
             rels = list(self._rels)
         if not rels:
@@ -329,6 +349,7 @@ class CopyOperation:
         self._wake = threading.Event()
 
     def stop(self) -> None:
+        """Ask the operation to stop; :meth:`run` returns soon after. Thread-safe; does not wait."""
         self.stop_event.set()
         self._wake.set()
 

@@ -98,22 +98,27 @@ class CopyScheduler:
 
     @property
     def topology(self) -> Topology:
+        """The topology in use (replaced when the topology file changes and is valid)."""
         with self._lock:
             return self._topology
 
     def trees(self) -> Dict[str, CopyTree]:
+        """The current copy tree of each stream, by name (a copy); streams without one are left out."""
         with self._lock:
             return dict(self._trees)
 
     def running(self) -> int:
+        """How many operations (readers) run now."""
         with self._lock:
             return len(self._ops)
 
     def start(self) -> None:
+        """Start the length poller and the scheduling thread."""
         self.poller.start()
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop scheduling and every operation, wait (bounded) for their threads, then stop the poller."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=_JOIN_S)

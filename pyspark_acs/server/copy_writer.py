@@ -349,6 +349,17 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
                 log.exception("on_published hook failed for %s", rel)
 
     def ensure_stream(self, stream: str, shards: int) -> None:
+        """Create ``stream`` with ``shards`` shards in this cluster's store, or check that it matches.
+
+        Remembered per servicer: a stream already checked with this shard count is not asked again.
+
+        Raises
+        ------
+        AcsOptionError
+            If the stream exists with another shard count.
+        StoreError
+            If the store fails.
+        """
         with self._lock:
             if self._streams.get(stream) == shards:
                 return
@@ -357,6 +368,14 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
             self._streams[stream] = shards
 
     def Copy(self, request_iterator: Iterator[copy_pb2.CopyRequest], context: grpc.ServicerContext):  # noqa: N802
+        """Serve one copy operation: a hello, then deltas, each answered with one acknowledgement.
+
+        The hello takes the operation's lease and is answered with the length to continue from.
+        Each delta is answered OK, RESTART (it does not start where the copy is: continue from
+        the acknowledged length), POISONED (a newer operation took the file over) or FAILED;
+        the stream ends after POISONED or FAILED. Store and cache errors are reported as FAILED
+        acknowledgements, not raised.
+        """
         try:
             hello = next(request_iterator)
         except StopIteration:
@@ -404,6 +423,10 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
                 self._writing -= 1
 
     def Health(self, request: copy_pb2.HealthRequest, context: grpc.ServicerContext) -> copy_pb2.HealthResponse:  # noqa: N802
+        """Whether this daemon serves (False once stopping), its cluster, and its running operations.
+
+        ``reading`` and ``writing`` count the operations it reads (as a parent) and writes now.
+        """
         with self._lock:
             writing = self._writing
         return copy_pb2.HealthResponse(
