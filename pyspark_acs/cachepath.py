@@ -25,6 +25,7 @@ from .cache_client import CacheClient, client_for
 from .chunks import ChunkReader
 from .errors import CacheError
 from .metadata import MetadataCache
+from .poller import LengthPoller
 from .store import DurableStore
 
 __all__ = ["DEFAULT_DURABLE_POLL_INTERVAL_S", "DEFAULT_MAX_DELAY_S", "CachedReadPath", "DelayedDurableReads"]
@@ -93,6 +94,10 @@ class CachedReadPath:
         from the store; without a metadata cache, lengths do.
     max_delay : float
         Algorithm 1's maxDelay (default 1 s).
+    shared_poller : bool
+        Take metadata lengths from the process's shared :class:`~pyspark_acs.poller.LengthPoller`
+        (one batched read per interval for every reader of the process; default) instead of
+        reading them on every call.
     durable_poll_interval : float
         Durable-length polling interval while the metadata cache is down (default 1 s).
     """
@@ -105,12 +110,18 @@ class CachedReadPath:
         metadata_cache: Union[str, CacheClient, None] = None,
         max_delay: float = DEFAULT_MAX_DELAY_S,
         durable_poll_interval: float = DEFAULT_DURABLE_POLL_INTERVAL_S,
+        shared_poller: bool = True,
     ) -> None:
         self.store = store
         self._own = []
         self.data = client_for(data_cache, "data cache", self._own)
         meta = client_for(metadata_cache, "metadata cache", self._own)
         self.meta = MetadataCache(meta) if meta else None
+        # Readers given endpoint strings share the process's poller; a caller-made client
+        # (tests, the copy daemon's own poller) is read directly.
+        self.poller: Optional[LengthPoller] = None
+        if meta is not None and shared_poller and not isinstance(metadata_cache, CacheClient):
+            self.poller = LengthPoller.shared(meta.endpoints)
         self.chunks = ChunkReader(self.data) if self.data else None
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval
@@ -133,7 +144,7 @@ class CachedReadPath:
         if self.meta is not None and rels and not meta_down:
             uris = [self.store.uri(r) for r in rels]
             try:
-                got = self.meta.lengths(uris)
+                got = self.poller.lengths(uris) if self.poller is not None else self.meta.lengths(uris)
                 published = {r: got[u] for r, u in zip(rels, uris)}
             except CacheError as exc:
                 meta_down = True
@@ -228,7 +239,10 @@ class CachedReadPath:
                 if data:
                     parts.append(data)
         if end > cache_end:
-            if self.chunks is None or self._delay(rel).should_read_durable(cache_len, durable_len or end):
+            delay = self._delay(rel)
+            with self._lock:  # DelayedDurableReads is not thread-safe; readers may share a file
+                go_durable = self.chunks is None or delay.should_read_durable(cache_len, durable_len or end)
+            if go_durable:
                 parts.append(self._durable(rel, cache_end, end))
         return b"".join(parts)
 

@@ -1,0 +1,50 @@
+"""The process-wide length poller: one batched metadata read per interval for every reader."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pyspark_acs import Consumer, Producer
+from pyspark_acs.cachepath import CachedReadPath
+from pyspark_acs.poller import LengthPoller
+from pyspark_acs.server.deploy import LocalDeployment
+from pyspark_acs.store import open_store
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    with LocalDeployment(str(tmp_path_factory.mktemp("caches")), data_replicas=1, metadata_replicas=1) as dep:
+        yield dep
+
+
+def test_readers_of_one_process_share_one_poller_and_see_new_lengths(root, deployment):
+    a = CachedReadPath(open_store(root), metadata_cache=deployment.metadata_endpoints)
+    b = CachedReadPath(open_store(root), metadata_cache=deployment.metadata_endpoints)
+    assert a.poller is b.poller is LengthPoller.shared(tuple(deployment.metadata_endpoints.split(",")))
+    with Producer(root, "p", metadata_cache=deployment.metadata_endpoints) as p:
+        p.send(b"one")
+        p.flush()
+        c1 = Consumer(root, "p", read_path=a)
+        c2 = Consumer(root, "p", read_path=b)
+        assert [v for x in c1.batches(timeout=0.5) for v in x.column("value").to_pylist()] == [b"one"]
+        polls = a.poller.polls
+        p.send(b"two")
+        p.flush()
+        assert [v for x in c2.batches(timeout=0.5) for v in x.column("value").to_pylist()] == [b"one", b"two"]
+        assert [v for x in c1.batches(timeout=0.5) for v in x.column("value").to_pylist()] == [b"two"]
+        assert a.poller.polls > polls  # the background thread did the polling
+        assert c1.stats()["metadata_fallbacks"] == 0  # lengths came from the poller, not the store
+
+
+def test_poller_stops_when_nothing_is_followed(deployment, monkeypatch):
+    import pyspark_acs.poller as poller_mod
+
+    monkeypatch.setattr(poller_mod, "FORGET_AFTER_S", 0.1)
+    poller = LengthPoller(tuple(deployment.metadata_endpoints.split(",")))
+    assert poller.lengths(["file:///nowhere.acs"]) == {"file:///nowhere.acs": (None, None)}
+    deadline = time.monotonic() + 5
+    while poller._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert poller._thread is None
