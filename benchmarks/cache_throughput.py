@@ -241,7 +241,10 @@ def _live_delay(root: str, stream: str, rate: float, seconds: float, size: int, 
                 late = pc.filter(ts, keep)
                 samples.extend(pc.divide(pc.subtract(pa.scalar(now_us, pa.int64()), late), 1000.0).to_pylist())
             if not got:
-                time.sleep(consumer.poll_interval)
+                # What Consumer.batches() does between polls: through the caches it wakes as
+                # soon as the process's length poller sees a length move.
+                wait = getattr(consumer.path, "wait", None)
+                wait(consumer.poll_interval) if wait else time.sleep(consumer.poll_interval)
         thread.join(30)
         if errors:
             raise errors[0]

@@ -196,6 +196,14 @@ class CachedReadPath:
                     out[r] = n
         return out
 
+    def wait(self, timeout: float) -> None:
+        """Wait until published lengths may have moved (the shared poller saw a change), at
+        most ``timeout`` seconds; without a poller, just sleep."""
+        if self.poller is not None:
+            self.poller.wait_for_change(timeout)
+        else:
+            time.sleep(timeout)
+
     def durable_length(self, rel: str) -> Optional[int]:
         """The durable store's length of ``rel`` in bytes (``None`` if missing), bypassing the caches."""
         return self.store.lengths([rel])[rel]

@@ -567,7 +567,11 @@ class Consumer:
                 continue
             if timeout is not None and time.monotonic() - idle_since >= timeout:
                 return
-            time.sleep(self.poll_interval)
+            wait = getattr(self.path, "wait", None)  # the cached path wakes on new lengths
+            if wait is not None:
+                wait(self.poll_interval)
+            else:
+                time.sleep(self.poll_interval)
 
     def stats(self) -> Dict[str, int]:
         """Counters: messages and batches returned, and the read path's byte counters."""

@@ -46,8 +46,11 @@ class LengthPoller:
         self.interval = interval
         self._client = CacheClient(endpoints, name="metadata cache")
         self.meta = MetadataCache(self._client)
-        # _lock guards _values, _asked, _error and _thread.
+        # _lock guards _values, _asked, _error, _thread and _generation; _changed (on _lock)
+        # wakes readers waiting for a length to move.
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._generation = 0
         self._values: Dict[str, Lengths] = {}
         self._asked: Dict[str, float] = {}
         self._error: Optional[CacheError] = None
@@ -90,6 +93,16 @@ class LengthPoller:
         with self._lock:
             return {u: self._values.get(u, (None, None)) for u in uris}
 
+    def wait_for_change(self, timeout: float) -> None:
+        """Block until a poll sees a followed length move, or ``timeout`` seconds pass.
+
+        Readers wait here instead of sleeping a fixed interval, so a new length reaches them
+        as soon as the poller reads it (the poll intervals do not add up).
+        """
+        with self._changed:
+            seen = self._generation
+            self._changed.wait_for(lambda: self._generation != seen, timeout)
+
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="acs-length-poller", daemon=True)
@@ -112,7 +125,11 @@ class LengthPoller:
             except CacheError as exc:
                 got, error = {}, exc
             with self._lock:
+                moved = any(self._values.get(u) != v for u, v in got.items())
                 self._values.update(got)
                 self._error = error
                 self.polls += 1
+                if moved:
+                    self._generation += 1
+                    self._changed.notify_all()
             time.sleep(max(0.0, self.interval - (time.monotonic() - started)))
