@@ -924,16 +924,22 @@ def _deadline_error(endpoint: str, deadline: float) -> BaseException:
     return _NoAnswer(f"no answer from {endpoint} within {deadline:.3f} s")
 
 
-def client_for(value: "Union[str, Sequence[str], CacheClient, None]", name: str, owned: List["CacheClient"]) -> Optional["CacheClient"]:
+def client_for(
+    value: "Union[str, Sequence[str], CacheClient, None]",
+    name: str,
+    owned: List["CacheClient"],
+    token: Optional[str] = None,
+) -> Optional["CacheClient"]:
     """The client for an option that is an endpoint string or a ready :class:`CacheClient`.
 
-    ``None`` or ``""`` gives None. A client created here is appended to ``owned``: the caller
-    closes those (and only those) when it closes.
+    ``None`` or ``""`` gives None. A client created here (with ``token``, default
+    ``$ACS_CACHE_TOKEN``) is appended to ``owned``: the caller closes those (and only those)
+    when it closes.
     """
     if value is None or value == "":
         return None
     if isinstance(value, CacheClient):
         return value
-    client = CacheClient(value, name=name)
+    client = CacheClient(value, name=name, token=token)
     owned.append(client)
     return client

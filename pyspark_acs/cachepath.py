@@ -94,6 +94,8 @@ class CachedReadPath:
         from the store; without a metadata cache, lengths do.
     max_delay : float
         Algorithm 1's maxDelay (default 1 s).
+    token : str, optional
+        Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
     shared_poller : bool
         Take metadata lengths from the process's shared :class:`~pyspark_acs.poller.LengthPoller`
         (one batched read per interval for every reader of the process; default) instead of
@@ -111,17 +113,18 @@ class CachedReadPath:
         max_delay: float = DEFAULT_MAX_DELAY_S,
         durable_poll_interval: float = DEFAULT_DURABLE_POLL_INTERVAL_S,
         shared_poller: bool = True,
+        token: Optional[str] = None,
     ) -> None:
         self.store = store
         self._own = []
-        self.data = client_for(data_cache, "data cache", self._own)
-        meta = client_for(metadata_cache, "metadata cache", self._own)
+        self.data = client_for(data_cache, "data cache", self._own, token)
+        meta = client_for(metadata_cache, "metadata cache", self._own, token)
         self.meta = MetadataCache(meta) if meta else None
         # Readers given endpoint strings share the process's poller; a caller-made client
         # (tests, the copy daemon's own poller) is read directly.
         self.poller: Optional[LengthPoller] = None
         if meta is not None and shared_poller and not isinstance(metadata_cache, CacheClient):
-            self.poller = LengthPoller.shared(meta.endpoints)
+            self.poller = LengthPoller.shared(meta.endpoints, token)
         self.chunks = ChunkReader(self.data) if self.data else None
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval

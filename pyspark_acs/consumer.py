@@ -419,6 +419,8 @@ class Consumer:
         Cache endpoints (``host:port,...``) of this cluster: lengths are polled from the
         metadata cache and bytes read from the data cache, with the durable store as the
         fallback (see :class:`~pyspark_acs.cachepath.CachedReadPath`).
+    cache_token : str, optional
+        Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
     read_path : ReadPath, optional
         Where lengths and bytes come from (default: the caches if given, else the durable
         store alone).
@@ -443,6 +445,7 @@ class Consumer:
         fail_on_data_loss: bool = True,
         data_cache: Any = None,
         metadata_cache: Any = None,
+        cache_token: Optional[str] = None,
         read_path: Optional[ReadPath] = None,
     ) -> None:
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or poll_interval < 0:
@@ -453,7 +456,9 @@ class Consumer:
         if read_path is None and (data_cache or metadata_cache):
             from .cachepath import CachedReadPath
 
-            read_path = CachedReadPath(self.store, data_cache=data_cache, metadata_cache=metadata_cache)
+            read_path = CachedReadPath(
+                self.store, data_cache=data_cache, metadata_cache=metadata_cache, token=cache_token
+            )
         self.path: ReadPath = read_path or DurableReadPath(self.store)
         self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]
         self.poll_interval = float(poll_interval)

@@ -38,13 +38,15 @@ class LengthPoller:
     Use :meth:`shared` to get the process-wide instance for a set of endpoints.
     """
 
-    _registry: Dict[Tuple[str, ...], "LengthPoller"] = {}
+    _registry: Dict[Tuple[Tuple[str, ...], Optional[str]], "LengthPoller"] = {}
     _registry_lock = threading.Lock()  # guards _registry
 
-    def __init__(self, endpoints: Tuple[str, ...], interval: float = DEFAULT_POLL_INTERVAL_S) -> None:
+    def __init__(
+        self, endpoints: Tuple[str, ...], interval: float = DEFAULT_POLL_INTERVAL_S, token: Optional[str] = None
+    ) -> None:
         self.endpoints = endpoints
         self.interval = interval
-        self._client = CacheClient(endpoints, name="metadata cache")
+        self._client = CacheClient(endpoints, name="metadata cache", token=token)
         self.meta = MetadataCache(self._client)
         # _lock guards _values, _asked, _error, _thread and _generation; _changed (on _lock)
         # wakes readers waiting for a length to move.
@@ -58,13 +60,13 @@ class LengthPoller:
         self.polls = 0
 
     @classmethod
-    def shared(cls, endpoints: Sequence[str]) -> "LengthPoller":
-        """The process-wide poller for these metadata-cache endpoints."""
-        key = tuple(endpoints)
+    def shared(cls, endpoints: Sequence[str], token: Optional[str] = None) -> "LengthPoller":
+        """The process-wide poller for these metadata-cache endpoints (and token)."""
+        key = (tuple(endpoints), token)
         with cls._registry_lock:
             poller = cls._registry.get(key)
             if poller is None:
-                poller = cls._registry[key] = cls(key)
+                poller = cls._registry[key] = cls(tuple(endpoints), token=token)
             return poller
 
     def lengths(self, uris: Sequence[str]) -> Dict[str, Lengths]:

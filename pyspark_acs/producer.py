@@ -156,6 +156,8 @@ class Producer:
         Metadata-cache endpoints: file lengths and shard heads are published there, and
         the shard lease lives there (a new Producer then takes over a shard by poisoning
         the old one's lease instead of being refused).
+    cache_token : str, optional
+        Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
 
     Notes
     -----
@@ -185,6 +187,7 @@ class Producer:
         writer_id: Optional[str] = None,
         data_cache: Any = None,
         metadata_cache: Any = None,
+        cache_token: Optional[str] = None,
     ) -> None:
         self.options = ProducerOptions(
             shards, max_block_bytes, roll_bytes, roll_seconds, max_batch_delay, max_pending_bytes, lease_seconds
@@ -214,8 +217,8 @@ class Producer:
         if data_cache or metadata_cache:  # grpc is imported only when caches are used
             from .cache_client import client_for
 
-            self._data = client_for(data_cache, "data cache", self._own_clients)
-            meta_client = client_for(metadata_cache, "metadata cache", self._own_clients)
+            self._data = client_for(data_cache, "data cache", self._own_clients, cache_token)
+            meta_client = client_for(metadata_cache, "metadata cache", self._own_clients, cache_token)
         self._meta = None
         if meta_client is not None:
             from .metadata import MetadataCache

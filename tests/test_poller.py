@@ -48,3 +48,25 @@ def test_poller_stops_when_nothing_is_followed(deployment, monkeypatch):
     while poller._thread is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert poller._thread is None
+
+
+def test_token_protected_caches_need_the_token(tmp_path, caplog):
+    from pyspark_acs.datasource.options import parse_sink_options, parse_source_options
+
+    root = str(tmp_path / "store")
+    with LocalDeployment(str(tmp_path / "secure"), data_replicas=1, metadata_replicas=1, token="s3cret") as dep:
+        caches = {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints}
+        with Producer(root, "sec", cache_token="s3cret", **caches) as p:
+            p.send(b"ok")
+        assert p.stats()["cache_errors"] == 0
+        c = Consumer(root, "sec", cache_token="s3cret", **caches)
+        assert [v for b in c.batches(timeout=0.5) for v in b.column("value").to_pylist()] == [b"ok"]
+        assert c.stats()["cache_bytes"] > 0 and c.stats()["durable_bytes"] == 0
+        c.close()
+        with Producer(root, "sec", cache_token="wrong", **caches) as p:  # the store still takes it
+            p.send(b"still durable")
+        assert p.stats()["cache_errors"] > 0
+        assert any("UNAUTHENTICATED" in r.getMessage() or "token" in r.getMessage().lower() for r in caplog.records)
+    opts = {"root": root, "stream": "sec", "cacheToken": "s3cret"}
+    assert parse_source_options(opts).cache_token == "s3cret"
+    assert parse_sink_options(dict(opts, checkpointLocation="/ck")).cache_token == "s3cret"

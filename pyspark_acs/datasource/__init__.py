@@ -30,6 +30,8 @@ class AcsDataSource(DataSource):
         Cache endpoints ``host:port,host:port,...``. Lengths are polled from the metadata
         cache and bytes read from the data cache, with the durable store as the fallback;
         without them everything comes from the durable store.
+    cacheToken : optional
+        Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
     startingOffsets : ``latest`` (streams) / ``earliest`` (batch) / JSON
         Where a new query starts; JSON as ``{"stream": {"0": {"file": "...acs", "length": 0}}}``.
         Shards missing from the JSON start at the earliest position.
@@ -60,7 +62,7 @@ class AcsDataSource(DataSource):
     --------------------------------------------------------------------------
     root, stream : required
     shards : required when the stream does not exist yet; must match when it does.
-    dataCache, metadataCache : optional
+    dataCache, metadataCache, cacheToken : optional
         Written like a Producer: durable store, then chunks, then lengths.
     maxBlockBytes : ``1MiB``;  rollBytes : ``64MiB``
     sinkId : optional

@@ -79,6 +79,9 @@ class SourceOptions:
     metadata_cache: Optional[str] = option(
         "metadataCache", None, parse=_endpoints, doc="metadata-cache endpoints host:port,..."
     )
+    cache_token: Optional[str] = option(
+        "cacheToken", None, parse=parse_str, doc="token of token-protected cache servers ($ACS_CACHE_TOKEN)"
+    )
     starting_offsets: Optional[str] = option(
         "startingOffsets", None, parse=_offsets_spec("earliest", "latest"),
         doc="earliest | latest | offsets JSON (default: latest for streams, earliest for batch)",
@@ -120,6 +123,9 @@ class SinkOptions:
     data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="data-cache endpoints host:port,...")
     metadata_cache: Optional[str] = option(
         "metadataCache", None, parse=_endpoints, doc="metadata-cache endpoints host:port,..."
+    )
+    cache_token: Optional[str] = option(
+        "cacheToken", None, parse=parse_str, doc="token of token-protected cache servers ($ACS_CACHE_TOKEN)"
     )
     max_block_bytes: int = option("maxBlockBytes", 1024 * 1024, parse=bytes_parser(1024), doc="block size (1MiB)")
     roll_bytes: int = option("rollBytes", 64 * 1024 * 1024, parse=bytes_parser(1), doc="file rollover size (64MiB)")

@@ -286,8 +286,8 @@ class SinkCommitter:
             from ..cache_client import client_for
             from ..metadata import MetadataCache
 
-            self._data = client_for(self.opts.data_cache, "data cache", self._clients)
-            meta = client_for(self.opts.metadata_cache, "metadata cache", self._clients)
+            self._data = client_for(self.opts.data_cache, "data cache", self._clients, self.opts.cache_token)
+            meta = client_for(self.opts.metadata_cache, "metadata cache", self._clients, self.opts.cache_token)
             self._meta = MetadataCache(meta) if meta is not None else None
         return self._data, self._meta
 

@@ -65,7 +65,9 @@ def open_read_path(opts: SourceOptions) -> ReadPath:
     if opts.data_cache or opts.metadata_cache:
         from ..cachepath import CachedReadPath
 
-        return CachedReadPath(store, data_cache=opts.data_cache, metadata_cache=opts.metadata_cache)
+        return CachedReadPath(
+            store, data_cache=opts.data_cache, metadata_cache=opts.metadata_cache, token=opts.cache_token
+        )
     return DurableReadPath(store)
 
 
