@@ -134,6 +134,7 @@ class CachedReadPath:
         self._delays: Dict[str, DelayedDurableReads] = {}
         self._durable_cache: Dict[str, Tuple[float, Optional[int]]] = {}
         self._meta_down_until = 0.0
+        self._warned_at = float("-inf")  # last data-cache warning (monotonic)
         self._stats = {"durable_bytes": 0, "durable_fallbacks": 0, "metadata_fallbacks": 0}
 
     # -- lengths ---------------------------------------------------------------------------
@@ -261,7 +262,7 @@ class CachedReadPath:
         """Log a data-cache failure (reads fall back to the store), at most every 10 s."""
         now = time.monotonic()
         with self._lock:
-            due = now - getattr(self, "_warned_at", -1e9) >= _WARN_INTERVAL_S
+            due = now - self._warned_at >= _WARN_INTERVAL_S
             if due:
                 self._warned_at = now
         if due:

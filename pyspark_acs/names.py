@@ -25,7 +25,6 @@ __all__ = [
     "new_writer_id",
     "parse_file_name",
     "shard_dir",
-    "shard_key",
     "validate_shard",
     "validate_stream",
 ]
@@ -70,10 +69,6 @@ def shard_dir(stream: str, shard: int) -> str:
     """The shard folder relative to the store root: ``<stream>/<shard:05d>``."""
     return f"{validate_stream(stream)}/{validate_shard(shard):05d}"
 
-
-def shard_key(stream: str, shard: int) -> str:
-    """The string key of a shard in offsets dicts: ``str(shard)`` (Kafka's convention)."""
-    return str(shard)
 
 
 def file_name(created: _dt.datetime, writer_id: str) -> str:

@@ -8,7 +8,6 @@ unknown name is refused with the list of valid ones.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
@@ -169,7 +168,3 @@ def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
 def parse_sink_options(raw: Mapping[str, Any]) -> SinkOptions:
     """Parse and check the sink options (raises AcsOptionError naming the option)."""
     return parse_options(SinkOptions, _with_path(raw), component="acs sink")
-
-
-def offsets_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)

@@ -219,10 +219,6 @@ class _Planner:
         return parts
 
 
-def _to_map(offsets: Dict[str, Any], what: str) -> OffsetMap:
-    return parse_offsets(offsets, option=what)
-
-
 class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batch reader of ``spark.readStream.format("acs")`` (see :class:`~pyspark_acs.datasource.AcsDataSource`)."""
 
@@ -251,7 +247,7 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         """End offsets of the next micro-batch from ``start`` under ``limit`` (block boundaries per shard)."""
-        begin = _to_map(start, "start offset")
+        begin = parse_offsets(start, option="start offset")
         for s in self.planner.shards():  # shards a stream gained since the checkpoint
             if s not in begin:
                 begin[s] = earliest_offset(self.planner.path.store, *s)
@@ -267,7 +263,7 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         """One partition per shard with data between ``start`` and ``end``; none when they are equal."""
-        return self.planner.partitions(_to_map(start, "start offset"), _to_map(end, "end offset"))
+        return self.planner.partitions(parse_offsets(start, option="start offset"), parse_offsets(end, option="end offset"))
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Read one shard's range in order as Arrow record batches (runs in a Spark task)."""

@@ -157,20 +157,22 @@ def _terminate(pid: int, popen: Optional[subprocess.Popen], timeout: float, *, s
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if gone():
-            return
-        time.sleep(_POLL_S)
+    def wait_gone() -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if gone():
+                return True
+            time.sleep(_POLL_S)
+        return False
+
+    if wait_gone():
+        return
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if gone():
-            return
-        time.sleep(_POLL_S)
+    if wait_gone():
+        return
     raise DeploymentError(f"cache server pid {pid} did not exit after SIGKILL within {timeout:.1f} s")
 
 
