@@ -39,9 +39,9 @@ bench: setup check-java
 	$(BIN)/python benchmarks/copy_hops.py
 	$(BIN)/python benchmarks/spark_source.py
 
-# Regenerate the gRPC/protobuf code in pyspark_acs/server/proto/ (never edit it by hand).
+# Regenerate the gRPC/protobuf code beside each .proto (never edit it by hand).
 proto: setup
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. pyspark_acs/server/proto/acs.proto
+	PYTHON=$(BIN)/python scripts/gen_proto.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -10,7 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["pyspark_acs", "pyspark_acs.*"]),
-    package_data={"pyspark_acs.server.proto": ["*.proto", "*.pyi"]},
+    package_data={"pyspark_acs.cache.proto": ["*.proto", "*.pyi"], "pyspark_acs.server.copy.proto": ["*.proto", "*.pyi"]},
     install_requires=[
         "pyspark>=4.2,<5",
         "py4j",
@@ -25,9 +25,9 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "acs=pyspark_acs.cli:main",
-            "acs-cache-server=pyspark_acs.server.cache:main",
-            "acs-copy-daemon=pyspark_acs.server.copy_daemon:main",
+            "acs=pyspark_acs.cli.main:main",
+            "acs-cache-server=pyspark_acs.server.cache.server:main",
+            "acs-copy-daemon=pyspark_acs.server.copy.daemon:main",
         ]
     },
     classifiers=[

@@ -36,8 +36,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyspark_acs.cache_client import CacheClient  # noqa: E402
-from pyspark_acs.server.deploy import LocalDeployment  # noqa: E402
+from pyspark_acs.cache.client import CacheClient  # noqa: E402
+from pyspark_acs.server.local.deploy import LocalDeployment  # noqa: E402
 
 CHUNK_BYTES = 4096
 DEFAULT_CHUNKS = 8192  # 32 MiB of chunks
@@ -201,8 +201,8 @@ def _live_delay(root: str, stream: str, rate: float, seconds: float, size: int, 
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from pyspark_acs.consumer import Consumer
-    from pyspark_acs.producer import Producer
+    from pyspark_acs.read.consumer import Consumer
+    from pyspark_acs.write.producer import Producer
 
     value = b"v" * size
     total = int(rate * (warmup + seconds))

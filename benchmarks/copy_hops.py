@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 
 def _consume(root: str, data: str, meta: str, seconds: float, warmup: float, out: "mp.Queue") -> None:
-    from pyspark_acs.consumer import Consumer
+    from pyspark_acs.read.consumer import Consumer
 
     deadline = time.time() + seconds
     while time.time() < deadline:  # the stream appears when the first copy arrives
@@ -78,8 +78,8 @@ def main() -> int:
     ap.add_argument("--poll-interval", default="50ms", help="copy readers' poll interval (default 50ms)")
     args = ap.parse_args()
 
-    from pyspark_acs.producer import Producer
-    from pyspark_acs.server.deploy import LocalDeployment
+    from pyspark_acs.write.producer import Producer
+    from pyspark_acs.server.local.deploy import LocalDeployment
 
     tmp = Path(tempfile.mkdtemp(prefix="acs-copy-hops-"))
     deps: Dict[str, LocalDeployment] = {}
@@ -103,7 +103,7 @@ def main() -> int:
         progress("starting copy daemons")
         for c in CLUSTERS:
             p = subprocess.Popen(
-                [sys.executable, "-m", "pyspark_acs.server.copy_daemon", "--topology", str(path), "--cluster", c,
+                [sys.executable, "-m", "pyspark_acs.server.copy.daemon", "--topology", str(path), "--cluster", c,
                  "--set", f"poll_interval={args.poll_interval}", "--log-level", "WARNING",
                  "--parent-pid", str(os.getpid())],
                 stdout=subprocess.PIPE, stderr=open(tmp / f"daemon-{c}.log", "wb"), env=env,

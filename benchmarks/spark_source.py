@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Optional
 from _common import percentile, progress, report
 
 from pyspark_acs import Producer
-from pyspark_acs.server.deploy import LocalDeployment
+from pyspark_acs.server.local.deploy import LocalDeployment
 
 SIZE = 1024
 SHARDS = 2
@@ -179,7 +179,7 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
     root = os.path.join(tmp, "delay")
     from pyspark.sql import functions as F
 
-    from pyspark_acs.store import open_store
+    from pyspark_acs.storage.store import open_store
 
     opts = {"root": root, "stream": "live", "dataCache": dep.data_endpoints, "metadataCache": dep.metadata_endpoints}
     open_store(root).create_stream("live", SHARDS)

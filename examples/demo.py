@@ -4,7 +4,7 @@ What it does, in order:
 
 1. Starts cluster A: 3 data-cache + 3 metadata-cache server processes (LocalDeployment) and
    a durable store root, all in a temporary folder.
-2. If the copy daemon is installed (``pyspark_acs.server.copy_daemon``), also starts cluster
+2. If the copy daemon is installed (``pyspark_acs.server.copy.daemon``), also starts cluster
    B (1 data + 1 metadata cache server, its own root) and one copy daemon per cluster, with a
    topology file that copies the demo stream A -> B. If the daemons do not start, the demo
    says so and goes on with cluster A alone (``--copy on`` makes that an error, ``--copy off``
@@ -127,7 +127,7 @@ def free_port() -> int:
 
 def copy_daemon_available() -> bool:
     try:
-        import pyspark_acs.server.copy_daemon  # noqa: F401
+        import pyspark_acs.server.copy.daemon  # noqa: F401
     except Exception:  # missing module, or a broken one: the demo runs without cluster B
         return False
     return True
@@ -194,7 +194,7 @@ class ClusterBReader(threading.Thread):
         import pyarrow as pa
 
         from pyspark_acs import Consumer
-        from pyspark_acs.store import open_store
+        from pyspark_acs.storage.store import open_store
 
         try:
             store = open_store(self.root)
@@ -243,7 +243,7 @@ class Demo:
     # -- start-up --
 
     def start_clusters(self) -> None:
-        from pyspark_acs.server.deploy import LocalDeployment
+        from pyspark_acs.server.local.deploy import LocalDeployment
 
         say(f"work folder {self.tmp}")
         dep = LocalDeployment(self.tmp / "A" / "servers", data_replicas=3, metadata_replicas=3, capacity="128MiB")
@@ -258,8 +258,8 @@ class Demo:
             return
         if not copy_daemon_available():
             if want == "on":
-                raise DemoError("--copy on, but pyspark_acs.server.copy_daemon cannot be imported")
-            say("cluster B: skipped (pyspark_acs.server.copy_daemon is not installed)")
+                raise DemoError("--copy on, but pyspark_acs.server.copy.daemon cannot be imported")
+            say("cluster B: skipped (pyspark_acs.server.copy.daemon is not installed)")
             return
         try:
             self.start_cluster_b(dep)
@@ -271,7 +271,7 @@ class Demo:
             self.stop_cluster_b()
 
     def start_cluster_b(self, dep) -> None:
-        from pyspark_acs.server.deploy import LocalDeployment
+        from pyspark_acs.server.local.deploy import LocalDeployment
 
         dep_b = LocalDeployment(self.tmp / "B" / "servers", data_replicas=1, metadata_replicas=1, capacity="128MiB")
         self.deps["B"] = dep_b
@@ -298,7 +298,7 @@ class Demo:
         for cluster in ("A", "B"):
             log = open(self.tmp / f"copy-daemon-{cluster}.log", "ab")
             proc = subprocess.Popen(
-                [sys.executable, "-m", "pyspark_acs.server.copy_daemon", "--topology", str(path), "--cluster", cluster,
+                [sys.executable, "-m", "pyspark_acs.server.copy.daemon", "--topology", str(path), "--cluster", cluster,
                  "--parent-pid", str(os.getpid()), "--metrics-port", "-1", "--log-level", "WARNING",
                  "--set", "poll_interval=10ms", "--set", "listing_interval=300ms"],
                 stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
@@ -366,7 +366,7 @@ class Demo:
         say("warm-up: batch write + read of 1000 messages done; Python workers are running")
 
     def start_source(self) -> None:
-        from pyspark_acs.store import open_store
+        from pyspark_acs.storage.store import open_store
 
         # The stream must exist before a source query starts; the sink would create it too.
         open_store(self.root_a).create_stream(STREAM, self.args.shards)

@@ -1,6 +1,6 @@
 """Launch one cache server replica (data or metadata) - with ``spark-submit`` or plain ``python``.
 
-A thin launcher around :func:`pyspark_acs.server.cache.main` (the ``acs-cache-server``
+A thin launcher around :func:`pyspark_acs.server.cache.server.main` (the ``acs-cache-server``
 command): every argument is passed through unchanged, so ``--help`` lists them all::
 
     spark-submit jars-free/cache_server.py --role data --port 7101 --capacity 1GiB --ttl 60s
@@ -20,10 +20,10 @@ import os
 import sys
 
 try:
-    from pyspark_acs.server.cache import main
+    from pyspark_acs.server.cache.server import main
 except ImportError:  # run from a source checkout without installing the package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from pyspark_acs.server.cache import main
+    from pyspark_acs.server.cache.server import main
 
 
 def launch(argv):

@@ -8,7 +8,7 @@ Same flags as ``acs-copy-daemon`` (see ``docs/copy.md``); the exit status is the
 
 import sys
 
-from pyspark_acs.server.copy_daemon import main
+from pyspark_acs.server.copy.daemon import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from pyspark_acs.errors import (
     AcsError,
     AcsOptionError,
     AcsTimeoutError,
@@ -42,7 +42,6 @@ __all__ = [
     "AcsError",
     "AcsOptionError",
     "AcsTimeoutError",
-    "CacheClient",
     "CacheError",
     "CacheTimeoutError",
     "CacheUnavailableError",
@@ -53,7 +52,6 @@ __all__ = [
     "DataLossError",
     "DefaultSource",
     "DeploymentError",
-    "DurableStore",
     "InvalidNameError",
     "LeaseError",
     "LeasePoisonedError",
@@ -68,19 +66,15 @@ __all__ = [
 
 # name -> module that defines it; imported on first attribute access (PEP 562).
 _LAZY = {
-    "CacheClient": ".cache_client",
-    "Consumer": ".consumer",
+    "Consumer": ".read.consumer",
     "DefaultSource": ".datasource",
-    "DurableStore": ".store",
-    "Producer": ".producer",
+    "Producer": ".write.producer",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .cache_client import CacheClient
-    from .consumer import Consumer
-    from .datasource import DefaultSource
-    from .producer import Producer
-    from .store import DurableStore
+    from pyspark_acs.read.consumer import Consumer
+    from pyspark_acs.datasource import DefaultSource
+    from pyspark_acs.write.producer import Producer
 
 
 def __getattr__(name: str) -> Any:

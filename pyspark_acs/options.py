@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Optional, Type, TypeVar
 
-from .errors import AcsOptionError
-from .units import parse_bytes, parse_duration
+from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.units import parse_bytes, parse_duration
 
 __all__ = [
     "bytes_parser",

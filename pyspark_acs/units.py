@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Union
 
-from .errors import AcsOptionError
+from pyspark_acs.errors import AcsOptionError
 
 __all__ = ["format_bytes", "parse_bytes", "parse_duration"]
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyspark_acs.block import (
+from pyspark_acs.format.block import (
     BLOCK_SCHEMA,
     FLAG_END_OF_FILE,
     HEADER_SIZE,

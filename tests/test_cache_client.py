@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pyspark_acs.cache_client import (
+from pyspark_acs.cache.client import (
     DOWN_BACKOFF_INITIAL_S,
     CacheClient,
     Entry,
@@ -24,7 +24,7 @@ from pyspark_acs.errors import (
     CacheUnavailableError,
     ClosedError,
 )
-from pyspark_acs.server.deploy import LocalDeployment
+from pyspark_acs.server.local.deploy import LocalDeployment
 
 CHUNK = 4096
 

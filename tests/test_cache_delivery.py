@@ -18,16 +18,16 @@ from typing import Callable, List, Optional
 import pytest
 
 from conftest import free_port
-from pyspark_acs.cache_client import CacheClient
-from pyspark_acs.cachepath import CachedReadPath
-from pyspark_acs.chunks import CHUNK_SIZE, ChunkWriter, chunk_key
-from pyspark_acs.consumer import Consumer
+from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.read.cachepath import CachedReadPath
+from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkWriter, chunk_key
+from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.errors import AcsOptionError, CacheError, LeasePoisonedError
-from pyspark_acs.metadata import MetadataCache
-from pyspark_acs.names import shard_dir
-from pyspark_acs.producer import Producer
-from pyspark_acs.server.deploy import LocalDeployment
-from pyspark_acs.store import open_store
+from pyspark_acs.cache.metadata import MetadataCache
+from pyspark_acs.format.names import shard_dir
+from pyspark_acs.write.producer import Producer
+from pyspark_acs.server.local.deploy import LocalDeployment
+from pyspark_acs.storage.store import open_store
 
 #: A safety net only: every wait in these tests has its own, shorter deadline.
 pytestmark = pytest.mark.timeout(240)
@@ -392,7 +392,7 @@ def test_second_producer_poisons_the_first_and_takes_over(dep, root):
 
 DEAD_PRODUCER = r"""
 import sys, time
-from pyspark_acs.producer import Producer
+from pyspark_acs.write.producer import Producer
 root, data, meta = sys.argv[1:4]
 p = Producer(root, "dead", data_cache=data, metadata_cache=meta)
 for i in range(200):

@@ -19,11 +19,11 @@ import urllib.request
 import grpc
 import pytest
 
-from pyspark_acs.cache_client import CacheClient, Entry
+from pyspark_acs.cache.client import CacheClient, Entry
 from pyspark_acs.errors import CacheError, CacheUnavailableError
-from pyspark_acs.server.deploy import LocalDeployment, load_deployment
-from pyspark_acs.server.proto import acs_pb2, acs_pb2_grpc
-from pyspark_acs.server.store import (
+from pyspark_acs.server.local.deploy import LocalDeployment, load_deployment
+from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
+from pyspark_acs.server.cache.store import (
     ENTRY_OVERHEAD_BYTES,
     GC_LOW_WATERMARK_FRACTION,
     GC_START_FRACTION,
@@ -415,7 +415,7 @@ def test_port_in_use_is_a_clear_error():
 
 
 def test_start_failure_reports_the_log_tail(tmp_path):
-    from pyspark_acs.server.deploy import DeploymentError
+    from pyspark_acs.server.local.deploy import DeploymentError
 
     dep = LocalDeployment(tmp_path, data_replicas=1, metadata_replicas=0, capacity=1024)  # below the minimum
     t0 = time.monotonic()
@@ -429,7 +429,7 @@ def test_start_failure_reports_the_log_tail(tmp_path):
 
 
 def test_acs_up_then_acs_down_from_another_process(tmp_path):
-    from pyspark_acs.server.deploy import DeploymentError, acs_down, acs_up
+    from pyspark_acs.server.local.deploy import DeploymentError, acs_down, acs_up
 
     dep = acs_up(tmp_path, data_replicas=2, metadata_replicas=1, capacity="4MiB")
     try:
@@ -442,7 +442,7 @@ def test_acs_up_then_acs_down_from_another_process(tmp_path):
         with CacheClient(dep.metadata_endpoints) as client:
             client.put([(b"k", b"v", 1)])
         code = (
-            "import sys, json; from pyspark_acs.server.deploy import acs_down; "
+            "import sys, json; from pyspark_acs.server.local.deploy import acs_down; "
             f"print(json.dumps(acs_down({str(tmp_path)!r})))"
         )
         out = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=60)

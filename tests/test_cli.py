@@ -1,7 +1,7 @@
 """The ``acs`` command line.
 
-The main flows run ``acs`` as a real subprocess (``python -m pyspark_acs.cli``); the many
-small error and help cases call :func:`pyspark_acs.cli.main` in-process (same code, same
+The main flows run ``acs`` as a real subprocess (``python -m pyspark_acs.cli.main``); the many
+small error and help cases call :func:`pyspark_acs.cli.main.main` in-process (same code, same
 exit codes) so the file stays fast: each subprocess pays pyarrow's import.
 """
 
@@ -14,8 +14,8 @@ import subprocess
 
 import pytest
 
-from pyspark_acs.cli import _load_extra_commands, build_parser, main
-from pyspark_acs.producer import Producer
+from pyspark_acs.cli.main import _load_extra_commands, build_parser, main
+from pyspark_acs.write.producer import Producer
 
 TIMEOUT = 60
 
@@ -24,7 +24,7 @@ TIMEOUT = 60
 def acs(python_exe, subprocess_env):
     def run(*args, input=None, check=None):
         proc = subprocess.run(
-            [python_exe, "-m", "pyspark_acs.cli", *args],
+            [python_exe, "-m", "pyspark_acs.cli.main", *args],
             input=input,
             capture_output=True,
             env=subprocess_env,

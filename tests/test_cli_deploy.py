@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from pyspark_acs.consumer import Consumer
-from pyspark_acs.server.deploy import acs_down, load_deployment
+from pyspark_acs.read.consumer import Consumer
+from pyspark_acs.server.local.deploy import acs_down, load_deployment
 
 #: A safety net only: every wait in these tests has its own, shorter deadline.
 pytestmark = pytest.mark.timeout(120)
@@ -21,7 +21,7 @@ TIMEOUT = 60
 
 
 def run(python_exe, env, *args, stdin: bytes = b"", timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run([python_exe, "-m", "pyspark_acs.cli", *args], input=stdin, capture_output=True,
+    return subprocess.run([python_exe, "-m", "pyspark_acs.cli.main", *args], input=stdin, capture_output=True,
                           env=env, timeout=timeout)
 
 

@@ -19,11 +19,11 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from pyspark_acs.consumer import Consumer
-from pyspark_acs.names import shard_dir
-from pyspark_acs.producer import Producer
-from pyspark_acs.server.deploy import LocalDeployment
-from pyspark_acs.store import DurableStore
+from pyspark_acs.read.consumer import Consumer
+from pyspark_acs.format.names import shard_dir
+from pyspark_acs.write.producer import Producer
+from pyspark_acs.server.local.deploy import LocalDeployment
+from pyspark_acs.storage.store import DurableStore
 
 from conftest import ROOT, free_port
 
@@ -101,7 +101,7 @@ class Env:
     def start_daemon(self, cluster: str, *extra: str) -> subprocess.Popen:
         log = open(self.tmp / f"daemon-{cluster}-{len(self.daemons.get(cluster, []))}.log", "ab")
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "pyspark_acs.server.copy_daemon", "--topology", str(self.topology),
+        cmd = [sys.executable, "-m", "pyspark_acs.server.copy.daemon", "--topology", str(self.topology),
                "--cluster", cluster, "--parent-pid", str(os.getpid()), "--metrics-port", "0"]
         for s in DAEMON_SETTINGS:
             cmd += ["--set", s]
@@ -250,8 +250,8 @@ def test_chain_copy_durable_and_cache(make_env):
     check_order(values, 300)
     assert len(env.files("C")) > 2  # files rolled over on the way
 
-    from pyspark_acs.server.copy_status import copy_status, format_status
-    from pyspark_acs.server.topology import load_topology
+    from pyspark_acs.server.copy.status import copy_status, format_status
+    from pyspark_acs.server.copy.topology import load_topology
 
     # The cache copy publishes its length independently of the durable copy: wait for both.
     deadline = time.monotonic() + 30
@@ -287,15 +287,15 @@ def test_cache_copy_after_complete_durable_copy_publishes_cache_length(make_env)
     publishes the start position (and writes the partial chunk there) at the hello."""
     import datetime as dt
 
-    from pyspark_acs.block import encode_block, encode_seal
-    from pyspark_acs.chunks import CHUNK_SIZE, ChunkReader
-    from pyspark_acs.names import file_name
-    from pyspark_acs.server.copy_cluster import ClusterIO
-    from pyspark_acs.server.copy_metrics import CopyMetrics
-    from pyspark_acs.server.copy_options import CopyDaemonOptions
-    from pyspark_acs.server.copy_writer import CopyServicer
-    from pyspark_acs.server.proto import copy_pb2
-    from pyspark_acs.server.topology import load_topology
+    from pyspark_acs.format.block import encode_block, encode_seal
+    from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader
+    from pyspark_acs.format.names import file_name
+    from pyspark_acs.server.copy.cluster import ClusterIO
+    from pyspark_acs.server.copy.metrics import CopyMetrics
+    from pyspark_acs.server.copy.options import CopyDaemonOptions
+    from pyspark_acs.server.copy.writer import CopyServicer
+    from pyspark_acs.server.copy.proto import copy_pb2
+    from pyspark_acs.server.copy.topology import load_topology
 
     env = make_env(CHAIN, dests=("B",))
     io = ClusterIO(load_topology(env.topology).cluster("B"), cache_deadline=5.0)
@@ -328,7 +328,7 @@ def test_poller_notify_wakes_followers_of_the_file_only():
     """A length this daemon's writer published wakes the next hop's readers of that file at
     once (no poll wait per intermediate hop) and hands them the bytes; lengths only grow;
     other files stay asleep."""
-    from pyspark_acs.server.copy_reader import LengthPoller
+    from pyspark_acs.server.copy.reader import LengthPoller
 
     poller = LengthPoller(io=None, interval=0.05)  # never started: no poll rounds
     a, b = poller.follow("s/00000/a"), poller.follow("s/00000/b")
@@ -433,8 +433,8 @@ def test_kill_b_data_caches_durable_keeps_c_complete(make_env, caches):
     check_order(consume_all(env, "C", 400), 400)
     # The cache path resumed: C's metadata cache publishes the cache length of its newest file.
     store = DurableStore(env.roots["C"])
-    from pyspark_acs.cache_client import CacheClient
-    from pyspark_acs.metadata import MetadataCache
+    from pyspark_acs.cache.client import CacheClient
+    from pyspark_acs.cache.metadata import MetadataCache
 
     meta = MetadataCache(CacheClient(caches["C"].metadata_endpoints))
     try:
@@ -507,7 +507,7 @@ def test_bad_topology_and_unknown_cluster_exit_2(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     bad = tmp_path / "bad.json"
     bad.write_text('{"clusters": {"A": {"root": "/tmp/x"}}}')
-    base = [sys.executable, "-m", "pyspark_acs.server.copy_daemon", "--topology"]
+    base = [sys.executable, "-m", "pyspark_acs.server.copy.daemon", "--topology"]
     r = subprocess.run(base + [str(bad), "--cluster", "A"], capture_output=True, text=True, env=env, timeout=30)
     assert r.returncode == 2 and "missing required field" in r.stderr, r.stderr
     good = Path(ROOT) / "examples" / "topology.json"

@@ -1,4 +1,4 @@
-"""Tests of the copy tree builder (pyspark_acs.server.copytree)."""
+"""Tests of the copy tree builder (pyspark_acs.server.copy.tree)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyspark_acs.errors import TopologyError
-from pyspark_acs.server.copytree import CopyTree, Reparent, build_copy_tree, diff
-from pyspark_acs.server.topology import load_topology, parse_topology
+from pyspark_acs.server.copy.tree import CopyTree, Reparent, build_copy_tree, diff
+from pyspark_acs.server.copy.topology import load_topology, parse_topology
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -75,7 +75,7 @@ def test_cache_server_launcher_serves_and_stops_on_sigterm(env, tmp_path):
             line, proc.poll())
         endpoint = line.split(" listening on ", 1)[1].split()[0]
 
-        from pyspark_acs.cache_client import CacheClient
+        from pyspark_acs.cache.client import CacheClient
 
         with CacheClient(endpoint, name="data cache") as client:  # it really serves
             client.put([(b"k", b"v" * 10, 10)])

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from pyspark_acs.errors import AcsOptionError, InvalidNameError
-from pyspark_acs.names import (
+from pyspark_acs.format.names import (
     file_name,
     new_writer_id,
     parse_file_name,
@@ -17,7 +17,7 @@ from pyspark_acs.names import (
     validate_shard,
     validate_stream,
 )
-from pyspark_acs.offsets import Offset, format_offsets, parse_offsets
+from pyspark_acs.format.offsets import Offset, format_offsets, parse_offsets
 from pyspark_acs.options import (
     bytes_parser,
     choice_parser,

@@ -7,10 +7,10 @@ import time
 import pytest
 
 from pyspark_acs import Consumer, Producer
-from pyspark_acs.cachepath import CachedReadPath
-from pyspark_acs.poller import LengthPoller
-from pyspark_acs.server.deploy import LocalDeployment
-from pyspark_acs.store import open_store
+from pyspark_acs.read.cachepath import CachedReadPath
+from pyspark_acs.cache.poller import LengthPoller
+from pyspark_acs.server.local.deploy import LocalDeployment
+from pyspark_acs.storage.store import open_store
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_readers_of_one_process_share_one_poller_and_see_new_lengths(root, deplo
 
 
 def test_poller_stops_when_nothing_is_followed(deployment, monkeypatch):
-    import pyspark_acs.poller as poller_mod
+    import pyspark_acs.cache.poller as poller_mod
 
     monkeypatch.setattr(poller_mod, "FORGET_AFTER_S", 0.1)
     poller = LengthPoller(tuple(deployment.metadata_endpoints.split(",")))

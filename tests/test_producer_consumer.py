@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pyspark_acs.consumer as consumer_mod
-from pyspark_acs.block import HEADER_SIZE, encode_block, scan_blocks
-from pyspark_acs.consumer import Consumer
+import pyspark_acs.read.consumer as consumer_mod
+from pyspark_acs.format.block import HEADER_SIZE, encode_block, scan_blocks
+from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.errors import (
     AcsOptionError,
     ChecksumMismatchError,
@@ -29,9 +29,9 @@ from pyspark_acs.errors import (
     InvalidNameError,
     WriterConflictError,
 )
-from pyspark_acs.names import file_name, shard_dir
-from pyspark_acs.producer import Producer, shard_for_key
-from pyspark_acs.store import DurableStore
+from pyspark_acs.format.names import file_name, shard_dir
+from pyspark_acs.write.producer import Producer, shard_for_key
+from pyspark_acs.storage.store import DurableStore
 
 MiB = 1024 * 1024
 WAIT_S = 20.0  # upper bound of every wait; tests normally finish far sooner
@@ -484,7 +484,7 @@ def test_crashed_producer_torn_tail_is_skipped_with_a_warning(root, monkeypatch,
     with Consumer(root, "crash") as c:
         assert [r["value"] for r in consume(c, 1)] == [b"before-crash"]
         assert_quiet(c, 0.15)  # no newer file: the torn block might still be completed
-        with caplog.at_level(logging.WARNING, logger="pyspark_acs.consumer"):
+        with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
             with Producer(root, "crash", lease_seconds=0.5) as p:
                 p.send(b"after-restart")
             rows = consume(c, 1)
@@ -498,7 +498,7 @@ def test_crashed_producer_torn_tail_is_skipped_with_a_warning(root, monkeypatch,
 
 _CHILD = r"""
 import sys, time
-from pyspark_acs.producer import Producer
+from pyspark_acs.write.producer import Producer
 p = Producer(sys.argv[1], "kill", lease_seconds=float(sys.argv[2]))
 for i in range(10):
     p.send(b"child-%d" % i)
@@ -656,7 +656,7 @@ def test_data_loss_raises_or_skips_to_the_next_file(root, how, caplog):
         assert (e.start, e.end) == (position - 10, position) and f"only {position - 10} bytes" in msg
     else:
         assert "gone" in msg
-    with caplog.at_level(logging.WARNING, logger="pyspark_acs.consumer"):
+    with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
         with Consumer(root, "dl", start=offsets, fail_on_data_loss=False) as c:
             rows = consume(c, len(expected_after))
             assert_quiet(c, 0.1)
@@ -668,7 +668,7 @@ def test_data_loss_of_the_newest_file_waits_without_replaying_older_files(root, 
     files = _three_sealed_files(root, "dn")
     offsets = _offsets_inside(root, "dn", files, len(files) - 1)
     os.remove(file_path(root, "dn", files[-1]))
-    with caplog.at_level(logging.WARNING, logger="pyspark_acs.consumer"):
+    with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
         with Consumer(root, "dn", start=offsets, fail_on_data_loss=False) as c:
             assert_quiet(c, 0.1)  # older files are not read again
             with Producer(root, "dn") as p:
@@ -729,8 +729,8 @@ class _ShortOnce:
 
 
 def test_short_read_of_a_block_larger_than_max_read_is_retried_not_corrupt(root):
-    from pyspark_acs.readpath import DurableReadPath
-    from pyspark_acs.store import open_store
+    from pyspark_acs.read.readpath import DurableReadPath
+    from pyspark_acs.storage.store import open_store
 
     big = os.urandom(300_000)
     with Producer(root, "big", shards=1) as p:

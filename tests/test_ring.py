@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyspark_acs.ring import DEFAULT_VNODES, HashRing, key_hash
+from pyspark_acs.cache.ring import DEFAULT_VNODES, HashRing, key_hash
 
 
 def endpoints(n: int, base: int = 7000) -> list:

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
 
-from pyspark_acs.consumer import Consumer
+from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.datasource.options import parse_sink_options
 from pyspark_acs.datasource.sink import AcsStreamWriter, SinkCommitter
 from pyspark_acs.errors import AcsError, AcsOptionError

@@ -12,7 +12,7 @@ import pytest
 from chispa import assert_df_equality
 
 from pyspark_acs import Producer
-from pyspark_acs.consumer import Consumer
+from pyspark_acs.read.consumer import Consumer
 
 pytestmark = pytest.mark.spark
 
@@ -222,7 +222,7 @@ def test_bad_sink_input_is_refused(spark, root, ddl, opts, needle):
 
 
 def test_cache_replica_killed_during_streaming_query(spark, tmp_path):
-    from pyspark_acs.server.deploy import LocalDeployment
+    from pyspark_acs.server.local.deploy import LocalDeployment
 
     root = str(tmp_path / "store")
     with LocalDeployment(str(tmp_path / "caches")) as dep:
@@ -266,7 +266,7 @@ def test_cache_replica_killed_during_streaming_query(spark, tmp_path):
 def test_batch_read_with_caches_plans_everything_when_data_cache_lacks_chunks(spark, tmp_path):
     """Published lengths without chunks (the data cache lost them): planning reads headers
     from the durable store instead of waiting for the cache (Algorithm 1 is for tail reads)."""
-    from pyspark_acs.server.deploy import LocalDeployment
+    from pyspark_acs.server.local.deploy import LocalDeployment
 
     root = str(tmp_path / "store")
     with LocalDeployment(str(tmp_path / "caches"), data_replicas=1, metadata_replicas=1) as dep:

@@ -17,8 +17,8 @@ from pyspark_acs.errors import (
     StoreFileNotFoundError,
     WriterConflictError,
 )
-from pyspark_acs.leases import LeaseRecord, StoreLease
-from pyspark_acs.store import STREAM_META_FILE, DurableStore, open_store
+from pyspark_acs.storage.leases import LeaseRecord, StoreLease
+from pyspark_acs.storage.store import STREAM_META_FILE, DurableStore, open_store
 
 REL = "s/00000/20260102T030405000006Z-w.acs"
 

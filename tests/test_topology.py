@@ -1,4 +1,4 @@
-"""Tests of the topology file loader (pyspark_acs.server.topology)."""
+"""Tests of the topology file loader (pyspark_acs.server.copy.topology)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pyspark_acs.errors import AcsError, TopologyError
-from pyspark_acs.server.topology import (
+from pyspark_acs.server.copy.topology import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_FANOUT,
     Cluster,

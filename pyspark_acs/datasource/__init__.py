@@ -11,7 +11,7 @@ from typing import Any
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader
 from pyspark.sql.types import StructType
 
-from .options import SinkOptions, SourceOptions, parse_sink_options, parse_source_options
+from pyspark_acs.datasource.options import SinkOptions, SourceOptions, parse_sink_options, parse_source_options
 
 __all__ = ["AcsDataSource", "DefaultSource", "SinkOptions", "SourceOptions"]
 
@@ -81,7 +81,7 @@ class AcsDataSource(DataSource):
 
     def schema(self) -> str:
         """The read schema as a DDL string (the fixed columns listed above)."""
-        from .source import SCHEMA_DDL
+        from pyspark_acs.datasource.source import SCHEMA_DDL
 
         return SCHEMA_DDL
 
@@ -93,7 +93,7 @@ class AcsDataSource(DataSource):
         AcsOptionError
             When an option is missing or invalid (the message names it).
         """
-        from .source import AcsBatchReader
+        from pyspark_acs.datasource.source import AcsBatchReader
 
         return AcsBatchReader(parse_source_options(self.options))
 
@@ -105,7 +105,7 @@ class AcsDataSource(DataSource):
         AcsOptionError
             When an option is missing or invalid (the message names it).
         """
-        from .source import AcsStreamReader
+        from pyspark_acs.datasource.source import AcsStreamReader
 
         return AcsStreamReader(parse_source_options(self.options))
 
@@ -118,7 +118,7 @@ class AcsDataSource(DataSource):
             For invalid options or columns, a shard count that disagrees with the stream's, or
             ``overwrite`` (streams are append-only).
         """
-        from .sink import AcsBatchWriter
+        from pyspark_acs.datasource.sink import AcsBatchWriter
 
         return AcsBatchWriter(parse_sink_options(self.options), schema, overwrite)
 
@@ -132,7 +132,7 @@ class AcsDataSource(DataSource):
         AcsOptionError
             For invalid options or columns, or a shard count that disagrees with the stream's.
         """
-        from .sink import AcsStreamWriter
+        from pyspark_acs.datasource.sink import AcsStreamWriter
 
         return AcsStreamWriter(parse_sink_options(self.options), schema)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
-from ..errors import AcsOptionError
-from ..names import validate_stream
-from ..offsets import parse_offsets
-from ..options import bytes_parser, duration_parser, option, parse_bool, parse_int, parse_options, parse_str
+from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.format.names import validate_stream
+from pyspark_acs.format.offsets import parse_offsets
+from pyspark_acs.options import bytes_parser, duration_parser, option, parse_bool, parse_int, parse_options, parse_str
 
 __all__ = ["SinkOptions", "SourceOptions", "parse_sink_options", "parse_source_options"]
 
@@ -63,7 +63,7 @@ def _offsets_spec(*keywords: str):
 
 
 def _endpoints(value: Any, name: str) -> str:
-    from ..cache_client import parse_endpoints
+    from pyspark_acs.cache.client import parse_endpoints
 
     return ",".join(parse_endpoints(str(value), option=name))
 

@@ -53,12 +53,12 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from ..block import HEADER_SIZE, encode_block, encode_seal, rebase_blocks
-from ..errors import AcsError, AcsOptionError, CacheError
-from ..leases import StoreLease
-from ..names import file_name, parse_file_name, shard_dir
-from ..store import DurableStore, open_store
-from .options import SinkOptions
+from pyspark_acs.format.block import HEADER_SIZE, encode_block, encode_seal, rebase_blocks
+from pyspark_acs.errors import AcsError, AcsOptionError, CacheError
+from pyspark_acs.storage.leases import StoreLease
+from pyspark_acs.format.names import file_name, parse_file_name, shard_dir
+from pyspark_acs.storage.store import DurableStore, open_store
+from pyspark_acs.datasource.options import SinkOptions
 
 __all__ = ["AcsBatchWriter", "AcsCommitMessage", "AcsStreamWriter", "SinkCommitter", "check_sink_schema"]
 
@@ -283,8 +283,8 @@ class SinkCommitter:
     def _cache_clients(self) -> Tuple[Any, Any]:
         """(data client, metadata cache) of this commit, created on first use."""
         if not hasattr(self, "_data"):
-            from ..cache_client import client_for
-            from ..metadata import MetadataCache
+            from pyspark_acs.cache.client import client_for
+            from pyspark_acs.cache.metadata import MetadataCache
 
             self._data = client_for(self.opts.data_cache, "data cache", self._clients, self.opts.cache_token)
             meta = client_for(self.opts.metadata_cache, "metadata cache", self._clients, self.opts.cache_token)
@@ -478,7 +478,7 @@ class _Shadow:
         self.meta: Any = None
         if not (committer.opts.data_cache or committer.opts.metadata_cache):
             return
-        from ..chunks import CHUNK_SIZE, ChunkWriter
+        from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkWriter
 
         data_client, self.meta = committer._cache_clients()
         try:

@@ -28,13 +28,13 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from ..consumer import ShardTailer, earliest_offset
-from ..errors import AcsError, AcsOptionError, DataLossError
-from ..offsets import Offset, OffsetMap, format_offsets, parse_offsets
-from ..positions import BoundaryCache, advance, offset_for_timestamp, shard_extent
-from ..readpath import DurableReadPath, RateLimiter, ReadPath
-from ..store import open_store
-from .options import SourceOptions
+from pyspark_acs.read.consumer import ShardTailer, earliest_offset
+from pyspark_acs.errors import AcsError, AcsOptionError, DataLossError
+from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
+from pyspark_acs.read.positions import BoundaryCache, advance, offset_for_timestamp, shard_extent
+from pyspark_acs.read.readpath import DurableReadPath, RateLimiter, ReadPath
+from pyspark_acs.storage.store import open_store
+from pyspark_acs.datasource.options import SourceOptions
 
 __all__ = ["SCHEMA_DDL", "AcsBatchReader", "AcsPartition", "AcsStreamReader", "open_read_path", "read_partition"]
 
@@ -63,7 +63,7 @@ def open_read_path(opts: SourceOptions) -> ReadPath:
     """The read path for the options: the caches when configured, else the durable store."""
     store = open_store(opts.root)
     if opts.data_cache or opts.metadata_cache:
-        from ..cachepath import CachedReadPath
+        from pyspark_acs.read.cachepath import CachedReadPath
 
         return CachedReadPath(
             store, data_cache=opts.data_cache, metadata_cache=opts.metadata_cache, token=opts.cache_token

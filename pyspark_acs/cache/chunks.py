@@ -1,0 +1,164 @@
+"""File bytes as 4 KiB chunks in the replicated data cache (paper section 2.2, Figs. 5-7).
+
+Chunk ``n`` of a file holds bytes ``[n * 4096, (n + 1) * 4096)`` under a key derived from the
+file's URI and ``n``; the consistent-hash ring of :class:`~pyspark_acs.cache.client.CacheClient`
+spreads the chunks of one file over all replicas. A chunk's *version* is the number of valid
+bytes in it, so a replica never replaces a longer prefix with a shorter one.
+
+Every chunk is always written from its beginning: reading any part of a chunk that is
+present yields the right bytes, even if the chunk is only partly filled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Dict, List, Optional, Tuple
+
+from pyspark_acs.cache.client import CacheClient
+
+__all__ = ["CHUNK_SIZE", "ChunkReader", "ChunkWriter", "chunk_key", "chunk_range"]
+
+#: Bytes per chunk: the paper's 4 KB (a chunk fits one packet of the cluster fabric).
+CHUNK_SIZE = 4096
+
+
+def _file_id(uri: str) -> bytes:
+    return hashlib.blake2b(uri.encode("utf-8"), digest_size=16).digest()
+
+
+def chunk_key(uri: str, n: int, *, file_id: Optional[bytes] = None) -> bytes:
+    """The data-cache key of chunk ``n`` of the file ``uri``: ``b"c" + blake2b(uri) + n``."""
+    return b"c" + (file_id or _file_id(uri)) + n.to_bytes(8, "big")
+
+
+def chunk_range(start: int, end: int) -> range:
+    """Chunk numbers that cover bytes ``[start, end)``."""
+    if end <= start:
+        return range(0)
+    return range(start // CHUNK_SIZE, (end - 1) // CHUNK_SIZE + 1)
+
+
+class ChunkWriter:
+    """Writes one growing file's bytes to the data cache as they are appended.
+
+    The writer keeps the bytes of the last, partial chunk so each write can rewrite that
+    chunk from its start (Fig. 7). Complete chunks of one append go out in one batched,
+    parallel put; appends of one file are serialized by ``_lock``, which orders the rewrites
+    of the partial chunk.
+
+    Parameters
+    ----------
+    client : CacheClient
+        The data cache.
+    uri : str
+        The file's URI (globally unique; the chunk keys derive from it).
+    position : int
+        File length this writer starts at.
+    prefix : bytes
+        The bytes of the chunk that contains ``position``, from the chunk's start up to
+        ``position`` (``position % 4096`` bytes); empty when ``position`` is a chunk boundary.
+    ttl : float, optional
+        Time to live of the chunks (default: the server's, 60 s).
+    """
+
+    def __init__(self, client: CacheClient, uri: str, position: int = 0, prefix: bytes = b"", ttl: Optional[float] = None):
+        if len(prefix) != position % CHUNK_SIZE:
+            raise ValueError(f"prefix must hold the {position % CHUNK_SIZE} bytes before position {position}")
+        self.client = client
+        self.uri = uri
+        self.ttl = ttl
+        self._id = _file_id(uri)
+        # _lock serialises appends: it guards position and _tail.
+        self._lock = threading.Lock()
+        self.position = position
+        self._tail = bytes(prefix)
+
+    def append(self, data: bytes) -> int:
+        """Write ``data`` (the bytes at ``position``) to the cache; return the new position.
+
+        Raises
+        ------
+        CacheError
+            When a majority of replicas did not take every chunk. The writer's own position
+            still advances (the durable store has the bytes; readers fall back to it), and
+            the next append rewrites the partial chunk it holds from its start.
+        """
+        with self._lock:
+            start = self.position - len(self._tail)
+            buf = self._tail + bytes(data)
+            first = start // CHUNK_SIZE
+            items: List[Tuple[bytes, bytes, int]] = []
+            for i in range(0, len(buf), CHUNK_SIZE):
+                piece = buf[i : i + CHUNK_SIZE]
+                items.append((chunk_key(self.uri, first + i // CHUNK_SIZE, file_id=self._id), piece, len(piece)))
+            end = start + len(buf)
+            self.position = end
+            self._tail = buf[len(buf) - (end % CHUNK_SIZE) :] if end % CHUNK_SIZE else b""
+            if items:
+                self.client.put(items, ttl=self.ttl)
+            return end
+
+
+class ChunkReader:
+    """Reads byte ranges of files from the data cache: relaxed first, then consistent.
+
+    ``read`` returns, per chunk, the bytes the cache holds for the requested range or None;
+    callers fetch the None runs from the durable store. Counters (guarded by ``_lock``):
+    ``relaxed_chunks``, ``consistent_chunks``, ``cache_bytes``, ``missing_chunks``.
+    """
+
+    def __init__(self, client: CacheClient) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self.counters: Dict[str, int] = {"relaxed_chunks": 0, "consistent_chunks": 0, "cache_bytes": 0, "missing_chunks": 0}
+
+    def read(self, uri: str, start: int, end: int) -> List[Tuple[int, int, Optional[bytes]]]:
+        """Chunks covering ``[start, end)`` as ``(chunk_start, chunk_end, bytes or None)``.
+
+        ``bytes`` is exactly ``[chunk_start, chunk_end)`` (clipped to the range). A chunk
+        that is absent or shorter than needed after a consistent read is None.
+
+        Raises
+        ------
+        CacheError
+            Only when no replica of some chunk answered at all (all dead).
+        """
+        fid = _file_id(uri)
+        numbers = list(chunk_range(start, end))
+        keys = [chunk_key(uri, n, file_id=fid) for n in numbers]
+        spans = [(max(start, n * CHUNK_SIZE), min(end, (n + 1) * CHUNK_SIZE)) for n in numbers]
+        need = [e - n * CHUNK_SIZE for n, (_, e) in zip(numbers, spans)]
+        entries = self.client.get(keys)
+        short = [i for i, ent in enumerate(entries) if ent is None or len(ent.value) < need[i]]
+        consistent = 0
+        if short:
+            # A lagging replica answered an older (shorter) version, or missed: ask a majority (Fig. 5).
+            again = self.client.get([keys[i] for i in short], consistent=True)
+            consistent = len(short)
+            for i, ent in zip(short, again):
+                entries[i] = ent
+        out: List[Tuple[int, int, Optional[bytes]]] = []
+        got = missing = 0
+        for n, (s, e), ent, k in zip(numbers, spans, entries, need):
+            if ent is None or len(ent.value) < k:
+                out.append((s, e, None))
+                missing += 1
+            else:
+                base = n * CHUNK_SIZE
+                out.append((s, e, ent.value[s - base : e - base]))
+                got += e - s
+        with self._lock:
+            self.counters["relaxed_chunks"] += len(numbers)
+            self.counters["consistent_chunks"] += consistent
+            self.counters["cache_bytes"] += got
+            self.counters["missing_chunks"] += missing
+        return out
+
+    def stats(self) -> Dict[str, int]:
+        """A snapshot of the counters since creation.
+
+        ``relaxed_chunks``, ``consistent_chunks``, ``cache_bytes``, ``missing_chunks``.
+        """
+        with self._lock:
+            return dict(self.counters)

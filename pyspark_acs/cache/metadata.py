@@ -1,0 +1,215 @@
+"""The metadata cache: published lengths, shard heads and writer leases (paper sections 2.2, 3).
+
+Keys (all in the metadata cache of one cluster):
+
+- ``b"lc:" + file URI`` -> cache length, ``b"ld:" + file URI`` -> durable length. The value
+  is the length as 8 big-endian bytes and the version is the length itself, so a replica
+  never lets a length go backwards. Lengths are published only after every byte below them
+  is written to that storage, and are always block boundaries.
+- ``b"h:" + shard URI`` -> the shard's current (head) file name; version = its creation
+  time in µs, so the head only moves forward.
+- ``b"w:" + file or shard URI`` -> a writer lease (JSON :class:`~pyspark_acs.storage.leases.LeaseRecord`).
+
+A new writer *poisons* the lease of the old one; the old writer sees the poison at its next
+check and stops; a writer that died without releasing is superseded after a short delay.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Optional, Sequence, Tuple
+
+from pyspark_acs.cache.client import CacheClient, Entry
+from pyspark_acs.errors import CacheError, LeasePoisonedError, WriterConflictError
+from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, LeaseRecord
+from pyspark_acs.format.names import parse_file_name
+
+__all__ = ["LENGTH_TTL_S", "MetadataCache", "MetadataLease"]
+
+#: Metadata lives much longer than a file takes to roll over (paper: 24 h).
+LENGTH_TTL_S = 24 * 3600.0
+
+
+def _len_value(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+class MetadataCache:
+    """Typed access to a cluster's metadata cache.
+
+    Parameters
+    ----------
+    client : CacheClient
+        Client of the metadata-cache replicas.
+    """
+
+    def __init__(self, client: CacheClient) -> None:
+        self.client = client
+
+    # -- lengths -------------------------------------------------------------------------
+
+    def publish(self, uri: str, *, cache_length: Optional[int] = None, durable_length: Optional[int] = None) -> None:
+        """Publish a file's cache and/or durable length (majority write)."""
+        items = []
+        if cache_length is not None:
+            items.append((b"lc:" + uri.encode(), _len_value(cache_length), cache_length))
+        if durable_length is not None:
+            items.append((b"ld:" + uri.encode(), _len_value(durable_length), durable_length))
+        if items:
+            self.client.put(items, ttl=LENGTH_TTL_S)
+
+    def lengths(self, uris: Sequence[str]) -> Dict[str, Tuple[Optional[int], Optional[int]]]:
+        """``{uri: (cache length, durable length)}`` in one batched consistent read (None = unknown)."""
+        keys = []
+        for u in uris:
+            b = u.encode()
+            keys += [b"lc:" + b, b"ld:" + b]
+        entries = self.client.get(keys, consistent=True) if keys else []
+        out = {}
+        for i, u in enumerate(uris):
+            c, d = entries[2 * i], entries[2 * i + 1]
+            out[u] = (c.version if c else None, d.version if d else None)
+        return out
+
+    # -- shard heads -----------------------------------------------------------------------
+
+    def set_head(self, shard_uri: str, file_name: str) -> None:
+        """Record ``file_name`` as the shard's current file (never moves backwards)."""
+        created = parse_file_name(file_name).created
+        version = int(created.timestamp() * 1_000_000)
+        self.client.put([(b"h:" + shard_uri.encode(), file_name.encode(), version)], ttl=LENGTH_TTL_S)
+
+    def heads(self, shard_uris: Sequence[str]) -> Dict[str, Optional[str]]:
+        """``{shard uri: head file name or None}`` in one consistent read."""
+        entries = self.client.get([b"h:" + u.encode() for u in shard_uris], consistent=True) if shard_uris else []
+        return {u: (e.value.decode() if e else None) for u, e in zip(shard_uris, entries)}
+
+    def lease(self, uri: str, writer: str, what: str, seconds: float = DEFAULT_LEASE_SECONDS) -> "MetadataLease":
+        """A :class:`MetadataLease` on ``uri`` for ``writer``."""
+        return MetadataLease(self, uri, writer, what, seconds)
+
+
+class MetadataLease:
+    """A writer lease in the metadata cache, taken over by poisoning.
+
+    Parameters
+    ----------
+    meta : MetadataCache
+    uri : str
+        What the lease protects (a file URI for copy writers, a shard URI for producers).
+    writer : str
+        Our writer id.
+    what : str
+        For messages.
+    seconds : float
+        Lease duration. The holder checks (and renews) it every ``check_interval`` =
+        min(1 s, seconds / 3), so a poisoned holder stops within one check.
+    """
+
+    def __init__(self, meta: MetadataCache, uri: str, writer: str, what: str, seconds: float = DEFAULT_LEASE_SECONDS):
+        self.meta = meta
+        self.key = b"w:" + uri.encode()
+        self.writer = writer
+        self.what = what
+        self.seconds = seconds
+        self.check_interval = min(1.0, seconds / 3)
+        self.record: Optional[LeaseRecord] = None
+        self._raw: Optional[bytes] = None
+        self._checked = 0.0
+
+    def _current(self) -> Optional[Entry]:
+        return self.meta.client.get([self.key], consistent=True)[0]
+
+    def _cas(self, expected: Optional[bytes], record: LeaseRecord) -> bool:
+        raw = record.encode()
+        swapped, _ = self.meta.client.compare_and_set(self.key, expected, raw, ttl=self.seconds * 4)
+        if swapped:
+            self._raw = raw
+        return swapped
+
+    def acquire(self, timeout: Optional[float] = None) -> None:
+        """Take the lease, poisoning a live holder and waiting for it to stop.
+
+        The old holder releases at its next check (at most ``check_interval`` later); a
+        holder that died is superseded once its poisoned lease has waited
+        ``2 * check_interval`` (or its lease expired).
+
+        Raises
+        ------
+        WriterConflictError
+            If the lease could not be taken within ``timeout`` (default 5 x check interval + 1 s).
+        CacheError
+            If the metadata cache is unavailable.
+        """
+        limit = time.monotonic() + (timeout if timeout is not None else 5 * self.check_interval + 1.0)
+        poisoned_at: Optional[float] = None
+        while True:
+            cur = self._current()
+            old = LeaseRecord.decode(cur.value) if cur else None
+            now = time.monotonic()
+            if old is None or not old.live() or (poisoned_at is not None and now - poisoned_at >= 2 * self.check_interval):
+                mine = LeaseRecord.new(self.writer, self.seconds)
+                if self._cas(cur.value if cur else None, mine):
+                    self.record = mine
+                    self._checked = time.monotonic()
+                    return
+            elif not old.get("poisoned"):
+                poisoned = LeaseRecord(old, poisoned=True)
+                if self._cas(cur.value, poisoned):
+                    poisoned_at = now
+            elif poisoned_at is None:
+                poisoned_at = now
+            if now >= limit:
+                holder = old.describe() if old else "another writer"
+                raise WriterConflictError(f"{self.what}: could not take the lease from {holder}")
+            time.sleep(min(0.05, self.check_interval / 4))
+
+    def due(self) -> bool:
+        """True when the lease should be checked again."""
+        return time.monotonic() - self._checked >= self.check_interval
+
+    def check(self) -> None:
+        """Verify the lease is still ours and unpoisoned, and extend it.
+
+        Raises
+        ------
+        LeasePoisonedError
+            A newer writer poisoned or took the lease: stop writing now.
+        """
+        try:
+            cur = self._current()
+        except CacheError:
+            # Metadata cache unreachable: writes go on (availability first); try again after
+            # one check interval rather than on every write.
+            self._checked = time.monotonic()
+            raise
+        if cur is None and self.record is not None:
+            # The entry is gone, not released (a released lease holds b""): the replicas were
+            # wiped (restarted) or evicted it. Nobody poisoned us: put our lease back.
+            renewed = LeaseRecord(self.record, expires=time.time() + self.seconds)
+            if self._cas(None, renewed):
+                self.record = renewed
+                self._checked = time.monotonic()
+                return
+            cur = self._current()  # someone else took it meanwhile
+        rec = LeaseRecord.decode(cur.value) if cur else None
+        if self.record is None or not self.record.same_holder(rec) or (rec and rec.get("poisoned")):
+            if rec is not None and self.record is not None and self.record.same_holder(rec):
+                # Poisoned: hand the lease over at once by deleting our poisoned record.
+                self.meta.client.compare_and_set(self.key, cur.value, b"", ttl=0.001)
+            self.record = None
+            raise LeasePoisonedError(f"{self.what}: a newer writer took over; this writer stops")
+        renewed = LeaseRecord(self.record, expires=time.time() + self.seconds)
+        if self._cas(cur.value, renewed):
+            self.record = renewed
+        self._checked = time.monotonic()
+
+    def release(self) -> None:
+        """Give the lease up if it is still ours (best effort)."""
+        if self.record is None or self._raw is None:
+            return
+        try:
+            self.meta.client.compare_and_set(self.key, self._raw, b"", ttl=0.001)
+        except CacheError:
+            pass  # the lease expires by itself
+        self.record = None

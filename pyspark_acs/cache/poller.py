@@ -1,0 +1,137 @@
+"""One background length poller per process and metadata cache (DESIGN.md section 5.1).
+
+Every reader in a process (Consumers, Spark read tasks in one Python worker) that follows
+files through the same metadata cache shares one :class:`LengthPoller`: a daemon thread that
+reads the published lengths of *all* followed files in one batched consistent read every
+``interval``. Readers take the latest polled values instead of each issuing its own reads, so
+the metadata cache sees one request per process per interval however many readers there are.
+
+A file asked for the first time is fetched at once (no interval of delay for a new file);
+files nobody asked for during :data:`FORGET_AFTER_S` are dropped from the poll. The thread
+starts on first use and stops when nothing is followed, so importing this module starts no
+thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, Optional, Sequence, Tuple
+
+from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.errors import CacheError
+from pyspark_acs.cache.metadata import MetadataCache
+
+__all__ = ["DEFAULT_POLL_INTERVAL_S", "FORGET_AFTER_S", "LengthPoller"]
+
+#: How often the shared poller reads all followed lengths (the consumer's 10 ms).
+DEFAULT_POLL_INTERVAL_S = 0.01
+#: A file no reader asked about for this long is no longer polled.
+FORGET_AFTER_S = 5.0
+
+Lengths = Tuple[Optional[int], Optional[int]]  # (cache length, durable length)
+
+
+class LengthPoller:
+    """Shared poller of published file lengths for one metadata cache.
+
+    Use :meth:`shared` to get the process-wide instance for a set of endpoints.
+    """
+
+    _registry: Dict[Tuple[Tuple[str, ...], Optional[str]], "LengthPoller"] = {}
+    _registry_lock = threading.Lock()  # guards _registry
+
+    def __init__(
+        self, endpoints: Tuple[str, ...], interval: float = DEFAULT_POLL_INTERVAL_S, token: Optional[str] = None
+    ) -> None:
+        self.endpoints = endpoints
+        self.interval = interval
+        self._client = CacheClient(endpoints, name="metadata cache", token=token)
+        self.meta = MetadataCache(self._client)
+        # _lock guards _values, _asked, _error, _thread and _generation; _changed (on _lock)
+        # wakes readers waiting for a length to move.
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._generation = 0
+        self._values: Dict[str, Lengths] = {}
+        self._asked: Dict[str, float] = {}
+        self._error: Optional[CacheError] = None
+        self._thread: Optional[threading.Thread] = None
+        self.polls = 0
+
+    @classmethod
+    def shared(cls, endpoints: Sequence[str], token: Optional[str] = None) -> "LengthPoller":
+        """The process-wide poller for these metadata-cache endpoints (and token)."""
+        key = (tuple(endpoints), token)
+        with cls._registry_lock:
+            poller = cls._registry.get(key)
+            if poller is None:
+                poller = cls._registry[key] = cls(tuple(endpoints), token=token)
+            return poller
+
+    def lengths(self, uris: Sequence[str]) -> Dict[str, Lengths]:
+        """Latest polled ``(cache length, durable length)`` of each file (None = unknown).
+
+        Raises
+        ------
+        CacheError
+            When the last poll failed (the metadata cache is down): callers fall back to
+            durable lengths, as without a poller.
+        """
+        now = time.monotonic()
+        with self._lock:
+            for u in uris:
+                self._asked[u] = now
+            error = self._error
+            new = [u for u in uris if u not in self._values]
+            self._ensure_thread()
+        if error is not None and not new:
+            raise error
+        if new:  # first sight of a file: do not make the reader wait for the next poll
+            got = self.meta.lengths(new)
+            with self._lock:
+                for u, v in got.items():
+                    self._values.setdefault(u, v)
+        with self._lock:
+            return {u: self._values.get(u, (None, None)) for u in uris}
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block until a poll sees a followed length move, or ``timeout`` seconds pass.
+
+        Readers wait here instead of sleeping a fixed interval, so a new length reaches them
+        as soon as the poller reads it (the poll intervals do not add up).
+        """
+        with self._changed:
+            seen = self._generation
+            self._changed.wait_for(lambda: self._generation != seen, timeout)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="acs-length-poller", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            with self._lock:
+                for u in [u for u, t in self._asked.items() if started - t > FORGET_AFTER_S]:
+                    del self._asked[u]
+                    self._values.pop(u, None)
+                uris = list(self._asked)
+                if not uris:
+                    self._thread = None
+                    return  # nothing followed: stop; the next lengths() call restarts it
+            try:
+                got = self.meta.lengths(uris)
+                error = None
+            except CacheError as exc:
+                got, error = {}, exc
+            with self._lock:
+                moved = any(self._values.get(u) != v for u, v in got.items())
+                self._values.update(got)
+                self._error = error
+                self.polls += 1
+                if moved:
+                    self._generation += 1
+                    self._changed.notify_all()
+            time.sleep(max(0.0, self.interval - (time.monotonic() - started)))

@@ -1,0 +1,69 @@
+"""``acs tree`` and ``acs copy-status``: the copy tree and per-hop copy state of a stream.
+
+Registered with :func:`pyspark_acs.cli.main.register_command` when ``acs`` starts::
+
+    acs tree --topology topology.json [--stream orders] [--unhealthy B]
+    acs copy-status --topology topology.json --stream orders [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pyspark_acs.cli.main import register_command
+
+__all__ = ["cmd_copy_status", "cmd_tree"]
+
+
+def cmd_tree(args: argparse.Namespace) -> int:
+    """Print the copy tree of one stream, or of every stream in the topology file."""
+    from pyspark_acs.server.copy.tree import build_copy_tree
+    from pyspark_acs.server.copy.topology import load_topology
+
+    topology = load_topology(args.topology)
+    names = [args.stream] if args.stream else sorted(topology.streams)
+    unhealthy = {c.strip() for c in (args.unhealthy or "").split(",") if c.strip()}
+    for i, name in enumerate(names):
+        tree = build_copy_tree(topology, name, unhealthy_clusters=unhealthy)
+        if args.json:
+            print(json.dumps(tree.to_dict(), indent=2))
+        else:
+            print(("\n" if i else "") + tree.render(), end="")
+    return 0
+
+
+def cmd_copy_status(args: argparse.Namespace) -> int:
+    """Print lengths, bytes behind and delays of every cluster of a stream, per shard."""
+    from pyspark_acs.server.copy.status import copy_status, format_status
+    from pyspark_acs.server.copy.topology import load_topology
+
+    rows = copy_status(load_topology(args.topology), args.stream)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_status(rows), end="")
+    return 0
+
+
+def _add_tree(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tree", help="draw the copy tree of a stream (from a topology file)",
+                       description="Draw the copy tree(s) the copy daemons build from a topology file.")
+    p.add_argument("--topology", required=True, metavar="FILE", help="topology file (.json or .toml)")
+    p.add_argument("--stream", default=None, help="only this stream (default: every stream)")
+    p.add_argument("--unhealthy", default=None, metavar="C1,C2", help="treat these clusters as unhealthy")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a drawing")
+    p.set_defaults(func=cmd_tree)
+
+
+def _add_copy_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("copy-status", help="per-hop copy state of a stream: lengths, bytes behind, delay",
+                       description="Lengths at each cluster, bytes behind the source and copy delay per hop.")
+    p.add_argument("--topology", required=True, metavar="FILE", help="topology file (.json or .toml)")
+    p.add_argument("--stream", required=True, help="stream name")
+    p.add_argument("--json", action="store_true", help="print JSON rows")
+    p.set_defaults(func=cmd_copy_status)
+
+
+register_command("tree", _add_tree)
+register_command("copy-status", _add_copy_status)

@@ -1,0 +1,285 @@
+"""``acs up``, ``acs down`` and ``acs status``: a local cache deployment and what it holds.
+
+Registered with :func:`pyspark_acs.cli.main.register_command` when ``acs`` starts::
+
+    acs up [--dir .acs-local] [--data-replicas 3] [--metadata-replicas 3] [--capacity 256MiB] [--data-ttl 60s]
+    acs down [--dir .acs-local]
+    acs status --root ROOT [--stream S] [--metadata-cache EPS] [--data-cache EPS] [--dir .acs-local] [--json]
+
+``up`` starts the servers in the background (they outlive the command) and prints their
+endpoints and the ``export ACS_DATA_CACHE=... ACS_METADATA_CACHE=...`` lines; ``down`` stops
+them. ``status`` prints, per stream and shard, each file's durable length, the cache and
+durable lengths published in the metadata cache and how many bytes the cache is behind,
+then the health of every cache server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, Optional
+
+from pyspark_acs.cli.main import register_command
+from pyspark_acs.errors import AcsOptionError
+
+__all__ = ["DEFAULT_DIR", "cmd_down", "cmd_status", "cmd_up", "status_report"]
+
+#: Where ``acs up`` keeps its deployment state unless told otherwise.
+DEFAULT_DIR = ".acs-local"
+#: Environment variables ``acs up`` tells the shell to set, and ``acs status`` reads.
+ENV_DATA = "ACS_DATA_CACHE"
+ENV_METADATA = "ACS_METADATA_CACHE"
+
+
+def _replicas(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0 or n > 64:
+        raise argparse.ArgumentTypeError(f"{n} is out of range (0-64)")
+    return n
+
+
+# -- up / down ------------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """``acs up``: start a local deployment in ``args.dir`` and print its endpoints and ``export`` line.
+
+    Returns 0.
+
+    Raises
+    ------
+    DeploymentError
+        If ``args.dir`` already holds a running deployment, or a server fails to start.
+    """
+    from pyspark_acs.server.local.deploy import acs_up
+
+    dep = acs_up(
+        args.dir,
+        data_replicas=args.data_replicas,
+        metadata_replicas=args.metadata_replicas,
+        capacity=args.capacity,
+        data_ttl=args.data_ttl,
+        host=args.host,
+    )
+    data, meta = dep.data_endpoints, dep.metadata_endpoints
+    for role in ("data", "metadata"):
+        for s in dep.servers[role]:
+            print(f"{s.name}  {s.endpoint}  pid={s.pid}  log={s.log_path}")
+    print(f"data cache:     {data}")
+    print(f"metadata cache: {meta}")
+    print(f"export {ENV_DATA}={data} {ENV_METADATA}={meta}")
+    print(f"stop with: acs down --dir {args.dir}", file=sys.stderr)
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """``acs down``: stop the deployment in ``args.dir``; returns 0 (also when there is none)."""
+    from pyspark_acs.server.local.deploy import acs_down, load_deployment
+
+    if load_deployment(args.dir) is None:
+        print(f"no deployment in {args.dir}", file=sys.stderr)
+        return 0
+    stopped = acs_down(args.dir)
+    print(f"stopped {len(stopped)} servers" + (f": {' '.join(stopped)}" if stopped else ""))
+    return 0
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+def _client(endpoints: Optional[str], name: str):
+    if not endpoints:
+        return None
+    from pyspark_acs.cache.client import CacheClient
+
+    return CacheClient(endpoints, name=name)
+
+
+def status_report(
+    root: str,
+    *,
+    stream: Optional[str] = None,
+    data_cache: Optional[str] = None,
+    metadata_cache: Optional[str] = None,
+) -> Dict[str, Any]:
+    """What ``acs status`` prints, as a JSON-able dict.
+
+    ``{"streams": [{"stream", "shards": [{"shard", "head", "files": [{"file", "durable",
+    "published_cache", "published_durable", "behind"}]}]}], "servers": [{"role", "endpoint",
+    "healthy", ...stats}]}``. ``behind`` is the durable length minus the published cache
+    length (``None`` when the metadata cache does not know the file or is not given).
+    """
+    from pyspark_acs.cache.metadata import MetadataCache
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.storage.store import open_store
+    from pyspark_acs.errors import CacheError
+
+    store = open_store(root)
+    data = _client(data_cache, "data cache")
+    meta_client = _client(metadata_cache, "metadata cache")
+    meta = MetadataCache(meta_client) if meta_client else None
+    report: Dict[str, Any] = {"root": store.root, "streams": [], "servers": [], "errors": []}
+    try:
+        streams = [stream] if stream else store.list_streams()
+        for name in streams:
+            shards = store.stream_shards(name)
+            if shards is None:
+                raise AcsOptionError(f"stream: no stream {name!r} in {store.root}", option="stream")
+            entry: Dict[str, Any] = {"stream": name, "shards": []}
+            for shard in range(shards):
+                folder = shard_dir(name, shard)
+                files = store.list_files(name, shard)
+                rels = [f"{folder}/{f}" for f in files]
+                durable = store.lengths(rels) if rels else {}
+                published: Dict[str, Any] = {}
+                head = None
+                if meta is not None:
+                    try:
+                        uris = [store.uri(r) for r in rels]
+                        got = meta.lengths(uris) if uris else {}
+                        published = {r: got[store.uri(r)] for r in rels}
+                        head = meta.heads([store.uri(folder)])[store.uri(folder)]
+                    except CacheError as exc:
+                        report["errors"].append(f"{name}/{shard}: metadata cache: {exc}")
+                rows = []
+                for f, r in zip(files, rels):
+                    pc, pd = published.get(r, (None, None))
+                    d = durable.get(r)
+                    rows.append({
+                        "file": f,
+                        "durable": d,
+                        "published_cache": pc,
+                        "published_durable": pd,
+                        "behind": (d - pc) if (d is not None and pc is not None) else None,
+                    })
+                entry["shards"].append({"shard": shard, "head": head, "files": rows})
+            report["streams"].append(entry)
+        for role, client in (("data", data), ("metadata", meta_client)):
+            if client is None:
+                continue
+            health = client.health()
+            stats = client.stats()
+            for ep in client.endpoints:
+                s = stats.get(ep, {})
+                report["servers"].append({
+                    "role": role,
+                    "endpoint": ep,
+                    "healthy": bool(health.get(ep)),
+                    "entries": s.get("entries"),
+                    "used_bytes": s.get("used_bytes"),
+                    "capacity_bytes": s.get("capacity_bytes"),
+                    "uptime_s": round(s["uptime_s"], 1) if "uptime_s" in s else None,
+                    "error": s.get("error"),
+                })
+    finally:
+        for c in (data, meta_client):
+            if c is not None:
+                c.close()
+        store.close()
+    return report
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
+def _print_status(report: Dict[str, Any]) -> None:
+    print(f"root {report['root']}")
+    for entry in report["streams"]:
+        print(f"stream {entry['stream']}  shards={len(entry['shards'])}")
+        for sh in entry["shards"]:
+            print(f"  shard {sh['shard']}  files={len(sh['files'])}  head={_fmt(sh['head'])}")
+            for row in sh["files"]:
+                print(
+                    f"    {row['file']}  durable={_fmt(row['durable'])}  "
+                    f"published_cache={_fmt(row['published_cache'])}  "
+                    f"published_durable={_fmt(row['published_durable'])}  behind={_fmt(row['behind'])}"
+                )
+    if report["servers"]:
+        print("cache servers")
+        for s in report["servers"]:
+            state = "healthy" if s["healthy"] else f"DOWN ({s['error'] or 'no answer'})"
+            extra = ""
+            if s["healthy"]:
+                extra = f"  entries={_fmt(s['entries'])}  used={_fmt(s['used_bytes'])}/{_fmt(s['capacity_bytes'])}"
+            print(f"  {s['role']:<8}  {s['endpoint']}  {state}{extra}")
+    for e in report["errors"]:
+        print(f"warning: {e}", file=sys.stderr)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``acs status``: print :func:`status_report` as text, or as JSON with ``--json``; returns 0.
+
+    When neither ``--data-cache`` nor ``--metadata-cache`` is given, the endpoints come from
+    ``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE``, else from the deployment in ``--dir``.
+
+    Raises
+    ------
+    AcsOptionError
+        If ``--stream`` names no stream of the store.
+    """
+    data, meta = args.data_cache, args.metadata_cache
+    if data is None and meta is None:
+        # No endpoints given: those of the environment, else of the local deployment in --dir.
+        data, meta = os.environ.get(ENV_DATA) or None, os.environ.get(ENV_METADATA) or None
+        if data is None and meta is None:
+            from pyspark_acs.server.local.deploy import load_deployment
+
+            state = load_deployment(args.dir)
+            if state is not None:
+                data = state.get("data_endpoints") or None
+                meta = state.get("metadata_endpoints") or None
+    report = status_report(args.root, stream=args.stream, data_cache=data, metadata_cache=meta)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_status(report)
+    return 0
+
+
+# -- registration ---------------------------------------------------------------------------
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a local deployment of cache servers in the background",
+                       description="Start data and metadata cache servers as background processes; "
+                                   "print their endpoints and the export lines for the shell.")
+    p.add_argument("--dir", default=DEFAULT_DIR, help=f"deployment folder: logs, pids, state (default {DEFAULT_DIR})")
+    p.add_argument("--data-replicas", type=_replicas, default=3, help="data-cache servers (default 3)")
+    p.add_argument("--metadata-replicas", type=_replicas, default=3, help="metadata-cache servers (default 3)")
+    p.add_argument("--capacity", default="256MiB", help="data-cache capacity per server (default 256MiB)")
+    p.add_argument("--data-ttl", default="60s", help="time to live of data chunks (default 60s)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    p.set_defaults(func=cmd_up)
+
+
+def _add_down(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("down", help="stop the local deployment started by 'acs up'")
+    p.add_argument("--dir", default=DEFAULT_DIR, help=f"deployment folder (default {DEFAULT_DIR})")
+    p.set_defaults(func=cmd_down)
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="per shard: durable and published lengths, bytes behind; cache health",
+                       description="Per stream and shard, each file's durable length, the cache and durable "
+                                   "lengths published in the metadata cache and the bytes the cache is "
+                                   "behind; then each cache server's health. Endpoints default to "
+                                   f"${ENV_DATA} / ${ENV_METADATA}, else the deployment in --dir.")
+    p.add_argument("--root", required=True, help="durable store root: a local folder or a URI")
+    p.add_argument("--stream", default=None, help="only this stream")
+    p.add_argument("--data-cache", default=None, metavar="HOST:PORT,...", help="data-cache endpoints")
+    p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...", help="metadata-cache endpoints")
+    p.add_argument("--dir", default=DEFAULT_DIR, help=f"local deployment to ask when no endpoints are given (default {DEFAULT_DIR})")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_status)
+
+
+register_command("up", _add_up)
+register_command("down", _add_down)
+register_command("status", _add_status)

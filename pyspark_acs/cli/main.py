@@ -1,0 +1,247 @@
+"""The ``acs`` command line: produce, tail, ls (and the deployment and copy commands).
+
+Every command has ``--help``. Errors from the library are printed as one line
+``acs: error: ...`` with exit code 1; bad usage exits with code 2 (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+from typing import Callable, Dict, Optional, Sequence
+
+from pyspark_acs.errors import AcsError, AcsOptionError
+
+__all__ = ["build_parser", "main"]
+
+
+def _add_root(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", required=True, help="durable store root: a local folder or a URI (file://, hdfs://)")
+
+
+def _add_caches(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-cache", default=None, metavar="HOST:PORT,...", help="data-cache endpoints")
+    p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...", help="metadata-cache endpoints")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``acs`` (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(
+        prog="acs",
+        description="pyspark_acs: ordered message delivery through files (Fast ACS).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("produce", help="send lines (or whole files) from stdin into a stream",
+                       description="Send each line of stdin as one message (or each --file as one message).")
+    _add_root(p)
+    p.add_argument("--stream", required=True, help="stream name")
+    p.add_argument("--shards", type=int, default=1, help="shard count when creating the stream (default 1)")
+    p.add_argument("--key-separator", default=None, metavar="SEP",
+                   help="split each line at the first SEP into key and value (key picks the shard)")
+    p.add_argument("--shard", type=int, default=None, help="send every message to this shard")
+    p.add_argument("--file", action="append", default=[], metavar="PATH",
+                   help="send the content of PATH as one message (repeatable); stdin is then not read")
+    _add_caches(p)
+    p.set_defaults(func=cmd_produce)
+
+    p = sub.add_parser("tail", help="print messages of a stream as they arrive",
+                       description="Follow a stream and print its messages in order per shard.")
+    _add_root(p)
+    p.add_argument("--stream", required=True, help="stream name (or a comma-separated list)")
+    p.add_argument("--from", dest="start", default="earliest",
+                   help="earliest (default), latest, an offsets JSON object, or @FILE holding one")
+    p.add_argument("--format", choices=("text", "json", "raw"), default="text",
+                   help="text: value per line; json: one object per message; raw: value bytes only")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="stop after this many seconds without new messages (default: follow forever)")
+    p.add_argument("--max-messages", type=int, default=None, help="stop after this many messages")
+    p.add_argument("--offsets-out", default=None, metavar="FILE",
+                   help="write the final offsets JSON here (resume later with --from @FILE)")
+    p.add_argument("--shards", default=None, help="comma-separated shards to follow (default all)")
+    _add_caches(p)
+    p.set_defaults(func=cmd_tail)
+
+    p = sub.add_parser("ls", help="list streams, shards, files and lengths")
+    _add_root(p)
+    p.add_argument("--stream", default=None, help="only this stream")
+    p.set_defaults(func=cmd_ls)
+
+    for name, func in _EXTRA_COMMANDS.items():
+        func(sub)
+    return parser
+
+
+#: Further commands register here: name -> function(subparsers) adding the parser.
+_EXTRA_COMMANDS: Dict[str, Callable[[argparse._SubParsersAction], None]] = {}
+
+
+def _read_path(args: argparse.Namespace, root: str):
+    """The read path for a command: caches when given, else the durable store alone."""
+    from pyspark_acs.read.readpath import DurableReadPath
+    from pyspark_acs.storage.store import open_store
+
+    store = open_store(root)
+    if getattr(args, "data_cache", None) or getattr(args, "metadata_cache", None):
+        from pyspark_acs.read.cachepath import CachedReadPath
+
+        return CachedReadPath(store, data_cache=args.data_cache, metadata_cache=args.metadata_cache)
+    return DurableReadPath(store)
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    from pyspark_acs.write.producer import Producer
+
+    kwargs = {}
+    if args.data_cache or args.metadata_cache:
+        kwargs = {"data_cache": args.data_cache, "metadata_cache": args.metadata_cache}
+    count = 0
+    with Producer(args.root, args.stream, shards=args.shards, **kwargs) as producer:
+        if args.file:
+            for path in args.file:
+                with open(path, "rb") as f:
+                    producer.send(f.read(), shard=args.shard)
+                count += 1
+        else:
+            sep = args.key_separator.encode() if args.key_separator else None
+            for line in sys.stdin.buffer:
+                line = line.rstrip(b"\n")
+                key = None
+                if sep is not None and sep in line:
+                    key, line = line.split(sep, 1)
+                producer.send(line, key=key, shard=args.shard)
+                count += 1
+    print(f"sent {count} messages to stream {args.stream!r}", file=sys.stderr)
+    return 0
+
+
+def _start_spec(text: str):
+    if text.startswith("@"):
+        try:
+            with open(text[1:], encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError) as exc:
+            raise AcsOptionError(f"--from: cannot read offsets from {text[1:]}: {exc}", option="--from") from exc
+    return text
+
+
+def _as_text(b: Optional[bytes]) -> Optional[str]:
+    if b is None:
+        return None
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(b).decode()
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from pyspark_acs.read.consumer import Consumer
+
+    streams = [s.strip() for s in args.stream.split(",") if s.strip()]
+    try:
+        shards = [int(s) for s in args.shards.split(",")] if args.shards else None
+    except ValueError:
+        raise AcsOptionError(f"--shards: {args.shards!r} is not a comma-separated list of shard numbers",
+                             option="--shards") from None
+    consumer = Consumer(
+        args.root, streams, shards, start=_start_spec(args.start), read_path=_read_path(args, args.root)
+    )
+    out = sys.stdout.buffer
+    seen = 0
+    try:
+        for batch in consumer.batches(timeout=args.timeout):
+            rows = batch.to_pydict()
+            for i in range(batch.num_rows):
+                if args.format == "raw":
+                    out.write(rows["value"][i] or b"")
+                elif args.format == "text":
+                    out.write((rows["value"][i] or b"") + b"\n")
+                else:
+                    rec = {
+                        "stream": rows["stream"][i],
+                        "shard": rows["shard"][i],
+                        "file": rows["file"][i],
+                        "position": rows["position"][i],
+                        "timestamp": rows["timestamp"][i].isoformat(),
+                        "key": _as_text(rows["key"][i]),
+                        "value": _as_text(rows["value"][i]),
+                    }
+                    out.write(json.dumps(rec).encode() + b"\n")
+                seen += 1
+                if args.max_messages is not None and seen >= args.max_messages:
+                    break
+            out.flush()
+            if args.max_messages is not None and seen >= args.max_messages:
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if args.offsets_out:
+            # Offsets are per batch: with --max-messages a partly printed batch is not
+            # counted as consumed, so a resume may print its tail again (at least once).
+            with open(args.offsets_out, "w", encoding="utf-8") as f:
+                json.dump(consumer.offsets(), f)
+        consumer.close()
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.storage.store import open_store
+
+    store = open_store(args.root)
+    streams = [args.stream] if args.stream else store.list_streams()
+    for stream in streams:
+        shards = store.stream_shards(stream)
+        if shards is None:
+            raise AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
+        print(f"{stream}  shards={shards}")
+        for shard in range(shards):
+            files = store.list_files(stream, shard)
+            lengths = store.lengths([f"{shard_dir(stream, shard)}/{f}" for f in files])
+            total = sum(v or 0 for v in lengths.values())
+            print(f"  shard {shard:5d}  files={len(files)}  bytes={total}")
+            for f in files:
+                print(f"    {f}  {lengths[f'{shard_dir(stream, shard)}/{f}']}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``acs`` console script."""
+    _load_extra_commands()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except AcsError as exc:
+        print(f"acs {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `acs tail | head`
+        return 0
+
+
+def _load_extra_commands() -> None:
+    """Import the modules that add commands (deployment, status, copy tree) if present."""
+    import importlib
+
+    for module in ("pyspark_acs.cli.deploy", "pyspark_acs.cli.copy"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+
+
+def register_command(name: str, add_parser: Callable[[argparse._SubParsersAction], None]) -> None:
+    """Add a subcommand (used by :mod:`pyspark_acs.cli.deploy`)."""
+    _EXTRA_COMMANDS[name] = add_parser
+
+
+if __name__ == "__main__":  # pragma: no cover
+    # Run as `python -m pyspark_acs.cli.main`: this module is __main__, while the command modules
+    # register with `pyspark_acs.cli.main`; call that module's main so their commands are there.
+    from pyspark_acs.cli.main import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,117 @@
+"""Consumer positions: per shard, ``{"file": <base name>, "length": <bytes consumed>}``.
+
+An offsets dict covers several streams the way Spark's Kafka source does for topics::
+
+    {"orders": {"0": {"file": "20261122T091242032052Z-5f2c.acs", "length": 4096},
+                "1": {"file": "", "length": 0}}}
+
+``file == ""`` means "before the first file of the shard". Lengths are always block
+boundaries. Positions compare by file name (names sort chronologically), then by length.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Mapping, NamedTuple, Tuple, Union
+
+from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.format.names import parse_file_name, validate_stream
+
+__all__ = ["Offset", "OffsetMap", "format_offsets", "parse_offsets"]
+
+
+class Offset(NamedTuple):
+    """A position in one shard: consumed ``length`` bytes of ``file``."""
+
+    file: str = ""
+    length: int = 0
+
+    def to_json(self) -> Dict[str, Any]:
+        """The JSON form: ``{"file": name, "length": bytes}``."""
+        return {"file": self.file, "length": self.length}
+
+    @classmethod
+    def from_json(cls, value: Any, where: str = "offset") -> "Offset":
+        """Build an offset from its JSON form, checking it.
+
+        Parameters
+        ----------
+        value : mapping
+            ``{"file": name, "length": bytes}``; either key may be left out (``""`` and 0).
+        where : str
+            What the value is, for error messages.
+
+        Raises
+        ------
+        AcsOptionError
+            For other keys, a file that is not a message-file name, or a length that is not a
+            non-negative integer (or is non-zero with an empty file).
+        """
+        if not isinstance(value, Mapping) or set(value) - {"file", "length"}:
+            raise AcsOptionError(f"{where}: expected {{\"file\": name, \"length\": bytes}}, got {value!r}")
+        file = value.get("file", "") or ""
+        length = value.get("length", 0)
+        if not isinstance(file, str) or (file and _bad_file(file)):
+            raise AcsOptionError(f"{where}: {file!r} is not a message file name")
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0 or (not file and length):
+            raise AcsOptionError(f"{where}: length must be a non-negative integer (0 when file is empty), got {length!r}")
+        return cls(file, length)
+
+
+def _bad_file(name: str) -> bool:
+    try:
+        parse_file_name(name)
+        return False
+    except ValueError:
+        return True
+
+
+#: (stream, shard) -> Offset
+OffsetMap = Dict[Tuple[str, int], Offset]
+
+
+def parse_offsets(value: Union[str, Mapping[str, Any]], *, option: str = "offsets") -> OffsetMap:
+    """Parse an offsets dict (or its JSON text) into ``{(stream, shard): Offset}``.
+
+    Raises
+    ------
+    AcsOptionError
+        Naming ``option`` and the bad entry.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise AcsOptionError(f"{option}: not valid JSON: {exc}", option=option) from exc
+    if not isinstance(value, Mapping):
+        raise AcsOptionError(
+            f"{option}: expected a JSON object {{stream: {{shard: {{\"file\": ..., \"length\": ...}}}}}}", option=option
+        )
+    result: OffsetMap = {}
+    for stream, shards in value.items():
+        try:
+            validate_stream(stream)
+        except ValueError as exc:
+            raise AcsOptionError(f"{option}: {exc}", option=option) from exc
+        if not isinstance(shards, Mapping):
+            raise AcsOptionError(f"{option}: stream {stream!r} must map shard numbers to offsets", option=option)
+        for shard, off in shards.items():
+            try:
+                shard_i = int(shard)
+                if shard_i < 0:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise AcsOptionError(f"{option}: {stream}/{shard!r} is not a shard number", option=option) from None
+            try:
+                result[(stream, shard_i)] = Offset.from_json(off, f"{option}: {stream}/{shard}")
+            except AcsOptionError as exc:
+                raise AcsOptionError(str(exc), option=option) from None
+    return result
+
+
+def format_offsets(offsets: OffsetMap) -> Dict[str, Dict[str, Dict[str, Any]]]:
+    """``{(stream, shard): Offset}`` -> the JSON-able dict (sorted, stable)."""
+    out: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for (stream, shard), off in sorted(offsets.items()):
+        out.setdefault(stream, {})[str(shard)] = off.to_json()
+    return out

@@ -1,0 +1,308 @@
+"""The cached read path: lengths from the metadata cache, bytes from the data cache,
+the durable store as fallback (DESIGN.md section 5, paper section 2.4 and Algorithm 1).
+
+- Lengths: one batched consistent read of the metadata cache per poll round for all
+  followed files. When the metadata cache is down, or knows nothing of a file, durable
+  lengths are taken from the store (at most every ``durable_poll_interval`` while the
+  cache is down, so a dead cache does not turn every poll into a store listing).
+- Bytes below the published cache length: chunks from the data cache (relaxed, then
+  consistent for short chunks); chunks still missing come from one durable range read per
+  contiguous run.
+- Bytes only the durable store has (the cache lags): read from the store only when
+  Algorithm 1 says the cache is late by more than ``max_delay``; until then the read stops
+  at the cache length so a momentarily lagging cache does not push readers onto the store.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Deque, Dict, Optional, Sequence, Tuple, Union
+
+from pyspark_acs.cache.client import CacheClient, client_for
+from pyspark_acs.cache.chunks import ChunkReader
+from pyspark_acs.errors import CacheError
+from pyspark_acs.cache.metadata import MetadataCache
+from pyspark_acs.cache.poller import LengthPoller
+from pyspark_acs.storage.store import DurableStore
+
+__all__ = ["DEFAULT_DURABLE_POLL_INTERVAL_S", "DEFAULT_MAX_DELAY_S", "CachedReadPath", "DelayedDurableReads"]
+
+log = logging.getLogger(__name__)
+
+#: Algorithm 1's maxDelay: how long the cache may trail the durable store before readers
+#: go to the store.
+DEFAULT_MAX_DELAY_S = 1.0
+#: How often durable lengths are polled from the store while the metadata cache is down.
+DEFAULT_DURABLE_POLL_INTERVAL_S = 1.0
+#: Repeated data-cache failures are logged at most this often.
+_WARN_INTERVAL_S = 10.0
+#: After a metadata-cache failure, retry it no sooner than this.
+_METADATA_RETRY_S = 1.0
+
+
+def _max_known(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    if a is None:
+        return b
+    return a if b is None else max(a, b)
+
+
+class DelayedDurableReads:
+    """Algorithm 1 of the paper for one file: postpone durable reads while the cache catches up."""
+
+    def __init__(self, max_delay: float = DEFAULT_MAX_DELAY_S) -> None:
+        self.max_delay = max_delay
+        self._history: Deque[Tuple[float, int]] = collections.deque()  # (time, durable size)
+
+    def should_read_durable(self, cache_size: int, durable_size: int, now: Optional[float] = None) -> bool:
+        """Whether a read past the cache length should go to the durable store now.
+
+        Records ``durable_size``; returns True once the cache has trailed a recorded durable size
+        for more than ``max_delay`` seconds (and then starts over), False while the cache is caught
+        up or may still catch up. Not thread-safe.
+
+        Parameters
+        ----------
+        cache_size, durable_size : int
+            The file's current cache and durable lengths, in bytes.
+        now : float, optional
+            A ``time.monotonic()`` timestamp; defaults to the current time.
+        """
+        now = time.monotonic() if now is None else now
+        self._history.append((now, durable_size))
+        while self._history and self._history[0][1] <= cache_size:
+            self._history.popleft()  # positions the cache has caught up with
+        if not self._history:
+            return False  # the cache is caught up
+        if now > self._history[0][0] + self.max_delay:
+            self._history.clear()
+            return True  # the cache is late: go to the store
+        return False  # the cache may catch up soon
+
+
+class CachedReadPath:
+    """A :class:`~pyspark_acs.read.readpath.ReadPath` through the caches of one cluster.
+
+    Parameters
+    ----------
+    store : DurableStore
+        The cluster's durable store.
+    data_cache, metadata_cache : str or CacheClient, optional
+        Endpoint strings (``host:port,...``) or clients. Without a data cache, bytes come
+        from the store; without a metadata cache, lengths do.
+    max_delay : float
+        Algorithm 1's maxDelay (default 1 s).
+    token : str, optional
+        Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
+    shared_poller : bool
+        Take metadata lengths from the process's shared :class:`~pyspark_acs.cache.poller.LengthPoller`
+        (one batched read per interval for every reader of the process; default) instead of
+        reading them on every call.
+    durable_poll_interval : float
+        Durable-length polling interval while the metadata cache is down (default 1 s).
+    """
+
+    def __init__(
+        self,
+        store: DurableStore,
+        *,
+        data_cache: Union[str, CacheClient, None] = None,
+        metadata_cache: Union[str, CacheClient, None] = None,
+        max_delay: float = DEFAULT_MAX_DELAY_S,
+        durable_poll_interval: float = DEFAULT_DURABLE_POLL_INTERVAL_S,
+        shared_poller: bool = True,
+        token: Optional[str] = None,
+    ) -> None:
+        self.store = store
+        self._own = []
+        self.data = client_for(data_cache, "data cache", self._own, token)
+        meta = client_for(metadata_cache, "metadata cache", self._own, token)
+        self.meta = MetadataCache(meta) if meta else None
+        # Readers given endpoint strings share the process's poller; a caller-made client
+        # (tests, the copy daemon's own poller) is read directly.
+        self.poller: Optional[LengthPoller] = None
+        if meta is not None and shared_poller and not isinstance(metadata_cache, CacheClient):
+            self.poller = LengthPoller.shared(meta.endpoints, token)
+        self.chunks = ChunkReader(self.data) if self.data else None
+        self.max_delay = max_delay
+        self.durable_poll_interval = durable_poll_interval
+        # _lock guards _published, _delays, _durable_cache, _meta_down_until and _stats.
+        self._lock = threading.Lock()
+        self._published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
+        self._delays: Dict[str, DelayedDurableReads] = {}
+        self._durable_cache: Dict[str, Tuple[float, Optional[int]]] = {}
+        self._meta_down_until = 0.0
+        self._warned_at = float("-inf")  # last data-cache warning (monotonic)
+        self._stats = {"durable_bytes": 0, "durable_fallbacks": 0, "metadata_fallbacks": 0}
+
+    # -- lengths ---------------------------------------------------------------------------
+
+    def lengths(self, rels: Sequence[str]) -> Dict[str, Optional[int]]:
+        """Readable length per file: the larger of the published cache and durable lengths."""
+        rels = list(rels)
+        published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
+        now = time.monotonic()
+        meta_down = self.meta is not None and now < self._meta_down_until
+        if self.meta is not None and rels and not meta_down:
+            uris = [self.store.uri(r) for r in rels]
+            try:
+                got = self.poller.lengths(uris) if self.poller is not None else self.meta.lengths(uris)
+                published = {r: got[u] for r, u in zip(rels, uris)}
+            except CacheError as exc:
+                meta_down = True
+                with self._lock:
+                    self._meta_down_until = now + _METADATA_RETRY_S
+                    self._stats["metadata_fallbacks"] += 1
+                log.warning("metadata cache unavailable, using durable lengths: %s", exc)
+        unknown = [r for r in rels if published.get(r, (None, None)) == (None, None)]
+        # While the metadata cache is down, durable lengths are polled less often; files it
+        # simply does not know (written without caches) are read from the store each time.
+        durable = self._durable_lengths(unknown, cached=meta_down)
+        out: Dict[str, Optional[int]] = {}
+        with self._lock:
+            for r in rels:
+                c, d = published.get(r, (None, None))
+                if c is None and d is None:
+                    d = durable.get(r)
+                    if d is None:
+                        out[r] = None
+                        continue
+                # Files only grow: never let a length go below one already seen (a durable
+                # length cached before the metadata cache went down, or a lagging replica,
+                # would otherwise look like the file shrank).
+                c0, d0 = self._published.get(r, (None, None))
+                c, d = _max_known(c, c0), _max_known(d, d0)
+                self._published[r] = (c, d)
+                out[r] = max(c or 0, d or 0)
+        return out
+
+    def _durable_lengths(self, rels: Sequence[str], cached: bool) -> Dict[str, Optional[int]]:
+        """Store lengths; while the metadata cache is down they are reused for a poll interval."""
+        if not rels:
+            return {}
+        now = time.monotonic()
+        out: Dict[str, Optional[int]] = {}
+        ask = []
+        with self._lock:
+            for r in rels:
+                hit = self._durable_cache.get(r)
+                if cached and hit is not None and now - hit[0] < self.durable_poll_interval:
+                    out[r] = hit[1]
+                else:
+                    ask.append(r)
+        if ask:
+            fresh = self.store.lengths(ask)
+            with self._lock:
+                for r, n in fresh.items():
+                    self._durable_cache[r] = (now, n)
+                    out[r] = n
+        return out
+
+    def wait(self, timeout: float) -> None:
+        """Wait until published lengths may have moved (the shared poller saw a change), at
+        most ``timeout`` seconds; without a poller, just sleep."""
+        if self.poller is not None:
+            self.poller.wait_for_change(timeout)
+        else:
+            time.sleep(timeout)
+
+    def durable_length(self, rel: str) -> Optional[int]:
+        """The durable store's length of ``rel`` in bytes (``None`` if missing), bypassing the caches."""
+        return self.store.lengths([rel])[rel]
+
+    # -- bytes -----------------------------------------------------------------------------
+
+    def read(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``, cache first; may stop short while Algorithm 1 postpones
+        a durable read (the caller retries at its next poll)."""
+        with self._lock:
+            cache_len, durable_len = self._published.get(rel, (None, None))
+        cache_len = cache_len or 0
+        if self.chunks is None or cache_len <= start:
+            cache_end = start
+        else:
+            cache_end = min(end, cache_len)
+        parts = []
+        if cache_end > start:
+            uri = self.store.uri(rel)
+            try:
+                chunks = self.chunks.read(uri, start, cache_end)
+            except CacheError as exc:
+                self._warn_data_cache(exc)
+                chunks = [(start, cache_end, None)]
+            run_start = None
+            for s, e, data in chunks + [(cache_end, cache_end, b"")]:
+                if data is None:
+                    if run_start is None:
+                        run_start = s
+                    continue
+                if run_start is not None:
+                    # One durable read for the whole run of missing chunks (Fig. 6).
+                    got = self._durable(rel, run_start, s)
+                    parts.append(got)
+                    if len(got) < s - run_start:
+                        # The store does not have these bytes yet (the cache can lead it):
+                        # stop here so the result stays a prefix; later chunks must not
+                        # be joined on after a gap.
+                        return b"".join(parts)
+                    run_start = None
+                if data:
+                    parts.append(data)
+        if end > cache_end:
+            delay = self._delay(rel)
+            with self._lock:  # DelayedDurableReads is not thread-safe; readers may share a file
+                go_durable = self.chunks is None or delay.should_read_durable(cache_len, durable_len or end)
+            if go_durable:
+                parts.append(self._durable(rel, cache_end, end))
+        return b"".join(parts)
+
+    def _warn_data_cache(self, exc: Exception) -> None:
+        """Log a data-cache failure (reads fall back to the store), at most every 10 s."""
+        now = time.monotonic()
+        with self._lock:
+            due = now - self._warned_at >= _WARN_INTERVAL_S
+            if due:
+                self._warned_at = now
+        if due:
+            log.warning("data cache read failed, reading from the durable store: %s", exc)
+
+    def _delay(self, rel: str) -> DelayedDurableReads:
+        with self._lock:
+            d = self._delays.get(rel)
+            if d is None:
+                d = self._delays[rel] = DelayedDurableReads(self.max_delay)
+            return d
+
+    def _durable(self, rel: str, start: int, end: int) -> bytes:
+        data = self.store.read(rel, start, end)
+        with self._lock:
+            self._stats["durable_bytes"] += len(data)
+            self._stats["durable_fallbacks"] += 1
+        return data
+
+    def stats(self) -> Dict[str, int]:
+        """``cache_bytes``, ``relaxed_chunks``, ``consistent_chunks``, ``missing_chunks``,
+        ``durable_bytes``, ``durable_fallbacks``, ``metadata_fallbacks``."""
+        with self._lock:
+            out = dict(self._stats)
+        base = self.chunks.stats() if self.chunks else {"cache_bytes": 0, "relaxed_chunks": 0, "consistent_chunks": 0, "missing_chunks": 0}
+        out.update(base)
+        return out
+
+    def forget(self, rel: str) -> None:
+        """Drop per-file state once a reader left the file."""
+        with self._lock:
+            self._published.pop(rel, None)
+            self._delays.pop(rel, None)
+            self._durable_cache.pop(rel, None)
+
+    def close(self) -> None:
+        """Close the cache clients this path created from endpoint strings, and the store's open files.
+
+        Clients passed in as :class:`~pyspark_acs.cache.client.CacheClient` objects stay open.
+        """
+        for c in self._own:
+            c.close()
+        self.store.close()

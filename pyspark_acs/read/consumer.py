@@ -1,0 +1,595 @@
+"""The Consumer: tail-reads the message files of a stream's shards, in order.
+
+Each shard is followed by a :class:`ShardTailer` that holds the shard's position
+``(file, length)``. A poll round asks the read path for the lengths of every followed file
+in one batched call, reads the new bytes of each shard, decodes the complete blocks into
+Arrow record batches, and moves to the next file when the current one is finished (sealed
+by its writer, or abandoned by a writer that crashed and was replaced).
+
+A block whose bytes are only partly written is waited for, never reported as corrupt: the
+store is append-only, so bytes present are final, and a block is only decoded once all of
+it is there.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import pyarrow as pa
+
+from pyspark_acs.format.block import BLOCK_SCHEMA, HEADER_SIZE, MAGIC, decode_block, parse_header, scan_blocks
+from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError, InvalidNameError, TruncatedBlockError
+from pyspark_acs.format.names import parse_file_name, shard_dir, validate_shard, validate_stream
+from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
+from pyspark_acs.read.readpath import DurableReadPath, RateLimiter, ReadPath
+from pyspark_acs.storage.store import DurableStore, open_store
+
+__all__ = [
+    "ABANDON_CHECK_INTERVAL_S",
+    "DEFAULT_MAX_READ_BYTES",
+    "DEFAULT_POLL_INTERVAL_S",
+    "OUTPUT_SCHEMA",
+    "Consumer",
+    "ShardTailer",
+    "earliest_offset",
+    "latest_offset",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL_S = 0.01
+#: Bytes read from one shard in one step: bounds memory when a consumer is far behind.
+DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
+#: How often a tailer stuck at the end of an unsealed file checks for a newer file
+#: (a writer that crashed leaves its file unsealed; its replacement starts a new one).
+ABANDON_CHECK_INTERVAL_S = 1.0
+
+OUTPUT_SCHEMA = pa.schema(
+    [("stream", pa.string()), ("shard", pa.int32()), ("file", pa.string())] + list(BLOCK_SCHEMA)
+)
+
+
+class ShardTailer:
+    """Follows one shard from a position, reading complete blocks in order.
+
+    Parameters
+    ----------
+    path : ReadPath
+        Lengths and bytes of this cluster's files.
+    stream, shard : str, int
+    offset : Offset
+        Where to start (``Offset()`` = before the first file).
+    max_read_bytes : int
+        Bytes read per step at most (a single larger block is still read whole).
+    fail_on_data_loss : bool
+        Raise :class:`DataLossError` when the file of the position is gone or shorter than
+        the position; otherwise log it and continue from the next available position.
+    """
+
+    def __init__(
+        self,
+        path: ReadPath,
+        stream: str,
+        shard: int,
+        offset: Offset = Offset(),
+        *,
+        max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
+        fail_on_data_loss: bool = True,
+        limiter: Optional[RateLimiter] = None,
+    ) -> None:
+        self.path = path
+        self.store = path.store
+        self.stream = stream
+        self.shard = shard
+        self.dir = shard_dir(stream, shard)
+        self.file, self.length = offset
+        self.sealed = False
+        self.max_read_bytes = max_read_bytes
+        self.fail_on_data_loss = fail_on_data_loss
+        self.limiter = limiter or RateLimiter(None)
+        self._stalled_since: Optional[float] = -math.inf
+        self._loss_logged: Optional[Offset] = None  # the lost position already logged
+        #: Position after each batch of the last step's result (same length as that result).
+        self.batch_ends: List[Offset] = []
+
+    @property
+    def offset(self) -> Offset:
+        """The position: the file followed and the bytes of it consumed."""
+        return Offset(self.file, self.length)
+
+    @property
+    def rel(self) -> Optional[str]:
+        """The followed file relative to the store root (None before the first file)."""
+        return f"{self.dir}/{self.file}" if self.file else None
+
+    def seek(self, offset: Offset) -> None:
+        """Move to ``offset`` (a block boundary), forgetting per-file read state of the old file."""
+        if self.file and offset.file != self.file and hasattr(self.path, "forget"):
+            self.path.forget(self.rel)  # drop per-file read state of the file we leave
+        self.file, self.length = offset
+        self.sealed = False
+        # Check for a newer file at the first stall after a seek: a position saved right after
+        # a seal (a restart from offsets) must not wait ABANDON_CHECK_INTERVAL_S to move on.
+        self._stalled_since = -math.inf
+
+    def step(self, length: Optional[int] = None, *, known: bool = False, end: Optional[Offset] = None) -> List[pa.RecordBatch]:
+        """Read what is new; return decoded batches (possibly none).
+
+        Parameters
+        ----------
+        length : int, optional
+            The followed file's readable length if the caller already polled it.
+        known : bool
+            True when ``length`` comes from a poll (``None`` then means the file is missing).
+        end : Offset, optional
+            Stop at this position (bounded reads); the tailer never reads past it.
+        """
+        out: List[pa.RecordBatch] = []
+        self.batch_ends = []
+        while True:
+            if end is not None and self.offset >= end:
+                return out
+            if not self.file:
+                files = self.store.list_files(self.stream, self.shard)
+                if not files:
+                    return out
+                self.seek(Offset(files[0], 0))
+                known = False
+            if not known:
+                length = self.path.lengths([self.rel])[self.rel]
+            known = False
+            if length is None or length < self.length:
+                # A cache's published length can trail a position taken elsewhere (evicted or
+                # lagging metadata): only the durable store's own length proves a loss.
+                durable = self.path.durable_length(self.rel)
+                if durable is not None and durable >= self.length:
+                    return out
+                if not self._data_loss(durable):
+                    return out
+                continue
+            limit = length
+            if end is not None and self.file == end.file:
+                limit = min(limit, end.length)
+            progressed = self._read(limit, out) if limit > self.length else False
+            if self.sealed or (end is not None and self.file < end.file and not progressed and self._finished_early()):
+                if not self._next_file():
+                    return out
+                continue
+            if progressed:
+                self._stalled_since = None
+                if end is None:
+                    return out
+                continue
+            if end is None and self._abandoned():
+                continue
+            return out
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _read(self, limit: int, out: List[pa.RecordBatch]) -> bool:
+        """Read complete blocks of the current file in ``[self.length, limit)``."""
+        start = self.length
+        want = min(limit, start + self.max_read_bytes)
+        self.limiter.acquire(want - start)
+        data = self.path.read(self.rel, start, want)
+        if len(data) < HEADER_SIZE and limit - start >= HEADER_SIZE and len(data) < limit - start:
+            return False
+        # Blocks before a bad one are handed out first; the next step starts at the bad block
+        # and raises then.
+        blocks: List[Tuple[int, Any]] = []
+        try:
+            for item in scan_blocks(data, path=self.store.uri(self.rel), base=start):
+                blocks.append(item)
+        except CorruptFileError:
+            if not blocks:
+                raise
+        if not blocks and len(data) >= HEADER_SIZE:
+            # One block larger than max_read_bytes: read it whole if it is all there.
+            header = parse_header(data, 0, path=self.store.uri(self.rel), position=start)
+            if start + header.size > limit:
+                return False
+            data = self.path.read(self.rel, start, start + header.size)
+            if len(data) < header.size:
+                return False  # the read path postponed part of it (cache catching up)
+            blocks = [(0, header)]
+        if not blocks:
+            return False
+        buf = pa.py_buffer(data)
+        file_arr = None
+        for at, header in blocks:
+            if header.count:
+                try:
+                    _, batch = decode_block(buf, at, path=self.store.uri(self.rel), position=start + at)
+                except CorruptFileError:
+                    if self.length == start:
+                        raise
+                    break
+                if file_arr is None:
+                    file_arr = (
+                        pa.repeat(pa.scalar(self.stream, pa.string()), 1),
+                        pa.scalar(self.shard, pa.int32()),
+                        pa.scalar(self.file, pa.string()),
+                    )
+                n = batch.num_rows
+                out.append(
+                    pa.RecordBatch.from_arrays(
+                        [
+                            pa.repeat(file_arr[0][0], n),
+                            pa.repeat(file_arr[1], n),
+                            pa.repeat(file_arr[2], n),
+                            *batch.columns,
+                        ],
+                        schema=OUTPUT_SCHEMA,
+                    )
+                )
+            self.length = start + at + header.size
+            if header.count:
+                self.batch_ends.append(self.offset)
+            if header.sealed:
+                self.sealed = True
+                break
+        return True
+
+    def _next_file(self) -> bool:
+        files = self.store.list_files(self.stream, self.shard)
+        later = [f for f in files if f > self.file]
+        if not later:
+            return False
+        self.seek(Offset(later[0], 0))
+        return True
+
+    def _finished_early(self) -> bool:
+        """Bounded read: the current file precedes the end file, so it will not grow.
+
+        It is finished once every complete block of its durable length is read; a torn
+        block left by a crashed writer at its end is skipped (and logged).
+        """
+        durable = self.path.durable_length(self.rel)
+        if durable is None or durable <= self.length:
+            return True
+        if self._complete_block_at(durable):
+            return False  # readable blocks remain (the read path may be postponing them)
+        self._skip_torn_tail(durable)
+        return True
+
+    def _complete_block_at(self, durable: int) -> bool:
+        """True if a whole block starts at the position within the file's durable length."""
+        if durable - self.length < HEADER_SIZE:
+            return False
+        head = self.store.read(self.rel, self.length, self.length + HEADER_SIZE)
+        header = parse_header(head, 0, path=self.store.uri(self.rel), position=self.length)
+        return self.length + header.size <= durable
+
+    def _abandoned(self) -> bool:
+        """At the end of an unsealed file: move on if a newer file exists (writer replaced)."""
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+            return False
+        if now - self._stalled_since < ABANDON_CHECK_INTERVAL_S:
+            return False
+        self._stalled_since = now
+        files = self.store.list_files(self.stream, self.shard)
+        if not any(f > self.file for f in files):
+            return False
+        # The newer file exists, so the old writer stopped; its length is final now.
+        durable = self.path.durable_length(self.rel)
+        if durable is not None and durable > self.length:
+            # Complete blocks not yet published (caches lagging) are read in a later step.
+            if self._complete_block_at(durable):
+                return False
+            self._skip_torn_tail(durable)
+        return self._next_file()
+
+    def _skip_torn_tail(self, durable: int) -> None:
+        """The file is finished: skip a block its crashed writer left half written (logged).
+
+        Raises CorruptFileError when the bytes cannot be such a block: they do not start like
+        one, or the file's own writer went on to a newer file (a writer seals a file before it
+        starts its next one, so that file was truncated or damaged after the fact).
+        """
+        uri = self.store.uri(self.rel)
+        data = self.store.read(self.rel, self.length, durable)
+        good = 0
+        for at, header in scan_blocks(data, path=uri, base=self.length):
+            good = at + header.size
+        if self.length + good < durable:
+            bad_at = self.length + good
+            torn = bytes(data[good : good + len(MAGIC)])
+            if torn != MAGIC[: len(torn)]:
+                raise CorruptFileError(
+                    f"{uri} at byte {bad_at}: not a block (magic {torn!r}, expected {MAGIC!r}) in a finished file",
+                    path=uri,
+                    position=bad_at,
+                )
+            later = [f for f in self.store.list_files(self.stream, self.shard) if f > self.file]
+            if later and _writer_of(later[0]) is not None and _writer_of(later[0]) == _writer_of(self.file):
+                raise TruncatedBlockError(
+                    f"{uri}: the block at byte {bad_at} is cut off by the end of the file at byte {durable}, "
+                    f"but the file is finished (its writer went on to {later[0]} without sealing it): "
+                    f"the file was truncated or damaged",
+                    path=uri,
+                    position=bad_at,
+                )
+            log.warning(
+                "%s: bytes [%d, %d) are a block its writer never finished (the writer stopped and a newer "
+                "file exists); they were never acknowledged and are skipped",
+                self.store.uri(self.rel),
+                self.length + good,
+                durable,
+            )
+
+    def _data_loss(self, length: Optional[int]) -> bool:
+        """Handle a missing or shortened file. Returns True if the tailer moved on."""
+        what = "is gone from the store" if length is None else f"is only {length} bytes long"
+        lost_end = -1 if length is None else length
+        msg = (
+            f"data loss in stream {self.stream!r} shard {self.shard}: file {self.file} {what}, but the position "
+            f"is at byte {self.length}"
+        )
+        if self.fail_on_data_loss:
+            raise DataLossError(
+                msg + " (set failOnDataLoss=false / fail_on_data_loss=False to skip to the next available data)",
+                stream=self.stream,
+                shard=self.shard,
+                file=self.file,
+                start=0 if length is None else length,
+                end=self.length if length is not None else lost_end,
+            )
+        files = self.store.list_files(self.stream, self.shard)
+        later = [f for f in files if f > self.file]
+        if length is not None:
+            log.warning("%s; continuing from the end of that file (byte %d)", msg, length)
+            self.length = length
+            return True
+        if later:
+            log.warning("%s; continuing from file %s", msg, later[0])
+            self.seek(Offset(later[0], 0))
+            return True
+        # Wait at this position for a newer file. (Seeking to Offset() would restart the shard
+        # from its oldest file and replay messages already consumed.)
+        if self._loss_logged != self.offset:
+            log.warning("%s; waiting for new data", msg)
+            self._loss_logged = self.offset
+        return False
+
+
+def _writer_of(name: str) -> Optional[str]:
+    try:
+        return parse_file_name(name).writer_id
+    except InvalidNameError:
+        return None
+
+
+def earliest_offset(store: DurableStore, stream: str, shard: int) -> Offset:
+    """The position before the first message of a shard."""
+    files = store.list_files(stream, shard)
+    return Offset(files[0], 0) if files else Offset()
+
+
+def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
+    """The position after the last complete block of a shard's newest file."""
+    store = path.store
+    files = store.list_files(stream, shard)
+    if not files:
+        return Offset()
+    rel = f"{shard_dir(stream, shard)}/{files[-1]}"
+    length = path.lengths([rel])[rel] or 0
+    # The readable length may end inside a block being written: walk headers to the last
+    # complete block boundary (one small read per block).
+    at = 0
+    while at + HEADER_SIZE <= length:
+        header = parse_header(store.read(rel, at, at + HEADER_SIZE), 0, path=store.uri(rel), position=at)
+        if at + header.size > length or header.sealed:
+            break  # stop before a seal: reading it tells the tailer at once to follow the next file
+        at += header.size
+    return Offset(files[-1], at)
+
+
+StartSpec = Union[str, Mapping[str, Any]]
+
+
+class Consumer:
+    """Tail-read one or more streams, in order per shard.
+
+    Parameters
+    ----------
+    root : str or DurableStore
+        Durable store root of this cluster.
+    stream : str or sequence of str
+        Stream(s) to follow.
+    shards : sequence of int, optional
+        Shards to follow (default: all shards of each stream).
+    start : "earliest", "latest" or offsets
+        Where to begin: the first message, the end of what exists now, or an offsets dict
+        (or its JSON) as returned by :meth:`offsets`. Shards missing from the dict start at
+        the earliest position.
+    poll_interval : float
+        Seconds between polls while there is no new data (default 10 ms).
+    max_bytes_per_second : float, optional
+        Passive cap on the read rate (bytes/s) so a backlog cannot melt the store or cache.
+    fail_on_data_loss : bool
+        Raise :class:`~pyspark_acs.errors.DataLossError` when data at the position is gone
+        (default); otherwise log and skip to the next available data.
+    data_cache, metadata_cache : str, optional
+        Cache endpoints (``host:port,...``) of this cluster: lengths are polled from the
+        metadata cache and bytes read from the data cache, with the durable store as the
+        fallback (see :class:`~pyspark_acs.read.cachepath.CachedReadPath`).
+    cache_token : str, optional
+        Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
+    read_path : ReadPath, optional
+        Where lengths and bytes come from (default: the caches if given, else the durable
+        store alone).
+
+    Examples
+    --------
+    >>> c = Consumer("/tmp/acs", "orders", start="earliest")   # doctest: +SKIP
+    >>> for batch in c.batches(timeout=1.0):                  # doctest: +SKIP
+    ...     print(batch.num_rows, c.offsets())
+    """
+
+    def __init__(
+        self,
+        root: Union[str, DurableStore],
+        stream: Union[str, Sequence[str]],
+        shards: Optional[Sequence[int]] = None,
+        *,
+        start: StartSpec = "earliest",
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+        max_bytes_per_second: Optional[float] = None,
+        max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
+        fail_on_data_loss: bool = True,
+        data_cache: Any = None,
+        metadata_cache: Any = None,
+        cache_token: Optional[str] = None,
+        read_path: Optional[ReadPath] = None,
+    ) -> None:
+        if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or poll_interval < 0:
+            raise AcsOptionError(f"poll_interval: {poll_interval!r} is not allowed; use seconds >= 0", option="poll_interval")
+        if max_bytes_per_second is not None and max_bytes_per_second <= 0:
+            raise AcsOptionError("max_bytes_per_second: must be > 0 (or None for no cap)", option="max_bytes_per_second")
+        self.store = open_store(root) if read_path is None else read_path.store
+        if read_path is None and (data_cache or metadata_cache):
+            from pyspark_acs.read.cachepath import CachedReadPath
+
+            read_path = CachedReadPath(
+                self.store, data_cache=data_cache, metadata_cache=metadata_cache, token=cache_token
+            )
+        self.path: ReadPath = read_path or DurableReadPath(self.store)
+        self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]
+        self.poll_interval = float(poll_interval)
+        limiter = RateLimiter(max_bytes_per_second)
+        self._tailers: List[ShardTailer] = []
+        for name in self.streams:
+            count = self.store.stream_shards(name)
+            if count is None:
+                raise AcsOptionError(f"stream: no stream {name!r} in {self.store.root}", option="stream")
+            for shard in shards if shards is not None else range(count):
+                validate_shard(shard, count)
+                self._tailers.append(
+                    ShardTailer(
+                        self.path,
+                        name,
+                        shard,
+                        max_read_bytes=max_read_bytes,
+                        fail_on_data_loss=fail_on_data_loss,
+                        limiter=limiter,
+                    )
+                )
+        self._closed = False
+        self._stats = {"messages": 0, "batches": 0}
+        # Batches read from the tailers but not handed out yet: (batch, tailer index, position
+        # after it). offsets() reports _reported, the position after what was handed out.
+        self._pending: Deque[Tuple[pa.RecordBatch, int, Offset]] = collections.deque()
+        self._reported: List[Offset] = []
+        self.seek(start)
+
+    def seek(self, start: StartSpec) -> None:
+        """Move every followed shard to ``start`` ("earliest", "latest" or an offsets dict)."""
+        if isinstance(start, str) and start.strip().lower() in ("earliest", "latest"):
+            mode = start.strip().lower()
+            for t in self._tailers:
+                t.seek(
+                    earliest_offset(self.store, t.stream, t.shard)
+                    if mode == "earliest"
+                    else latest_offset(self.path, t.stream, t.shard)
+                )
+            self._pending.clear()
+            self._reported = [t.offset for t in self._tailers]
+            return
+        if isinstance(start, str) and not start.lstrip().startswith("{"):
+            raise AcsOptionError(
+                f"start: {start!r} is not allowed; use 'earliest', 'latest' or an offsets dict", option="start"
+            )
+        offsets: OffsetMap = parse_offsets(start, option="start")
+        for t in self._tailers:
+            t.seek(offsets.get((t.stream, t.shard)) or earliest_offset(self.store, t.stream, t.shard))
+        self._pending.clear()
+        self._reported = [t.offset for t in self._tailers]
+
+    def offsets(self) -> Dict[str, Dict[str, Dict[str, Any]]]:
+        """The JSON-able position of every followed shard (after the last returned batch)."""
+        return format_offsets({(t.stream, t.shard): off for t, off in zip(self._tailers, self._reported)})
+
+    def _fill(self) -> None:
+        """One round over every shard: queue what is new. Call only when nothing is pending."""
+        if self._closed:
+            raise ClosedError("consumer is closed")
+        rels = [t.rel for t in self._tailers if t.rel]
+        lengths = self.path.lengths(rels) if rels else {}
+        for i, t in enumerate(self._tailers):
+            got = t.step(lengths.get(t.rel), known=True) if t.rel else t.step()
+            ends = list(t.batch_ends)
+            for j, batch in enumerate(got):
+                # the last batch of a round ends where the tailer is (it may have passed a seal)
+                self._pending.append((batch, i, ends[j] if j < len(got) - 1 and j < len(ends) else t.offset))
+            if not got:
+                self._reported[i] = t.offset
+
+    def _hand_out(self) -> pa.RecordBatch:
+        batch, i, end = self._pending.popleft()
+        self._reported[i] = end
+        self._stats["batches"] += 1
+        self._stats["messages"] += batch.num_rows
+        return batch
+
+    def poll(self) -> List[pa.RecordBatch]:
+        """One round over every shard: return what is new now (possibly nothing)."""
+        if self._closed:
+            raise ClosedError("consumer is closed")
+        if not self._pending:
+            self._fill()
+        return [self._hand_out() for _ in range(len(self._pending))]
+
+    def batches(self, timeout: Optional[float] = None) -> Iterator[pa.RecordBatch]:
+        """Yield record batches as data arrives.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Return after this many seconds without new data; follow forever if None.
+
+        Yields
+        ------
+        pyarrow.RecordBatch
+            Columns ``stream, shard, file, position, timestamp, key, value``; the messages of
+            one shard in order. :meth:`offsets` reflects each batch once it is yielded.
+        """
+        idle_since = time.monotonic()
+        while True:
+            if self._closed:
+                raise ClosedError("consumer is closed")
+            if not self._pending:
+                self._fill()
+            if self._pending:
+                while self._pending:
+                    yield self._hand_out()
+                idle_since = time.monotonic()
+                continue
+            if timeout is not None and time.monotonic() - idle_since >= timeout:
+                return
+            wait = getattr(self.path, "wait", None)  # the cached path wakes on new lengths
+            if wait is not None:
+                wait(self.poll_interval)
+            else:
+                time.sleep(self.poll_interval)
+
+    def stats(self) -> Dict[str, int]:
+        """Counters: messages and batches returned, and the read path's byte counters."""
+        return dict(self._stats, **self.path.stats())
+
+    def close(self) -> None:
+        """Close the read path (cache clients, open files); idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.path.close()
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

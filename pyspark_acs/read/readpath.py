@@ -1,0 +1,103 @@
+"""Where a reader gets lengths and bytes: the paper's "File interface" on the read side.
+
+A read path answers two questions for files of one cluster: how many bytes of a file are
+readable now (its *published* length, always a block boundary once caches are in play, or
+the raw durable length without them) and what those bytes are. :class:`DurableReadPath`
+reads the durable store alone; the cache layer provides a read path with the same methods
+that reads chunks from the data cache first and falls back to the store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, Optional, Protocol, Sequence
+
+from pyspark_acs.storage.store import DurableStore
+
+__all__ = ["DurableReadPath", "RateLimiter", "ReadPath"]
+
+
+class ReadPath(Protocol):
+    """What tail readers need from the storage of one cluster."""
+
+    store: DurableStore
+
+    def lengths(self, rels: Sequence[str]) -> Dict[str, Optional[int]]:
+        """Readable lengths of files (``None``: the file does not exist), in one batched call."""
+
+    def durable_length(self, rel: str) -> Optional[int]:
+        """The durable store's own length of a file (``None`` if missing), bypassing caches."""
+
+    def read(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a file; ``end`` must not exceed a length from ``lengths``."""
+
+    def stats(self) -> Dict[str, int]:
+        """Counters of where bytes came from."""
+
+    def close(self) -> None:
+        """Release connections and files."""
+
+
+class DurableReadPath:
+    """A read path over the durable store alone."""
+
+    def __init__(self, store: DurableStore) -> None:
+        self.store = store
+        # _lock guards _stats (readers may run in several threads).
+        self._lock = threading.Lock()
+        self._stats = {"durable_bytes": 0, "durable_reads": 0}
+
+    def lengths(self, rels: Sequence[str]) -> Dict[str, Optional[int]]:
+        """Durable lengths of files in one batched call (``None``: the file does not exist)."""
+        return self.store.lengths(list(rels))
+
+    def durable_length(self, rel: str) -> Optional[int]:
+        """The durable store's length of ``rel`` in bytes (``None`` if missing)."""
+        return self.store.lengths([rel])[rel]
+
+    def read(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` from the store (fewer only if the file is shorter). Thread-safe."""
+        data = self.store.read(rel, start, end)
+        with self._lock:
+            self._stats["durable_bytes"] += len(data)
+            self._stats["durable_reads"] += 1
+        return data
+
+    def stats(self) -> Dict[str, int]:
+        """Counters since creation: ``durable_bytes`` and ``durable_reads``."""
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        """Close the store's open files."""
+        self.store.close()
+
+
+class RateLimiter:
+    """A passive token bucket on bytes: ``acquire(n)`` sleeps so reads average ``rate`` bytes/s.
+
+    Bursts up to one second's worth are allowed. ``rate=None`` disables the cap.
+    """
+
+    def __init__(self, rate: Optional[float]) -> None:
+        self.rate = rate
+        self._tokens = float(rate or 0)
+        self._last = time.monotonic()
+        self._lock = threading.Lock()  # guards _tokens and _last
+
+    def acquire(self, n: int) -> None:
+        """Take ``n`` bytes from the bucket, sleeping while it is in debt; a no-op without a rate.
+
+        Thread-safe: the sleep happens outside the lock, in the calling thread.
+        """
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.rate, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= n
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)

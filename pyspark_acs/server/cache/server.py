@@ -1,0 +1,569 @@
+"""The cache server: one process per replica of the data or the metadata cache.
+
+Run it as ``acs-cache-server`` or ``python -m pyspark_acs.server.cache``::
+
+    python -m pyspark_acs.server.cache --role data --port 0 --capacity 1GiB --ttl 60s
+
+It serves the gRPC ``Cache`` service of ``proto/acs.proto`` (batched get and put,
+compare-and-set, delete, stats, health) over a :class:`~pyspark_acs.server.cache.store.Store`, and a
+small HTTP endpoint with ``/metrics`` (Prometheus text format) and ``/healthz``. Once both
+listen, it prints exactly one line on stdout, which a parent process parses for the ports::
+
+    acs-cache-server role=data listening on 127.0.0.1:PORT metrics=http://127.0.0.1:MPORT/metrics
+
+It binds 127.0.0.1 unless ``--host`` says otherwise, stops gracefully on SIGTERM or SIGINT
+(in-flight calls get :data:`STOP_GRACE_S` to finish) and exits with status 2 and a message
+naming the flag when a flag is bad. With ``--token`` every call must carry the metadata
+``authorization: Bearer <token>`` (the bare token is accepted too), else it fails with
+``UNAUTHENTICATED``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import http.server
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from concurrent import futures
+from typing import Callable, Dict, List, Optional, Sequence
+
+import grpc
+
+from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.units import parse_bytes, parse_duration
+from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
+from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, Store
+
+__all__ = [
+    "DEFAULT_CAPACITY_BYTES",
+    "DEFAULT_HOST",
+    "DEFAULT_SERVER_THREADS",
+    "EXPIRY_SWEEP_INTERVAL_S",
+    "MAX_MESSAGE_BYTES",
+    "MIN_CAPACITY_BYTES",
+    "ROLES",
+    "ROLE_DEFAULT_TTL_S",
+    "STOP_GRACE_S",
+    "CacheServer",
+    "CacheServicer",
+    "build_parser",
+    "format_endpoint",
+    "main",
+    "render_metrics",
+]
+
+#: The two kinds of cache replicas (DESIGN.md section 1).
+ROLES = ("data", "metadata")
+#: Default TTL by role: chunks live a minute, lengths/heads/leases a day (paper section 3).
+ROLE_DEFAULT_TTL_S: Dict[str, float] = {"data": DATA_TTL_S, "metadata": METADATA_TTL_S}
+#: Default capacity by role; the metadata cache holds a few entries per file, so it needs little.
+DEFAULT_CAPACITY_BYTES: Dict[str, int] = {"data": 1024**3, "metadata": 256 * 1024**2}
+#: Smallest capacity accepted: below this not even a handful of 4 KiB chunks fit.
+MIN_CAPACITY_BYTES = 64 * 1024
+DEFAULT_HOST = "127.0.0.1"
+#: Worker threads of the gRPC server. Handlers are short and hold the store lock briefly; a
+#: few threads overlap (de)serialization with network waits without GIL thrashing.
+DEFAULT_SERVER_THREADS = 8
+#: Largest gRPC message either way: a batched put or get of several MiB of 4 KiB chunks
+#: (the client splits batches at 4 MiB; 64 MiB leaves room for callers that do not).
+MAX_MESSAGE_BYTES = 64 * 1024**2
+#: How often expired entries are swept when no put does it.
+EXPIRY_SWEEP_INTERVAL_S = 1.0
+#: In-flight calls get this long to finish on SIGTERM/SIGINT.
+STOP_GRACE_S = 1.0
+_PARENT_POLL_S = 1.0
+
+_SERVER_OPTIONS = [
+    # Two servers must never silently share a port (a restarted replica must own its port).
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Cache clients keep one channel per server for the life of a process; let them keep alive.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+]
+
+
+def format_endpoint(host: str, port: int) -> str:
+    """``host:port``, with IPv6 literals in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class CacheServicer(acs_pb2_grpc.CacheServicer):
+    """The gRPC handlers: thin translations between protobuf messages and :class:`Store` calls."""
+
+    def __init__(self, store: Store, role: str) -> None:
+        self.store = store
+        self.role = role
+        self.started_at = time.monotonic()
+
+    def Get(self, request, context):  # noqa: N802 (gRPC method name)
+        """Batched get: per key ``found``, ``versions`` and ``sizes``, the values concatenated in ``data``.
+
+        Absent or expired keys answer ``found=False``, size 0 and version 0.
+        """
+        entries = self.store.get_many(request.keys)
+        values = [e.value if e is not None else b"" for e in entries]
+        return acs_pb2.GetResponse(
+            found=[e is not None for e in entries],
+            data=b"".join(values),
+            sizes=[len(v) for v in values],
+            versions=[e.version if e is not None else 0 for e in entries],
+        )
+
+    def Put(self, request, context):  # noqa: N802
+        """Batched versioned put; answers one ``PutStatus`` per key.
+
+        Values come concatenated in ``data`` and are split by ``sizes``; ``ttl_ms`` 0 means the
+        server's default TTL. Aborts with ``INVALID_ARGUMENT`` when the counts of keys, sizes and
+        versions, or the sizes and the data length, disagree.
+        """
+        keys, sizes, versions = request.keys, list(request.sizes), request.versions
+        data = request.data
+        if not (len(keys) == len(sizes) == len(versions)) or sum(sizes) != len(data):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"put: {len(keys)} keys, {len(sizes)} sizes and {len(versions)} versions, "
+                f"sizes summing to {sum(sizes)} for {len(data)} data bytes; they must agree",
+            )
+        values = []
+        offset = 0
+        for size in sizes:
+            values.append(data[offset : offset + size])
+            offset += size
+        ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
+        results = self.store.put_many(zip(keys, values, versions), ttl_s=ttl_s)
+        return acs_pb2.PutResponse(status=results)
+
+    def CompareAndSet(self, request, context):  # noqa: N802
+        """Set a key to ``value`` if it holds ``expected`` (or is absent, with ``expect_absent``).
+
+        Answers whether it swapped and the entry stored after the call. Aborts with
+        ``INVALID_ARGUMENT`` when the entry could never fit in the store.
+        """
+        ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
+        expected = None if request.expect_absent else request.expected
+        try:
+            swapped, entry = self.store.compare_and_set(
+                request.key, expected, request.value, version=request.version, ttl_s=ttl_s
+            )
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"compare_and_set: {exc}")
+        if entry is None:
+            return acs_pb2.CompareAndSetResponse(swapped=swapped, found=False)
+        return acs_pb2.CompareAndSetResponse(
+            swapped=swapped, found=True, value=entry.value, version=entry.version
+        )
+
+    def Delete(self, request, context):  # noqa: N802
+        """Delete keys; answers how many were present."""
+        return acs_pb2.DeleteResponse(deleted=self.store.delete_many(request.keys))
+
+    def stats_values(self) -> Dict[str, int]:
+        """The store's stats plus this process's ``rss_bytes`` (what ``Stats`` and ``/metrics`` report)."""
+        values = self.store.stats()
+        values["rss_bytes"] = _rss_bytes()
+        return values
+
+    def Stats(self, request, context):  # noqa: N802
+        """The role, :meth:`stats_values` and the uptime in seconds."""
+        return acs_pb2.StatsResponse(
+            role=self.role,
+            values=self.stats_values(),
+            uptime_s=time.monotonic() - self.started_at,
+        )
+
+    def Health(self, request, context):  # noqa: N802
+        """Serving (always, while the process answers), with the role and the uptime in seconds."""
+        return acs_pb2.HealthResponse(
+            serving=True, role=self.role, uptime_s=time.monotonic() - self.started_at
+        )
+
+
+class _TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses calls whose ``authorization`` metadata is not the shared token."""
+
+    def __init__(self, token: str) -> None:
+        self._accepted = (token.encode(), f"Bearer {token}".encode())
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cache token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                if any(hmac.compare_digest(given, ok) for ok in self._accepted):
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+_METRIC_HELP = {
+    "entries": ("gauge", "Entries held (expired ones not yet swept included)."),
+    "used_bytes": ("gauge", "Charged bytes held: key + value + per-entry overhead."),
+    "capacity_bytes": ("gauge", "Configured capacity in charged bytes."),
+    "gc_start_bytes": ("gauge", "GC starts above this many charged bytes."),
+    "gc_low_bytes": ("gauge", "GC evicts down to this many charged bytes."),
+    "max_entry_bytes": ("gauge", "Largest charged size one entry may have."),
+    "entry_overhead_bytes": ("gauge", "Bytes charged per entry on top of key and value."),
+    "default_ttl_ms": ("gauge", "TTL of puts that carry none, in milliseconds."),
+    "ttl_groups": ("gauge", "Distinct TTLs in use."),
+    "rss_bytes": ("gauge", "Resident set size of the server process."),
+}
+
+
+def render_metrics(role: str, values: Dict[str, int], uptime_s: float) -> str:
+    """Prometheus text exposition (format 0.0.4) of a server's stats."""
+    lines: List[str] = []
+    label = f'{{role="{role}"}}'
+    for name in sorted(values):
+        kind, text = _METRIC_HELP.get(name, ("counter" if name.endswith("_total") else "gauge", ""))
+        metric = f"acs_cache_{name}"
+        lines.append(f"# HELP {metric} {text or name.replace('_', ' ')}")
+        lines.append(f"# TYPE {metric} {kind}")
+        lines.append(f"{metric}{label} {values[name]}")
+    lines.append("# HELP acs_cache_uptime_seconds Seconds since the server started.")
+    lines.append("# TYPE acs_cache_uptime_seconds gauge")
+    lines.append(f"acs_cache_uptime_seconds{label} {uptime_s:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def _metrics_handler(servicer: CacheServicer) -> type:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server API)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body = render_metrics(
+                    servicer.role, servicer.stats_values(), time.monotonic() - servicer.started_at
+                ).encode()
+                ctype = "text/plain; version=0.0.4; charset=utf-8"
+                status = 200
+            elif path == "/healthz":
+                body, ctype, status = b"ok\n", "text/plain; charset=utf-8", 200
+            else:
+                body, ctype, status = b"not found; try /metrics or /healthz\n", "text/plain", 404
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args):  # noqa: A002 - scrapes every few seconds; keep logs quiet
+            return
+
+    return Handler
+
+
+class _HTTPServer6(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+class CacheServer:
+    """One cache replica: gRPC server + store + metrics endpoint + expiry sweeper.
+
+    Parameters
+    ----------
+    role : {"data", "metadata"}
+    host : str
+        Interface to bind (both gRPC and metrics).
+    port : int
+        gRPC port; 0 picks a free one (see :attr:`port` after :meth:`start`).
+    capacity_bytes : int
+    ttl_s : float
+        Default TTL of entries.
+    metrics_port : int or None
+        HTTP metrics port; 0 picks a free one, ``None`` disables the endpoint.
+    token : str, optional
+        Shared token every call must carry.
+    threads : int
+        gRPC worker threads.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = 0,
+        capacity_bytes: Optional[int] = None,
+        ttl_s: Optional[float] = None,
+        metrics_port: Optional[int] = 0,
+        token: Optional[str] = None,
+        threads: int = DEFAULT_SERVER_THREADS,
+    ) -> None:
+        if role not in ROLES:
+            raise AcsOptionError(f"role: {role!r} is not a role; use one of: {', '.join(ROLES)}", option="role")
+        self.role = role
+        self.host = host
+        self.requested_port = port
+        self.store = Store(
+            capacity_bytes if capacity_bytes is not None else DEFAULT_CAPACITY_BYTES[role],
+            ttl_s if ttl_s is not None else ROLE_DEFAULT_TTL_S[role],
+        )
+        self.servicer = CacheServicer(self.store, role)
+        self.metrics_port_requested = metrics_port
+        self.token = token
+        self.threads = threads
+        self.port = 0
+        self.metrics_port: Optional[int] = None
+        self._server: Optional[grpc.Server] = None
+        self._http: Optional[http.server.ThreadingHTTPServer] = None
+        self._stopping = threading.Event()
+        self._threads: List[threading.Thread] = []
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the gRPC service (after :meth:`start`)."""
+        return format_endpoint(self.host, self.port)
+
+    @property
+    def metrics_url(self) -> Optional[str]:
+        """URL of ``/metrics`` (after :meth:`start`), or ``None`` when disabled."""
+        if self.metrics_port is None:
+            return None
+        return f"http://{format_endpoint(self.host, self.metrics_port)}/metrics"
+
+    def start(self) -> None:
+        """Bind and start serving.
+
+        Raises
+        ------
+        OSError
+            If a port cannot be bound; the message names it.
+        """
+        interceptors = [_TokenInterceptor(self.token)] if self.token else []
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="acs-cache"),
+            options=_SERVER_OPTIONS,
+            interceptors=interceptors,
+        )
+        acs_pb2_grpc.add_CacheServicer_to_server(self.servicer, server)
+        address = format_endpoint(self.host, self.requested_port)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
+            raise OSError(f"cannot bind the cache gRPC port {address}: {exc}") from exc
+        if port == 0:  # older grpc releases report failure as port 0
+            raise OSError(f"cannot bind the cache gRPC port {address} (in use or not a local address?)")
+        self.port = port
+        if self.metrics_port_requested is not None:
+            host = self.host.strip("[]")
+            server_class = _HTTPServer6 if ":" in host else http.server.ThreadingHTTPServer
+            try:
+                self._http = server_class((host, self.metrics_port_requested), _metrics_handler(self.servicer))
+            except OSError as exc:
+                server.stop(None)
+                raise OSError(
+                    f"cannot bind the metrics port "
+                    f"{format_endpoint(self.host, self.metrics_port_requested)}: {exc}"
+                ) from exc
+            self._http.daemon_threads = True
+            self.metrics_port = self._http.server_address[1]
+            http_server = self._http
+            # A short poll interval keeps shutdown() (on SIGTERM) quick.
+            self._spawn("acs-cache-metrics", lambda: http_server.serve_forever(poll_interval=0.1))
+        server.start()
+        self._server = server
+        self._spawn("acs-cache-expiry", self._sweep_expired)
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _sweep_expired(self) -> None:
+        while not self._stopping.wait(EXPIRY_SWEEP_INTERVAL_S):
+            self.store.expire()
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """Stop serving; in-flight calls get ``grace`` seconds. Idempotent."""
+        self._stopping.set()
+        if self._server is not None:
+            self._server.stop(grace).wait(grace + 1.0)
+            self._server = None
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        for thread in self._threads:
+            thread.join(timeout=grace + 1.0)
+        self._threads = []
+
+    def banner(self) -> str:
+        """The one start-up line parents parse (see the module docstring)."""
+        metrics = self.metrics_url or "off"
+        return f"acs-cache-server role={self.role} listening on {self.endpoint} metrics={metrics}"
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def _flag_type(flag: str, parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse ``type=`` that turns :class:`AcsOptionError` into a message naming ``flag``."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except AcsOptionError as exc:
+            message = str(exc)
+            if message.startswith(f"{flag}: "):  # argparse already says "argument --flag:"
+                message = message[len(flag) + 2 :]
+            raise argparse.ArgumentTypeError(message) from exc
+
+    convert.__name__ = flag.lstrip("-")
+    return convert
+
+
+def _port(text: str, *, flag: str, allow_off: bool = False) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise AcsOptionError(f"{flag}: {text!r} is not a port number (0-65535)", option=flag) from None
+    if allow_off and value == -1:
+        return -1
+    if not 0 <= value <= 65535:
+        raise AcsOptionError(f"{flag}: {value} is not a port number (0-65535)", option=flag)
+    return value
+
+
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise AcsOptionError(f"--threads: {text!r} is not a whole number", option="--threads") from None
+    if not 1 <= value <= 1024:
+        raise AcsOptionError(f"--threads: {value} must be between 1 and 1024", option="--threads")
+    return value
+
+
+def _pid(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise AcsOptionError(f"--parent-pid: {text!r} is not a process id", option="--parent-pid") from None
+    if value < 1:
+        raise AcsOptionError(f"--parent-pid: {value} is not a process id", option="--parent-pid")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``acs-cache-server`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="acs-cache-server",
+        description="Run one replica of the pyspark_acs data or metadata cache (gRPC).",
+    )
+    parser.add_argument("--role", required=True, choices=ROLES, help="which cache this replica serves")
+    parser.add_argument(
+        "--port", type=_flag_type("--port", lambda t: _port(t, flag="--port")), default=0,
+        help="gRPC port; 0 (default) picks a free port and prints it",
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"interface to bind (default {DEFAULT_HOST})")
+    parser.add_argument(
+        "--capacity",
+        type=_flag_type("--capacity", lambda t: parse_bytes(t, option="--capacity", minimum=MIN_CAPACITY_BYTES)),
+        default=None,
+        help="memory for entries, e.g. 1GiB (default: 1GiB data, 256MiB metadata); "
+        "GC starts at 80%% and evicts least-recently-modified entries down to 70%%",
+    )
+    parser.add_argument(
+        "--ttl",
+        type=_flag_type("--ttl", lambda t: parse_duration(t, option="--ttl", minimum=0.001)),
+        default=None,
+        help="default time to live of entries, e.g. 60s (default: 60s data, 24h metadata)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=_flag_type("--metrics-port", lambda t: _port(t, flag="--metrics-port", allow_off=True)),
+        default=0,
+        help="HTTP port of /metrics and /healthz; 0 (default) picks a free one, -1 disables it",
+    )
+    parser.add_argument(
+        "--token", default=os.environ.get("ACS_CACHE_TOKEN") or None,
+        help="shared token clients must send as 'authorization: Bearer TOKEN' "
+        "(default: $ACS_CACHE_TOKEN, else no check)",
+    )
+    parser.add_argument(
+        "--threads", type=_flag_type("--threads", _threads), default=DEFAULT_SERVER_THREADS,
+        help=f"gRPC worker threads (default {DEFAULT_SERVER_THREADS})",
+    )
+    parser.add_argument(
+        "--parent-pid", type=_flag_type("--parent-pid", _pid), default=None,
+        help="stop when this process exits (used by test and local deployments)",
+    )
+    return parser
+
+
+def _watch_parent(pid: int, stop: threading.Event) -> None:
+    while not stop.wait(_PARENT_POLL_S):
+        if os.getppid() != pid:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                stop.set()
+            except PermissionError:
+                pass  # alive, owned by someone else
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``acs-cache-server``; returns the exit status (2 for bad flags)."""
+    args = build_parser().parse_args(argv)  # exits 2 with a message naming the flag
+    token = args.token
+    if token is not None and not token.strip():
+        print("acs-cache-server: error: argument --token: must not be empty", file=sys.stderr)
+        return 2
+    server = CacheServer(
+        args.role,
+        host=args.host,
+        port=args.port,
+        capacity_bytes=args.capacity,
+        ttl_s=args.ttl,
+        metrics_port=None if args.metrics_port == -1 else args.metrics_port,
+        token=token,
+        threads=args.threads,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            server.start()
+        except OSError as exc:
+            print(f"acs-cache-server: error: {exc}", file=sys.stderr)
+            return 1
+        print(server.banner(), flush=True)
+        if args.parent_pid is not None:
+            threading.Thread(
+                target=_watch_parent, args=(args.parent_pid, stop), name="acs-parent-watch", daemon=True
+            ).start()
+        while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+            pass
+        print(f"acs-cache-server role={server.role} {server.endpoint} stopping", file=sys.stderr, flush=True)
+        server.stop()
+        print(f"acs-cache-server role={server.role} {server.endpoint} stopped", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

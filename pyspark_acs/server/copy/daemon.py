@@ -1,0 +1,262 @@
+"""The copy daemon: tail-copies streams from cluster to cluster along the copy tree.
+
+Run one per cluster::
+
+    acs-copy-daemon --topology topology.json --cluster B [--workers 64] [--replica 0/1] [--set poll_interval=20ms]
+    spark-submit jars-free/copy_daemon.py --topology topology.json --cluster B
+
+It serves the gRPC ``Copy`` service (``proto/copy.proto``) on its cluster's ``copy_daemon``
+address (the writer side: bytes from the parent cluster land in this cluster's durable
+store and caches), and runs readers for the hops where its cluster is the parent (the
+scheduler, :mod:`~pyspark_acs.server.copy.scheduler`). Health probes of the other clusters
+rebuild the trees when a cluster fails (:mod:`~pyspark_acs.server.copy.health`); the
+topology file is reread when it changes. ``/metrics`` serves Prometheus metrics.
+
+Once listening it prints one line on stdout (parents parse it)::
+
+    acs-copy-daemon cluster=B listening on 127.0.0.1:PORT metrics=http://127.0.0.1:MPORT/metrics
+
+Bad flags, a bad topology file or a ``--cluster`` not in it exit with status 2 and a message.
+SIGTERM and SIGINT stop it gracefully (operations release their leases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+from concurrent import futures
+from typing import Dict, Optional, Sequence
+
+import grpc
+
+from pyspark_acs.errors import AcsError, AcsOptionError, TopologyError
+from pyspark_acs.options import parse_options
+from pyspark_acs.server.copy.cluster import ClusterIO
+from pyspark_acs.server.copy.health import HealthMonitor
+from pyspark_acs.server.copy.metrics import CopyMetrics, MetricsHTTPServer
+from pyspark_acs.server.copy.options import CopyDaemonOptions
+from pyspark_acs.server.copy.scheduler import CopyScheduler
+from pyspark_acs.server.copy.writer import CopyServicer
+from pyspark_acs.server.copy.proto import copy_pb2_grpc
+from pyspark_acs.server.copy.topology import load_topology
+
+__all__ = ["MAX_MESSAGE_BYTES", "STOP_GRACE_S", "CopyDaemon", "build_parser", "main"]
+
+log = logging.getLogger("pyspark_acs.copy")
+
+#: Largest gRPC message: a delta (max_delta_bytes, or one large block) plus headers.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+#: In-flight RPCs get this long to finish at shutdown.
+STOP_GRACE_S = 2.0
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+_PARENT_POLL_S = 0.5
+
+
+class CopyDaemon:
+    """One cluster's copy daemon (writer service + scheduler + health + metrics).
+
+    Parameters
+    ----------
+    topology_path : str
+        The topology file (JSON or TOML).
+    cluster : str
+        This daemon's cluster; must be in the file.
+    options : CopyDaemonOptions, optional
+
+    Raises
+    ------
+    TopologyError
+        For a bad file or an unknown cluster.
+    """
+
+    def __init__(self, topology_path: str, cluster: str, options: Optional[CopyDaemonOptions] = None) -> None:
+        self.options = options or CopyDaemonOptions()
+        self.topology_path = str(topology_path)
+        topology = load_topology(self.topology_path)
+        self.cluster = topology.cluster(cluster).name
+        self.io = ClusterIO(topology.cluster(cluster))
+        self.metrics = CopyMetrics(self.cluster)
+        i, n = self.options.replica
+        self.operation_prefix = f"{self.cluster}_r{i}of{n}_{secrets.token_hex(3)}"
+        # _lock guards _channels (gRPC channels to other daemons, by address).
+        self._lock = threading.Lock()
+        self._channels: Dict[str, grpc.Channel] = {}
+        self.scheduler = CopyScheduler(
+            self.cluster, self.topology_path, topology, self.io, self.options, self.metrics,
+            self.stub_for, self.operation_prefix,
+        )
+        # Lengths this daemon's writers publish wake its own readers of the next hop at once.
+        self.servicer = CopyServicer(self.io, self.options, self.metrics, reading=self.scheduler.running,
+                                     on_published=self.scheduler.poller.notify)
+        self.health = HealthMonitor(
+            self.cluster, self.options.health_interval, self.options.unhealthy_after, self.stub_for,
+            self.scheduler.set_unhealthy,
+        )
+        self.health.set_topology(topology)
+        self.scheduler.topology_listeners.append(self.health.set_topology)
+        self._server: Optional[grpc.Server] = None
+        self._http: Optional[MetricsHTTPServer] = None
+        self.port = 0
+
+    def stub_for(self, cluster: str) -> copy_pb2_grpc.CopyStub:
+        """A stub of ``cluster``'s copy daemon (channels are shared per address)."""
+        address = self.scheduler.topology.cluster(cluster).copy_daemon
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                self._channels[address] = channel
+        return copy_pb2_grpc.CopyStub(channel)
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the copy service (port 0 before :meth:`start`)."""
+        return f"{self.options.host}:{self.port}"
+
+    def start(self) -> "CopyDaemon":
+        """Listen, then start health checks and the scheduler.
+
+        Raises
+        ------
+        OSError
+            When the copy-daemon or metrics port cannot be bound.
+        """
+        address = self.io.cluster.copy_daemon
+        port = int(address.rsplit(":", 1)[1])
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max(32, 4 * self.options.workers), thread_name_prefix="acs-copy-rpc"),
+            options=_CHANNEL_OPTIONS,
+        )
+        copy_pb2_grpc.add_CopyServicer_to_server(self.servicer, server)
+        bound = server.add_insecure_port(f"{self.options.host}:{port}")
+        if not bound:
+            raise OSError(f"cannot bind the copy daemon port {self.options.host}:{port} (cluster {self.cluster})")
+        server.start()
+        self._server = server
+        self.port = bound
+        if self.options.metrics_port >= 0:
+            try:
+                self._http = MetricsHTTPServer(self.metrics, self.options.host, self.options.metrics_port)
+            except OSError as exc:
+                server.stop(None)
+                raise OSError(f"cannot bind the metrics port {self.options.host}:{self.options.metrics_port}: {exc}") from exc
+            self._http.start()
+        self.health.start()
+        self.scheduler.start()
+        return self
+
+    def banner(self) -> str:
+        """The start-up line printed on stdout, which parent processes parse; call after :meth:`start`."""
+        metrics = f"http://{self.options.host}:{self._http.port}/metrics" if self._http else "off"
+        return f"acs-copy-daemon cluster={self.cluster} listening on {self.endpoint} metrics={metrics}"
+
+    def stop(self) -> None:
+        """Stop operations (releasing leases), then the servers. Idempotent."""
+        self.servicer.serving = False
+        self.health.stop()
+        self.scheduler.stop()
+        if self._server is not None:
+            self._server.stop(STOP_GRACE_S).wait(STOP_GRACE_S + 1)
+            self._server = None
+        if self._http is not None:
+            self._http.stop()
+            self._http = None
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+        self.io.close()
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``acs-copy-daemon`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="acs-copy-daemon",
+        description="Copy streams from cluster to cluster along their copy trees (Fast ACS).",
+    )
+    p.add_argument("--topology", required=True, metavar="FILE", help="topology file (.json or .toml)")
+    p.add_argument("--cluster", required=True, metavar="NAME", help="this daemon's cluster (a name in the file)")
+    p.add_argument("--workers", default=None, help="concurrent operations (default 64)")
+    p.add_argument("--replica", default=None, metavar="I/N", help="own hash range I of N of the operations (default 0/1)")
+    p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--metrics-port", default=None, help="HTTP /metrics port; 0 = any free port (default), -1 = off")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
+                   help="any daemon setting, e.g. poll_interval=20ms, max_bytes_per_second=10MiB (repeatable)")
+    p.add_argument("--parent-pid", type=int, default=None, help="stop when this process exits (tests)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def _options(args: argparse.Namespace) -> CopyDaemonOptions:
+    raw: Dict[str, str] = {}
+    for item in args.settings:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise AcsOptionError(f"--set: {item!r} is not NAME=VALUE", option="--set")
+        raw[name.strip()] = value.strip()
+    for flag, name in (("workers", "workers"), ("replica", "replica"), ("host", "host"), ("metrics_port", "metrics_port")):
+        value = getattr(args, flag)
+        if value is not None:
+            raw[name] = value
+    return parse_options(CopyDaemonOptions, raw, component="acs-copy-daemon")
+
+
+def _watch_parent(pid: int, stop: threading.Event) -> None:
+    while not stop.wait(_PARENT_POLL_S):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            stop.set()
+        except PermissionError:
+            pass
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``acs-copy-daemon``; returns the exit status (2 for bad usage or topology)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = _options(args)
+        daemon = CopyDaemon(args.topology, args.cluster, options)
+    except (TopologyError, AcsOptionError) as exc:
+        print(f"acs-copy-daemon: error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda s, f: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            daemon.start()
+        except (OSError, AcsError) as exc:
+            print(f"acs-copy-daemon: error: {exc}", file=sys.stderr)
+            daemon.stop()
+            return 1
+        print(daemon.banner(), flush=True)
+        if args.parent_pid is not None:
+            threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
+        while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+            pass
+        log.info("stopping")
+        daemon.stop()
+        log.info("stopped")
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Settings of the copy daemon: one frozen options dataclass, parsed from ``name=value`` strings.
+
+Every setting has a named default with its unit. ``acs-copy-daemon`` takes the common ones
+as flags (``--workers``, ``--replica``) and any of them as ``--set name=value``; unknown
+names are refused with the list of valid ones (:func:`pyspark_acs.options.parse_options`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.options import bytes_parser, duration_parser, option, parse_int, parse_str
+
+__all__ = [
+    "DEFAULT_CACHE_WINDOW",
+    "DEFAULT_CATCHUP_BYTES",
+    "DEFAULT_CHUNK_TTL_S",
+    "DEFAULT_HEALTH_INTERVAL_S",
+    "DEFAULT_HOST",
+    "DEFAULT_LEASE_SECONDS",
+    "DEFAULT_LISTING_INTERVAL_S",
+    "DEFAULT_MAX_DELTA_BYTES",
+    "DEFAULT_POLL_INTERVAL_S",
+    "DEFAULT_RETRY_S",
+    "DEFAULT_UNHEALTHY_AFTER_S",
+    "DEFAULT_WORKERS",
+    "CopyDaemonOptions",
+    "parse_replica",
+]
+
+#: Interface the daemon's gRPC and metrics servers bind (loopback unless told otherwise).
+DEFAULT_HOST = "127.0.0.1"
+#: Concurrently running operations per daemon (threads; each tails one file to one storage
+#: of one child).
+DEFAULT_WORKERS = 64
+#: How often a reader polls the source lengths (paper: 50 ms for copy readers).
+DEFAULT_POLL_INTERVAL_S = 0.05
+#: How often the scheduler lists the durable store for files the head keys did not name.
+DEFAULT_LISTING_INTERVAL_S = 1.0
+#: How often the daemon probes other clusters' daemons and caches.
+DEFAULT_HEALTH_INTERVAL_S = 1.0
+#: A cluster failing every probe for this long is unhealthy (pushed to a leaf of the tree).
+DEFAULT_UNHEALTHY_AFTER_S = 3.0
+#: An operation this many bytes behind copies durable only and starts its cache copy near
+#: the head (catch-up mode, so a backlog does not flood the caches).
+DEFAULT_CATCHUP_BYTES = 8 * 1024 * 1024
+#: Chunk TTL of the data cache: cache bytes older than this are useless to copy.
+DEFAULT_CHUNK_TTL_S = 60.0
+#: Largest delta per message (whole blocks; a single larger block is sent whole).
+DEFAULT_MAX_DELTA_BYTES = 4 * 1024 * 1024
+#: Cache deltas in flight (sent, not yet acknowledged) per cache operation.
+DEFAULT_CACHE_WINDOW = 16
+#: Writer lease duration per (file, storage); a dead writer is superseded within ~1 s.
+DEFAULT_LEASE_SECONDS = 3.0
+#: Back-off of an operation after an error before it reconnects.
+DEFAULT_RETRY_S = 0.5
+
+
+def parse_replica(value: Any, name: str = "replica") -> Tuple[int, int]:
+    """Parse ``"i/n"`` (replica ``i`` of ``n``, ``0 <= i < n``) into ``(i, n)``."""
+    if isinstance(value, tuple):
+        i, n = value
+    else:
+        text = str(value).strip()
+        left, sep, right = text.partition("/")
+        try:
+            i, n = int(left), int(right)
+        except ValueError:
+            raise AcsOptionError(f"{name}: {value!r} is not i/n (e.g. 0/2)", option=name) from None
+        if not sep:
+            raise AcsOptionError(f"{name}: {value!r} is not i/n (e.g. 0/2)", option=name)
+    if n < 1 or not 0 <= i < n:
+        raise AcsOptionError(f"{name}: {value!r} needs n >= 1 and 0 <= i < n", option=name)
+    return (i, n)
+
+
+def _rate(value: Any, name: str) -> int:
+    """Bytes per second; 0 means no cap."""
+    return bytes_parser(0)(value, name)
+
+
+@dataclass(frozen=True)
+class CopyDaemonOptions:
+    """Validated copy-daemon settings (names as given to ``--set name=value``)."""
+
+    host: str = option("host", DEFAULT_HOST, parse=parse_str, doc="interface to bind")
+    workers: int = option("workers", DEFAULT_WORKERS, parse=parse_int(1, 4096), doc="concurrent operations")
+    replica: Tuple[int, int] = option(
+        "replica", (0, 1), parse=parse_replica, doc="i/n: this replica owns hash range i of n of the operations"
+    )
+    poll_interval: float = option(
+        "poll_interval", DEFAULT_POLL_INTERVAL_S, parse=duration_parser(0.001), doc="source length polling interval"
+    )
+    listing_interval: float = option(
+        "listing_interval", DEFAULT_LISTING_INTERVAL_S, parse=duration_parser(0.01),
+        doc="durable listing interval for file discovery",
+    )
+    health_interval: float = option(
+        "health_interval", DEFAULT_HEALTH_INTERVAL_S, parse=duration_parser(0.01), doc="health probe interval"
+    )
+    unhealthy_after: float = option(
+        "unhealthy_after", DEFAULT_UNHEALTHY_AFTER_S, parse=duration_parser(0.01),
+        doc="failing probes for this long make a cluster unhealthy",
+    )
+    max_bytes_per_second: int = option(
+        "max_bytes_per_second", 0, parse=_rate, doc="rate cap per operation in bytes/s (0 = none)"
+    )
+    catchup_bytes: int = option(
+        "catchup_bytes", DEFAULT_CATCHUP_BYTES, parse=bytes_parser(1),
+        doc="an operation further behind copies durable only; its cache copy starts near the head",
+    )
+    chunk_ttl: float = option(
+        "chunk_ttl", DEFAULT_CHUNK_TTL_S, parse=duration_parser(0.001), doc="data cache chunk TTL"
+    )
+    max_delta_bytes: int = option(
+        "max_delta_bytes", DEFAULT_MAX_DELTA_BYTES, parse=bytes_parser(4096), doc="largest delta per message"
+    )
+    cache_window: int = option(
+        "cache_window", DEFAULT_CACHE_WINDOW, parse=parse_int(1, 1024), doc="unacknowledged cache deltas in flight"
+    )
+    lease_seconds: float = option(
+        "lease_seconds", DEFAULT_LEASE_SECONDS, parse=duration_parser(0.1), doc="writer lease duration"
+    )
+    retry: float = option("retry", DEFAULT_RETRY_S, parse=duration_parser(0.001), doc="back-off after an error")
+    metrics_port: int = option(
+        "metrics_port", 0, parse=parse_int(-1, 65535), doc="HTTP /metrics port (0 = any free port, -1 = off)"
+    )

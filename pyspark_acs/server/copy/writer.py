@@ -1,0 +1,434 @@
+"""The writer side of a copy operation: the child cluster's daemon serves the ``Copy`` RPC.
+
+One bidirectional stream is one operation (a file, one storage). The first request is a
+hello: the writer takes the operation's lease in its metadata cache (poisoning an older
+operation for the same file and storage: make-before-break), works out where the copy
+continues and answers with that length. Every later request is a delta of whole blocks;
+the writer writes it, publishes the new length, and acknowledges it.
+
+Durable operations (paper section 2.4, "Writers"): single-threaded appends. Before each
+append the writer checks that the delta starts exactly at the destination file's length
+(a gap or overlap is answered with RESTART and the destination length, and the reader
+continues from there), then publishes ``durable_length`` in the metadata cache.
+
+Cache operations: a :class:`~pyspark_acs.cache.chunks.ChunkWriter` per file writes complete chunks
+in parallel and rewrites the partial last chunk from its start, serialized; the
+``cache_length`` is published after every chunk below it is written. Where the destination
+cache lost the file (no cache length), the copy starts at the destination's durable length
+with the prefix of that chunk read back from the durable store (paper section 3, "Start
+position for cache copies"); a reader in catch-up mode may instead jump ahead to a chunk
+boundary near the head.
+
+Both kinds set the shard's head key and make sure the stream's ``_stream.json`` exists, so
+consumers in the destination cluster find the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+import grpc
+
+from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader, ChunkWriter
+from pyspark_acs.errors import AcsError, CacheError, LeasePoisonedError, StoreError, WriterConflictError
+from pyspark_acs.cache.metadata import MetadataLease
+from pyspark_acs.format.names import parse_file_name, validate_shard, validate_stream
+from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, publish_delay
+from pyspark_acs.server.copy.metrics import CopyMetrics
+from pyspark_acs.server.copy.options import CopyDaemonOptions
+from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
+
+__all__ = ["DELAY_PUBLISH_INTERVAL_S", "CopyServicer"]
+
+log = logging.getLogger(__name__)
+
+#: How often a writer records the delivery delay in the metadata cache (per operation).
+DELAY_PUBLISH_INTERVAL_S = 0.5
+_STORAGE_NAMES = {copy_pb2.DURABLE: DURABLE, copy_pb2.CACHE: CACHE}
+
+
+def _ack(status: int, length: int, message: str = "", durable_length: int = 0) -> copy_pb2.CopyAck:
+    return copy_pb2.CopyAck(status=status, length=length, message=message, durable_length=durable_length)
+
+
+class _Generations:
+    """Per (file, storage) generation counters of this process: a newer operation for the
+    same target makes older ones in this process stop even when the metadata cache (and its
+    leases) is down. ``_lock`` guards ``_gen``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._gen: Dict[Tuple[str, str], int] = {}
+
+    def claim(self, target: Tuple[str, str]) -> int:
+        with self._lock:
+            n = self._gen.get(target, 0) + 1
+            self._gen[target] = n
+            return n
+
+    def current(self, target: Tuple[str, str]) -> int:
+        with self._lock:
+            return self._gen.get(target, 0)
+
+
+class _OpWriter:
+    """State shared by durable and cache writers. Used by one server thread only."""
+
+    storage = ""
+
+    def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
+        self.s = servicer
+        self.io: ClusterIO = servicer.io
+        self.stream = validate_stream(hello.stream)
+        self.shard = validate_shard(hello.shard)
+        parse_file_name(hello.file)
+        self.file = hello.file
+        self.rel = f"{self.stream}/{self.shard:05d}/{self.file}"
+        self.uri = self.io.uri(self.rel)
+        self.shard_uri = self.io.shard_uri(self.stream, self.shard)
+        self.shards = hello.shards
+        self.operation = hello.operation or "unknown"
+        self.source = hello.source_cluster or "?"
+        self.target = (self.rel, self.storage)
+        self.lease: Optional[MetadataLease] = None
+        self.generation = 0
+        self.position = 0
+        self._delay_published = 0.0
+
+    def what(self) -> str:
+        return f"copy of {self.uri} [{self.storage}] from {self.source}"
+
+    def take_lease(self) -> None:
+        """Poison and take over the lease of an older operation on the same target."""
+        self.generation = self.s.generations.claim(self.target)
+        lease = self.io.meta.lease(
+            f"{self.uri}#{self.storage}", self.operation, self.what(), seconds=self.s.options.lease_seconds
+        )
+        try:
+            lease.acquire(timeout=3 * self.s.options.lease_seconds)
+            self.lease = lease
+        except CacheError as exc:
+            # Availability first (paper section 3): leases only optimise; the start-position
+            # check and the per-process generation keep a second writer from clobbering.
+            log.warning("%s: metadata cache unavailable for the lease, writing without it: %s", self.what(), exc)
+
+    def superseded(self) -> bool:
+        """True when a newer operation took this target over (here or in another process)."""
+        if self.s.generations.current(self.target) != self.generation:
+            return True
+        if self.lease is not None and self.lease.due():
+            try:
+                self.lease.check()
+            except LeasePoisonedError:
+                return True
+            except CacheError as exc:
+                log.debug("%s: lease check skipped, metadata cache unavailable: %s", self.what(), exc)
+        return False
+
+    def prepare_destination(self) -> None:
+        """Make the stream findable in this cluster: _stream.json and the shard head."""
+        if self.shards > 0:
+            self.s.ensure_stream(self.stream, self.shards)
+        try:
+            self.io.meta.set_head(self.shard_uri, self.file)
+        except CacheError as exc:
+            log.debug("%s: head not set, metadata cache unavailable: %s", self.what(), exc)
+
+    def note_delay(self, req: copy_pb2.CopyRequest, nbytes: int) -> None:
+        self.s.metrics.inc("bytes_total", nbytes, stream=self.stream, source=self.source,
+                           target=self.io.name, storage=self.storage)
+        if req.last_timestamp_us <= 0:
+            return
+        delay = max(0.0, time.time() - req.last_timestamp_us / 1e6)
+        self.s.metrics.set("delay_seconds", delay, stream=self.stream, shard=self.shard,
+                           cluster=self.io.name, storage=self.storage)
+        now = time.monotonic()
+        if now - self._delay_published >= DELAY_PUBLISH_INTERVAL_S:
+            self._delay_published = now
+            try:
+                publish_delay(self.io.meta, self.shard_uri, self.storage, delay, self.source)
+            except CacheError:
+                pass  # a metric only; the next delta tries again
+
+    def open(self) -> copy_pb2.CopyAck:
+        raise NotImplementedError
+
+    def write(self, req: copy_pb2.CopyRequest) -> copy_pb2.CopyAck:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+
+class _DurableWriter(_OpWriter):
+    storage = DURABLE
+
+    def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
+        super().__init__(servicer, hello)
+        self.appender = None
+
+    def open(self) -> copy_pb2.CopyAck:
+        self.take_lease()
+        self.prepare_destination()
+        # Reopen the destination file: the length on disk is the truth (a restarted writer
+        # may have left a partial delta; its bytes are a correct prefix of the source's).
+        self.appender = self.io.store.open_appender(self.rel)
+        self.position = self.appender.position
+        if self.position:
+            # A writer killed between append and publish left the published length behind.
+            try:
+                self.io.meta.publish(self.uri, durable_length=self.position)
+            except CacheError as exc:
+                log.debug("%s: durable length not published: %s", self.what(), exc)
+            self.s.published(self.rel, durable_length=self.position)
+        return _ack(copy_pb2.OK, self.position, durable_length=self.position)
+
+    def write(self, req: copy_pb2.CopyRequest) -> copy_pb2.CopyAck:
+        if self.superseded():
+            return _ack(copy_pb2.POISONED, self.position, "a newer operation took this file over")
+        actual = self.io.store.length(self.rel)
+        if actual != self.appender.position:
+            # Someone else appended (a stale writer): reopen so our view is the file's.
+            self.appender.close()
+            self.appender = self.io.store.open_appender(self.rel)
+        self.position = actual
+        if req.start != actual:
+            kind = "gap" if req.start > actual else "overlap"
+            self.s.metrics.inc("errors_total", kind=f"durable_{kind}")
+            return _ack(copy_pb2.RESTART, actual, f"{kind}: delta starts at {req.start}, file has {actual} bytes")
+        if req.data:
+            self.position = self.appender.write(req.data)
+            try:
+                self.io.meta.publish(self.uri, durable_length=self.position)
+            except CacheError as exc:
+                log.debug("%s: durable length not published: %s", self.what(), exc)
+            # The store has the bytes: this daemon's readers of the next hop may send them now.
+            self.s.published(self.rel, durable_length=self.position)
+            self.note_delay(req, len(req.data))
+        return _ack(copy_pb2.OK, self.position)
+
+    def close(self) -> None:
+        if self.appender is not None:
+            try:
+                self.appender.close()
+            except StoreError as exc:
+                log.warning("%s: close failed: %s", self.what(), exc)
+            self.appender = None
+        super().close()
+
+
+class _CacheWriter(_OpWriter):
+    storage = CACHE
+
+    def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
+        super().__init__(servicer, hello)
+        self.chunks: Optional[ChunkWriter] = None
+
+    def _writer(self, position: int, prefix: bytes = b"") -> ChunkWriter:
+        return ChunkWriter(self.io.data, self.uri, position, prefix, ttl=self.s.options.chunk_ttl)
+
+    def open(self) -> copy_pb2.CopyAck:
+        self.take_lease()
+        self.prepare_destination()
+        durable = self.io.store.lengths([self.rel])[self.rel] or 0
+        try:
+            cache_len = self.io.meta.lengths([self.uri])[self.uri][0]
+        except CacheError as exc:
+            log.warning("%s: metadata cache unavailable: %s", self.what(), exc)
+            cache_len = None
+        position, prefix = durable, None
+        if cache_len is not None and cache_len >= durable:
+            need = cache_len % CHUNK_SIZE
+            if need == 0:
+                position, prefix = cache_len, b""
+            else:
+                # The partial chunk at the cache length is still in the cache, normally.
+                try:
+                    got = ChunkReader(self.io.data).read(self.uri, cache_len - need, cache_len)
+                    if got and got[0][2] is not None:
+                        position, prefix = cache_len, got[0][2]
+                except CacheError:
+                    pass
+                if prefix is None:
+                    # Lost: continue from the next chunk boundary (never below the length
+                    # already published; readers fetch the gap from the durable store).
+                    position, prefix = cache_len - need + CHUNK_SIZE, b""
+        jumped = prefix is None
+        if jumped:
+            # The cache lost the file (or never had it, or lags the durable copy): jump to the
+            # durable position with that chunk's prefix from the durable store (paper section 3).
+            prefix = self.io.store.read(self.rel, durable - durable % CHUNK_SIZE, durable) if durable else b""
+            position = durable
+        self.chunks = self._writer(position, prefix)
+        self.position = position
+        if jumped and position > (cache_len or 0):
+            # "... and the length in the metadata cache is updated accordingly" (paper
+            # section 3): publish the jump now. Waiting for the next delta is not enough: when
+            # the durable copy already holds the whole (sealed) file no delta follows, the
+            # reader ends at once, and the cache length would never be published.
+            try:
+                self.chunks.append(b"")  # the partial chunk at the position, from its start
+                self.io.meta.publish(self.uri, cache_length=position)
+                self.s.published(self.rel, cache_length=position)
+            except CacheError as exc:
+                self.s.metrics.inc("errors_total", kind="cache_write")
+                return _ack(copy_pb2.FAILED, position, f"cache start at the durable length {position} not published: {exc}")
+        return _ack(copy_pb2.OK, position, durable_length=durable)
+
+    def write(self, req: copy_pb2.CopyRequest) -> copy_pb2.CopyAck:
+        if self.superseded():
+            return _ack(copy_pb2.POISONED, self.position, "a newer operation took this file over")
+        if req.jump:
+            if req.start % CHUNK_SIZE or req.start < self.position:
+                return _ack(copy_pb2.RESTART, self.position, f"bad jump to {req.start}")
+            self.chunks = self._writer(req.start)
+            self.position = req.start
+        elif req.start != self.position:
+            self.s.metrics.inc("errors_total", kind="cache_restart")
+            return _ack(copy_pb2.RESTART, self.position, f"delta starts at {req.start}, cache copy is at {self.position}")
+        try:
+            if req.data:
+                self.chunks.append(req.data)
+            self.io.meta.publish(self.uri, cache_length=self.chunks.position)
+        except CacheError as exc:
+            # Not every chunk below the new length is known written: do not publish; the
+            # reader reconnects and the hello works out the start again.
+            self.s.metrics.inc("errors_total", kind="cache_write")
+            return _ack(copy_pb2.FAILED, self.position, f"cache write failed: {exc}")
+        self.position = self.chunks.position
+        self.s.published(self.rel, cache_length=self.position, data=(req.start, req.data))
+        self.note_delay(req, len(req.data))
+        return _ack(copy_pb2.OK, self.position)
+
+
+class CopyServicer(copy_pb2_grpc.CopyServicer):
+    """The ``Copy`` gRPC service of one cluster's daemon.
+
+    Parameters
+    ----------
+    io : ClusterIO
+        This (destination) cluster's storage.
+    options : CopyDaemonOptions
+    metrics : CopyMetrics
+    reading : callable
+        Returns how many operations this daemon reads now (for Health).
+    on_published : callable, optional
+        ``on_published(rel, cache_length=None, durable_length=None, data=None)`` after every length a
+        writer published (the daemon's :meth:`LengthPoller.notify
+        <pyspark_acs.server.copy.reader.LengthPoller.notify>`: the readers of the next hop
+        send the bytes at once instead of at their next poll).
+    """
+
+    def __init__(self, io: ClusterIO, options: CopyDaemonOptions, metrics: CopyMetrics, reading=lambda: 0,
+                 on_published: Optional[Callable[..., None]] = None) -> None:
+        self.io = io
+        self.options = options
+        self.metrics = metrics
+        self.generations = _Generations()
+        self._reading = reading
+        self._on_published = on_published
+        # _lock guards _streams (streams whose _stream.json exists here) and _writing.
+        self._lock = threading.Lock()
+        self._streams: Dict[str, int] = {}
+        self._writing = 0
+        self.serving = True
+
+    def published(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None,
+                  data: Optional[Tuple[int, bytes]] = None) -> None:
+        """A writer published a length of ``rel`` (or appended it to the store); ``data`` =
+        ``(start, bytes)`` it wrote to the cache."""
+        if self._on_published is not None:
+            try:
+                self._on_published(rel, cache_length=cache_length, durable_length=durable_length, data=data)
+            except Exception:  # a wake-up only: never fail a write for it
+                log.exception("on_published hook failed for %s", rel)
+
+    def ensure_stream(self, stream: str, shards: int) -> None:
+        """Create ``stream`` with ``shards`` shards in this cluster's store, or check that it matches.
+
+        Remembered per servicer: a stream already checked with this shard count is not asked again.
+
+        Raises
+        ------
+        AcsOptionError
+            If the stream exists with another shard count.
+        StoreError
+            If the store fails.
+        """
+        with self._lock:
+            if self._streams.get(stream) == shards:
+                return
+        self.io.store.create_stream(stream, shards)
+        with self._lock:
+            self._streams[stream] = shards
+
+    def Copy(self, request_iterator: Iterator[copy_pb2.CopyRequest], context: grpc.ServicerContext):  # noqa: N802
+        """Serve one copy operation: a hello, then deltas, each answered with one acknowledgement.
+
+        The hello takes the operation's lease and is answered with the length to continue from.
+        Each delta is answered OK, RESTART (it does not start where the copy is: continue from
+        the acknowledged length), POISONED (a newer operation took the file over) or FAILED;
+        the stream ends after POISONED or FAILED. Store and cache errors are reported as FAILED
+        acknowledgements, not raised.
+        """
+        try:
+            hello = next(request_iterator)
+        except StopIteration:
+            return
+        if not hello.hello:
+            yield _ack(copy_pb2.FAILED, 0, "the first message of an operation must be a hello")
+            return
+        cls = _DurableWriter if hello.storage == copy_pb2.DURABLE else _CacheWriter
+        try:
+            writer = cls(self, hello)
+        except (AcsError, ValueError) as exc:
+            yield _ack(copy_pb2.FAILED, 0, f"bad operation: {exc}")
+            return
+        with self._lock:
+            self._writing += 1
+        self.metrics.inc("operations", 1, role="writer", storage=writer.storage)
+        try:
+            try:
+                ack = writer.open()
+            except WriterConflictError as exc:
+                self.metrics.inc("errors_total", kind="lease_conflict")
+                yield _ack(copy_pb2.FAILED, 0, str(exc))
+                return
+            except AcsError as exc:
+                self.metrics.inc("errors_total", kind="writer_open")
+                yield _ack(copy_pb2.FAILED, 0, f"cannot open {writer.what()}: {exc}")
+                return
+            yield ack
+            if ack.status != copy_pb2.OK:
+                return
+            for req in request_iterator:
+                try:
+                    ack = writer.write(req)
+                except AcsError as exc:
+                    log.warning("%s: write failed: %s", writer.what(), exc)
+                    self.metrics.inc("errors_total", kind="writer_write")
+                    ack = _ack(copy_pb2.FAILED, writer.position, f"write failed: {exc}")
+                yield ack
+                if ack.status in (copy_pb2.POISONED, copy_pb2.FAILED):
+                    return
+        finally:
+            writer.close()
+            self.metrics.inc("operations", -1, role="writer", storage=writer.storage)
+            with self._lock:
+                self._writing -= 1
+
+    def Health(self, request: copy_pb2.HealthRequest, context: grpc.ServicerContext) -> copy_pb2.HealthResponse:  # noqa: N802
+        """Whether this daemon serves (False once stopping), its cluster, and its running operations.
+
+        ``reading`` and ``writing`` count the operations it reads (as a parent) and writes now.
+        """
+        with self._lock:
+            writing = self._writing
+        return copy_pb2.HealthResponse(
+            serving=self.serving, cluster=self.io.name, reading=int(self._reading()), writing=writing
+        )

@@ -1,0 +1,142 @@
+"""Writer leases: one writer per shard (Producer) or per file (copy writer) at a time.
+
+A lease is a small record ``{writer, nonce, expires, poisoned}``. The holder renews it well
+before it expires and checks it on every renewal; a holder that finds the lease taken over
+or poisoned must stop writing at once (:class:`~pyspark_acs.errors.LeasePoisonedError`).
+
+:class:`StoreLease` keeps the record in a file of the durable store. Without a
+compare-and-set primitive in ``pyarrow.fs`` it is best effort (write, then read back to
+confirm); it refuses a second live writer, which is what a single deployment needs. The
+metadata-cache lease (:mod:`pyspark_acs.cache.metadata`) uses the cache's compare-and-set and
+supports take-over by poisoning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from typing import Optional
+
+from pyspark_acs.errors import LeasePoisonedError, WriterConflictError
+from pyspark_acs.storage.store import DurableStore
+
+__all__ = ["DEFAULT_LEASE_SECONDS", "LeaseRecord", "StoreLease"]
+
+#: A holder renews every third of this; a dead holder's lease is free after it.
+DEFAULT_LEASE_SECONDS = 10.0
+
+
+class LeaseRecord(dict):
+    """The lease value: a JSON object with ``writer``, ``nonce``, ``expires``, ``poisoned``."""
+
+    @classmethod
+    def new(cls, writer: str, seconds: float) -> "LeaseRecord":
+        """A fresh record for ``writer``: random nonce, this host and pid, expiring in ``seconds``."""
+        return cls(
+            writer=writer,
+            nonce=secrets.token_hex(8),
+            expires=time.time() + seconds,
+            poisoned=False,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+
+    @classmethod
+    def decode(cls, raw: Optional[bytes]) -> Optional["LeaseRecord"]:
+        """Parse a stored record; ``None`` for no content or invalid JSON (a torn write)."""
+        if not raw:
+            return None
+        try:
+            return cls(json.loads(raw))
+        except ValueError:
+            return None  # a torn or foreign lease file is treated as no lease
+
+    def encode(self) -> bytes:
+        """The record as JSON bytes (sorted keys)."""
+        return json.dumps(self, sort_keys=True).encode()
+
+    def live(self, now: Optional[float] = None) -> bool:
+        """Whether the lease is unexpired at ``now`` (wall-clock seconds since the epoch; default: now)."""
+        return float(self.get("expires", 0)) > (time.time() if now is None else now)
+
+    def same_holder(self, other: "Optional[LeaseRecord]") -> bool:
+        """Whether ``other`` is this same acquisition: same writer and nonce (``None`` never is)."""
+        return other is not None and other.get("writer") == self["writer"] and other.get("nonce") == self["nonce"]
+
+    def describe(self) -> str:
+        """Holder (writer, pid, host) and time to expiry, for error messages."""
+        left = float(self.get("expires", 0)) - time.time()
+        return (
+            f"writer {self.get('writer')} (pid {self.get('pid')} on {self.get('host')}), "
+            f"lease expires in {max(left, 0):.1f} s"
+        )
+
+
+class StoreLease:
+    """A lease kept as a file in the durable store.
+
+    Parameters
+    ----------
+    store : DurableStore
+    rel : str
+        The lease file, relative to the store root.
+    writer : str
+        Our writer id.
+    what : str
+        What the lease protects, for messages (e.g. ``"shard 0 of stream 'orders'"``).
+    seconds : float
+        Lease duration.
+    """
+
+    def __init__(self, store: DurableStore, rel: str, writer: str, what: str, seconds: float = DEFAULT_LEASE_SECONDS):
+        self.store = store
+        self.rel = rel
+        self.writer = writer
+        self.what = what
+        self.seconds = seconds
+        self.record: Optional[LeaseRecord] = None
+        self._renewed = 0.0
+
+    def acquire(self, force: bool = False) -> None:
+        """Take the lease; raise WriterConflictError if another live writer holds it.
+
+        ``force`` takes it regardless (the caller already holds the authoritative
+        metadata-cache lease; the old holder sees the change at its next check and stops).
+        """
+        current = LeaseRecord.decode(self.store.read_small(self.rel))
+        if not force and current is not None and current.live() and current.get("writer") != self.writer:
+            raise WriterConflictError(f"{self.what} is held by {current.describe()}; stop that writer or wait")
+        record = LeaseRecord.new(self.writer, self.seconds)
+        self.store.write_small(self.rel, record.encode())
+        if not record.same_holder(LeaseRecord.decode(self.store.read_small(self.rel))):
+            raise WriterConflictError(f"{self.what}: another writer took the lease at the same moment")
+        self.record = record
+        self._renewed = time.monotonic()
+
+    def due(self) -> bool:
+        """True when a third of the lease has passed since the last renewal."""
+        return time.monotonic() - self._renewed >= self.seconds / 3
+
+    def renew(self) -> None:
+        """Check the lease is still ours and extend it; raise LeasePoisonedError if not."""
+        current = LeaseRecord.decode(self.store.read_small(self.rel))
+        if self.record is None or not self.record.same_holder(current) or current.get("poisoned"):
+            holder = current.describe() if current else "nobody"
+            raise LeasePoisonedError(f"{self.what}: our lease was taken over (now held by {holder}); stopping")
+        self.record = LeaseRecord(self.record, expires=time.time() + self.seconds)
+        self.store.write_small(self.rel, self.record.encode())
+        self._renewed = time.monotonic()
+
+    check = renew
+
+    def release(self) -> None:
+        """Give the lease up if it is still ours."""
+        if self.record is None:
+            return
+        current = LeaseRecord.decode(self.store.read_small(self.rel))
+        if self.record.same_holder(current):
+            self.store.delete(self.rel)
+        self.record = None

@@ -1,0 +1,287 @@
+"""The durable store: append-only message files under a root URI, through ``pyarrow.fs``.
+
+One small interface (:class:`DurableStore`) covers what producers, consumers and the copy
+daemon need: append, read a byte range, length, list. A root is anything
+:func:`pyarrow.fs.FileSystem.from_uri` accepts (``file:///data/acs``, ``hdfs://nn/acs``,
+``s3://bucket/acs``) or a plain local path. Tests and the cache layer wrap it.
+
+Appends need a filesystem that supports them (local files, HDFS); object stores such as S3
+cannot append and are refused with a clear error when a writer opens a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError
+from pyspark_acs.format.names import FILE_SUFFIX, shard_dir, validate_stream
+
+__all__ = ["STREAM_META_FILE", "Appender", "DurableStore", "open_store"]
+
+#: Per-stream metadata file (shard count), beside the shard folders.
+STREAM_META_FILE = "_stream.json"
+#: How many open input files a store keeps for range reads (tail readers reread the same files).
+MAX_OPEN_READ_FILES = 256
+
+
+@contextlib.contextmanager
+def _translate(what: str) -> Iterator[None]:
+    """Translate pyarrow / OS errors into StoreError with the path in the message."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except FileNotFoundError as exc:
+        raise StoreFileNotFoundError(f"{what}: no such file or folder") from exc
+    except (OSError, pa.ArrowException) as exc:
+        raise StoreError(f"{what}: {exc}") from exc
+
+
+class Appender:
+    """An open append stream on one message file. Not thread-safe: one writer thread."""
+
+    def __init__(self, store: "DurableStore", rel: str, stream: "pa.NativeFile", position: int) -> None:
+        self._store = store
+        self.rel = rel
+        self._stream = stream
+        #: Bytes in the file after the last successful write.
+        self.position = position
+
+    def write(self, data: bytes) -> int:
+        """Append ``data`` and flush it to the filesystem; return the new file length."""
+        with _translate(f"append to {self._store.uri(self.rel)}"):
+            self._stream.write(data)
+            self._stream.flush()
+        self.position += len(data)
+        return self.position
+
+    def close(self) -> None:
+        """Close the stream (idempotent)."""
+        if not self._stream.closed:
+            with _translate(f"close {self._store.uri(self.rel)}"):
+                self._stream.close()
+
+
+class DurableStore:
+    """Append-only files under one root, through a ``pyarrow.fs.FileSystem``.
+
+    Paths given to methods are relative to the root (``"<stream>/<shard:05d>/<file>"``).
+
+    Parameters
+    ----------
+    root : str
+        A URI or local path. A local root folder is created if missing.
+    filesystem : pyarrow.fs.FileSystem, optional
+        Use this filesystem with ``root`` as its base path instead of resolving the URI
+        (for wrapping, e.g. a SubTreeFileSystem or a test filesystem).
+    """
+
+    def __init__(self, root: str, filesystem: Optional[pafs.FileSystem] = None) -> None:
+        if not isinstance(root, str) or not root.strip():
+            raise AcsOptionError("root: the durable store root must be a non-empty URI or path", option="root")
+        self.root = root
+        if filesystem is not None:
+            self.fs, base = filesystem, root
+        else:
+            try:
+                if "://" in root:
+                    self.fs, base = pafs.FileSystem.from_uri(root)
+                else:
+                    self.fs, base = pafs.LocalFileSystem(), os.path.abspath(root)
+            except (pa.ArrowException, OSError, ValueError) as exc:
+                raise AcsOptionError(f"root: cannot open durable store {root!r}: {exc}", option="root") from exc
+        self.base = base.rstrip("/") or "/"
+        self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        if self.local:
+            os.makedirs(self.base, exist_ok=True)
+        # _files_lock guards _files (the LRU of open input files shared by reader threads).
+        self._files_lock = threading.Lock()
+        self._files: "OrderedDict[str, pa.NativeFile]" = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"DurableStore({self.root!r})"
+
+    def __reduce__(self):  # only the root crosses process boundaries; files reopen there
+        return (DurableStore, (self.root,))
+
+    # -- paths -----------------------------------------------------------------------------
+
+    def path(self, rel: str) -> str:
+        """Filesystem path of ``rel``."""
+        return f"{self.base}/{rel}" if rel else self.base
+
+    def uri(self, rel: str) -> str:
+        """A globally unique name of ``rel`` (used for chunk and metadata keys and messages)."""
+        scheme = "file" if self.local else self.fs.type_name
+        return f"{scheme}://{self.path(rel)}"
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def length(self, rel: str) -> int:
+        """Current length in bytes of a file; raises StoreFileNotFoundError if absent."""
+        with _translate(f"length of {self.uri(rel)}"):
+            info = self.fs.get_file_info(self.path(rel))
+        if info.type != pafs.FileType.File:
+            raise StoreFileNotFoundError(f"length of {self.uri(rel)}: no such file")
+        return int(info.size)
+
+    def lengths(self, rels: Sequence[str]) -> Dict[str, Optional[int]]:
+        """Lengths of several files in one call; ``None`` for a missing file."""
+        if not rels:
+            return {}
+        with _translate(f"lengths under {self.root}"):
+            infos = self.fs.get_file_info([self.path(r) for r in rels])
+        return {r: (int(i.size) if i.type == pafs.FileType.File else None) for r, i in zip(rels, infos)}
+
+    def exists(self, rel: str) -> bool:
+        """Whether ``rel`` exists (a file or a folder)."""
+        with _translate(f"stat {self.uri(rel)}"):
+            return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
+
+    def read(self, rel: str, start: int, end: int) -> bytes:
+        """Read bytes ``[start, end)`` of a file.
+
+        Returns fewer bytes only if the file is shorter than ``end``.
+        """
+        if end <= start:
+            return b""
+        path = self.path(rel)
+        for attempt in (0, 1):
+            f = self._input_file(path, reopen=attempt == 1)
+            with _translate(f"read {self.uri(rel)} bytes [{start}, {end})"):
+                data = f.read_at(end - start, start)
+            # A handle opened earlier may not see bytes appended since on some filesystems.
+            if len(data) == end - start:
+                return data
+        return data
+
+    def _input_file(self, path: str, reopen: bool = False) -> "pa.NativeFile":
+        with self._files_lock:
+            f = self._files.get(path)
+            if f is not None and not reopen:
+                self._files.move_to_end(path)
+                return f
+        with _translate(f"open {path}"):
+            f = self.fs.open_input_file(path)
+        # Handles dropped here are not closed explicitly: another thread may be inside
+        # read_at on one; the NativeFile closes itself once the last reference goes.
+        with self._files_lock:
+            self._files.pop(path, None)
+            self._files[path] = f
+            while len(self._files) > MAX_OPEN_READ_FILES:
+                self._files.popitem(last=False)
+        return f
+
+    def read_small(self, rel: str) -> Optional[bytes]:
+        """Whole content of a small file, or None if it does not exist."""
+        try:
+            with _translate(f"read {self.uri(rel)}"):
+                with self.fs.open_input_stream(self.path(rel)) as f:
+                    return f.read()
+        except StoreFileNotFoundError:
+            return None
+
+    def list_dir(self, rel: str) -> List[str]:
+        """Sorted base names of the entries of a folder ([] if it does not exist)."""
+        with _translate(f"list {self.uri(rel)}"):
+            sel = pafs.FileSelector(self.path(rel), allow_not_found=True, recursive=False)
+            infos = self.fs.get_file_info(sel)
+        return sorted(i.base_name for i in infos)
+
+    def list_streams(self) -> List[str]:
+        """Streams in this store (folders holding a stream metadata file)."""
+        return [s for s in self.list_dir("") if self.exists(f"{s}/{STREAM_META_FILE}")]
+
+    def list_files(self, stream: str, shard: int) -> List[str]:
+        """Message files of a shard, oldest first."""
+        return [n for n in self.list_dir(shard_dir(stream, shard)) if n.endswith(FILE_SUFFIX)]
+
+    def stream_shards(self, stream: str) -> Optional[int]:
+        """Number of shards of ``stream``, or None if the stream does not exist."""
+        raw = self.read_small(f"{validate_stream(stream)}/{STREAM_META_FILE}")
+        if raw is None:
+            return None
+        try:
+            return int(json.loads(raw)["shards"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(f"{self.uri(stream + '/' + STREAM_META_FILE)}: malformed stream metadata: {exc}") from exc
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def create_stream(self, stream: str, shards: int) -> int:
+        """Create ``stream`` with ``shards`` shards, or check that an existing one matches.
+
+        Returns the shard count. Raises AcsOptionError when the count disagrees.
+        """
+        existing = self.stream_shards(stream)
+        if existing is not None:
+            if existing != shards:
+                raise AcsOptionError(
+                    f"shards: stream {stream!r} in {self.root} has {existing} shards, not {shards}", option="shards"
+                )
+            return existing
+        for shard in range(shards):
+            self.make_dirs(shard_dir(stream, shard))
+        self.write_small(f"{stream}/{STREAM_META_FILE}", json.dumps({"shards": shards, "format": 1}).encode())
+        return shards
+
+    def make_dirs(self, rel: str) -> None:
+        """Create the folder ``rel`` with its parents (existing folders are fine)."""
+        with _translate(f"create folder {self.uri(rel)}"):
+            self.fs.create_dir(self.path(rel), recursive=True)
+
+    def write_small(self, rel: str, data: bytes) -> None:
+        """Replace a small file's content (write to a temporary name, then move over)."""
+        tmp = f"{rel}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with _translate(f"write {self.uri(rel)}"):
+            if "/" in rel:  # like open_appender, create the folder (a copy target may not have it)
+                self.fs.create_dir(self.path(rel.rsplit("/", 1)[0]), recursive=True)
+            with self.fs.open_output_stream(self.path(tmp)) as f:
+                f.write(data)
+            self.fs.move(self.path(tmp), self.path(rel))
+
+    def delete(self, rel: str) -> None:
+        """Delete a file (missing is fine)."""
+        try:
+            with _translate(f"delete {self.uri(rel)}"):
+                self.fs.delete_file(self.path(rel))
+        except StoreFileNotFoundError:
+            pass
+        with self._files_lock:
+            self._files.pop(self.path(rel), None)  # closes when unreferenced (see _input_file)
+
+    def open_appender(self, rel: str) -> Appender:
+        """Open ``rel`` for appending (created if missing)."""
+        path = self.path(rel)
+        with _translate(f"open {self.uri(rel)} for append"):
+            self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+            info = self.fs.get_file_info(path)
+            position = int(info.size) if info.type == pafs.FileType.File else 0
+            try:
+                stream = self.fs.open_append_stream(path, compression=None)
+            except (NotImplementedError, pa.ArrowNotImplementedError) as exc:
+                raise StoreError(
+                    f"{self.root}: the {self.fs.type_name} filesystem cannot append; message files need "
+                    f"an appendable store (local folders, HDFS)"
+                ) from exc
+        return Appender(self, rel, stream, position)
+
+    def close(self) -> None:
+        """Close cached input files."""
+        with self._files_lock:
+            files, self._files = list(self._files.values()), OrderedDict()
+        for f in files:
+            f.close()
+
+
+def open_store(root: "str | DurableStore") -> DurableStore:
+    """A :class:`DurableStore` for ``root`` (returned as is if it already is one)."""
+    return root if isinstance(root, DurableStore) else DurableStore(root)

@@ -1,0 +1,624 @@
+"""The Producer: appends messages to the chronological message files of a stream's shards.
+
+This is the paper's "File interface" on the write side. Messages are buffered per shard and
+written as blocks by one background writer thread, durable store first (then, when caches
+are configured, chunks to the data cache and lengths to the metadata cache).
+
+Batching is adaptive (Pravega): when the writer is idle a block is written at once; while
+it is busy, the next block waits ``recent write latency x (1 - average block size / max
+block size)`` (capped) so that small messages under load share blocks.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Union
+
+from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block, encode_seal
+from pyspark_acs.errors import AcsError, AcsOptionError, AcsTimeoutError, CacheError, ClosedError
+from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, StoreLease
+from pyspark_acs.format.names import MAX_SHARDS, file_name, new_writer_id, parse_file_name, shard_dir, validate_shard, validate_stream
+from pyspark_acs.storage.store import Appender, DurableStore, open_store
+
+__all__ = [
+    "DEFAULT_MAX_BATCH_DELAY_S",
+    "DEFAULT_MAX_PENDING_BYTES",
+    "DEFAULT_ROLL_BYTES",
+    "DEFAULT_ROLL_SECONDS",
+    "Producer",
+    "shard_for_key",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROLL_BYTES = 64 * 1024 * 1024
+DEFAULT_ROLL_SECONDS = 600.0
+#: Cap on the adaptive batching delay: latency matters more than block fill.
+DEFAULT_MAX_BATCH_DELAY_S = 0.005
+#: send() blocks while this many bytes wait to be written (back-pressure).
+DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
+#: Weight of the newest sample in the write-latency and block-size moving averages.
+_EWMA_ALPHA = 0.2
+_LEASE_FILE = "_writer.lease"
+
+
+def shard_for_key(key: bytes, shards: int) -> int:
+    """The shard of a key: crc32 of the key bytes modulo the shard count (stable everywhere)."""
+    return zlib.crc32(key) % shards
+
+
+def _as_bytes(value: Any, what: str) -> Optional[bytes]:
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"{what} must be bytes, str or None, not {type(value).__name__}")
+
+
+def _timestamp_us(timestamp: Any) -> int:
+    if timestamp is None:
+        return time.time_ns() // 1000
+    if isinstance(timestamp, _dt.datetime):
+        if timestamp.tzinfo is None:
+            timestamp = timestamp.replace(tzinfo=_dt.timezone.utc)
+        return int(timestamp.timestamp() * 1_000_000)
+    if isinstance(timestamp, (int, float)) and not isinstance(timestamp, bool):
+        return int(timestamp)
+    raise TypeError("timestamp must be a datetime or microseconds since the epoch")
+
+
+@dataclass(frozen=True)
+class ProducerOptions:
+    """Validated Producer settings (see :class:`Producer` for their meaning)."""
+
+    shards: int = 1
+    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES
+    roll_bytes: int = DEFAULT_ROLL_BYTES
+    roll_seconds: float = DEFAULT_ROLL_SECONDS
+    max_batch_delay: float = DEFAULT_MAX_BATCH_DELAY_S
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("shards", self.shards, 1),
+            ("max_block_bytes", self.max_block_bytes, 1024),
+            ("roll_bytes", self.roll_bytes, 1),
+            ("roll_seconds", self.roll_seconds, 0.001),
+            ("max_batch_delay", self.max_batch_delay, 0),
+            ("max_pending_bytes", self.max_pending_bytes, 1),
+            ("lease_seconds", self.lease_seconds, 0.1),
+        ]
+        for name, value, minimum in checks:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+                raise AcsOptionError(f"{name}: {value!r} is not allowed; it must be a number >= {minimum}", option=name)
+        if not isinstance(self.shards, int) or self.shards > MAX_SHARDS:
+            raise AcsOptionError(
+                f"shards: {self.shards!r} is not allowed; it must be a whole number from 1 to {MAX_SHARDS}",
+                option="shards",
+            )
+
+
+class _Shard:
+    """Per-shard write state. Fields marked (lock) are guarded by Producer._lock; the rest
+    belong to the writer thread alone."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.values: List[Optional[bytes]] = []  # (lock) pending messages
+        self.keys: List[Optional[bytes]] = []  # (lock)
+        self.timestamps: List[int] = []  # (lock)
+        self.pending_bytes = 0  # (lock)
+        self.appender: Optional[Appender] = None  # writer thread: the open file
+        self.file: str = ""  # writer thread: its base name
+        self.opened_at = 0.0  # writer thread: monotonic time the file was opened
+        self.next_index = 0  # writer thread: position of the next message in the file
+        self.leases: list = []  # writer thread: [metadata-cache lease,] store lease
+        self.chunks: Any = None  # writer thread: ChunkWriter of the open file (data cache)
+
+
+class Producer:
+    """Append messages to a stream in a durable store.
+
+    Parameters
+    ----------
+    root : str or DurableStore
+        Durable store root: a URI (``file:///data/acs``, ``hdfs://...``) or a local path.
+    stream : str
+        Stream name; created with ``shards`` shards if it does not exist.
+    shards : int
+        Number of shards of the stream. Must match an existing stream.
+    max_block_bytes : int
+        Largest block body (default 1 MiB); a larger single message gets a block of its own.
+    roll_bytes : int
+        Start a new file when the current one reaches this size (default 64 MiB).
+    roll_seconds : float
+        Start a new file when the current one is this old (default 600 s).
+    max_batch_delay : float
+        Cap of the adaptive batching delay in seconds (default 5 ms).
+    max_pending_bytes : int
+        ``send`` blocks while this many bytes are buffered (default 64 MiB).
+    lease_seconds : float
+        Shard lease duration; a crashed producer's shards are free after it (default 10 s).
+    writer_id : str, optional
+        Writer id put in file names; random by default.
+    data_cache : str or CacheClient, optional
+        Data-cache endpoints (``host:port,...``): every block is also written there as
+        4 KiB chunks, so consumers read from memory.
+    metadata_cache : str or CacheClient, optional
+        Metadata-cache endpoints: file lengths and shard heads are published there, and
+        the shard lease lives there (a new Producer then takes over a shard by poisoning
+        the old one's lease instead of being refused).
+    cache_token : str, optional
+        Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
+
+    Notes
+    -----
+    Messages of one shard are written in ``send`` order. ``flush()`` returns once every
+    message sent before it is in the durable store, or raises the error that stopped the
+    writer. A second Producer for a shard that a live Producer holds is refused with
+    :class:`~pyspark_acs.errors.WriterConflictError`.
+
+    Examples
+    --------
+    >>> with Producer("/tmp/acs", "orders", shards=4) as p:   # doctest: +SKIP
+    ...     p.send(b"hello", key=b"customer-1")
+    """
+
+    def __init__(
+        self,
+        root: Union[str, DurableStore],
+        stream: str,
+        shards: int = 1,
+        *,
+        max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
+        roll_bytes: int = DEFAULT_ROLL_BYTES,
+        roll_seconds: float = DEFAULT_ROLL_SECONDS,
+        max_batch_delay: float = DEFAULT_MAX_BATCH_DELAY_S,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        writer_id: Optional[str] = None,
+        data_cache: Any = None,
+        metadata_cache: Any = None,
+        cache_token: Optional[str] = None,
+    ) -> None:
+        self.options = ProducerOptions(
+            shards, max_block_bytes, roll_bytes, roll_seconds, max_batch_delay, max_pending_bytes, lease_seconds
+        )
+        self.stream = validate_stream(stream)
+        self.store = open_store(root)
+        self.writer_id = writer_id or new_writer_id()
+        self.shards = self.store.create_stream(stream, shards)
+        # _lock guards the pending lists of every _Shard, _pending_bytes, _sent, _written,
+        # _error, _closed and _round_robin; _cond (on _lock) signals the writer thread and
+        # waiters in flush()/send().
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._shards = [_Shard(i) for i in range(self.shards)]
+        self._pending_bytes = 0
+        self._sent = 0
+        self._written = 0
+        self._round_robin = 0
+        self._writer_idle = False  # (lock) the writer thread waits for messages
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._latency_ewma = 0.0
+        self._block_ewma = 0.0
+        self._stats = {"messages": 0, "blocks": 0, "bytes": 0, "files": 0, "cache_errors": 0}
+        self._own_clients: list = []
+        self._data = meta_client = None
+        if data_cache or metadata_cache:  # grpc is imported only when caches are used
+            from pyspark_acs.cache.client import client_for
+
+            self._data = client_for(data_cache, "data cache", self._own_clients, cache_token)
+            meta_client = client_for(metadata_cache, "metadata cache", self._own_clients, cache_token)
+        self._meta = None
+        if meta_client is not None:
+            from pyspark_acs.cache.metadata import MetadataCache
+
+            self._meta = MetadataCache(meta_client)
+        try:
+            for sh in self._shards:
+                self._acquire_leases(sh)
+        except BaseException:
+            for sh in self._shards:
+                for lease in sh.leases:
+                    lease.release()
+            for c in self._own_clients:
+                c.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name=f"acs-producer-{self.stream}", daemon=True)
+        self._thread.start()
+
+    def _acquire_leases(self, sh: _Shard) -> None:
+        what = f"shard {sh.index} of stream {self.stream!r} in {self.store.root}"
+        store_lease = StoreLease(
+            self.store, f"{shard_dir(self.stream, sh.index)}/{_LEASE_FILE}", self.writer_id, what,
+            self.options.lease_seconds,
+        )
+        force = False
+        if self._meta is not None:
+            lease = self._meta.lease(self.store.uri(shard_dir(self.stream, sh.index)), self.writer_id, what,
+                                     self.options.lease_seconds)
+            try:
+                lease.acquire()
+                sh.leases.append(lease)
+                force = True  # the cache lease is the authority: take the store lease over too
+            except CacheError as exc:
+                log.warning("%s: metadata cache unavailable for the lease, using the store lease: %s", what, exc)
+        store_lease.acquire(force=force)
+        sh.leases.append(store_lease)
+
+    # -- public API ------------------------------------------------------------------------
+
+    def send(
+        self,
+        value: Union[bytes, str, None],
+        key: Union[bytes, str, None] = None,
+        shard: Optional[int] = None,
+        timestamp: Union[int, _dt.datetime, None] = None,
+    ) -> int:
+        """Queue one message; return the shard it goes to.
+
+        Parameters
+        ----------
+        value : bytes or str
+            The message (str is encoded as UTF-8).
+        key : bytes or str, optional
+            Picks the shard by hash when ``shard`` is not given.
+        shard : int, optional
+            Explicit shard; otherwise by key hash, else round-robin.
+        timestamp : datetime or int (µs since the epoch), optional
+            Producer timestamp; default now.
+        """
+        value_b = _as_bytes(value, "value")
+        key_b = _as_bytes(key, "key")
+        ts = _timestamp_us(timestamp)
+        size = (len(value_b) if value_b else 0) + (len(key_b) if key_b else 0)
+        with self._cond:
+            self._check_open()
+            if shard is None:
+                if key_b is not None:
+                    shard = shard_for_key(key_b, self.shards)
+                else:
+                    shard = self._round_robin
+                    self._round_robin = (self._round_robin + 1) % self.shards
+            else:
+                validate_shard(shard, self.shards)
+            while self._pending_bytes >= self.options.max_pending_bytes and self._error is None:
+                self._cond.wait(0.1)
+            self._check_open()
+            sh = self._shards[shard]
+            sh.values.append(value_b)
+            sh.keys.append(key_b)
+            sh.timestamps.append(ts)
+            sh.pending_bytes += size + 16
+            self._pending_bytes += size + 16
+            self._sent += 1
+            # Wake the writer only when it sleeps: a notify per message costs more than the
+            # message (the busy writer picks pending messages up after its current write).
+            if self._writer_idle:
+                self._writer_idle = False
+                self._cond.notify_all()
+        return shard
+
+    def send_many(
+        self,
+        values: "List[Union[bytes, str, None]]",
+        keys: "Optional[List[Union[bytes, str, None]]]" = None,
+        shard: Optional[int] = None,
+        timestamp: Union[int, _dt.datetime, None] = None,
+    ) -> None:
+        """Queue many messages at once (one lock round trip instead of one per message).
+
+        Shards are chosen as by :meth:`send`: ``shard`` for all, else each key's hash, else
+        round-robin. ``timestamp`` applies to every message (default now). Order is kept.
+        """
+        vals = [_as_bytes(v, "value") for v in values]
+        ks = [None] * len(vals) if keys is None else [_as_bytes(k, "key") for k in keys]
+        if len(ks) != len(vals):
+            raise ValueError(f"send_many: {len(ks)} keys for {len(vals)} values")
+        ts = _timestamp_us(timestamp)
+        with self._cond:
+            self._check_open()
+            if shard is not None:
+                validate_shard(shard, self.shards)
+            while self._pending_bytes >= self.options.max_pending_bytes and self._error is None:
+                self._cond.wait(0.1)
+            self._check_open()
+            added = 0
+            for v, k in zip(vals, ks):
+                if shard is not None:
+                    target = shard
+                elif k is not None:
+                    target = shard_for_key(k, self.shards)
+                else:
+                    target = self._round_robin
+                    self._round_robin = (self._round_robin + 1) % self.shards
+                sh = self._shards[target]
+                size = (len(v) if v else 0) + (len(k) if k else 0) + 16
+                sh.values.append(v)
+                sh.keys.append(k)
+                sh.timestamps.append(ts)
+                sh.pending_bytes += size
+                added += size
+            self._pending_bytes += added
+            self._sent += len(vals)
+            if self._writer_idle:
+                self._writer_idle = False
+                self._cond.notify_all()
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        """Block until every message sent so far is written; raise the writer's error if any.
+
+        Raises
+        ------
+        TimeoutError
+            If ``timeout`` seconds pass first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            target = self._sent
+            while self._written < target and self._error is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise AcsTimeoutError(
+                        f"flush: {target - self._written} messages still unwritten after {timeout} s"
+                    )
+                self._cond.wait(left if left is not None else 0.5)
+            if self._error is not None:
+                raise self._error
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Flush, seal the open files, release the shard leases and stop the writer thread."""
+        with self._cond:
+            if self._closed:
+                return
+        try:
+            if self._error is None:
+                self.flush(timeout)
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self.store.close()
+                for c in self._own_clients:
+                    c.close()
+        if self._thread.is_alive():
+            raise AcsTimeoutError(
+                f"close: the writer of stream {self.stream!r} is still writing after {timeout} s "
+                f"(the store does not answer?); it keeps trying in the background"
+            )
+        if self._error is not None and not isinstance(self._error, ClosedError):
+            raise self._error
+
+    def stats(self) -> Dict[str, float]:
+        """Counters: messages, blocks, bytes and files written; batching averages."""
+        with self._lock:
+            return dict(self._stats, write_latency_s=self._latency_ewma, avg_block_bytes=self._block_ewma)
+
+    def current_files(self) -> Dict[int, str]:
+        """The file each shard is writing now ('' before its first block)."""
+        return {sh.index: sh.file for sh in self._shards}
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- writer thread ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise ClosedError(f"producer for stream {self.stream!r} is closed")
+
+    def _run(self) -> None:
+        try:
+            busy = False
+            while True:
+                with self._cond:
+                    if self._pending_bytes == 0 and not self._closed:
+                        busy = False
+                        self._writer_idle = True
+                        self._cond.wait(self._idle_wait())
+                        self._writer_idle = False
+                    closing = self._closed
+                    pending = self._pending_bytes
+                if busy and pending and pending < self.options.max_block_bytes:
+                    time.sleep(self._batch_delay())
+                self._housekeeping()
+                wrote = self._write_pending()
+                busy = wrote > 0
+                if closing and not wrote:
+                    break
+        except BaseException as exc:  # handed to the caller through send/flush/close
+            log.error("producer for stream %r stopped: %s", self.stream, exc)
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+        finally:
+            self._finish()
+
+    def _idle_wait(self) -> float:
+        # Wake up for lease renewal and age-based rollover even without traffic.
+        return max(0.01, min(self.options.lease_seconds / 3, self.options.roll_seconds) / 2)
+
+    def _batch_delay(self) -> float:
+        fill = min(self._block_ewma / self.options.max_block_bytes, 1.0)
+        return min(self._latency_ewma * (1.0 - fill), self.options.max_batch_delay)
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        for sh in self._shards:
+            self._check_leases(sh)
+            if sh.appender is not None and now - sh.opened_at >= self.options.roll_seconds:
+                self._seal(sh)
+
+    def _check_leases(self, sh: _Shard) -> None:
+        """Renew due leases; a poisoned one raises LeasePoisonedError and stops the writer."""
+        for lease in sh.leases:
+            if lease.due():
+                try:
+                    lease.check()
+                except CacheError as exc:
+                    # Availability first (paper section 3): a cache outage does not stop writes.
+                    log.warning("lease check skipped, metadata cache unavailable: %s", exc)
+
+    def _write_pending(self) -> int:
+        """Write the pending messages as blocks; return how many were written.
+
+        A round writes what was queued when it started, one block per shard in turn, so a
+        shard that never empties (a hot key) cannot starve the others, and housekeeping
+        (lease renewal, age rollover) runs between the turns.
+        """
+        written = 0
+        with self._lock:
+            budgets = [len(sh.values) for sh in self._shards]
+        while any(budgets):
+            for i, sh in enumerate(self._shards):
+                if budgets[i] <= 0:
+                    continue
+                with self._lock:
+                    take, size = self._take_block(sh, budgets[i])
+                    values, keys, stamps = sh.values[:take], sh.keys[:take], sh.timestamps[:take]
+                    del sh.values[:take], sh.keys[:take], sh.timestamps[:take]
+                    sh.pending_bytes -= size
+                    self._pending_bytes -= size
+                budgets[i] -= take
+                self._write_block(sh, values, keys, stamps)
+                written += take
+                with self._cond:
+                    self._written += take
+                    self._stats["messages"] += take
+                    self._cond.notify_all()
+            self._housekeeping()
+        return written
+
+    def _take_block(self, sh: _Shard, limit: int) -> "tuple[int, int]":
+        """How many of the first ``limit`` pending messages fit one block (at least one), and
+        their accounted bytes. Caller holds _lock."""
+        if limit == len(sh.values) and sh.pending_bytes <= self.options.max_block_bytes:
+            return limit, sh.pending_bytes
+        total = 0
+        for i in range(limit):
+            v, k = sh.values[i], sh.keys[i]
+            size = (len(v) if v else 0) + (len(k) if k else 0) + 16
+            if i and total + size > self.options.max_block_bytes:
+                return i, total
+            total += size
+        return limit, total
+
+    def _write_block(self, sh: _Shard, values: list, keys: list, stamps: list) -> None:
+        self._check_leases(sh)  # never write after a newer writer took the shard over
+        if sh.appender is None:
+            self._open_file(sh)
+        any_key = any(k is not None for k in keys)
+        block = encode_block(values, keys if any_key else None, stamps, first_index=sh.next_index)
+        started = time.perf_counter()
+        sh.appender.write(block)
+        self._shadow(sh, block)
+        latency = time.perf_counter() - started
+        sh.next_index += len(values)
+        with self._lock:
+            self._latency_ewma += _EWMA_ALPHA * (latency - self._latency_ewma)
+            self._block_ewma += _EWMA_ALPHA * (len(block) - self._block_ewma)
+            self._stats["blocks"] += 1
+            self._stats["bytes"] += len(block)
+        if sh.appender.position >= self.options.roll_bytes:
+            self._seal(sh)
+
+    def _open_file(self, sh: _Shard) -> None:
+        created = _dt.datetime.now(_dt.timezone.utc)
+        # Names must sort after every existing file of the shard, even if this machine's
+        # clock is behind the previous writer's: readers follow files in name order.
+        existing = self.store.list_files(self.stream, sh.index)
+        if existing:
+            last = parse_file_name(existing[-1]).created
+            if created <= last:
+                created = last + _dt.timedelta(microseconds=1)
+        name = file_name(created, self.writer_id)
+        rel = f"{shard_dir(self.stream, sh.index)}/{name}"
+        sh.appender = self.store.open_appender(rel)
+        sh.file = name
+        sh.opened_at = time.monotonic()
+        sh.next_index = 0
+        with self._lock:
+            self._stats["files"] += 1
+        if self._data is not None:
+            from pyspark_acs.cache.chunks import ChunkWriter
+
+            sh.chunks = ChunkWriter(self._data, self.store.uri(rel), sh.appender.position)
+        if self._meta is not None:
+            try:
+                self._meta.set_head(self.store.uri(shard_dir(self.stream, sh.index)), name)
+            except CacheError as exc:
+                self._cache_error("head", exc)
+
+    def _shadow(self, sh: _Shard, block: bytes) -> None:
+        """After a durable append: chunks to the data cache, then lengths to the metadata cache.
+
+        Cache failures never fail the producer (the durable store has the bytes and readers
+        fall back to it); they are logged and counted in ``stats()["cache_errors"]``.
+        """
+        uri = self.store.uri(sh.appender.rel)
+        cache_length = None
+        if sh.chunks is not None:
+            try:
+                cache_length = sh.chunks.append(block)
+            except CacheError as exc:
+                self._cache_error("chunks", exc)
+        if self._meta is not None:
+            try:
+                self._meta.publish(uri, cache_length=cache_length, durable_length=sh.appender.position)
+            except CacheError as exc:
+                self._cache_error("lengths", exc)
+
+    def _cache_error(self, what: str, exc: Exception) -> None:
+        with self._lock:
+            self._stats["cache_errors"] += 1
+            first = self._stats["cache_errors"] == 1 or self._stats["cache_errors"] % 1000 == 0
+        if first:
+            log.warning("producer for stream %r: cache write of %s failed (%d so far): %s", self.stream, what,
+                        self._stats["cache_errors"], exc)
+
+    def _seal(self, sh: _Shard) -> None:
+        """Finish the current file: an END_OF_FILE block tells readers to move on."""
+        if sh.appender is None:
+            return
+        seal = encode_seal(sh.next_index)
+        sh.appender.write(seal)
+        self._shadow(sh, seal)
+        sh.appender.close()
+        sh.appender = None
+        sh.chunks = None
+
+    def _finish(self) -> None:
+        """Writer-thread exit: seal files and release leases (best effort after an error)."""
+        for sh in self._shards:
+            try:
+                if self._error is None:
+                    self._seal(sh)
+                elif sh.appender is not None:
+                    sh.appender.close()
+                    sh.appender = None
+                for lease in sh.leases:
+                    lease.release()
+            except AcsError as exc:
+                log.warning("producer for stream %r: cleanup of shard %d failed: %s", self.stream, sh.index, exc)
+                with self._cond:
+                    if self._error is None:
+                        self._error = exc
+        with self._cond:
+            self._cond.notify_all()
