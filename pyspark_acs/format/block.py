@@ -55,9 +55,11 @@ __all__ = [
     "decode_block",
     "encode_block",
     "encode_seal",
+    "find_recovery_seal",
     "parse_header",
     "rebase_blocks",
     "scan_blocks",
+    "seal_void_from",
 ]
 
 MAGIC = b"ACSB"
@@ -69,6 +71,7 @@ DEFAULT_MAX_BLOCK_BYTES = 1024 * 1024
 FLAG_END_OF_FILE = 0x01
 _KNOWN_FLAGS = FLAG_END_OF_FILE
 _HEADER = struct.Struct("<4sBBHIIIIQqq")
+_SEAL_BODY = struct.Struct("<Q")  # a recovery seal's body: void_from
 assert _HEADER.size == HEADER_SIZE
 # Offsets are int32 as in Arrow's binary type: one block's keys or values stay below 2 GiB.
 _MAX_SECTION_BYTES = 2**31 - 1
@@ -238,9 +241,59 @@ def encode_block(
     return _header(0, count, body, first_index, first_ts, last_ts) + body
 
 
-def encode_seal(first_index: int = 0) -> bytes:
-    """An END_OF_FILE block: no messages; tells readers the file is finished."""
-    return _header(FLAG_END_OF_FILE, 0, b"", first_index, 0, 0)
+def encode_seal(first_index: int = 0, void_from: Optional[int] = None) -> bytes:
+    """An END_OF_FILE block: no messages; tells readers the file is finished.
+
+    Parameters
+    ----------
+    first_index : int
+        Message index after the file's last message.
+    void_from : int, optional
+        For a recovery seal (a writer taking a shard over seals its predecessor's file at
+        that file's durable length): the byte where the predecessor's last complete block
+        ends. Bytes ``[void_from, seal position)`` are a block the crashed writer never
+        finished; readers skip them. The body is then 8 bytes: ``void_from`` as uint64.
+    """
+    body = b"" if void_from is None else _SEAL_BODY.pack(void_from)
+    return _header(FLAG_END_OF_FILE, 0, body, first_index, 0, 0) + body
+
+
+def seal_void_from(data: Union[bytes, memoryview], offset: int, header: BlockHeader, position: int) -> int:
+    """Where the valid bytes before the seal at ``data[offset:]`` end (its own ``position``
+    for a plain seal; ``void_from`` for a recovery seal after a torn block)."""
+    if header.body_len >= _SEAL_BODY.size:
+        return _SEAL_BODY.unpack_from(data, offset + header.header_len)[0]
+    return position
+
+
+def find_recovery_seal(
+    data: Union[bytes, memoryview], void_from: int, *, base: int, path: str = ""
+) -> Optional[Tuple[int, BlockHeader]]:
+    """Find the recovery seal that voids ``[void_from, seal)``: ``(offset in data, header)``.
+
+    ``data`` holds the file's bytes from ``base`` (= ``void_from``, where a block is torn).
+    Every occurrence of the magic is tried; only a seal whose header and body checksums hold
+    and whose ``void_from`` equals ``void_from`` counts, so bytes of the torn block cannot be
+    taken for it. ``None`` when there is none (yet).
+    """
+    view = memoryview(data) if not isinstance(data, memoryview) else data
+    raw = bytes(view)
+    at = raw.find(MAGIC, 1)
+    while at != -1:
+        try:
+            header = parse_header(view, at, path=path, position=base + at)
+        except CorruptFileError:
+            header = None
+        if (
+            header is not None
+            and header.sealed
+            and at + header.size <= len(view)
+            and zlib.crc32(view[at + header.header_len : at + header.size]) == header.body_crc
+            and seal_void_from(view, at, header, base + at) == void_from
+        ):
+            return at, header
+        at = raw.find(MAGIC, at + 1)
+    return None
 
 
 def _header(flags: int, count: int, body: bytes, first_index: int, first_ts: int, last_ts: int) -> bytes:
