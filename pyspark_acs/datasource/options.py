@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
 from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES
 from pyspark_acs.format.names import validate_stream
 from pyspark_acs.format.offsets import parse_offsets
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_bool, parse_int, parse_options, parse_str
@@ -126,7 +127,9 @@ class SinkOptions:
     cache_token: Optional[str] = option(
         "cacheToken", None, parse=parse_str, doc="token of token-protected cache servers ($ACS_CACHE_TOKEN)"
     )
-    max_block_bytes: int = option("maxBlockBytes", 1024 * 1024, parse=bytes_parser(1024), doc="block size (1MiB)")
+    max_block_bytes: int = option(
+        "maxBlockBytes", DEFAULT_MAX_BLOCK_BYTES, parse=bytes_parser(1024), doc="block size (1MiB)"
+    )
     roll_bytes: int = option("rollBytes", 64 * 1024 * 1024, parse=bytes_parser(1), doc="file rollover size (64MiB)")
     sink_id: Optional[str] = option(
         "sinkId", None, parse=parse_str, doc="identity for exactly-once (default: the query's checkpointLocation)"
