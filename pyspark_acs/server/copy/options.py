@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "DEFAULT_LISTING_INTERVAL_S",
     "DEFAULT_MAX_DELTA_BYTES",
+    "DEFAULT_PARK_AFTER_S",
     "DEFAULT_POLL_INTERVAL_S",
     "DEFAULT_RETRY_S",
     "DEFAULT_UNHEALTHY_AFTER_S",
@@ -56,6 +57,10 @@ DEFAULT_CACHE_WINDOW = 16
 DEFAULT_LEASE_SECONDS = 3.0
 #: Back-off of an operation after an error before it reconnects.
 DEFAULT_RETRY_S = 0.5
+#: An operation that has copied everything of an unsealed file that has not grown for this
+#: long is idle: when other operations wait for a worker slot it gives its slot up (it is
+#: parked) and is started again when the file's length moves (a seal moves it too).
+DEFAULT_PARK_AFTER_S = 1.0
 
 
 def parse_replica(value: Any, name: str = "replica") -> Tuple[int, int]:
@@ -124,6 +129,10 @@ class CopyDaemonOptions:
         "lease_seconds", DEFAULT_LEASE_SECONDS, parse=duration_parser(0.1), doc="writer lease duration"
     )
     retry: float = option("retry", DEFAULT_RETRY_S, parse=duration_parser(0.001), doc="back-off after an error")
+    park_after: float = option(
+        "park_after", DEFAULT_PARK_AFTER_S, parse=duration_parser(0.01),
+        doc="an idle operation (caught up, file unsealed and not growing) this long yields its slot to waiting ones",
+    )
     metrics_port: int = option(
         "metrics_port", 0, parse=parse_int(-1, 65535), doc="HTTP /metrics port (0 = any free port, -1 = off)"
     )

@@ -347,6 +347,11 @@ class CopyOperation:
         self._tail_sealed = False
         #: Set by the poller (a round, or a length this daemon's writer published) and by acks.
         self._wake = threading.Event()
+        #: Set once a hello was answered OK: for a durable operation the file exists at the
+        #: destination from then on (the scheduler orders file creation by it).
+        self.opened = threading.Event()
+        #: The destination length last acknowledged (the scheduler parks caught-up idle operations).
+        self.acked = 0
 
     def stop(self) -> None:
         """Ask the operation to stop; :meth:`run` returns soon after. Thread-safe; does not wait."""
@@ -392,6 +397,8 @@ class CopyOperation:
             session.send(self._request(hello=True))
             ack = session.next_ack(ACK_TIMEOUT_S + 3 * self.options.lease_seconds)
             self._check(ack)
+            self.acked = ack.length
+            self.opened.set()
             self._copy(session, ack.length)
         finally:
             session.close()
@@ -445,7 +452,7 @@ class CopyOperation:
                     if len(inflight) >= window:
                         raise ConnectionError(f"no acknowledgement within {ACK_TIMEOUT_S:.1f} s") from None
                     break
-                acked = self._take_ack(ack, inflight)
+                acked = self.acked = self._take_ack(ack, inflight)
             cache_len, durable_len = self._source_lengths()
             source_len = durable_len if self.key.storage == DURABLE else max(cache_len, durable_len)
             self.metrics.set("lag_bytes", max(0, source_len - acked), stream=self.key.stream, shard=self.key.shard,

@@ -7,6 +7,20 @@ the fallback) and runs one :class:`~pyspark_acs.server.copy.reader.CopyOperation
 (file, storage in {durable, cache}, child cluster). Several daemon replicas of one cluster
 split the operations by hash (``--replica i/n``).
 
+Rules the scheduler owns (one place each):
+
+* **File order at a child** (:meth:`CopyScheduler._plan`): a file's operations start only
+  once every earlier file of its shard exists in the child's durable store (a durable
+  operation's answered hello created it there). Files of a shard are therefore created at
+  every hop in name order, and a reader that leaves a file at its seal and takes the next
+  name never skips a file still being copied. Files are still copied side by side.
+* **The seal rule**: an operation finishes only at its file's seal; no newer file finishes
+  it (a take-over producer seals its predecessor's file, and that seal is copied).
+* **Idle operations yield** (:meth:`CopyScheduler._park`): an operation that has copied
+  everything of an unsealed file that stopped growing is parked when other operations wait
+  for a worker slot, and started again once the file's length moves (its seal moves it), so
+  abandoned files never hold the ``workers`` slots.
+
 The trees are rebuilt when cluster health changes or the topology file changes (it is
 reread when its modification time moves). Operations for a child this cluster no longer
 feeds are stopped; the new parent's operations take the files over from the child's
@@ -24,12 +38,13 @@ import zlib
 from typing import Callable, Dict, FrozenSet, List, Set, Tuple
 
 from pyspark_acs.errors import AcsError, CacheError, TopologyError
-from pyspark_acs.server.copy.cluster import STORAGES, ClusterIO, OpKey
+from pyspark_acs.server.copy.cluster import DURABLE, STORAGES, ClusterIO, OpKey
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.reader import CopyOperation, LengthPoller
 from pyspark_acs.server.copy.tree import CopyTree, build_copy_tree
 from pyspark_acs.server.copy.topology import Topology, load_topology
+from pyspark_acs.storage.store import DurableStore
 
 __all__ = ["YIELD_S", "CopyScheduler", "owns"]
 
@@ -39,6 +54,15 @@ log = logging.getLogger(__name__)
 YIELD_S = 10.0
 #: Bounded wait for operation threads at shutdown.
 _JOIN_S = 5.0
+
+
+def _never_final() -> bool:
+    # THE SEAL RULE: no newer file, listing, age or timeout finishes a file; only its seal does.
+    return False
+
+
+def _created_key(key: OpKey) -> Tuple[str, int, str, str]:
+    return (key.stream, key.shard, key.file, key.child)
 
 
 def owns(key: OpKey, replica: Tuple[int, int]) -> bool:
@@ -76,7 +100,7 @@ class CopyScheduler:
         self.stub_for = stub_for
         self.operation_prefix = operation_prefix
         self.poller = LengthPoller(io, options.poll_interval)
-        # _lock guards everything below; operation threads only read through is_final().
+        # _lock guards everything below but _child_stores; operation threads never take it.
         self._lock = threading.Lock()
         self._topology = topology
         self._mtime = self._stat_mtime()
@@ -88,6 +112,14 @@ class CopyScheduler:
         self._ops: Dict[OpKey, Tuple[CopyOperation, threading.Thread]] = {}
         self._done: Set[OpKey] = set()
         self._yielded: Dict[OpKey, float] = {}
+        #: (stream, shard, file, child) known to exist in the child's durable store.
+        self._created: Set[Tuple[str, int, str, str]] = set()
+        #: Running operations caught up with their source file, since when (monotonic).
+        self._idle_since: Dict[OpKey, float] = {}
+        #: Parked operations: (acknowledged length, the poller wake event following the file).
+        self._parked: Dict[OpKey, Tuple[int, threading.Event]] = {}
+        #: Replica mode only: the children's stores, by root (scheduling thread only).
+        self._child_stores: Dict[str, DurableStore] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="acs-copy-scheduler", daemon=True)
@@ -130,6 +162,8 @@ class CopyScheduler:
         for _, thread in ops:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self.poller.stop()
+        for store in self._child_stores.values():
+            store.close()
 
     def set_unhealthy(self, unhealthy: FrozenSet[str]) -> None:
         """Health changed: rebuild the trees and move operations."""
@@ -137,12 +171,6 @@ class CopyScheduler:
             self._unhealthy = frozenset(unhealthy)
         self._rebuild()
         self._wake.set()
-
-    def is_final(self, stream: str, shard: int, file: str) -> bool:
-        """A newer file exists in the shard (so ``file`` will not grow any more)."""
-        with self._lock:
-            files = self._files.get((stream, shard), [])
-            return bool(files) and files[-1] > file
 
     # -- trees -----------------------------------------------------------------------------
 
@@ -171,6 +199,8 @@ class CopyScheduler:
             if changed:
                 self._yielded.clear()
             stale = [op for key, (op, _) in self._ops.items() if key.child not in children.get(key.stream, ())]
+            for key in [k for k in self._parked if k.child not in children.get(k.stream, ())]:
+                self._unpark(key)
         if changed:
             self.metrics.inc("tree_rebuilds_total")
             for name in sorted(trees):
@@ -220,10 +250,15 @@ class CopyScheduler:
             ended = [(k, op) for k, (op, t) in self._ops.items() if not t.is_alive()]
             for key, op in ended:
                 del self._ops[key]
+                self._idle_since.pop(key, None)
+                if key.storage == DURABLE and op.opened.is_set():
+                    self._created.add(_created_key(key))
                 if op.finished:
                     self._done.add(key)
+                    self._unpark(key)
                 elif op.poisoned:
                     self._yielded[key] = time.monotonic()
+                    self._unpark(key)
         for key, op in ended:
             if op.finished:
                 log.info("%s: complete", key)
@@ -252,9 +287,16 @@ class CopyScheduler:
                 heads = {}
             for stream, shard, uri in shard_uris:
                 head = heads.get(uri)
-                if head:
-                    self._add_files(stream, shard, [head])
+                if head and not self._known(stream, shard, head):
+                    # A head names a file the scheduler has not seen: list the shard now, so
+                    # every older file of it is known before this one may be created at a child
+                    # (files appear here in name order, so the listing has all older ones).
+                    self._add_files(stream, shard, self.io.store.list_files(stream, shard) + [head])
         self._schedule(feeding)
+
+    def _known(self, stream: str, shard: int, name: str) -> bool:
+        with self._lock:
+            return name in self._files.get((stream, shard), ())
 
     def _add_files(self, stream: str, shard: int, names: List[str]) -> None:
         with self._lock:
@@ -264,37 +306,147 @@ class CopyScheduler:
                 files.extend(new)
                 files.sort()
 
+    # -- file order at the children and idle operations ------------------------------------
+
+    def _source_length(self, key: OpKey) -> int:
+        """What this cluster has of ``key``'s file for its storage, as the poller last saw it."""
+        cache, durable = self.poller.lengths(key.rel)
+        if key.storage == DURABLE:
+            return durable or 0
+        return max(cache or 0, durable or 0)
+
+    def _note_progress(self, now: float) -> None:
+        """Record files now created at children, and since when running operations are idle.
+
+        A durable operation whose hello was answered has created its file at the child (the
+        writer opens the file for appending at the hello). An operation is idle while it has
+        copied everything its source file holds; the file being unsealed (else it finishes).
+        """
+        with self._lock:
+            ops = [(key, op) for key, (op, _) in self._ops.items()]
+        for key, op in ops:
+            if not op.opened.is_set():
+                continue
+            caught_up = op.acked >= self._source_length(key)
+            with self._lock:
+                if key.storage == DURABLE:
+                    self._created.add(_created_key(key))
+                if caught_up:
+                    self._idle_since.setdefault(key, now)
+                else:
+                    self._idle_since.pop(key, None)
+
+    def _runnable(self, key: OpKey, now: float) -> bool:
+        """Whether ``key`` may start now, ignoring file order and the worker budget. Caller holds _lock."""
+        if key in self._done or key in self._ops or not owns(key, self.options.replica):
+            return False
+        if now - self._yielded.get(key, -YIELD_S) < YIELD_S:
+            return False
+        parked = self._parked.get(key)
+        if parked is not None:
+            position, _ = parked
+            if self._source_length(key) <= position:
+                return False  # still idle: the file has not grown (nor been sealed)
+        return True
+
+    def _plan(self, feeding: Dict[str, Tuple[str, ...]], now: float) -> Tuple[List[OpKey], List[OpKey]]:
+        """Operations that may start now, oldest file first, and durable operations of files
+        whose existence at the child another replica knows. Caller holds _lock.
+
+        THE FILE ORDER RULE: both operations of a file start only once every earlier file of
+        its shard exists at the child, so a reader there that leaves a file at its seal and
+        takes the next file in name order never skips one still being copied.
+        """
+        ready: List[OpKey] = []
+        foreign: List[OpKey] = []
+        for stream, children in sorted(feeding.items()):
+            for shard in range(self._shards.get(stream, 0)):
+                files = self._files.get((stream, shard), [])
+                for child in children:
+                    for file in files:
+                        for storage in STORAGES:
+                            key = OpKey(stream, shard, file, storage, child)
+                            if self._runnable(key, now):
+                                ready.append(key)
+                        durable = OpKey(stream, shard, file, DURABLE, child)
+                        if _created_key(durable) not in self._created:
+                            if not owns(durable, self.options.replica):
+                                foreign.append(durable)
+                            break  # later files wait until this one exists at the child
+        ready.sort(key=lambda k: (k.file, STORAGES.index(k.storage), k.stream, k.shard, k.child))
+        return ready, foreign
+
+    def _park(self, count: int, now: float) -> None:
+        """Stop up to ``count`` operations idle for ``park_after`` (longest idle first); each is
+        started again once its file's length moves (the poller keeps following the file)."""
+        with self._lock:
+            idle = sorted(
+                (since, key) for key, since in self._idle_since.items()
+                if key in self._ops and key not in self._parked and now - since >= self.options.park_after
+            )[:count]
+            parked = []
+            for _, key in idle:
+                op = self._ops[key][0]
+                wake = threading.Event()
+                self._parked[key] = (op.acked, wake)
+                parked.append((key, op, wake))
+        for key, op, wake in parked:
+            self.poller.follow(key.rel, wake)
+            log.info("%s: idle at %d bytes (file unsealed, not growing); parked to free a worker slot", key, op.acked)
+            self.metrics.inc("errors_total", kind="parked")
+            op.stop()
+
+    def _unpark(self, key: OpKey) -> None:
+        """Forget that ``key`` is parked. Caller holds _lock."""
+        parked = self._parked.pop(key, None)
+        if parked is not None:
+            self.poller.unfollow(key.rel, parked[1])
+
+    def _check_foreign(self, keys: List[OpKey]) -> None:
+        """Replica mode: whether files another replica copies exist at the child (its store)."""
+        for key in keys:
+            try:
+                exists = self._child_store(key.child).exists(key.rel)
+            except (AcsError, TopologyError) as exc:
+                log.debug("%s: cannot check the child's store: %s", key, exc)
+                continue
+            if exists:
+                with self._lock:
+                    self._created.add(_created_key(key))
+
+    def _child_store(self, child: str) -> DurableStore:
+        root = self.topology.cluster(child).root
+        store = self._child_stores.get(root)
+        if store is None:
+            store = self._child_stores[root] = DurableStore(root)
+        return store
+
     def _schedule(self, feeding: Dict[str, Tuple[str, ...]]) -> None:
         now = time.monotonic()
+        self._note_progress(now)
         start: List[CopyOperation] = []
         with self._lock:
+            ready, foreign = self._plan(feeding, now)
             budget = self.options.workers - len(self._ops)
-            for stream, children in sorted(feeding.items()):
-                shards = self._shards.get(stream, 0)
-                for shard in range(shards):
-                    for file in self._files.get((stream, shard), []):
-                        for child in children:
-                            for storage in STORAGES:
-                                key = OpKey(stream, shard, file, storage, child)
-                                if key in self._done or key in self._ops or not owns(key, self.options.replica):
-                                    continue
-                                if now - self._yielded.get(key, -YIELD_S) < YIELD_S:
-                                    continue
-                                if budget <= 0:
-                                    break
-                                op = CopyOperation(
-                                    key, shards, self.io, self.poller, self.stub_for,
-                                    lambda s=stream, h=shard, f=file: self.is_final(s, h, f),
-                                    self.options, self.metrics, self.operation_prefix,
-                                    is_source=self._trees[stream].source == self.cluster,
-                                )
-                                thread = threading.Thread(target=op.run, name=f"acs-copy-{key.storage}-{child}", daemon=True)
-                                self._ops[key] = (op, thread)
-                                budget -= 1
-                                start.append(op)
+            waiting = len(ready) - max(0, budget)
+            for key in ready[:max(0, budget)]:
+                self._unpark(key)
+                tree = self._trees[key.stream]
+                op = CopyOperation(
+                    key, self._shards[key.stream], self.io, self.poller, self.stub_for, _never_final,
+                    self.options, self.metrics, self.operation_prefix, is_source=tree.source == self.cluster,
+                )
+                thread = threading.Thread(target=op.run, name=f"acs-copy-{key.storage}-{key.child}", daemon=True)
+                self._ops[key] = (op, thread)
+                self._idle_since.pop(key, None)
+                start.append(op)
         for op in start:
             log.info("%s: scheduled", op.key)
             self._ops_thread(op.key).start()
+        if waiting > 0:
+            self._park(waiting, now)
+        if foreign:
+            self._check_foreign(foreign)
 
     def _ops_thread(self, key: OpKey) -> threading.Thread:
         with self._lock:
