@@ -18,6 +18,7 @@ setup(
         "protobuf>=7.35",
         "pyarrow>=15",
         "cachetools>=5",
+        "prometheus-client>=0.20",  # /metrics of the cache server and copy daemon (pyspark_acs/server/metrics.py)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3"],

@@ -7,6 +7,7 @@ loopback ports, started once per module.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,9 +16,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from unittest.mock import ANY
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pyspark_acs.cache.client import CacheClient, Entry
 from pyspark_acs.errors import CacheError, CacheUnavailableError
@@ -353,10 +356,13 @@ def test_metrics_endpoint_serves_prometheus_text(deployments, plain):
         assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = resp.read().decode()
     assert "# TYPE acs_cache_gets_total counter" in text
-    assert re.search(r'^acs_cache_used_bytes\{role="data"\} \d+$', text, re.M)
-    assert re.search(r'^acs_cache_misses_total\{role="data"\} [1-9]\d*$', text, re.M)
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["acs_cache_used_bytes"].labels == {"role": "data"}
+    assert samples["acs_cache_used_bytes"].value >= 0
+    assert samples["acs_cache_misses_total"].value >= 1
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
-        assert resp.read() == b"ok\n"
+        assert resp.headers["Content-Type"] == "application/json"
+        assert json.loads(resp.read()) == {"healthy": True, "role": "data", "uptime_s": ANY}
 
 
 def test_sigterm_stops_gracefully(tmp_path):

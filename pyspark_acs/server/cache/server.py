@@ -6,7 +6,9 @@ Run it as ``acs-cache-server`` or ``python -m pyspark_acs.server.cache``::
 
 It serves the gRPC ``Cache`` service of ``proto/acs.proto`` (batched get and put,
 compare-and-set, delete, stats, health) over a :class:`~pyspark_acs.server.cache.store.Store`, and a
-small HTTP endpoint with ``/metrics`` (Prometheus text format) and ``/healthz``. Once both
+small HTTP endpoint with ``/metrics`` (Prometheus text format) and ``/healthz`` (JSON)
+(:class:`~pyspark_acs.server.metrics.MetricsEndpoint`; the series are declared in
+:data:`~pyspark_acs.server.metrics.CACHE_METRICS`). Once both
 listen, it prints exactly one line on stdout, which a parent process parses for the ports::
 
     acs-cache-server role=data listening on 127.0.0.1:PORT metrics=http://127.0.0.1:MPORT/metrics
@@ -22,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import http.server
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -33,13 +33,16 @@ from concurrent import futures
 from typing import Callable, Dict, List, Optional, Sequence
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.units import parse_bytes, parse_duration
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, Store
+from pyspark_acs.server.metrics import CACHE_METRICS, MetricsEndpoint, StatsCollector
 
 __all__ = [
+    "CACHE_PREFIX",
     "DEFAULT_CAPACITY_BYTES",
     "DEFAULT_HOST",
     "DEFAULT_SERVER_THREADS",
@@ -54,11 +57,12 @@ __all__ = [
     "build_parser",
     "format_endpoint",
     "main",
-    "render_metrics",
 ]
 
 #: The two kinds of cache replicas (DESIGN.md section 1).
 ROLES = ("data", "metadata")
+#: Prefix of every cache-server metric.
+CACHE_PREFIX = "acs_cache_"
 #: Default TTL by role: chunks live a minute, lengths/heads/leases a day (paper section 3).
 ROLE_DEFAULT_TTL_S: Dict[str, float] = {"data": DATA_TTL_S, "metadata": METADATA_TTL_S}
 #: Default capacity by role; the metadata cache holds a few entries per file, so it needs little.
@@ -174,7 +178,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         return acs_pb2.DeleteResponse(deleted=self.store.delete_many(request.keys))
 
     def stats_values(self) -> Dict[str, int]:
-        """The store's stats plus this process's ``rss_bytes`` (what ``Stats`` and ``/metrics`` report)."""
+        """The store's stats plus this process's ``rss_bytes`` (what ``Stats`` reports)."""
         values = self.store.stats()
         values["rss_bytes"] = _rss_bytes()
         return values
@@ -214,68 +218,11 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return self._deny
 
 
-_METRIC_HELP = {
-    "entries": ("gauge", "Entries held (expired ones not yet swept included)."),
-    "used_bytes": ("gauge", "Charged bytes held: key + value + per-entry overhead."),
-    "capacity_bytes": ("gauge", "Configured capacity in charged bytes."),
-    "gc_start_bytes": ("gauge", "GC starts above this many charged bytes."),
-    "gc_low_bytes": ("gauge", "GC evicts down to this many charged bytes."),
-    "max_entry_bytes": ("gauge", "Largest charged size one entry may have."),
-    "entry_overhead_bytes": ("gauge", "Bytes charged per entry on top of key and value."),
-    "default_ttl_ms": ("gauge", "TTL of puts that carry none, in milliseconds."),
-    "ttl_groups": ("gauge", "Distinct TTLs in use."),
-    "rss_bytes": ("gauge", "Resident set size of the server process."),
-}
-
-
-def render_metrics(role: str, values: Dict[str, int], uptime_s: float) -> str:
-    """Prometheus text exposition (format 0.0.4) of a server's stats."""
-    lines: List[str] = []
-    label = f'{{role="{role}"}}'
-    for name in sorted(values):
-        kind, text = _METRIC_HELP.get(name, ("counter" if name.endswith("_total") else "gauge", ""))
-        metric = f"acs_cache_{name}"
-        lines.append(f"# HELP {metric} {text or name.replace('_', ' ')}")
-        lines.append(f"# TYPE {metric} {kind}")
-        lines.append(f"{metric}{label} {values[name]}")
-    lines.append("# HELP acs_cache_uptime_seconds Seconds since the server started.")
-    lines.append("# TYPE acs_cache_uptime_seconds gauge")
-    lines.append(f"acs_cache_uptime_seconds{label} {uptime_s:.3f}")
-    return "\n".join(lines) + "\n"
-
-
-def _metrics_handler(servicer: CacheServicer) -> type:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server API)
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                body = render_metrics(
-                    servicer.role, servicer.stats_values(), time.monotonic() - servicer.started_at
-                ).encode()
-                ctype = "text/plain; version=0.0.4; charset=utf-8"
-                status = 200
-            elif path == "/healthz":
-                body, ctype, status = b"ok\n", "text/plain; charset=utf-8", 200
-            else:
-                body, ctype, status = b"not found; try /metrics or /healthz\n", "text/plain", 404
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format, *args):  # noqa: A002 - scrapes every few seconds; keep logs quiet
-            return
-
-    return Handler
-
-
-class _HTTPServer6(http.server.ThreadingHTTPServer):
-    address_family = socket.AF_INET6
-
-
 class CacheServer:
     """One cache replica: gRPC server + store + metrics endpoint + expiry sweeper.
+
+    ``/metrics`` serves :data:`~pyspark_acs.server.metrics.CACHE_METRICS` (label ``role``),
+    read from the store at each scrape, from a registry of this server's own (:attr:`registry`).
 
     Parameters
     ----------
@@ -317,13 +264,15 @@ class CacheServer:
             ttl_s if ttl_s is not None else ROLE_DEFAULT_TTL_S[role],
         )
         self.servicer = CacheServicer(self.store, role)
+        self.registry = CollectorRegistry()
+        StatsCollector(CACHE_PREFIX, CACHE_METRICS, self.metric_values, {"role": role}, registry=self.registry)
         self.metrics_port_requested = metrics_port
         self.token = token
         self.threads = threads
         self.port = 0
         self.metrics_port: Optional[int] = None
         self._server: Optional[grpc.Server] = None
-        self._http: Optional[http.server.ThreadingHTTPServer] = None
+        self._http: Optional[MetricsEndpoint] = None
         self._stopping = threading.Event()
         self._threads: List[threading.Thread] = []
 
@@ -338,6 +287,17 @@ class CacheServer:
         if self.metrics_port is None:
             return None
         return f"http://{format_endpoint(self.host, self.metrics_port)}/metrics"
+
+    def metric_values(self) -> Dict[str, float]:
+        """What ``/metrics`` exports: :meth:`CacheServicer.stats_values` and ``uptime_seconds``."""
+        values: Dict[str, float] = dict(self.servicer.stats_values())
+        values["uptime_seconds"] = round(time.monotonic() - self.servicer.started_at, 3)
+        return values
+
+    def healthz(self):
+        """``/healthz``: healthy while the server is not stopping; names the role and the uptime."""
+        uptime = round(time.monotonic() - self.servicer.started_at, 3)
+        return not self._stopping.is_set(), {"role": self.role, "uptime_s": uptime}
 
     def start(self) -> None:
         """Bind and start serving.
@@ -363,21 +323,14 @@ class CacheServer:
             raise OSError(f"cannot bind the cache gRPC port {address} (in use or not a local address?)")
         self.port = port
         if self.metrics_port_requested is not None:
-            host = self.host.strip("[]")
-            server_class = _HTTPServer6 if ":" in host else http.server.ThreadingHTTPServer
             try:
-                self._http = server_class((host, self.metrics_port_requested), _metrics_handler(self.servicer))
-            except OSError as exc:
+                self._http = MetricsEndpoint(self.registry, self.healthz, self.host, self.metrics_port_requested,
+                                             name="acs-cache-metrics")
+            except OSError:  # the message names the metrics port
                 server.stop(None)
-                raise OSError(
-                    f"cannot bind the metrics port "
-                    f"{format_endpoint(self.host, self.metrics_port_requested)}: {exc}"
-                ) from exc
-            self._http.daemon_threads = True
-            self.metrics_port = self._http.server_address[1]
-            http_server = self._http
-            # A short poll interval keeps shutdown() (on SIGTERM) quick.
-            self._spawn("acs-cache-metrics", lambda: http_server.serve_forever(poll_interval=0.1))
+                raise
+            self.metrics_port = self._http.port
+            self._http.start()
         server.start()
         self._server = server
         self._spawn("acs-cache-expiry", self._sweep_expired)
@@ -398,8 +351,7 @@ class CacheServer:
             self._server.stop(grace).wait(grace + 1.0)
             self._server = None
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.stop()
             self._http = None
         for thread in self._threads:
             thread.join(timeout=grace + 1.0)

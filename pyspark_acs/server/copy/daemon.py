@@ -38,10 +38,11 @@ from pyspark_acs.errors import AcsError, AcsOptionError, TopologyError
 from pyspark_acs.options import parse_options
 from pyspark_acs.server.copy.cluster import ClusterIO
 from pyspark_acs.server.copy.health import HealthMonitor
-from pyspark_acs.server.copy.metrics import CopyMetrics, MetricsHTTPServer
+from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.scheduler import CopyScheduler
 from pyspark_acs.server.copy.writer import CopyServicer
+from pyspark_acs.server.metrics import MetricsEndpoint
 from pyspark_acs.server.copy.proto import copy_pb2_grpc
 from pyspark_acs.server.copy.topology import load_topology
 
@@ -105,7 +106,7 @@ class CopyDaemon:
         self.health.set_topology(topology)
         self.scheduler.topology_listeners.append(self.health.set_topology)
         self._server: Optional[grpc.Server] = None
-        self._http: Optional[MetricsHTTPServer] = None
+        self._http: Optional[MetricsEndpoint] = None
         self.port = 0
 
     def stub_for(self, cluster: str) -> copy_pb2_grpc.CopyStub:
@@ -146,18 +147,23 @@ class CopyDaemon:
         self.port = bound
         if self.options.metrics_port >= 0:
             try:
-                self._http = MetricsHTTPServer(self.metrics, self.options.host, self.options.metrics_port)
-            except OSError as exc:
+                self._http = MetricsEndpoint(self.metrics.registry, self.healthz, self.options.host,
+                                             self.options.metrics_port, name="acs-copy-metrics")
+            except OSError:  # the message names the metrics port
                 server.stop(None)
-                raise OSError(f"cannot bind the metrics port {self.options.host}:{self.options.metrics_port}: {exc}") from exc
+                raise
             self._http.start()
         self.health.start()
         self.scheduler.start()
         return self
 
+    def healthz(self):
+        """``/healthz``: healthy while the copy service serves; names the clusters judged unhealthy."""
+        return self.servicer.serving, {"cluster": self.cluster, "unhealthy_clusters": sorted(self.health.unhealthy)}
+
     def banner(self) -> str:
         """The start-up line printed on stdout, which parent processes parse; call after :meth:`start`."""
-        metrics = f"http://{self.options.host}:{self._http.port}/metrics" if self._http else "off"
+        metrics = self._http.url if self._http else "off"
         return f"acs-copy-daemon cluster={self.cluster} listening on {self.endpoint} metrics={metrics}"
 
     def stop(self) -> None:
