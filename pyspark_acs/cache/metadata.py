@@ -9,6 +9,9 @@ Keys (all in the metadata cache of one cluster):
 - ``b"h:" + shard URI`` -> the shard's current (head) file name; version = its creation
   time in µs, so the head only moves forward.
 - ``b"w:" + file or shard URI`` -> a writer lease (JSON :class:`~pyspark_acs.storage.leases.LeaseRecord`).
+  Every compare-and-set of a lease carries a higher version than the record it replaces
+  (:func:`lease_version`): consistent reads keep the highest version, so a replica that
+  missed a swap can never make an old record win a read.
 
 A new writer *poisons* the lease of the old one; the old writer sees the poison at its next
 check and stops; a writer that died without releasing is superseded after a short delay.
@@ -24,7 +27,7 @@ from pyspark_acs.errors import CacheError, LeasePoisonedError, WriterConflictErr
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, LeaseRecord
 from pyspark_acs.format.names import parse_file_name
 
-__all__ = ["LENGTH_TTL_S", "MetadataCache", "MetadataLease"]
+__all__ = ["LENGTH_TTL_S", "MetadataCache", "MetadataLease", "lease_version"]
 
 #: Metadata lives much longer than a file takes to roll over (paper: 24 h).
 LENGTH_TTL_S = 24 * 3600.0
@@ -32,6 +35,12 @@ LENGTH_TTL_S = 24 * 3600.0
 
 def _len_value(n: int) -> bytes:
     return n.to_bytes(8, "big")
+
+
+def lease_version(current: Optional[Entry]) -> int:
+    """The version of a lease record replacing ``current``: above it, and at least the wall
+    clock in µs (so a record written after the entry expired still outranks stale copies)."""
+    return max((current.version + 1) if current is not None else 1, time.time_ns() // 1000)
 
 
 class MetadataCache:
@@ -115,16 +124,21 @@ class MetadataLease:
         self.check_interval = min(1.0, seconds / 3)
         self.record: Optional[LeaseRecord] = None
         self._raw: Optional[bytes] = None
+        self._entry: Optional[Entry] = None  # our record as last swapped in (value, version)
         self._checked = 0.0
 
     def _current(self) -> Optional[Entry]:
         return self.meta.client.get([self.key], consistent=True)[0]
 
-    def _cas(self, expected: Optional[bytes], record: LeaseRecord) -> bool:
+    def _cas(self, current: Optional[Entry], record: LeaseRecord) -> bool:
         raw = record.encode()
-        swapped, _ = self.meta.client.compare_and_set(self.key, expected, raw, ttl=self.seconds * 4)
+        version = lease_version(current)
+        swapped, _ = self.meta.client.compare_and_set(
+            self.key, current.value if current is not None else None, raw, version=version, ttl=self.seconds * 4,
+        )
         if swapped:
             self._raw = raw
+            self._entry = Entry(raw, version)
         return swapped
 
     def acquire(self, timeout: Optional[float] = None) -> None:
@@ -149,13 +163,13 @@ class MetadataLease:
             now = time.monotonic()
             if old is None or not old.live() or (poisoned_at is not None and now - poisoned_at >= 2 * self.check_interval):
                 mine = LeaseRecord.new(self.writer, self.seconds)
-                if self._cas(cur.value if cur else None, mine):
+                if self._cas(cur, mine):
                     self.record = mine
                     self._checked = time.monotonic()
                     return
             elif not old.get("poisoned"):
                 poisoned = LeaseRecord(old, poisoned=True)
-                if self._cas(cur.value, poisoned):
+                if self._cas(cur, poisoned):
                     poisoned_at = now
             elif poisoned_at is None:
                 poisoned_at = now
@@ -196,11 +210,11 @@ class MetadataLease:
         if self.record is None or not self.record.same_holder(rec) or (rec and rec.get("poisoned")):
             if rec is not None and self.record is not None and self.record.same_holder(rec):
                 # Poisoned: hand the lease over at once by deleting our poisoned record.
-                self.meta.client.compare_and_set(self.key, cur.value, b"", ttl=0.001)
+                self.meta.client.compare_and_set(self.key, cur.value, b"", version=lease_version(cur), ttl=0.001)
             self.record = None
             raise LeasePoisonedError(f"{self.what}: a newer writer took over; this writer stops")
         renewed = LeaseRecord(self.record, expires=time.time() + self.seconds)
-        if self._cas(cur.value, renewed):
+        if self._cas(cur, renewed):
             self.record = renewed
         self._checked = time.monotonic()
 
@@ -209,7 +223,7 @@ class MetadataLease:
         if self.record is None or self._raw is None:
             return
         try:
-            self.meta.client.compare_and_set(self.key, self._raw, b"", ttl=0.001)
+            self.meta.client.compare_and_set(self.key, self._raw, b"", version=lease_version(self._entry), ttl=0.001)
         except CacheError:
             pass  # the lease expires by itself
         self.record = None

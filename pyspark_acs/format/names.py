@@ -23,6 +23,7 @@ __all__ = [
     "FileName",
     "file_name",
     "new_writer_id",
+    "next_file_name",
     "parse_file_name",
     "shard_dir",
     "validate_shard",
@@ -80,6 +81,18 @@ def file_name(created: _dt.datetime, writer_id: str) -> str:
     if created.tzinfo is not None:
         created = created.astimezone(_dt.timezone.utc).replace(tzinfo=None)
     return f"{created.strftime(_TIME_FORMAT)}-{writer_id}{FILE_SUFFIX}"
+
+
+def next_file_name(existing: "list[str]", writer_id: str, now: "_dt.datetime | None" = None) -> str:
+    """The name of a shard's next file: created now, but always sorting after every name in
+    ``existing`` (readers follow a shard's files in name order, so a writer whose clock is
+    behind the previous writer's must still come after it)."""
+    created = now or _dt.datetime.now(_dt.timezone.utc)
+    if existing:
+        last = parse_file_name(max(existing)).created
+        if created <= last:
+            created = last + _dt.timedelta(microseconds=1)
+    return file_name(created, writer_id)
 
 
 class FileName(NamedTuple):

@@ -4,29 +4,60 @@ A lease is a small record ``{writer, nonce, expires, poisoned}``. The holder ren
 before it expires and checks it on every renewal; a holder that finds the lease taken over
 or poisoned must stop writing at once (:class:`~pyspark_acs.errors.LeasePoisonedError`).
 
-:class:`StoreLease` keeps the record in a file of the durable store. Without a
-compare-and-set primitive in ``pyarrow.fs`` it is best effort (write, then read back to
-confirm); it refuses a second live writer, which is what a single deployment needs. The
-metadata-cache lease (:mod:`pyspark_acs.cache.metadata`) uses the cache's compare-and-set and
-supports take-over by poisoning.
+:class:`StoreLease` keeps the record in a file of the durable store. ``pyarrow.fs`` has no
+compare-and-set and no exclusive create, so the lease is as safe as the filesystem allows:
+
+- local files: read, decide and write happen under an exclusive ``flock`` on a lock file
+  beside the lease (:func:`exclusive`), so acquiring and renewing are compare-and-set among
+  all processes of the machine;
+- other filesystems (HDFS): write, then read back to confirm; two writers acquiring at the
+  same instant may both believe they hold it.
+
+Safety does not rest on the lease: a writer acknowledges bytes only once they are verified
+to lie before any seal of their file, and a writer that takes a shard over seals its
+predecessor's file first (:mod:`pyspark_acs.write.file`), so a second holder can delay but
+never reorder or hide acknowledged messages. The metadata-cache lease
+(:mod:`pyspark_acs.cache.metadata`) uses the cache's compare-and-set and supports take-over by
+poisoning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import socket
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 from pyspark_acs.errors import LeasePoisonedError, WriterConflictError
 from pyspark_acs.storage.store import DurableStore
 
-__all__ = ["DEFAULT_LEASE_SECONDS", "LeaseRecord", "StoreLease"]
+__all__ = ["DEFAULT_LEASE_SECONDS", "LeaseRecord", "StoreLease", "exclusive"]
 
 #: A holder renews every third of this; a dead holder's lease is free after it.
 DEFAULT_LEASE_SECONDS = 10.0
+
+
+@contextlib.contextmanager
+def exclusive(store: DurableStore, rel: str) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``rel`` of ``store`` (created if missing) while the
+    block runs: ``flock`` on local files, which every process of the machine honours. On
+    other filesystems ``pyarrow.fs`` has no lock: the block runs unlocked."""
+    if not store.local:
+        yield
+        return
+    import fcntl
+
+    path = store.path(rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 class LeaseRecord(dict):
@@ -99,6 +130,7 @@ class StoreLease:
         self.seconds = seconds
         self.record: Optional[LeaseRecord] = None
         self._renewed = 0.0
+        self._lock = rel + ".lock"  # the lock file of read-decide-write (local files)
 
     def acquire(self, force: bool = False) -> None:
         """Take the lease; raise WriterConflictError if another live writer holds it.
@@ -106,13 +138,14 @@ class StoreLease:
         ``force`` takes it regardless (the caller already holds the authoritative
         metadata-cache lease; the old holder sees the change at its next check and stops).
         """
-        current = LeaseRecord.decode(self.store.read_small(self.rel))
-        if not force and current is not None and current.live() and current.get("writer") != self.writer:
-            raise WriterConflictError(f"{self.what} is held by {current.describe()}; stop that writer or wait")
-        record = LeaseRecord.new(self.writer, self.seconds)
-        self.store.write_small(self.rel, record.encode())
-        if not record.same_holder(LeaseRecord.decode(self.store.read_small(self.rel))):
-            raise WriterConflictError(f"{self.what}: another writer took the lease at the same moment")
+        with exclusive(self.store, self._lock):
+            current = LeaseRecord.decode(self.store.read_small(self.rel))
+            if not force and current is not None and current.live() and current.get("writer") != self.writer:
+                raise WriterConflictError(f"{self.what} is held by {current.describe()}; stop that writer or wait")
+            record = LeaseRecord.new(self.writer, self.seconds)
+            self.store.write_small(self.rel, record.encode())
+            if not record.same_holder(LeaseRecord.decode(self.store.read_small(self.rel))):
+                raise WriterConflictError(f"{self.what}: another writer took the lease at the same moment")
         self.record = record
         self._renewed = time.monotonic()
 
@@ -122,12 +155,13 @@ class StoreLease:
 
     def renew(self) -> None:
         """Check the lease is still ours and extend it; raise LeasePoisonedError if not."""
-        current = LeaseRecord.decode(self.store.read_small(self.rel))
-        if self.record is None or not self.record.same_holder(current) or current.get("poisoned"):
-            holder = current.describe() if current else "nobody"
-            raise LeasePoisonedError(f"{self.what}: our lease was taken over (now held by {holder}); stopping")
-        self.record = LeaseRecord(self.record, expires=time.time() + self.seconds)
-        self.store.write_small(self.rel, self.record.encode())
+        with exclusive(self.store, self._lock):
+            current = LeaseRecord.decode(self.store.read_small(self.rel))
+            if self.record is None or not self.record.same_holder(current) or current.get("poisoned"):
+                holder = current.describe() if current else "nobody"
+                raise LeasePoisonedError(f"{self.what}: our lease was taken over (now held by {holder}); stopping")
+            self.record = LeaseRecord(self.record, expires=time.time() + self.seconds)
+            self.store.write_small(self.rel, self.record.encode())
         self._renewed = time.monotonic()
 
     check = renew
@@ -136,7 +170,8 @@ class StoreLease:
         """Give the lease up if it is still ours."""
         if self.record is None:
             return
-        current = LeaseRecord.decode(self.store.read_small(self.rel))
-        if self.record.same_holder(current):
-            self.store.delete(self.rel)
+        with exclusive(self.store, self._lock):
+            current = LeaseRecord.decode(self.store.read_small(self.rel))
+            if self.record.same_holder(current):
+                self.store.delete(self.rel)
         self.record = None

@@ -1,8 +1,10 @@
 """The Producer: appends messages to the chronological message files of a stream's shards.
 
 This is the paper's "File interface" on the write side. Messages are buffered per shard and
-written as blocks by one background writer thread, durable store first (then, when caches
-are configured, chunks to the data cache and lengths to the metadata cache).
+written as blocks by one background writer thread through one
+:class:`~pyspark_acs.write.shard.ShardWriter` per shard (lease, recovery of a predecessor's
+file, durable append verified against seals, chunks to the data cache, lengths to the
+metadata cache, roll-over, seals).
 
 Batching is adaptive (Pravega): when the writer is idle a block is written at once; while
 it is busy, the next block waits ``recent write latency x (1 - average block size / max
@@ -15,15 +17,15 @@ import datetime as _dt
 import logging
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block, encode_seal
-from pyspark_acs.errors import AcsError, AcsOptionError, AcsTimeoutError, CacheError, ClosedError
-from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, StoreLease
-from pyspark_acs.format.names import MAX_SHARDS, file_name, new_writer_id, parse_file_name, shard_dir, validate_shard, validate_stream
-from pyspark_acs.storage.store import Appender, DurableStore, open_store
+from pyspark_acs.errors import AcsError, AcsOptionError, AcsTimeoutError, ClosedError
+from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block
+from pyspark_acs.format.names import MAX_SHARDS, new_writer_id, validate_shard, validate_stream
+from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS
+from pyspark_acs.storage.store import DurableStore, open_store
+from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES, DEFAULT_ROLL_SECONDS, ShardWriter, shard_for_key
 
 __all__ = [
     "DEFAULT_MAX_BATCH_DELAY_S",
@@ -36,20 +38,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ROLL_BYTES = 64 * 1024 * 1024
-DEFAULT_ROLL_SECONDS = 600.0
 #: Cap on the adaptive batching delay: latency matters more than block fill.
 DEFAULT_MAX_BATCH_DELAY_S = 0.005
 #: send() blocks while this many bytes wait to be written (back-pressure).
 DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
 #: Weight of the newest sample in the write-latency and block-size moving averages.
 _EWMA_ALPHA = 0.2
-_LEASE_FILE = "_writer.lease"
-
-
-def shard_for_key(key: bytes, shards: int) -> int:
-    """The shard of a key: crc32 of the key bytes modulo the shard count (stable everywhere)."""
-    return zlib.crc32(key) % shards
 
 
 def _as_bytes(value: Any, what: str) -> Optional[bytes]:
@@ -110,18 +104,13 @@ class _Shard:
     """Per-shard write state. Fields marked (lock) are guarded by Producer._lock; the rest
     belong to the writer thread alone."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, writer: ShardWriter) -> None:
         self.index = index
         self.values: List[Optional[bytes]] = []  # (lock) pending messages
         self.keys: List[Optional[bytes]] = []  # (lock)
         self.timestamps: List[int] = []  # (lock)
         self.pending_bytes = 0  # (lock)
-        self.appender: Optional[Appender] = None  # writer thread: the open file
-        self.file: str = ""  # writer thread: its base name
-        self.opened_at = 0.0  # writer thread: monotonic time the file was opened
-        self.next_index = 0  # writer thread: position of the next message in the file
-        self.leases: list = []  # writer thread: [metadata-cache lease,] store lease
-        self.chunks: Any = None  # writer thread: ChunkWriter of the open file (data cache)
+        self.writer = writer  # writer thread (and the constructor before it starts)
 
 
 class Producer:
@@ -164,7 +153,15 @@ class Producer:
     Messages of one shard are written in ``send`` order. ``flush()`` returns once every
     message sent before it is in the durable store, or raises the error that stopped the
     writer. A second Producer for a shard that a live Producer holds is refused with
-    :class:`~pyspark_acs.errors.WriterConflictError`.
+    :class:`~pyspark_acs.errors.WriterConflictError` (with a metadata cache it takes the
+    shard over instead: the first one stops with
+    :class:`~pyspark_acs.errors.LeasePoisonedError`).
+
+    Taking a shard over, a Producer first seals the newest file of the shard if its writer
+    left it unsealed (a crash, or a writer deposed while it stalled). That seal is a fence:
+    a deposed Producer whose block lands after it gets
+    :class:`~pyspark_acs.errors.WriterConflictError` from ``flush()`` naming the file and the
+    messages and bytes that were not acknowledged; readers never see them.
 
     Examples
     --------
@@ -201,7 +198,6 @@ class Producer:
         # waiters in flush()/send().
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._shards = [_Shard(i) for i in range(self.shards)]
         self._pending_bytes = 0
         self._sent = 0
         self._written = 0
@@ -211,7 +207,7 @@ class Producer:
         self._closed = False
         self._latency_ewma = 0.0
         self._block_ewma = 0.0
-        self._stats = {"messages": 0, "blocks": 0, "bytes": 0, "files": 0, "cache_errors": 0}
+        self._stats = {"messages": 0, "blocks": 0, "bytes": 0, "cache_errors": 0}
         self._own_clients: list = []
         self._data = meta_client = None
         if data_cache or metadata_cache:  # grpc is imported only when caches are used
@@ -224,37 +220,28 @@ class Producer:
             from pyspark_acs.cache.metadata import MetadataCache
 
             self._meta = MetadataCache(meta_client)
+        self._shards = [
+            _Shard(i, ShardWriter(
+                self.store, self.stream, i, self.writer_id, data=self._data, meta=self._meta,
+                lease_seconds=self.options.lease_seconds, roll_bytes=self.options.roll_bytes,
+                roll_seconds=self.options.roll_seconds, on_cache_error=self._cache_error,
+            ))
+            for i in range(self.shards)
+        ]
         try:
             for sh in self._shards:
-                self._acquire_leases(sh)
+                # Lease, then recovery: the predecessor's unsealed file is sealed (fenced)
+                # before this Producer writes anything.
+                sh.writer.acquire()
+                sh.writer.recover()
         except BaseException:
             for sh in self._shards:
-                for lease in sh.leases:
-                    lease.release()
+                sh.writer.release()
             for c in self._own_clients:
                 c.close()
             raise
         self._thread = threading.Thread(target=self._run, name=f"acs-producer-{self.stream}", daemon=True)
         self._thread.start()
-
-    def _acquire_leases(self, sh: _Shard) -> None:
-        what = f"shard {sh.index} of stream {self.stream!r} in {self.store.root}"
-        store_lease = StoreLease(
-            self.store, f"{shard_dir(self.stream, sh.index)}/{_LEASE_FILE}", self.writer_id, what,
-            self.options.lease_seconds,
-        )
-        force = False
-        if self._meta is not None:
-            lease = self._meta.lease(self.store.uri(shard_dir(self.stream, sh.index)), self.writer_id, what,
-                                     self.options.lease_seconds)
-            try:
-                lease.acquire()
-                sh.leases.append(lease)
-                force = True  # the cache lease is the authority: take the store lease over too
-            except CacheError as exc:
-                log.warning("%s: metadata cache unavailable for the lease, using the store lease: %s", what, exc)
-        store_lease.acquire(force=force)
-        sh.leases.append(store_lease)
 
     # -- public API ------------------------------------------------------------------------
 
@@ -404,11 +391,12 @@ class Producer:
     def stats(self) -> Dict[str, float]:
         """Counters: messages, blocks, bytes and files written; batching averages."""
         with self._lock:
-            return dict(self._stats, write_latency_s=self._latency_ewma, avg_block_bytes=self._block_ewma)
+            files = sum(sh.writer.files_opened for sh in self._shards)
+            return dict(self._stats, files=files, write_latency_s=self._latency_ewma, avg_block_bytes=self._block_ewma)
 
     def current_files(self) -> Dict[int, str]:
         """The file each shard is writing now ('' before its first block)."""
-        return {sh.index: sh.file for sh in self._shards}
+        return {sh.index: sh.writer.file for sh in self._shards}
 
     def __enter__(self) -> "Producer":
         return self
@@ -460,21 +448,9 @@ class Producer:
         return min(self._latency_ewma * (1.0 - fill), self.options.max_batch_delay)
 
     def _housekeeping(self) -> None:
-        now = time.monotonic()
         for sh in self._shards:
-            self._check_leases(sh)
-            if sh.appender is not None and now - sh.opened_at >= self.options.roll_seconds:
-                self._seal(sh)
-
-    def _check_leases(self, sh: _Shard) -> None:
-        """Renew due leases; a poisoned one raises LeasePoisonedError and stops the writer."""
-        for lease in sh.leases:
-            if lease.due():
-                try:
-                    lease.check()
-                except CacheError as exc:
-                    # Availability first (paper section 3): a cache outage does not stop writes.
-                    log.warning("lease check skipped, metadata cache unavailable: %s", exc)
+            sh.writer.check_leases()  # a poisoned lease raises LeasePoisonedError: the writer stops
+            sh.writer.roll_if_old()
 
     def _write_pending(self) -> int:
         """Write the pending messages as blocks; return how many were written.
@@ -521,69 +497,25 @@ class Producer:
         return limit, total
 
     def _write_block(self, sh: _Shard, values: list, keys: list, stamps: list) -> None:
-        self._check_leases(sh)  # never write after a newer writer took the shard over
-        if sh.appender is None:
-            self._open_file(sh)
+        """Write one block through the shard writer (verified against seals before it counts).
+
+        Cache failures never fail the producer (the durable store has the bytes and readers
+        fall back to it); they are logged and counted in ``stats()["cache_errors"]``.
+        """
+        writer = sh.writer
+        writer.check_leases()  # never write after a newer writer took the shard over
+        if writer.writer is None:
+            writer.open_new()
         any_key = any(k is not None for k in keys)
-        block = encode_block(values, keys if any_key else None, stamps, first_index=sh.next_index)
+        block = encode_block(values, keys if any_key else None, stamps, first_index=writer.next_index)
         started = time.perf_counter()
-        sh.appender.write(block)
-        self._shadow(sh, block)
+        writer.append(block, len(values))
         latency = time.perf_counter() - started
-        sh.next_index += len(values)
         with self._lock:
             self._latency_ewma += _EWMA_ALPHA * (latency - self._latency_ewma)
             self._block_ewma += _EWMA_ALPHA * (len(block) - self._block_ewma)
             self._stats["blocks"] += 1
             self._stats["bytes"] += len(block)
-        if sh.appender.position >= self.options.roll_bytes:
-            self._seal(sh)
-
-    def _open_file(self, sh: _Shard) -> None:
-        created = _dt.datetime.now(_dt.timezone.utc)
-        # Names must sort after every existing file of the shard, even if this machine's
-        # clock is behind the previous writer's: readers follow files in name order.
-        existing = self.store.list_files(self.stream, sh.index)
-        if existing:
-            last = parse_file_name(existing[-1]).created
-            if created <= last:
-                created = last + _dt.timedelta(microseconds=1)
-        name = file_name(created, self.writer_id)
-        rel = f"{shard_dir(self.stream, sh.index)}/{name}"
-        sh.appender = self.store.open_appender(rel)
-        sh.file = name
-        sh.opened_at = time.monotonic()
-        sh.next_index = 0
-        with self._lock:
-            self._stats["files"] += 1
-        if self._data is not None:
-            from pyspark_acs.cache.chunks import ChunkWriter
-
-            sh.chunks = ChunkWriter(self._data, self.store.uri(rel), sh.appender.position)
-        if self._meta is not None:
-            try:
-                self._meta.set_head(self.store.uri(shard_dir(self.stream, sh.index)), name)
-            except CacheError as exc:
-                self._cache_error("head", exc)
-
-    def _shadow(self, sh: _Shard, block: bytes) -> None:
-        """After a durable append: chunks to the data cache, then lengths to the metadata cache.
-
-        Cache failures never fail the producer (the durable store has the bytes and readers
-        fall back to it); they are logged and counted in ``stats()["cache_errors"]``.
-        """
-        uri = self.store.uri(sh.appender.rel)
-        cache_length = None
-        if sh.chunks is not None:
-            try:
-                cache_length = sh.chunks.append(block)
-            except CacheError as exc:
-                self._cache_error("chunks", exc)
-        if self._meta is not None:
-            try:
-                self._meta.publish(uri, cache_length=cache_length, durable_length=sh.appender.position)
-            except CacheError as exc:
-                self._cache_error("lengths", exc)
 
     def _cache_error(self, what: str, exc: Exception) -> None:
         with self._lock:
@@ -593,28 +525,11 @@ class Producer:
             log.warning("producer for stream %r: cache write of %s failed (%d so far): %s", self.stream, what,
                         self._stats["cache_errors"], exc)
 
-    def _seal(self, sh: _Shard) -> None:
-        """Finish the current file: an END_OF_FILE block tells readers to move on."""
-        if sh.appender is None:
-            return
-        seal = encode_seal(sh.next_index)
-        sh.appender.write(seal)
-        self._shadow(sh, seal)
-        sh.appender.close()
-        sh.appender = None
-        sh.chunks = None
-
     def _finish(self) -> None:
         """Writer-thread exit: seal files and release leases (best effort after an error)."""
         for sh in self._shards:
             try:
-                if self._error is None:
-                    self._seal(sh)
-                elif sh.appender is not None:
-                    sh.appender.close()
-                    sh.appender = None
-                for lease in sh.leases:
-                    lease.release()
+                sh.writer.close(seal=self._error is None)
             except AcsError as exc:
                 log.warning("producer for stream %r: cleanup of shard %d failed: %s", self.stream, sh.index, exc)
                 with self._cond:

@@ -1,0 +1,353 @@
+"""One message file's writer: append at an expected position, verify against seals (the
+fence), then mirror to the data cache and publish lengths in the metadata cache.
+
+This is the single place where bytes enter a message file (DESIGN.md section 6). The shard
+writer (:mod:`pyspark_acs.write.shard`: Producer, Spark sink) and the copy writer
+(:mod:`pyspark_acs.server.copy.writer`) append through it.
+
+The fence
+---------
+A writer acknowledges bytes only once it knows they lie before any seal of the file. When a
+writer takes a shard over, it first seals its predecessor's file at that file's durable
+length (a *recovery seal*); a deposed writer that appends afterwards must find out and fail.
+:meth:`DurableFile.append` therefore
+
+1. takes the file's append lock where the filesystem has one (local files: ``flock`` on
+   the file; HDFS allows one appender per file by itself; ``pyarrow.fs`` offers nothing
+   for other filesystems), and checks the file still ends where this writer expects;
+2. appends;
+3. checks that the file's size is the expected end. If it is not, it reads the bytes from
+   the expected start and finds where its bytes landed: first (ours are acknowledged; the
+   file has something after them, so the next append fails) or after foreign bytes such as
+   a seal (:class:`AppendConflictError` naming the file and the byte range, and the
+   messages when the caller gave them). Those bytes lie after a seal: readers never see
+   them.
+
+With the lock the check-then-append is atomic among writers of this package on one
+machine, so a second writer (a deposed producer, a stale copy operation) never appends at
+all. Without it the post-append check is the fence: it cannot tell two writers that
+appended *identical* bytes concurrently apart, which only a stale copy writer could do
+(both copy the same source bytes); copy operations are serialised by their lease and
+per-process generation, and HDFS refuses the second appender.
+
+Only verified bytes are mirrored to the data cache (so a deposed writer never puts bytes
+into the cache at positions a seal occupies) and only then are lengths published. A cache
+failure never fails a write: it is reported to ``on_cache_error`` (logged and counted by
+the caller) and readers fall back to the durable store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, NamedTuple, Optional, Tuple
+
+from pyspark_acs.errors import CacheError, CorruptFileError, WriterConflictError
+from pyspark_acs.format.block import HEADER_SIZE, parse_header
+from pyspark_acs.storage.leases import exclusive
+from pyspark_acs.storage.store import Appender, DurableStore
+
+__all__ = [
+    "AppendConflictError",
+    "CacheMirror",
+    "DurableFile",
+    "FileTail",
+    "FileWriter",
+    "append_lock",
+    "scan_file",
+]
+
+log = logging.getLogger(__name__)
+
+#: Bytes read at a time when walking a file's block headers.
+_SCAN_WINDOW = 1024 * 1024
+
+
+class AppendConflictError(WriterConflictError):
+    """An append landed after foreign bytes (typically another writer's recovery seal), or
+    the file no longer ends where this writer expected it: the bytes are not acknowledged.
+
+    Attributes
+    ----------
+    path : str
+        The file's URI.
+    start, end : int
+        The byte range this writer meant to write (and does not acknowledge).
+    actual_length : int
+        The file's length when the conflict was found.
+    seal_at : int or None
+        Position of the foreign seal that ends the file before ``start``, if one was found.
+    """
+
+    def __init__(self, message: str, *, path: str, start: int, end: int, actual_length: int,
+                 seal_at: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.start = start
+        self.end = end
+        self.actual_length = actual_length
+        self.seal_at = seal_at
+
+
+class FileTail(NamedTuple):
+    """What a walk over a file's block headers found (see :func:`scan_file`)."""
+
+    #: File length the walk covered.
+    length: int
+    #: End of the last complete data block before any seal (where valid bytes end).
+    end: int
+    #: Message index after those blocks.
+    next_index: int
+    #: Position of the first seal block, or None when the file is not sealed.
+    sealed_at: Optional[int]
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the file ends with a seal (readers leave it there)."""
+        return self.sealed_at is not None
+
+    @property
+    def torn(self) -> bool:
+        """Unsealed and with bytes after its last complete block (a crashed writer's block)."""
+        return self.sealed_at is None and self.end < self.length
+
+
+def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int = 0,
+              length: Optional[int] = None) -> FileTail:
+    """Walk the block headers of ``rel`` from ``start`` (a block boundary) to its length.
+
+    Bodies are not read (a large block is skipped by its header), so the cost is about the
+    number of blocks. Bytes that do not form a complete block (a torn block, a header cut
+    short, or bytes that are not a header) end the walk: they are the torn tail.
+    """
+    uri = store.uri(rel)
+    if length is None:
+        length = store.lengths([rel]).get(rel) or 0
+    at, index = start, first_index
+    buf_start, buf = start, b""
+    while length - at >= HEADER_SIZE:
+        if at + HEADER_SIZE > buf_start + len(buf):
+            buf_start, buf = at, store.read(rel, at, min(length, at + _SCAN_WINDOW))
+            if len(buf) < HEADER_SIZE:
+                break
+        try:
+            header = parse_header(buf, at - buf_start, path=uri, position=at)
+        except CorruptFileError as exc:
+            log.warning("%s: bytes from %d on are not a block (%s); treating them as a torn tail", uri, at, exc)
+            break
+        if at + header.size > length:
+            break
+        if header.sealed:
+            return FileTail(length, at, index, at)
+        index = header.first_index + header.count
+        at += header.size
+    return FileTail(length, at, index, None)
+
+
+def append_lock(store: DurableStore, rel: str) -> "contextlib.AbstractContextManager[None]":
+    """The append lock of ``rel``: ``flock`` on the file itself where the filesystem is local
+    (:func:`~pyspark_acs.storage.leases.exclusive`), nothing elsewhere (``pyarrow.fs`` has no
+    lock; HDFS itself allows one appender per file)."""
+    return exclusive(store, rel)
+
+
+def _describe(start: int, end: int, messages: Optional[Tuple[int, int]]) -> str:
+    text = f"bytes [{start}, {end})"
+    if messages is not None and messages[1] > 0:
+        first, count = messages
+        text += f" (messages {first}..{first + count - 1} of the file)"
+    return text
+
+
+class DurableFile:
+    """Appends to one file of the durable store at expected positions, fenced by seals.
+
+    Parameters
+    ----------
+    store : DurableStore
+    rel : str
+        The file, relative to the store root (created if missing).
+    position : int, optional
+        Where this writer expects the file to end (default: its length now).
+
+    Not thread-safe: one writer thread.
+    """
+
+    def __init__(self, store: DurableStore, rel: str, position: Optional[int] = None) -> None:
+        self.store = store
+        self.rel = rel
+        self.uri = store.uri(rel)
+        self._appender: Optional[Appender] = store.open_appender(rel)
+        self.position = self._appender.position if position is None else position
+
+    def append(self, data: bytes, *, messages: Optional[Tuple[int, int]] = None) -> int:
+        """Append ``data`` at :attr:`position`; return the new position once verified.
+
+        Parameters
+        ----------
+        data : bytes
+            Whole blocks (or the rest of one, when completing a planned append).
+        messages : (first index, count), optional
+            The messages ``data`` holds, for the error message.
+
+        Raises
+        ------
+        AppendConflictError
+            The file does not end at :attr:`position` (nothing was appended), or the bytes
+            landed after foreign bytes (not acknowledged; they lie after a seal).
+        """
+        start, end = self.position, self.position + len(data)
+        with append_lock(self.store, self.rel):
+            if self.store.local:
+                actual = self.store.length(self.rel)
+                if actual != start:
+                    raise self._conflict(start, end, actual, messages, appended=False)
+            if data:
+                self._appender.write(data)
+            actual = self.store.length(self.rel)
+        if actual != end:
+            landed = self.store.read(self.rel, start, min(actual, end))
+            if actual < end or landed != bytes(data):
+                raise self._conflict(start, end, actual, messages, appended=True)
+            # Ours came first; foreign bytes follow (a seal): acknowledged, and the next
+            # append fails because the file no longer ends at our position.
+            log.warning("%s: another writer appended %d bytes right after %s", self.uri, actual - end,
+                        _describe(start, end, messages))
+        self.position = end
+        return end
+
+    def _conflict(self, start: int, end: int, actual: int, messages: Optional[Tuple[int, int]],
+                  appended: bool) -> AppendConflictError:
+        seal_at = None
+        if actual > start:
+            tail = scan_file(self.store, self.rel, start=start, length=actual)
+            seal_at = tail.sealed_at
+        what = _describe(start, end, messages)
+        if seal_at is not None:
+            why = (f"another writer sealed the file at byte {seal_at} (it took the shard over), so "
+                   f"{'they landed after the seal and' if appended else 'they were not appended and'} "
+                   f"readers never see them")
+        else:
+            why = (f"the file is {actual} bytes long where this writer expected {start}: another writer "
+                   f"appended to it{' first' if appended else ''}")
+        return AppendConflictError(
+            f"{self.uri}: {what} not acknowledged: {why}", path=self.uri, start=start, end=end,
+            actual_length=actual, seal_at=seal_at,
+        )
+
+    def close(self) -> None:
+        """Close the append stream (idempotent)."""
+        if self._appender is not None:
+            self._appender.close()
+            self._appender = None
+
+
+class CacheMirror:
+    """Mirrors a file's verified bytes to the data cache as 4 KiB chunks (Fig. 7), from a
+    start position whose chunk prefix is read back from the durable store when not given.
+
+    Parameters
+    ----------
+    client : CacheClient
+        The data cache.
+    uri : str
+        The file's URI (chunk keys derive from it).
+    position : int
+        Where mirroring starts.
+    prefix : bytes, optional
+        The ``position % 4096`` bytes before ``position``; read from ``store``/``rel`` if None.
+    """
+
+    def __init__(self, client: Any, uri: str, position: int, prefix: Optional[bytes] = None, *,
+                 store: Optional[DurableStore] = None, rel: str = "", ttl: Optional[float] = None) -> None:
+        from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkWriter
+
+        need = position % CHUNK_SIZE
+        if prefix is None:
+            prefix = store.read(rel, position - need, position) if (need and store is not None) else b""
+        self.chunks = ChunkWriter(client, uri, position, prefix, ttl=ttl)
+
+    @property
+    def position(self) -> int:
+        """Bytes of the file the mirror has written (or tried to)."""
+        return self.chunks.position
+
+    def append(self, data: bytes) -> int:
+        """Write ``data`` (the bytes at :attr:`position`); return the new position.
+
+        Raises CacheError when a majority of replicas did not take every chunk.
+        """
+        return self.chunks.append(data)
+
+
+class FileWriter:
+    """Append to one message file: durable first (fenced), then chunks, then lengths.
+
+    Parameters
+    ----------
+    store : DurableStore
+    rel : str
+        The file, relative to the root.
+    data : CacheClient, optional
+        Data cache: verified bytes are mirrored there.
+    meta : MetadataCache, optional
+        Metadata cache: cache and durable lengths are published there after each append.
+    position : int, optional
+        Where the file is expected to end (default: its length now).
+    on_cache_error : callable(what, exc), optional
+        Called for each cache failure (default: log a warning). Never raised.
+    chunk_ttl : float, optional
+        Time to live of the data-cache chunks (default: the server's).
+    """
+
+    def __init__(self, store: DurableStore, rel: str, *, data: Any = None, meta: Any = None,
+                 position: Optional[int] = None, on_cache_error: Optional[Callable[[str, Exception], None]] = None,
+                 chunk_ttl: Optional[float] = None) -> None:
+        self.durable = DurableFile(store, rel, position)
+        self.uri = self.durable.uri
+        self.meta = meta
+        self._on_cache_error = on_cache_error or self._log_cache_error
+        self.mirror: Optional[CacheMirror] = None
+        if data is not None:
+            try:
+                self.mirror = CacheMirror(data, self.uri, self.durable.position, store=store, rel=rel, ttl=chunk_ttl)
+            except CacheError as exc:  # pragma: no cover - constructing reads only the store
+                self._on_cache_error("chunks", exc)
+
+    @property
+    def position(self) -> int:
+        """The verified length of the file (this writer's bytes end there)."""
+        return self.durable.position
+
+    def append(self, data: bytes, *, messages: Optional[Tuple[int, int]] = None) -> int:
+        """Append ``data`` (fenced, see :class:`DurableFile`), mirror it, publish; return the length.
+
+        Raises
+        ------
+        AppendConflictError
+            From :meth:`DurableFile.append`: nothing is mirrored or published then.
+        """
+        end = self.durable.append(data, messages=messages)
+        self.publish(data)
+        return end
+
+    def publish(self, data: bytes = b"") -> None:
+        """Mirror ``data`` (the verified bytes ending at :attr:`position`) and publish both lengths."""
+        cache_length = None
+        if self.mirror is not None:
+            try:
+                cache_length = self.mirror.append(data)
+            except CacheError as exc:
+                self._on_cache_error("chunks", exc)
+        if self.meta is not None:
+            try:
+                self.meta.publish(self.uri, cache_length=cache_length, durable_length=self.position)
+            except CacheError as exc:
+                self._on_cache_error("lengths", exc)
+
+    def _log_cache_error(self, what: str, exc: Exception) -> None:
+        log.warning("%s: cache write of %s failed, readers use the durable store: %s", self.uri, what, exc)
+
+    def close(self) -> None:
+        """Close the durable append stream."""
+        self.durable.close()

@@ -1,0 +1,316 @@
+"""The shard writer: the one way bytes are written to a shard (DESIGN.md section 6).
+
+The Producer and the Spark sink's commit write through :class:`ShardWriter`; it holds every
+rule of writing a shard:
+
+- which shard a key goes to (:func:`shard_for_key`);
+- the lease: the metadata-cache lease when a metadata cache is given (a new writer poisons
+  the old one), and the store lease file :data:`LEASE_FILE` in the shard folder (forced
+  when the metadata-cache lease is held; the only one otherwise);
+- take-over = recovery: before writing anything, the newest file of the shard is sealed at
+  its durable length if its writer left it unsealed (a recovery seal, with ``void_from``
+  when the file ends in a torn block). That seal is the fence that stops a deposed writer
+  (:mod:`pyspark_acs.write.file`);
+- the next file's name (:func:`~pyspark_acs.format.names.next_file_name`: after every
+  existing file), the shard head key in the metadata cache;
+- appends through :class:`~pyspark_acs.write.file.FileWriter` (durable, verify, chunks,
+  lengths), per-message accounting (the next message index of the file);
+- roll over by size and age (seal, then the next file), seal on close.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from typing import Any, Callable, List, NamedTuple, Optional
+
+from pyspark_acs.errors import CacheError
+from pyspark_acs.format.block import encode_seal
+from pyspark_acs.format.names import next_file_name, shard_dir
+from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, StoreLease
+from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.write.file import AppendConflictError, FileTail, FileWriter, scan_file
+
+__all__ = [
+    "DEFAULT_ROLL_BYTES",
+    "DEFAULT_ROLL_SECONDS",
+    "LEASE_FILE",
+    "OpenFile",
+    "ShardWriter",
+    "shard_for_key",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROLL_BYTES = 64 * 1024 * 1024
+DEFAULT_ROLL_SECONDS = 600.0
+#: The store lease of a shard: a file in the shard folder.
+LEASE_FILE = "_writer.lease"
+#: A recovery seal that keeps losing the race against a deposed writer's appends gives up.
+_RECOVERY_ATTEMPTS = 20
+
+
+def shard_for_key(key: bytes, shards: int) -> int:
+    """The shard of a key: crc32 of the key bytes modulo the shard count (stable everywhere)."""
+    return zlib.crc32(key) % shards
+
+
+class OpenFile(NamedTuple):
+    """A file a writer continues: its name, the length it ends at, the next message index."""
+
+    file: str
+    length: int
+    next_index: int
+
+
+class ShardWriter:
+    """Writes one shard: lease, recovery, appends, roll-over, seals.
+
+    Parameters
+    ----------
+    store : DurableStore
+    stream : str
+    shard : int
+    writer_id : str
+        Put in the names of the files this writer creates and in its leases.
+    data : CacheClient, optional
+        Data cache (chunks of every append).
+    meta : MetadataCache, optional
+        Metadata cache (lengths, shard head, the lease).
+    lease_seconds : float
+    roll_bytes, roll_seconds : int, float
+        A file is sealed and the next one started at this size / age.
+    on_cache_error : callable(what, exc), optional
+        Cache failures (never raised): logged and counted by the caller.
+    what : str, optional
+        Names the writer in messages (default: the shard and stream).
+
+    Not thread-safe: one writer thread. Call :meth:`acquire`, then :meth:`recover` before
+    the first append.
+    """
+
+    def __init__(self, store: DurableStore, stream: str, shard: int, writer_id: str, *, data: Any = None,
+                 meta: Any = None, lease_seconds: float = DEFAULT_LEASE_SECONDS,
+                 roll_bytes: int = DEFAULT_ROLL_BYTES, roll_seconds: float = DEFAULT_ROLL_SECONDS,
+                 on_cache_error: Optional[Callable[[str, Exception], None]] = None,
+                 what: Optional[str] = None) -> None:
+        self.store = store
+        self.stream = stream
+        self.shard = shard
+        self.writer_id = writer_id
+        self.data = data
+        self.meta = meta
+        self.lease_seconds = lease_seconds
+        self.roll_bytes = roll_bytes
+        self.roll_seconds = roll_seconds
+        self.on_cache_error = on_cache_error or self._log_cache_error
+        self.dir = shard_dir(stream, shard)
+        self.shard_uri = store.uri(self.dir)
+        self.what = what or f"shard {shard} of stream {stream!r} in {store.root}"
+        self.leases: List[Any] = []
+        self.writer: Optional[FileWriter] = None  # the open file
+        self.file = ""  # its base name (the last one after a seal; '' before the first file)
+        self.next_index = 0  # the next message's index in the open file
+        self.opened_at = 0.0  # monotonic time the open file was opened
+        self.files_opened = 0
+        self.recovered: List[str] = []  # files this writer sealed for a predecessor
+
+    # -- lease -----------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take the shard's lease(s).
+
+        Raises
+        ------
+        WriterConflictError
+            Another live writer holds the shard (store lease) or would not let go.
+        """
+        force = False
+        if self.meta is not None:
+            lease = self.meta.lease(self.shard_uri, self.writer_id, self.what, self.lease_seconds)
+            try:
+                lease.acquire()
+                self.leases.append(lease)
+                force = True  # the cache lease is the authority: take the store lease over too
+            except CacheError as exc:
+                log.warning("%s: metadata cache unavailable for the lease, using the store lease: %s", self.what, exc)
+        store_lease = StoreLease(self.store, f"{self.dir}/{LEASE_FILE}", self.writer_id, self.what, self.lease_seconds)
+        try:
+            store_lease.acquire(force=force)
+        except BaseException:
+            self.release()
+            raise
+        self.leases.append(store_lease)
+
+    def check_leases(self) -> None:
+        """Renew due leases; a lost one raises LeasePoisonedError (stop writing at once).
+
+        A metadata cache that does not answer does not stop writes (availability first,
+        paper section 3): the seal fence still protects the shard.
+        """
+        for lease in self.leases:
+            if lease.due():
+                try:
+                    lease.check()
+                except CacheError as exc:
+                    log.warning("%s: lease check skipped, metadata cache unavailable: %s", self.what, exc)
+
+    def release(self) -> None:
+        """Give the leases up (those still ours)."""
+        leases, self.leases = self.leases, []
+        for lease in leases:
+            lease.release()
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def files(self) -> List[str]:
+        """The shard's message files, oldest first."""
+        return self.store.list_files(self.stream, self.shard)
+
+    def recover(self, resume: Optional[OpenFile] = None) -> Optional[FileTail]:
+        """Make the shard ready for this writer; call with the lease held, before appending.
+
+        With ``resume`` (a file this writer left unsealed, e.g. the sink's file of its last
+        batch): when it is still the newest file, or absent and named after every existing
+        file, and ends at ``resume.length``, it stays open for the next append. Otherwise
+        (or without ``resume``) the newest file is sealed at its durable length if it is not
+        sealed yet (recovery: the predecessor stopped or was deposed), and the next append
+        starts a new file.
+
+        Returns the walk of the newest file when it was examined (None otherwise).
+        """
+        self._close_writer()
+        files = self.files()
+        newest = files[-1] if files else None
+        if resume is not None:
+            if newest == resume.file or (resume.file not in files and (newest is None or resume.file > newest)):
+                length = self.store.lengths([f"{self.dir}/{resume.file}"]).get(f"{self.dir}/{resume.file}") or 0
+                if length == resume.length:
+                    if resume.file != newest and newest is not None:
+                        self._seal_predecessor(newest)
+                    self._open(resume.file, resume.length, resume.next_index)
+                    return None
+        if newest is None:
+            return None
+        return self._seal_predecessor(newest)
+
+    def _seal_predecessor(self, name: str) -> FileTail:
+        """Seal ``name`` at its durable length unless sealed (the recovery seal, the fence)."""
+        rel = f"{self.dir}/{name}"
+        for _ in range(_RECOVERY_ATTEMPTS):
+            tail = scan_file(self.store, rel)
+            if tail.sealed:
+                return tail
+            void_from = tail.end if tail.torn else None
+            writer = FileWriter(self.store, rel, data=self.data, meta=self.meta, position=tail.length,
+                                on_cache_error=self.on_cache_error)
+            try:
+                writer.append(encode_seal(tail.next_index, void_from=void_from))
+            except AppendConflictError as exc:
+                log.info("%s: the predecessor appended while we sealed %s; walking it again: %s", self.what, rel, exc)
+                continue
+            finally:
+                writer.close()
+            self.recovered.append(name)
+            if tail.torn:
+                log.warning("%s: sealed %s after its writer stopped; bytes [%d, %d) are a torn block (never "
+                            "acknowledged) and the seal voids them", self.what, self.store.uri(rel), tail.end,
+                            tail.length)
+            else:
+                log.info("%s: sealed %s at byte %d after its writer stopped", self.what, self.store.uri(rel),
+                         tail.length)
+            return tail._replace(sealed_at=tail.length)
+        raise AppendConflictError(
+            f"{self.store.uri(rel)}: could not seal the file: its writer keeps appending (is it still alive?)",
+            path=self.store.uri(rel), start=0, end=0, actual_length=-1,
+        )
+
+    # -- files -----------------------------------------------------------------------------
+
+    def _open(self, name: str, length: int, next_index: int) -> None:
+        rel = f"{self.dir}/{name}"
+        self.writer = FileWriter(self.store, rel, data=self.data, meta=self.meta, position=length,
+                                 on_cache_error=self.on_cache_error)
+        self.file = name
+        self.next_index = next_index
+        self.opened_at = time.monotonic()
+        if self.meta is not None:
+            try:
+                self.meta.set_head(self.shard_uri, name)
+            except CacheError as exc:
+                self.on_cache_error("head", exc)
+
+    def new_file_name(self) -> str:
+        """The name the next new file gets (after every existing file of the shard)."""
+        return next_file_name(self.files(), self.writer_id)
+
+    def open_new(self, name: Optional[str] = None) -> str:
+        """Seal the open file (if any) and start a new one (named ``name`` or by the name rule)."""
+        self.seal()
+        name = name or self.new_file_name()
+        self._open(name, 0, 0)
+        self.files_opened += 1
+        return name
+
+    @property
+    def position(self) -> int:
+        """Length of the open file (0 when none is open)."""
+        return self.writer.position if self.writer is not None else 0
+
+    def append(self, data: bytes, messages: int) -> int:
+        """Append whole blocks holding ``messages`` messages; return the file's new length.
+
+        Opens a new file when none is open; rolls over after the append when the file reached
+        ``roll_bytes``.
+
+        Raises
+        ------
+        AppendConflictError
+            The bytes are not acknowledged (another writer sealed or appended to the file).
+        """
+        if self.writer is None:
+            self.open_new()
+        end = self.writer.append(data, messages=(self.next_index, messages))
+        self.next_index += messages
+        if end >= self.roll_bytes:
+            self.seal()
+        return end
+
+    def roll_if_old(self) -> None:
+        """Seal the open file when it is ``roll_seconds`` old (the next append starts a new one)."""
+        if self.writer is not None and time.monotonic() - self.opened_at >= self.roll_seconds:
+            self.seal()
+
+    def seal(self) -> None:
+        """Seal the open file (readers move on at the seal) and close it."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.append(encode_seal(self.next_index))
+        finally:
+            self._close_writer()
+
+    def _close_writer(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None  # self.file keeps the last file's name (Producer.current_files)
+
+    def close(self, seal: bool = True) -> None:
+        """Seal the open file (unless ``seal`` is false) and release the leases."""
+        try:
+            if seal:
+                self.seal()
+            else:
+                self._close_writer()
+        finally:
+            self.release()
+
+    def current(self) -> Optional[OpenFile]:
+        """The open file, where the next append goes (None when none is open)."""
+        if self.writer is None:
+            return None
+        return OpenFile(self.file, self.writer.position, self.next_index)
+
+    def _log_cache_error(self, what: str, exc: Exception) -> None:
+        log.warning("%s: cache write of %s failed, readers use the durable store: %s", self.what, what, exc)
