@@ -37,10 +37,12 @@ __all__ = [
     "Background",
     "Env",
     "LiveConsumer",
+    "ProducerProcess",
     "check_histories",
     "check_order",
     "consume_all",
     "free_port",
+    "message",
     "metric",
     "produce",
     "source_history",
@@ -77,7 +79,8 @@ class Env:
     """Clusters of one test: roots, topology file, daemons (subprocesses)."""
 
     def __init__(self, tmp: Path, caches: Dict[str, LocalDeployment], links, stream: str, dests, tree=None,
-                 clusters: Sequence[str] = CLUSTERS, settings: Sequence[str] = DAEMON_SETTINGS) -> None:
+                 clusters: Sequence[str] = CLUSTERS, settings: Sequence[str] = DAEMON_SETTINGS,
+                 extra_streams: Sequence[str] = ()) -> None:
         self.tmp = Path(tmp)
         self.caches = caches
         self.stream = stream
@@ -88,6 +91,8 @@ class Env:
         self.dests = list(dests)
         self.tree = tree
         self.settings = list(settings)
+        #: More streams in the topology file, copied like ``stream`` (same source and destinations).
+        self.extra_streams = list(extra_streams)
         self.healthy = {c: True for c in self.clusters}
         self.topology = self.tmp / "topology.json"
         self.daemons: Dict[str, List[subprocess.Popen]] = {}
@@ -111,7 +116,7 @@ class Env:
         data = {
             "clusters": clusters,
             "links": [{"from": a, "to": b, "cost": cost} for a, b, cost in self.links],
-            "streams": {self.stream: stream},
+            "streams": {name: stream for name in [self.stream] + self.extra_streams},
         }
         tmp = self.topology.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1))
@@ -125,13 +130,16 @@ class Env:
         n = self._started.get(cluster, 0)
         self._started[cluster] = n + 1
         log = open(self.tmp / f"daemon-{cluster}-{n}.log", "ab")
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+        # ACS_TEST_DAEMON_ROOT runs the daemons from another checkout (to show a test fails on old code).
+        code = os.environ.get("ACS_TEST_DAEMON_ROOT", ROOT)
+        env = dict(os.environ, PYTHONPATH=code + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "pyspark_acs.server.copy.daemon", "--topology", str(self.topology),
                "--cluster", cluster, "--parent-pid", str(os.getpid()), "--metrics-port", "0"]
         for s in self.settings:
             cmd += ["--set", s]
         cmd += list(extra)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env)
+        # cwd: ``python -m`` imports from the working folder first.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=code)
         log.close()
         line = _readline(proc, 30.0)
         assert line.startswith(f"acs-copy-daemon cluster={cluster} listening on"), line
@@ -394,3 +402,143 @@ def check_histories(history: Dict[int, List[bytes]], consumers: Sequence[LiveCon
     if lost:
         problems.append(f"{len(lost)} acknowledged messages are not in the history, e.g. {lost[0][:12]!r}")
     assert not problems, "\n".join(problems)
+
+
+_PRODUCER_SCRIPT = r"""
+import json, sys
+from pyspark_acs.write.producer import Producer
+cfg = json.loads(sys.argv[1])
+p = Producer(cfg["root"], cfg["stream"], shards=cfg["shards"], data_cache=cfg["data_cache"],
+             metadata_cache=cfg["metadata_cache"], roll_bytes=cfg["roll_bytes"],
+             lease_seconds=cfg["lease_seconds"], max_batch_delay=0.001, max_block_bytes=cfg["max_block_bytes"])
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd = line.split()
+    if cmd[0] == "send":
+        tag, first, n, size = cmd[1], int(cmd[2]), int(cmd[3]), int(cmd[4])
+        try:
+            for i in range(first, first + n):
+                p.send(("%s-%06d-" % (tag, i)).encode() + b"p" * ((i * 7919) % size), key=str(i % 5).encode())
+            p.flush(timeout=60)
+            print("ack %d %d" % (first, first + n), flush=True)
+        except Exception as exc:
+            print(("err %s: %s" % (type(exc).__name__, exc)).replace("\n", " "), flush=True)
+    elif cmd[0] == "close":
+        try:
+            p.close()
+            print("closed", flush=True)
+        except Exception as exc:
+            print(("err %s: %s" % (type(exc).__name__, exc)).replace("\n", " "), flush=True)
+        break
+"""
+
+
+def message(tag: str, i: int, size: int) -> bytes:
+    """The value a :class:`ProducerProcess` sends as message ``i`` (the same formula as its script)."""
+    return f"{tag}-{i:06d}-".encode() + b"p" * ((i * 7919) % size)
+
+
+class ProducerProcess:
+    """A Producer in its own process, so it can be SIGKILLed (a crash at any point, e.g. between
+    its durable append and publishing the length) or SIGSTOPped (a stall) like a user's.
+
+    ``send(n, size)`` sends ``n`` messages and waits for the flush; the values of the messages
+    whose flush returned are added to :attr:`acknowledged`.
+    """
+
+    def __init__(self, env: Env, tag: str, roll_bytes: int = 20_000, lease_seconds: float = 1.5,
+                 max_block_bytes: int = 8192, shards: int = 2) -> None:
+        import queue
+
+        self.tag = tag
+        self.next = 0
+        self.acknowledged: List[bytes] = []
+        self.errors: List[str] = []
+        self.pending: Optional[Tuple[int, int, int]] = None
+        src = env.clusters[0]
+        cfg = {"root": env.roots[src], "stream": env.stream, "shards": shards,
+               "data_cache": env.caches[src].data_endpoints, "metadata_cache": env.caches[src].metadata_endpoints,
+               "roll_bytes": roll_bytes, "lease_seconds": lease_seconds, "max_block_bytes": max_block_bytes}
+        environ = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        log = open(env.tmp / f"producer-{tag}.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-c", _PRODUCER_SCRIPT, json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=log, env=environ)
+        log.close()
+        self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        line = self._line(30.0)
+        assert line == "ready", f"producer {tag} did not start: {line!r}"
+
+    def _pump(self) -> None:
+        for raw in self.proc.stdout:
+            self._lines.put(raw.decode().strip())
+        self._lines.put(None)
+
+    def _line(self, timeout: float) -> Optional[str]:
+        import queue
+
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def start_send(self, n: int, size: int = 2000) -> None:
+        """Ask for ``n`` messages; :meth:`result` waits for the flush."""
+        first, self.next = self.next, self.next + n
+        self.pending = (first, n, size)
+        self.proc.stdin.write(f"send {self.tag} {first} {n} {size}\n".encode())
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 60.0) -> bool:
+        """Wait for the pending send; True if it was acknowledged."""
+        if self.pending is None:
+            return False
+        first, n, size = self.pending
+        line = self._line(timeout)
+        if line is None:
+            return False  # still stalled or dead: never acknowledged
+        self.pending = None
+        if line.startswith("ack"):
+            self.acknowledged.extend(message(self.tag, i, size) for i in range(first, first + n))
+            return True
+        self.errors.append(line)
+        return False
+
+    def send(self, n: int, size: int = 2000, timeout: float = 60.0) -> bool:
+        try:
+            self.start_send(n, size)
+        except OSError:  # the process is gone
+            return False
+        return self.result(timeout)
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def pause(self) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGCONT)
+
+    def close(self, timeout: float = 60.0) -> bool:
+        """Close the producer (seals its files); True when it closed cleanly."""
+        if not self.alive:
+            return False
+        if self.pending is not None:
+            self.result(timeout)
+        try:
+            self.proc.stdin.write(b"close\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return False
+        line = self._line(timeout)
+        self.proc.wait(timeout=timeout)
+        return line == "closed"

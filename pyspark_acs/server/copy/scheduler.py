@@ -242,6 +242,8 @@ class CopyScheduler:
                 self._discover(listing)
             except AcsError as exc:
                 log.warning("copy scheduling round failed: %s", exc)
+            except Exception:  # the scheduling thread must survive anything: it is the only one
+                log.exception("copy scheduling round failed unexpectedly")
             self._wake.wait(self.options.poll_interval)
             self._wake.clear()
 
@@ -301,7 +303,7 @@ class CopyScheduler:
     def _add_files(self, stream: str, shard: int, names: List[str]) -> None:
         with self._lock:
             files = self._files.setdefault((stream, shard), [])
-            new = [n for n in names if n not in files]
+            new = set(names).difference(files)
             if new:
                 files.extend(new)
                 files.sort()

@@ -1,0 +1,215 @@
+"""Cross-cluster fault tests (issue 8, bugs 1, 5 and 7) against real processes: cache servers
+per cluster, copy daemons started as a user starts them (``python -m
+pyspark_acs.server.copy.daemon --topology ... --cluster ...``), producers in the source
+cluster, and consumers that are ALREADY following the stream in every cluster while the fault
+happens.
+
+The invariant of each test (tests/_harness.py ``check_histories``): every consumer's sequence
+per shard is a prefix of the one true history (what a fresh reader of the source reads after
+quiescence), every acknowledged message is in it, and after quiescence every consumer has all
+of it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import threading
+import time
+from typing import Dict, List
+
+import pytest
+
+from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.cache.metadata import MetadataCache, MetadataLease
+from pyspark_acs.format.block import encode_block
+from pyspark_acs.format.names import file_name, new_writer_id, shard_dir
+from pyspark_acs.storage.store import DurableStore
+
+from _harness import CHAIN, Env, LiveConsumer, check_histories, source_history, start_caches
+
+pytestmark = pytest.mark.slow
+
+#: Upper bound of every wait for quiescence.
+QUIET_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """One data and one metadata cache server per cluster, for the whole module."""
+    deps = start_caches(tmp_path_factory.mktemp("caches"))
+    try:
+        yield deps
+    finally:
+        for dep in deps.values():
+            dep.stop()
+
+
+_counter = [0]
+
+
+@pytest.fixture
+def make_env(tmp_path):
+    envs: List[Env] = []
+
+    def make(caches, links=CHAIN, dests=("B", "C"), **kw) -> Env:
+        _counter[0] += 1
+        env = Env(tmp_path / f"env{_counter[0]}", caches, links, f"x{os.getpid()}n{_counter[0]}", dests, **kw)
+        envs.append(env)
+        return env
+
+    yield make
+    for env in envs:
+        env.stop()
+
+
+def wait_quiet(env: Env, consumers: List[LiveConsumer], acknowledged=(), timeout: float = QUIET_S) -> None:
+    """Wait until every consumer has the whole history, then check the invariant (also on timeout)."""
+    deadline = time.monotonic() + timeout
+    history: Dict[int, List[bytes]] = {}
+    while time.monotonic() < deadline:
+        history = source_history(env)
+        total = sum(len(v) for v in history.values())
+        if total and all(c.count() >= total for c in consumers):
+            break
+        time.sleep(0.2)
+    try:
+        check_histories(history, consumers, acknowledged)
+    except AssertionError as exc:
+        diffs = {c: env.differences(c) for c in env.dests}
+        raise AssertionError(f"{exc}\nfile differences: {diffs}\n{env.logs()}") from None
+
+
+class OrderWatcher:
+    """Lists a destination's shard folders every few ms and records every moment at which a
+    file existed there while an earlier file of the source's same shard did not (THE FILE
+    ORDER RULE at destinations)."""
+
+    def __init__(self, env: Env, cluster: str, shards: int) -> None:
+        self.env = env
+        self.cluster = cluster
+        self.shards = shards
+        self.violations: List[str] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        src = DurableStore(self.env.roots[self.env.clusters[0]])
+        dst = DurableStore(self.env.roots[self.cluster])
+        try:
+            while not self._stop.is_set():
+                for shard in range(self.shards):
+                    here = dst.list_files(self.env.stream, shard)
+                    if not here:
+                        continue
+                    # Source files listed after the destination's: a superset of what existed then.
+                    there = src.list_files(self.env.stream, shard)
+                    missing = [f for f in there if f < here[-1] and f not in here]
+                    if missing:
+                        self.violations.append(f"shard {shard}: {here[-1]} exists in {self.cluster} before {missing}")
+                self._stop.wait(0.002)
+        finally:
+            src.close()
+            dst.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=10)
+
+
+def test_files_appear_at_destinations_in_order_while_copied_side_by_side(make_env, caches):
+    """Bug 1: A's daemon copies several files of a shard side by side (rate capped); consumers
+    follow in A and B from the start (B's starts the moment the stream exists there, when only
+    some files have arrived). The first file's copy is held up at its hello (a stale lease in
+    B's metadata cache), so on the old scheduler B held later files before the first one and a
+    consumer there skipped it; now a file is created at B only after every earlier file of
+    its shard, and every consumer gets every message in order."""
+    env = make_env(caches, dests=("B",))
+    live = [LiveConsumer(env, c) for c in ("A", "B")]
+    watcher = None
+    try:
+        acknowledged = []
+        with env.producer(roll_bytes=150_000, max_block_bytes=16_384) as p:
+            for i in range(4000):
+                value = f"m{i:06d}-".encode() + b"x" * 300
+                p.send(value, key=str(i % 7).encode())
+                acknowledged.append(value)
+            p.flush(timeout=30)
+        store = DurableStore(env.roots["A"])
+        first = {s: store.list_files(env.stream, s)[0] for s in range(2)}
+        assert all(len(store.list_files(env.stream, s)) >= 3 for s in range(2))
+        store.close()
+        # A stale copy writer in B holds the lease of shard 0's first file: its copy's hello
+        # waits until the lease is taken over (about a second).
+        meta = MetadataCache(CacheClient(caches["B"].metadata_endpoints))
+        uri = DurableStore(env.roots["B"]).uri(f"{shard_dir(env.stream, 0)}/{first[0]}")
+        MetadataLease(meta, f"{uri}#durable", "stale_writer", "a stale copy writer", seconds=30).acquire(timeout=5)
+        meta.client.close()
+        watcher = OrderWatcher(env, "B", 2)
+        env.start_daemon("B")
+        env.start_daemon("A", "--set", "max_bytes_per_second=256KiB")
+        wait_quiet(env, live, acknowledged)
+        env.wait_same("B")
+        watcher.stop()
+        assert not watcher.violations, watcher.violations[:5]
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        for c in live:
+            c.stop()
+
+
+def _abandon(root: str, stream: str, shards: int) -> None:
+    """A producer that crashed without a seal and was never replaced: one unsealed file per shard."""
+    store = DurableStore(root)
+    try:
+        store.create_stream(stream, shards)
+        for shard in range(shards):
+            name = file_name(dt.datetime.now(dt.timezone.utc), new_writer_id())
+            appender = store.open_appender(f"{shard_dir(stream, shard)}/{name}")
+            appender.write(encode_block([b"abandoned"] * 10, first_index=0))
+            appender.close()
+    finally:
+        store.close()
+
+
+def test_idle_unsealed_files_do_not_hold_worker_slots(make_env, caches):
+    """Bug 5: files whose writer crashed without a seal (and was never replaced) are never
+    finished, at the source nor at the relay. With ``--workers 2`` their operations held every
+    worker slot and later files stopped reaching the next hop. Now an idle operation is parked
+    when others wait for a slot (and resumed when its file grows), so the stream flows
+    A -> B -> C while the abandoned files stay open."""
+    env = make_env(caches, extra_streams=[f"ab{os.getpid()}"])
+    abandoned = env.extra_streams[0]
+    _abandon(env.roots["A"], abandoned, 2)
+    for c in ("A", "B", "C"):
+        env.start_daemon(c, "--workers", "2")
+    time.sleep(1.5)  # the abandoned files' operations take the slots first
+    live = [LiveConsumer(env, c) for c in ("A", "B", "C")]
+    try:
+        acknowledged = []
+        with env.producer(roll_bytes=10_000) as p:
+            for i in range(600):
+                value = f"m{i:06d}-".encode() + b"y" * 200
+                p.send(value, key=str(i % 5).encode())
+                acknowledged.append(value)
+                if i % 50 == 0:
+                    time.sleep(0.05)
+            p.flush(timeout=30)
+        wait_quiet(env, live, acknowledged)
+        env.wait_same("C")
+    finally:
+        for c in live:
+            c.stop()
+    # The abandoned files reached C too (everything they hold), still unsealed.
+    a, c = DurableStore(env.roots["A"]), DurableStore(env.roots["C"])
+    try:
+        for shard in range(2):
+            files = a.list_files(abandoned, shard)
+            assert c.list_files(abandoned, shard) == files
+            rel = f"{shard_dir(abandoned, shard)}/{files[0]}"
+            assert c.read(rel, 0, c.length(rel)) == a.read(rel, 0, a.length(rel))
+    finally:
+        a.close()
+        c.close()
