@@ -28,8 +28,10 @@ on import): nothing reads them, and they doubled every scrape.
 
 from __future__ import annotations
 
+import gzip
 import http.server
 import json
+import logging
 import socket
 import threading
 from dataclasses import dataclass
@@ -51,6 +53,8 @@ __all__ = [
     "MetricsEndpoint",
     "StatsCollector",
 ]
+
+log = logging.getLogger(__name__)
 
 prometheus_client.disable_created_metrics()
 
@@ -391,8 +395,6 @@ class MetricsEndpoint:
         body = encoder(self.registry)
         headers = [("Content-Type", content_type)]
         if gzip_accepted(accept_encoding):
-            import gzip
-
             body = gzip.compress(body)
             headers.append(("Content-Encoding", "gzip"))
         return body, headers
@@ -412,9 +414,14 @@ def _handler(endpoint: MetricsEndpoint) -> type:
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                body, headers = endpoint.metrics_body(self.headers.get("Accept", ""),
-                                                      self.headers.get("Accept-Encoding", ""))
-                status = 200
+                try:
+                    body, headers = endpoint.metrics_body(self.headers.get("Accept", ""),
+                                                          self.headers.get("Accept-Encoding", ""))
+                    status = 200
+                except Exception as exc:  # a failing collector: say so instead of dropping the connection
+                    log.warning("%s: /metrics failed: %s", endpoint.name, exc, exc_info=True)
+                    status, body = 500, f"metrics failed: {type(exc).__name__}: {exc}\n".encode()
+                    headers = [("Content-Type", "text/plain; charset=utf-8")]
             elif path == "/healthz":
                 status, body = endpoint.health_body()
                 headers = [("Content-Type", "application/json")]
