@@ -10,6 +10,7 @@ daemon's own). The daemon serves them with :class:`pyspark_acs.server.metrics.Me
 - ``lag_bytes{stream,shard,target,storage}`` source length minus target length (reader side)
 - ``delay_seconds{stream,shard,storage}`` producer-to-this-cluster delivery delay of the
   newest bytes written here (writer side; its ``cluster`` is the daemon's own)
+- ``delivery_delay_seconds{storage}`` histogram of those delays, one observation per delta
 - ``errors_total{kind}`` errors by kind (restart, poisoned, failed, connect, ...)
 - ``tree_rebuilds_total`` copy-tree rebuilds after health or topology changes
 """
@@ -41,3 +42,13 @@ class CopyMetrics(Metrics):
     def __init__(self, cluster: str) -> None:
         super().__init__(COPY_PREFIX, COPY_METRICS, const_labels={"cluster": cluster})
         self.cluster = cluster
+
+    def set(self, name: str, value: float, **labels: object) -> None:
+        """Set a gauge; a ``delay_seconds`` value is also one observation of ``delivery_delay_seconds``.
+
+        The writer records one delay per delta it writes: the gauge keeps the newest per shard,
+        the histogram their distribution per storage (what a delay SLO is read from).
+        """
+        super().set(name, value, **labels)
+        if name == "delay_seconds":
+            self.observe("delivery_delay_seconds", value, storage=labels["storage"])
