@@ -25,14 +25,12 @@ in every shard; within a batch, a shard holds task 0's rows, then task 1's, and 
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import logging
 import time
 import uuid
-import zlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -53,12 +51,12 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from pyspark_acs.format.block import HEADER_SIZE, encode_block, encode_seal, rebase_blocks
-from pyspark_acs.errors import AcsError, AcsOptionError, CacheError
-from pyspark_acs.storage.leases import StoreLease
-from pyspark_acs.format.names import file_name, parse_file_name, shard_dir
-from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.datasource.options import SinkOptions
+from pyspark_acs.errors import AcsError, AcsOptionError
+from pyspark_acs.format.block import HEADER_SIZE, encode_block, encode_seal, rebase_blocks, scan_blocks
+from pyspark_acs.format.names import next_file_name, shard_dir
+from pyspark_acs.storage.store import DurableStore, open_store
+from pyspark_acs.write.shard import OpenFile, ShardWriter, shard_for_key
 
 __all__ = ["AcsBatchWriter", "AcsCommitMessage", "AcsStreamWriter", "SinkCommitter", "check_sink_schema"]
 
@@ -66,7 +64,6 @@ log = logging.getLogger(__name__)
 
 #: Staged files of failed task attempts older than this are swept at commit time.
 STAGING_SWEEP_AFTER_S = 3600.0
-_LEASE_FILE = "_writer.lease"
 
 
 def check_sink_schema(schema: StructType) -> None:
@@ -193,7 +190,7 @@ class _Stager:
                 key = key.cast(pa.binary())
             rr = (row + pid) % self.shards
             ids = [
-                (zlib.crc32(k) % self.shards) if k is not None else (rr + i) % self.shards
+                shard_for_key(k, self.shards) if k is not None else (rr + i) % self.shards
                 for i, k in enumerate(key.to_pylist())
             ]
             base = pa.array(ids, pa.int64())
@@ -252,7 +249,11 @@ class _Stager:
 
 
 class SinkCommitter:
-    """Driver side: appends staged blocks to the shards, exactly once per batch id."""
+    """Driver side: appends staged blocks to the shards, exactly once per batch id.
+
+    Every byte goes through a :class:`~pyspark_acs.write.shard.ShardWriter` (lease, recovery
+    seal of a predecessor's unsealed file, appends verified against seals, chunks, lengths).
+    """
 
     def __init__(self, opts: SinkOptions, sink_id: str) -> None:
         self.opts = opts
@@ -283,12 +284,14 @@ class SinkCommitter:
     def _cache_clients(self) -> Tuple[Any, Any]:
         """(data client, metadata cache) of this commit, created on first use."""
         if not hasattr(self, "_data"):
-            from pyspark_acs.cache.client import client_for
-            from pyspark_acs.cache.metadata import MetadataCache
+            self._data = self._meta = None
+            if self.opts.data_cache or self.opts.metadata_cache:
+                from pyspark_acs.cache.client import client_for
+                from pyspark_acs.cache.metadata import MetadataCache
 
-            self._data = client_for(self.opts.data_cache, "data cache", self._clients, self.opts.cache_token)
-            meta = client_for(self.opts.metadata_cache, "metadata cache", self._clients, self.opts.cache_token)
-            self._meta = MetadataCache(meta) if meta is not None else None
+                self._data = client_for(self.opts.data_cache, "data cache", self._clients, self.opts.cache_token)
+                meta = client_for(self.opts.metadata_cache, "metadata cache", self._clients, self.opts.cache_token)
+                self._meta = MetadataCache(meta) if meta is not None else None
         return self._data, self._meta
 
     def _commit(self, store: DurableStore, messages: Sequence[Optional[AcsCommitMessage]], batch_id: Optional[int]) -> None:
@@ -307,21 +310,23 @@ class SinkCommitter:
             self._discard(store, messages)
             return
         intent_name = f"intent-{batch_id if batch_id is not None else 'batch'}.json"
+        self._intent_rel = f"{self.dir}/{intent_name}"
         intent = self._load(store, intent_name) if batch_id is not None else None
         if intent is None:
             intent = self._plan(store, state, messages, batch_id)
-            store.write_small(f"{self.dir}/{intent_name}", json.dumps(intent).encode())
+            store.write_small(self._intent_rel, json.dumps(intent).encode())
         else:
             log.warning("acs sink %s: completing batch %s from its intent (the driver stopped while appending)",
                         self.sink_id, batch_id)
             self._discard(store, messages)  # this attempt's staging is not used: the intent's is
+        self._intent = intent
         shards_state = dict(state.get("shards", {}))
-        for shard_s, segments in sorted(intent["shards"].items(), key=lambda kv: int(kv[0])):
-            shards_state[shard_s] = self._append_shard(store, int(shard_s), segments)
+        for shard_s in sorted(intent["shards"], key=int):
+            shards_state[shard_s] = self._append_shard(store, int(shard_s), intent["shards"][shard_s])
         new_state = {"last_batch": batch_id if batch_id is not None else last, "shards": shards_state,
                      "updated": time.time()}
         store.write_small(f"{self.dir}/state.json", json.dumps(new_state).encode())
-        store.delete(f"{self.dir}/{intent_name}")
+        store.delete(self._intent_rel)
         for rel in intent["staging_dirs"]:
             self._delete_dir(store, rel)
         self._sweep(store)
@@ -334,14 +339,14 @@ class SinkCommitter:
         since; a piece that would take a file past ``rollBytes`` starts a new file (the old
         one is sealed), so a large batch rolls over like a Producer does.
         """
-        per_shard: Dict[int, List[Tuple[str, int, int]]] = {}
+        per_shard: Dict[int, List[List[Any]]] = {}
         staging_dirs = []
         for m in messages:
             if m is None:
                 continue
             staging_dirs.append(m.staging_dir)
             for shard, rel, nbytes, nrows in m.staged:
-                per_shard.setdefault(shard, []).append((rel, nbytes, nrows))
+                per_shard.setdefault(shard, []).append([rel, nbytes, nrows])
         plans: Dict[str, List[Dict[str, Any]]] = {}
         for shard, staged in per_shard.items():
             prev = state.get("shards", {}).get(str(shard))
@@ -355,89 +360,183 @@ class SinkCommitter:
                 and store.lengths([prev_rel]).get(prev_rel) == prev["length"]
             )
             if reuse:
-                seg = self._segment(prev["file"], prev["length"], prev["next_index"])
+                first = self._segment(prev["file"], prev["length"], prev["next_index"])
             else:
-                seg = self._segment(self._new_file_name(files), 0, 0)
-            segments = [seg]
-            size = seg["start_length"]
-            for rel, nbytes, nrows in staged:
-                if seg["staged"] and size + nbytes > self.opts.roll_bytes:
-                    seg["seal"] = True
-                    seg = self._segment(self._new_file_name([seg["file"]]), 0, 0)
-                    segments.append(seg)
-                    size = 0
-                seg["staged"].append([rel, nbytes, nrows])
-                size += nbytes
-            seg["seal"] = size >= self.opts.roll_bytes
-            plans[str(shard)] = segments
+                first = self._segment(next_file_name(files, self.writer_id), 0, 0)
+            plans[str(shard)] = self._segments(first, staged)
         return {"batch": batch_id, "shards": plans, "staging_dirs": staging_dirs}
+
+    def _segments(self, seg: Dict[str, Any], staged: List[List[Any]]) -> List[Dict[str, Any]]:
+        """Spread staged pieces over ``seg`` and new files after it, rolling at ``rollBytes``."""
+        segments = [seg]
+        size = seg["start_length"]
+        for piece in staged:
+            nbytes = _piece_bytes(piece)
+            if seg["staged"] and size + nbytes > self.opts.roll_bytes:
+                seg["seal"] = True
+                seg = self._segment(next_file_name([seg["file"]], self.writer_id), 0, 0)
+                segments.append(seg)
+                size = 0
+            seg["staged"].append(piece)
+            size += nbytes
+        seg["seal"] = size >= self.opts.roll_bytes
+        return segments
 
     @staticmethod
     def _segment(file: str, start_length: int, start_index: int) -> Dict[str, Any]:
         return {"file": file, "start_length": start_length, "start_index": start_index, "staged": [], "seal": False}
 
-    def _new_file_name(self, existing: List[str]) -> str:
-        created = _dt.datetime.now(_dt.timezone.utc)
-        if existing:
-            last = parse_file_name(existing[-1]).created
-            if created <= last:
-                created = last + _dt.timedelta(microseconds=1)
-        return file_name(created, self.writer_id)
-
     def _append_shard(self, store: DurableStore, shard: int, segments: List[Dict[str, Any]]) -> Dict[str, Any]:
-        """Append a shard's segments behind its lease; return the shard's new sink state."""
-        lease = StoreLease(store, f"{shard_dir(self.opts.stream, shard)}/{_LEASE_FILE}", self.writer_id,
-                           f"shard {shard} of stream {self.opts.stream!r} (acs sink)")
-        lease.acquire()
+        """Append a shard's segments through its shard writer; return the shard's new sink state."""
+        data, meta = self._cache_clients()
+        writer = ShardWriter(
+            store, self.opts.stream, shard, self.writer_id, data=data, meta=meta, roll_bytes=2**62,
+            roll_seconds=float("inf"), what=f"shard {shard} of stream {self.opts.stream!r} (acs sink)",
+            on_cache_error=self._cache_failed,
+        )
+        writer.acquire()
         try:
-            for seg in segments:
-                result = self._append_segment(store, shard, seg, lease)
+            i = 0
+            result: Dict[str, Any] = {}
+            while i < len(segments):
+                outcome = self._append_segment(store, shard, segments[i], writer)
+                if isinstance(outcome, _Redirect):
+                    segments = segments[:i] + self._redirect(store, shard, writer, outcome, segments[i + 1:])
+                    self._intent["shards"][str(shard)] = segments
+                    # Recorded before the first byte goes to the new file: a retry finds it.
+                    store.write_small(self._intent_rel, json.dumps(self._intent).encode())
+                    continue
+                result = outcome
+                i += 1
         finally:
-            lease.release()
+            writer.close(seal=False)  # an unsealed last file is continued by the next batch
         return result
 
-    def _append_segment(self, store: DurableStore, shard: int, seg: Dict[str, Any], lease: StoreLease) -> Dict[str, Any]:
-        """Append one segment, one staged piece at a time (memory stays at one piece).
+    def _redirect(self, store: DurableStore, shard: int, writer: ShardWriter, redirect: "_Redirect",
+                  later: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """New segments for the pieces that did not land (and every later segment's), starting
+        with a new file after every existing one; the newest file is sealed first if its
+        writer left it unsealed."""
+        writer.recover()
+        staged = redirect.remaining + [p for seg in later for p in seg["staged"]]
+        new = self._segments(self._segment(writer.new_file_name(), 0, 0), staged)
+        log.warning("acs sink %s: %s; the rest of the batch for shard %d goes to the new file %s",
+                    self.sink_id, redirect.why, shard, new[0]["file"])
+        return new
 
-        The planned bytes are the staged pieces with their headers renumbered from the
-        segment's start index, then a seal if planned: deterministic, so after a crash the
-        bytes already in the file are a prefix of them and only the rest is appended.
+    def _pieces(self, store: DurableStore, seg: Dict[str, Any], uri: str) -> Iterator[Tuple[bytes, int]]:
+        """The planned bytes of a segment, one piece at a time (driver memory stays at one
+        piece): staged blocks renumbered from the segment's start index, then the seal if
+        planned. Deterministic, so after a crash the bytes in the file are a prefix of them."""
+        index = seg["start_index"]
+        for piece in seg["staged"]:
+            rel, nbytes, skip = piece[0], piece[1], _piece_skip(piece)
+            raw = store.read(rel, skip, nbytes)
+            if len(raw) != nbytes - skip:
+                raise AcsError(f"{store.uri(rel)}: staged file has {skip + len(raw)} of {nbytes} bytes")
+            data, count = rebase_blocks(raw, index, path=uri)
+            index += count
+            yield data, count
+        if seg["seal"]:
+            yield encode_seal(index), 0
+
+    def _landed(self, store: DurableStore, rel: str, uri: str, seg: Dict[str, Any],
+                done: int) -> Tuple[Optional[int], int]:
+        """Compare the file's ``done`` bytes after the segment's start with the planned bytes.
+
+        Returns ``(landed, cut)``: ``landed`` is where foreign bytes (another writer's seal)
+        begin, relative to the segment's start (None when the file holds only a prefix of the
+        planned bytes); ``cut`` is the last block boundary of the planned bytes within the
+        equal prefix (where valid bytes end: a torn block after it is void).
+        """
+        start = seg["start_length"]
+        offset = cut = 0
+        for data, _ in self._pieces(store, seg, uri):
+            if offset >= done:
+                break
+            theirs = store.read(rel, start + offset, start + min(done, offset + len(data)))
+            same = _common_prefix(theirs, data)
+            cut = offset
+            for at, header in scan_blocks(data[:same], path=uri):
+                cut = offset + at + header.size
+            if same < len(theirs):
+                return offset + same, cut
+            offset += len(data)
+        if done > offset:
+            return offset, offset  # foreign bytes after everything planned (a seal): all landed
+        return None, cut
+
+    def _append_segment(self, store: DurableStore, shard: int, seg: Dict[str, Any],
+                        writer: ShardWriter) -> "Dict[str, Any] | _Redirect":
+        """Append what of one segment is not in its file yet, one staged piece at a time.
+
+        The rest is appended to the segment's file only when the file holds nothing but a
+        prefix of the planned bytes and is still the shard's newest file (or is absent and
+        named after every file), so readers following the shard find the bytes. When another
+        writer sealed the file (it took the shard over meanwhile), the pieces that did not
+        land are returned as a :class:`_Redirect`: they go to a new file.
         """
         rel = f"{shard_dir(self.opts.stream, shard)}/{seg['file']}"
         uri = store.uri(rel)
         start = seg["start_length"]
-        planned = sum(b for _, b, _ in seg["staged"]) + (HEADER_SIZE if seg["seal"] else 0)
-        current = store.lengths([rel])[rel] or 0
-        done = current - start
-        if not 0 <= done <= planned:
-            raise AcsError(
-                f"{uri}: the file is {current} bytes long, but this sink's batch expected it between "
-                f"{start} and {start + planned}: another writer appended to it"
-            )
-        shadow = _Shadow(self, store, shard, rel, seg["file"], start)
-        app = store.open_appender(rel) if done < planned else None
-        offset, index = 0, seg["start_index"]
-        try:
-            pieces = [(r, b) for r, b, _ in seg["staged"]] + ([(None, HEADER_SIZE)] if seg["seal"] else [])
-            for staged_rel, nbytes in pieces:
-                if staged_rel is None:
-                    data, count = encode_seal(index), 0
-                else:
-                    raw = store.read(staged_rel, 0, nbytes)
-                    if len(raw) != nbytes:
-                        raise AcsError(f"{store.uri(staged_rel)}: staged file has {len(raw)} of {nbytes} bytes")
-                    data, count = rebase_blocks(raw, index, path=uri)
-                if offset + nbytes > done:
-                    app.write(data[max(0, done - offset):])
-                offset += nbytes
-                index += count
-                shadow.append(data, start + offset)
-                if lease.due():
-                    lease.renew()  # a long append keeps its shard
-        finally:
-            if app is not None:
-                app.close()
-        return {"file": seg["file"], "length": start + planned, "next_index": index, "sealed": bool(seg["seal"])}
+        length = store.lengths([rel]).get(rel)
+        if length is not None and length < start:
+            raise AcsError(f"{uri}: the file is {length} bytes long, but this sink's batch starts at byte {start}")
+        done = length - start if length is not None else 0
+        sizes = [_piece_bytes(p) for p in seg["staged"]] + ([HEADER_SIZE] if seg["seal"] else [])
+        rows = [p[2] for p in seg["staged"]] + ([0] if seg["seal"] else [])
+        planned = sum(sizes)
+        end_state = self._state(seg, start + planned, seg["start_index"] + sum(rows))
+        landed, cut = self._landed(store, rel, uri, seg, done) if done else (None, 0)
+        if (landed is None and done == planned) or (landed is not None and landed >= planned):
+            return end_state  # all landed (a retry after the crash came later than the append)
+        files = writer.files()
+        newest = files[-1] if files else None
+        in_order = seg["file"] == newest if length is not None else (newest is None or seg["file"] > newest)
+        if landed is not None or not in_order:
+            if landed is None and length is not None:
+                writer.seal_file(seg["file"])  # only our prefix is in it: finish it where it ends
+            why = (f"another writer sealed {uri} at byte {start + landed} (it took the shard over)"
+                   if landed is not None else f"{uri} is no longer where the shard ends")
+            return _Redirect(self._remaining(store, seg, cut), why)
+        at = _piece_at(sizes, done)
+        writer.recover(resume=OpenFile(seg["file"], start + done, seg["start_index"] + sum(rows[:at])))
+        if writer.current() is None or writer.file != seg["file"]:
+            return _Redirect(self._remaining(store, seg, cut), f"{uri} changed while this sink took the shard")
+        offset = 0
+        for number, (data, count) in enumerate(self._pieces(store, seg, uri)):
+            if offset + len(data) > done:
+                writer.append(data[max(0, done - offset):], count)
+                writer.check_leases()  # a long append keeps its shard
+            offset += len(data)
+        if seg["seal"]:
+            writer.close_file()  # the planned seal was the last piece
+        return end_state
+
+    @staticmethod
+    def _state(seg: Dict[str, Any], length: int, next_index: int) -> Dict[str, Any]:
+        return {"file": seg["file"], "length": length, "next_index": next_index, "sealed": bool(seg["seal"])}
+
+    @staticmethod
+    def _remaining(store: DurableStore, seg: Dict[str, Any], cut: int) -> List[List[Any]]:
+        """The staged pieces of ``seg`` from planned byte ``cut`` (a block boundary) on, with
+        the bytes to skip in the first one (block boundaries are the same in the staged file)."""
+        out: List[List[Any]] = []
+        offset = 0
+        for piece in seg["staged"]:
+            size = _piece_bytes(piece)
+            if offset + size > cut:
+                inner = max(0, cut - offset)
+                skip, rows = _piece_skip(piece), piece[2]
+                if inner:
+                    skipped = store.read(piece[0], skip, skip + inner)
+                    rows -= sum(h.count for _, h in scan_blocks(skipped, path=store.uri(piece[0]), final=True))
+                out.append([piece[0], piece[1], rows, skip + inner])
+            offset += size
+        return out
+
+    def _cache_failed(self, what: str, exc: Exception) -> None:
+        log.warning("acs sink %s: cache write of %s failed, readers use the durable store: %s", self.sink_id, what, exc)
 
     def _discard(self, store: DurableStore, messages: Sequence[Optional[AcsCommitMessage]]) -> None:
         for m in messages:
@@ -466,43 +565,46 @@ class SinkCommitter:
                 self._delete_dir(store, f"{base}/{info.base_name}")
 
 
-class _Shadow:
-    """Shadows one segment's appended bytes to the caches as a Producer does: chunks to the
-    data cache, then lengths (and the shard head) to the metadata cache. Best effort: a
-    cache failure is logged once and readers fall back to the durable store."""
+class _Redirect(NamedTuple):
+    """The pieces of a segment that did not land in its file, and why."""
 
-    def __init__(self, committer: SinkCommitter, store: DurableStore, shard: int, rel: str, file: str,
-                 start: int) -> None:
-        self.uri = store.uri(rel)
-        self.chunks: Any = None
-        self.meta: Any = None
-        if not (committer.opts.data_cache or committer.opts.metadata_cache):
-            return
-        from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkWriter
+    remaining: List[List[Any]]
+    why: str
 
-        data_client, self.meta = committer._cache_clients()
-        try:
-            if data_client is not None:
-                prefix = store.read(rel, start - start % CHUNK_SIZE, start) if start % CHUNK_SIZE else b""
-                self.chunks = ChunkWriter(data_client, self.uri, start, prefix)
-            if self.meta is not None:
-                self.meta.set_head(store.uri(shard_dir(committer.opts.stream, shard)), file)
-        except CacheError as exc:
-            self._failed(exc)
 
-    def append(self, data: bytes, durable_length: int) -> None:
-        cache_length = None
-        try:
-            if self.chunks is not None:
-                cache_length = self.chunks.append(data)
-            if self.meta is not None:
-                self.meta.publish(self.uri, cache_length=cache_length, durable_length=durable_length)
-        except CacheError as exc:
-            self._failed(exc)
+def _piece_skip(piece: List[Any]) -> int:
+    """Bytes at the start of a staged file that a piece ``[rel, nbytes, rows(, skip)]`` skips
+    (they landed in an earlier file before another writer sealed it)."""
+    return piece[3] if len(piece) > 3 else 0
 
-    def _failed(self, exc: Exception) -> None:
-        log.warning("acs sink: cache update for %s failed, readers use the durable store: %s", self.uri, exc)
-        self.chunks = self.meta = None
+
+def _piece_bytes(piece: List[Any]) -> int:
+    """Bytes a staged piece contributes."""
+    return piece[1] - _piece_skip(piece)
+
+
+def _piece_at(sizes: List[int], position: int) -> int:
+    """Number of the planned piece holding byte ``position`` (``len(sizes)`` at the end)."""
+    offset = 0
+    for number, size in enumerate(sizes):
+        if position < offset + size:
+            return number
+        offset += size
+    return len(sizes)
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _prepare(opts: SinkOptions) -> int:
@@ -562,14 +664,30 @@ class AcsStreamWriter(DataSourceStreamArrowWriter):
 
 
 class AcsBatchWriter(DataSourceArrowWriter):
-    """Batch writer of ``df.write.format("acs")``: appends the DataFrame once, in task order."""
+    """Batch writer of ``df.write.format("acs")``: appends the DataFrame once, in task order.
+
+    Without a ``sinkId`` option every ``df.write`` is a new write: if its commit fails part
+    way (the driver dies while appending), the bytes appended so far stay in the stream and
+    a rerun writes the whole DataFrame again (the first part twice).
+
+    With ``sinkId``, the id names one logical write (an idempotency key): the commit is batch
+    0 of the sink identity ``sinkId``, so a rerun after a failed commit completes the first
+    attempt's intent (exactly the planned bytes, nothing twice) and writes nothing of its
+    own, and a rerun after a successful commit writes nothing. Use a new ``sinkId`` for new
+    data.
+    """
 
     def __init__(self, opts: SinkOptions, schema: StructType, overwrite: bool) -> None:
         if overwrite:
             raise AcsOptionError("acs sink: streams are append-only; use mode('append')", option="mode")
         check_sink_schema(schema)
         self.opts = opts
-        self.sink_id = "batch" + uuid.uuid4().hex[:12]
+        if opts.sink_id:
+            self.sink_id = "batch" + hashlib.blake2b(opts.sink_id.encode(), digest_size=8).hexdigest()
+            self.batch_id: Optional[int] = 0
+        else:
+            self.sink_id = "batch" + uuid.uuid4().hex[:12]
+            self.batch_id = None
         self.shards = _prepare(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> AcsCommitMessage:
@@ -578,12 +696,18 @@ class AcsBatchWriter(DataSourceArrowWriter):
 
     def commit(self, messages: List[Optional[WriterCommitMessage]]) -> None:
         """Driver side: append every task's staged blocks, in task order."""
-        SinkCommitter(self.opts, self.sink_id).commit(messages, None)
+        SinkCommitter(self.opts, self.sink_id).commit(messages, self.batch_id)
 
     def abort(self, messages: List[Optional[WriterCommitMessage]]) -> None:
-        """Delete the staged files of a write that will not be committed."""
+        """Delete the staged files of a write that will not be committed (those an intent
+        needs stay: a rerun with the same ``sinkId`` completes it)."""
+        committer = SinkCommitter(self.opts, self.sink_id)
         store = open_store(self.opts.root)
         try:
-            SinkCommitter(self.opts, self.sink_id)._discard(store, messages)
+            if self.batch_id is not None and store.exists(f"{committer.dir}/intent-{self.batch_id}.json"):
+                log.warning("acs sink %s: the write failed while committing; its staged data is kept for a rerun "
+                            "with the same sinkId", self.sink_id)
+                return
+            committer._discard(store, messages)
         finally:
             store.close()

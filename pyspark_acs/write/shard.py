@@ -291,6 +291,18 @@ class ShardWriter:
         finally:
             self._close_writer()
 
+    def close_file(self) -> None:
+        """Stop writing the open file without sealing it (its last bytes were a seal already,
+        or the writer continues it later)."""
+        self._close_writer()
+
+    def seal_file(self, name: str) -> FileTail:
+        """Seal the shard's file ``name`` where its valid bytes end, unless it is sealed (as a
+        recovery seal; for a file this writer will not continue)."""
+        if name == self.file:
+            self._close_writer()
+        return self._seal_predecessor(name)
+
     def _close_writer(self) -> None:
         if self.writer is not None:
             self.writer.close()
