@@ -213,3 +213,64 @@ def test_idle_unsealed_files_do_not_hold_worker_slots(make_env, caches):
     finally:
         a.close()
         c.close()
+
+
+@pytest.fixture(scope="module")
+def caches2(tmp_path_factory):
+    """Two data and two metadata cache servers per cluster (the setting of bug 7)."""
+    deps = start_caches(tmp_path_factory.mktemp("caches2"), replicas=2)
+    try:
+        yield deps
+    finally:
+        for dep in deps.values():
+            dep.stop()
+
+
+@pytest.mark.parametrize("down", [0.5, 4.0])
+def test_relay_daemon_sigkilled_mid_stream_loses_no_file(make_env, caches2, down):
+    """Bug 7: chain A -> B -> C with 2+2 caches per cluster, random message sizes, files
+    rolling over; B's daemon is SIGKILLed mid-stream and restarted (after a short outage, and
+    after one long enough for A to judge B unhealthy and feed C itself). Consumers follow in
+    A, B and C throughout; every file of A must reach C and every consumer get everything."""
+    import random
+
+    rnd = random.Random(7)
+    env = make_env(caches2)
+    for c in ("A", "B", "C"):
+        env.start_daemon(c)
+    live = [LiveConsumer(env, c) for c in ("A", "B", "C")]
+    watchers = [OrderWatcher(env, c, 2) for c in ("B", "C")]
+    acknowledged = []
+    try:
+        with env.producer(roll_bytes=30_000, max_block_bytes=8192) as p:
+            started = time.monotonic()
+            killed = restarted = False
+            i = 0
+            while time.monotonic() - started < 6.0:
+                value = f"m{i:06d}-".encode() + b"z" * rnd.randint(10, 3000)
+                p.send(value, key=str(i % 10).encode())
+                acknowledged.append(value)
+                i += 1
+                if i % 20 == 0:
+                    p.flush(timeout=30)
+                    time.sleep(0.01)
+                elapsed = time.monotonic() - started
+                if not killed and elapsed > 1.0:
+                    env.kill_daemon("B")  # SIGKILL
+                    killed = True
+                if killed and not restarted and elapsed > 1.0 + down:
+                    env.start_daemon("B")
+                    restarted = True
+            p.flush(timeout=30)
+        if not restarted:
+            env.start_daemon("B")
+        env.wait_same("C", timeout=90)
+        for w in watchers:
+            w.stop()
+            assert not w.violations, w.violations[:5]  # files appeared in order at every hop
+        wait_quiet(env, live, acknowledged, timeout=30)
+    finally:
+        for w in watchers:
+            w.stop()
+        for c in live:
+            c.stop()
