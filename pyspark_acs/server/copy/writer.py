@@ -6,10 +6,14 @@ operation for the same file and storage: make-before-break), works out where the
 continues and answers with that length. Every later request is a delta of whole blocks;
 the writer writes it, publishes the new length, and acknowledges it.
 
-Durable operations (paper section 2.4, "Writers"): single-threaded appends. Before each
-append the writer checks that the delta starts exactly at the destination file's length
-(a gap or overlap is answered with RESTART and the destination length, and the reader
-continues from there), then publishes ``durable_length`` in the metadata cache.
+Durable operations (paper section 2.4, "Writers"): single-threaded appends through
+:class:`~pyspark_acs.write.file.DurableFile`, the one fenced append of the package: the
+delta must start exactly at the destination file's length, checked under the file's append
+lock together with the append (so two operations on one file, e.g. a stale one and its
+successor, cannot both append: the check-then-append is atomic) and verified after it. A gap
+or overlap is answered with RESTART and the destination length, and the reader continues
+from there; then ``durable_length`` is published in the metadata cache. Seals are bytes
+like any other: a source's recovery seal reaches every hop.
 
 Cache operations: a :class:`~pyspark_acs.cache.chunks.ChunkWriter` per file writes complete chunks
 in parallel and rewrites the partial last chunk from its start, serialized; the
@@ -40,6 +44,7 @@ from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, publish_d
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
+from pyspark_acs.write.file import AppendConflictError, DurableFile
 
 __all__ = ["DELAY_PUBLISH_INTERVAL_S", "CopyServicer"]
 
@@ -170,15 +175,15 @@ class _DurableWriter(_OpWriter):
 
     def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
         super().__init__(servicer, hello)
-        self.appender = None
+        self.durable: Optional[DurableFile] = None
 
     def open(self) -> copy_pb2.CopyAck:
         self.take_lease()
         self.prepare_destination()
         # Reopen the destination file: the length on disk is the truth (a restarted writer
         # may have left a partial delta; its bytes are a correct prefix of the source's).
-        self.appender = self.io.store.open_appender(self.rel)
-        self.position = self.appender.position
+        self.durable = DurableFile(self.io.store, self.rel)
+        self.position = self.durable.position
         if self.position:
             # A writer killed between append and publish left the published length behind.
             try:
@@ -191,18 +196,24 @@ class _DurableWriter(_OpWriter):
     def write(self, req: copy_pb2.CopyRequest) -> copy_pb2.CopyAck:
         if self.superseded():
             return _ack(copy_pb2.POISONED, self.position, "a newer operation took this file over")
-        actual = self.io.store.length(self.rel)
-        if actual != self.appender.position:
-            # Someone else appended (a stale writer): reopen so our view is the file's.
-            self.appender.close()
-            self.appender = self.io.store.open_appender(self.rel)
-        self.position = actual
-        if req.start != actual:
+        if not req.data:
+            actual = self.position = self.io.store.length(self.rel)
+            if req.start != actual:
+                kind = "gap" if req.start > actual else "overlap"
+                self.s.metrics.inc("errors_total", kind=f"durable_{kind}")
+                return _ack(copy_pb2.RESTART, actual, f"{kind}: delta starts at {req.start}, file has {actual} bytes")
+            return _ack(copy_pb2.OK, actual)
+        # The delta must land exactly at the file's end: checked and appended under the
+        # file's append lock, verified after (DurableFile.append).
+        self.durable.position = req.start
+        try:
+            self.position = self.durable.append(req.data)
+        except AppendConflictError as exc:
+            actual = self.position = exc.actual_length
             kind = "gap" if req.start > actual else "overlap"
             self.s.metrics.inc("errors_total", kind=f"durable_{kind}")
             return _ack(copy_pb2.RESTART, actual, f"{kind}: delta starts at {req.start}, file has {actual} bytes")
         if req.data:
-            self.position = self.appender.write(req.data)
             try:
                 self.io.meta.publish(self.uri, durable_length=self.position)
             except CacheError as exc:
@@ -213,12 +224,12 @@ class _DurableWriter(_OpWriter):
         return _ack(copy_pb2.OK, self.position)
 
     def close(self) -> None:
-        if self.appender is not None:
+        if self.durable is not None:
             try:
-                self.appender.close()
+                self.durable.close()
             except StoreError as exc:
                 log.warning("%s: close failed: %s", self.what(), exc)
-            self.appender = None
+            self.durable = None
         super().close()
 
 
