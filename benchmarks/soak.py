@@ -50,6 +50,8 @@ from _harness import (  # noqa: E402
 PROGRESS_S = 5.0
 #: Bound of the wait for quiescence at the end.
 QUIET_S = 180.0
+#: The wait for quiescence also ends when no consumer has moved for this long.
+STALLED_S = 30.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,13 +165,22 @@ class Soak:
                 p.close()
         deadline = time.monotonic() + QUIET_S
         history: Dict[int, List[bytes]] = {}
+        counts, moved, shown = None, time.monotonic(), time.monotonic()
         while time.monotonic() < deadline:
             history = source_history(env)
             total = sum(len(v) for v in history.values())
-            if all(c.count() >= total for c in consumers):
+            now_counts = [c.count() for c in consumers]
+            if all(n >= total for n in now_counts):
                 break
-            time.sleep(1.0)
-            self.progress(consumers, started)
+            if now_counts != counts:
+                counts, moved = now_counts, time.monotonic()
+            elif time.monotonic() - moved > STALLED_S:
+                print(f"no consumer moved for {STALLED_S:.0f} s: stop waiting", flush=True)
+                break
+            if time.monotonic() - shown >= PROGRESS_S:
+                shown = time.monotonic()
+                self.progress(consumers, started)
+            time.sleep(0.5)
         return self.report(history, consumers)
 
     def report(self, history: Dict[int, List[bytes]], consumers: List[LiveConsumer]) -> int:
