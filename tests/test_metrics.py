@@ -165,6 +165,7 @@ def test_scrape_a_cache_server_process(tmp_path):
         assert value["acs_cache_entries"] == 5 == stats["entries"]
         assert value["acs_cache_capacity_bytes"] == 1024 * 1024
         assert value["acs_cache_rss_bytes"] > 0 and value["acs_cache_uptime_seconds"] > 0
+        assert value["process_resident_memory_bytes"] > 0  # the standard process metrics come along
 
         code, ctype, body = get_json(f"http://127.0.0.1:{server.metrics_port}/healthz")
         assert (code, ctype, body["healthy"], body["role"]) == (200, "application/json", True, "data")

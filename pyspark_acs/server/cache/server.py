@@ -33,13 +33,12 @@ from concurrent import futures
 from typing import Callable, Dict, List, Optional, Sequence
 
 import grpc
-from prometheus_client import CollectorRegistry
 
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.units import parse_bytes, parse_duration
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, Store
-from pyspark_acs.server.metrics import CACHE_METRICS, MetricsEndpoint, StatsCollector
+from pyspark_acs.server.metrics import CACHE_METRICS, Metrics, MetricsEndpoint, StatsCollector
 
 __all__ = [
     "CACHE_PREFIX",
@@ -222,7 +221,8 @@ class CacheServer:
     """One cache replica: gRPC server + store + metrics endpoint + expiry sweeper.
 
     ``/metrics`` serves :data:`~pyspark_acs.server.metrics.CACHE_METRICS` (label ``role``),
-    read from the store at each scrape, from a registry of this server's own (:attr:`registry`).
+    read from the store at each scrape, and the standard ``process_*`` metrics, from a registry
+    of this server's own (:attr:`registry`).
 
     Parameters
     ----------
@@ -264,7 +264,8 @@ class CacheServer:
             ttl_s if ttl_s is not None else ROLE_DEFAULT_TTL_S[role],
         )
         self.servicer = CacheServicer(self.store, role)
-        self.registry = CollectorRegistry()
+        # A registry of this server's own (with the standard process_* metrics), fed at scrape time.
+        self.registry = Metrics(CACHE_PREFIX, {}).registry
         StatsCollector(CACHE_PREFIX, CACHE_METRICS, self.metric_values, {"role": role}, registry=self.registry)
         self.metrics_port_requested = metrics_port
         self.token = token
