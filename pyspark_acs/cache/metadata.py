@@ -19,6 +19,7 @@ check and stops; a writer that died without releasing is superseded after a shor
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -148,6 +149,14 @@ class MetadataLease:
         holder that died is superseded once its poisoned lease has waited
         ``2 * check_interval`` (or its lease expired).
 
+        The replicas of the key may disagree: a compare-and-set that reached only some of
+        them (a replica past the deadline, two writers racing for a fresh key, one replica
+        restarted) leaves a minority holding another value, and with two replicas a 1-1
+        split has no majority value at all. Every round therefore walks the distinct values
+        the replicas hold (each refused compare-and-set names one) and treats each like the
+        consistent read's value, so the replicas converge on our record instead of every
+        later writer being refused for as long as writers keep retrying (issue 8, bug 7).
+
         Raises
         ------
         WriterConflictError
@@ -156,27 +165,71 @@ class MetadataLease:
             If the metadata cache is unavailable.
         """
         limit = time.monotonic() + (timeout if timeout is not None else 5 * self.check_interval + 1.0)
-        poisoned_at: Optional[float] = None
+        #: poisoned record (raw) -> monotonic time it was first seen poisoned (or poisoned by us)
+        poisoned_at: Dict[bytes, float] = {}
         while True:
             cur = self._current()
-            old = LeaseRecord.decode(cur.value) if cur else None
             now = time.monotonic()
-            if old is None or not old.live() or (poisoned_at is not None and now - poisoned_at >= 2 * self.check_interval):
-                mine = LeaseRecord.new(self.writer, self.seconds)
-                if self._cas(cur, mine):
-                    self.record = mine
-                    self._checked = time.monotonic()
-                    return
-            elif not old.get("poisoned"):
-                poisoned = LeaseRecord(old, poisoned=True)
-                if self._cas(cur, poisoned):
-                    poisoned_at = now
-            elif poisoned_at is None:
-                poisoned_at = now
+            mine = LeaseRecord.new(self.writer, self.seconds)
+            if self._converge(cur, mine, poisoned_at, now):
+                self.record = mine
+                self._checked = time.monotonic()
+                return
             if now >= limit:
+                old = LeaseRecord.decode(cur.value) if cur else None
                 holder = old.describe() if old else "another writer"
                 raise WriterConflictError(f"{self.what}: could not take the lease from {holder}")
-            time.sleep(min(0.05, self.check_interval / 4))
+            # Jitter: two writers racing for a split key must not keep mirroring each other.
+            time.sleep(min(0.05, self.check_interval / 4) * random.uniform(0.5, 1.5))
+
+    def _takeable(self, raw: Optional[bytes], poisoned_at: Dict[bytes, float], now: float) -> bool:
+        """Whether a value a replica holds may be replaced by our record now."""
+        old = LeaseRecord.decode(raw)
+        if old is None or not old.live():
+            return True  # absent, released or expired
+        if old.get("poisoned"):  # ours too: someone wants the lease, we do not snatch it back
+            seen = poisoned_at.setdefault(raw, now)
+            return now - seen >= 2 * self.check_interval
+        return old.get("writer") == self.writer  # an earlier attempt of this same writer
+
+    def _converge(self, cur: Optional[Entry], mine: LeaseRecord, poisoned_at: Dict[bytes, float], now: float) -> bool:
+        """One round: replace (or poison) every value the replicas hold, starting with ``cur``;
+        True once a majority holds ``mine``."""
+        raw = mine.encode()
+        version = lease_version(cur)
+        expected: Optional[bytes] = cur.value if cur is not None else None
+        tried = set()
+        wrote_mine = False
+        while expected not in tried and expected != raw:
+            tried.add(expected)
+            if self._takeable(expected, poisoned_at, now):
+                write = raw
+                wrote_mine = True
+            else:
+                old = LeaseRecord.decode(expected)
+                if old.get("poisoned"):
+                    break  # its holder still has time to stop
+                write = LeaseRecord(old, poisoned=True).encode()
+                poisoned_at.setdefault(write, now)
+            swapped, best = self.meta.client.compare_and_set(
+                self.key, expected, write, version=version, ttl=self.seconds * 4
+            )
+            if swapped and write is raw:
+                self._raw = raw
+                self._entry = Entry(raw, version)
+                return True
+            # A refusing replica holds best (the client reports what it wrote itself when the
+            # refusers hold nothing): go on with that value.
+            held = best.value if best is not None else None
+            expected = None if held == write else held
+        if not wrote_mine:
+            return False
+        # Replicas earlier steps of this round swapped hold our record: a majority of them?
+        swapped, _ = self.meta.client.compare_and_set(self.key, raw, raw, version=version, ttl=self.seconds * 4)
+        if swapped:
+            self._raw = raw
+            self._entry = Entry(raw, version)
+        return swapped
 
     def due(self) -> bool:
         """True when the lease should be checked again."""
