@@ -80,15 +80,11 @@ _EXTRA_COMMANDS: Dict[str, Callable[[argparse._SubParsersAction], None]] = {}
 
 def _read_path(args: argparse.Namespace, root: str):
     """The read path for a command: caches when given, else the durable store alone."""
-    from pyspark_acs.read.readpath import DurableReadPath
-    from pyspark_acs.storage.store import open_store
+    from pyspark_acs.read.readpath import open_read_path
 
-    store = open_store(root)
-    if getattr(args, "data_cache", None) or getattr(args, "metadata_cache", None):
-        from pyspark_acs.read.cachepath import CachedReadPath
-
-        return CachedReadPath(store, data_cache=args.data_cache, metadata_cache=args.metadata_cache)
-    return DurableReadPath(store)
+    return open_read_path(
+        root, data_cache=getattr(args, "data_cache", None), metadata_cache=getattr(args, "metadata_cache", None)
+    )
 
 
 def cmd_produce(args: argparse.Namespace) -> int:

@@ -31,12 +31,11 @@ from pyspark.sql.streaming.datasource import (
 from pyspark_acs.read.consumer import ShardTailer, earliest_offset
 from pyspark_acs.errors import AcsError, AcsOptionError, DataLossError
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
-from pyspark_acs.read.positions import BoundaryCache, advance, offset_for_timestamp, shard_extent
-from pyspark_acs.read.readpath import DurableReadPath, RateLimiter, ReadPath
-from pyspark_acs.storage.store import open_store
+from pyspark_acs.read.positions import BoundaryCache, advance, latest_offset, offset_for_timestamp, shard_extent
+from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.datasource.options import SourceOptions
 
-__all__ = ["SCHEMA_DDL", "AcsBatchReader", "AcsPartition", "AcsStreamReader", "open_read_path", "read_partition"]
+__all__ = ["SCHEMA_DDL", "AcsBatchReader", "AcsPartition", "AcsStreamReader", "source_read_path", "read_partition"]
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +58,11 @@ class AcsPartition(InputPartition):
         return f"AcsPartition({self.stream}/{self.shard} {self.start} -> {self.end})"
 
 
-def open_read_path(opts: SourceOptions) -> ReadPath:
-    """The read path for the options: the caches when configured, else the durable store."""
-    store = open_store(opts.root)
-    if opts.data_cache or opts.metadata_cache:
-        from pyspark_acs.read.cachepath import CachedReadPath
-
-        return CachedReadPath(
-            store, data_cache=opts.data_cache, metadata_cache=opts.metadata_cache, token=opts.cache_token
-        )
-    return DurableReadPath(store)
+def source_read_path(opts: SourceOptions) -> ReadPath:
+    """The read path for the source options (caches when configured, else the durable store)."""
+    return open_read_path(
+        opts.root, data_cache=opts.data_cache, metadata_cache=opts.metadata_cache, token=opts.cache_token
+    )
 
 
 def read_partition(opts: SourceOptions, partition: AcsPartition) -> Iterator[pa.RecordBatch]:
@@ -80,7 +74,7 @@ def read_partition(opts: SourceOptions, partition: AcsPartition) -> Iterator[pa.
         When bytes in the range are gone (``failOnDataLoss=true``), or published bytes did
         not become readable within ``readTimeout``.
     """
-    path = open_read_path(opts)
+    path = source_read_path(opts)
     try:
         end = Offset(*partition.end)
         tailer = ShardTailer(
@@ -164,12 +158,17 @@ class _Planner:
         return {s: given.get(s) or earliest_offset(self.path.store, *s) for s in shards}
 
     def latest(self, shards: Sequence[Tuple[str, int]], start: Optional[OffsetMap] = None) -> OffsetMap:
+        """How far each shard can be read now: from ``start`` through sealed files up to the last
+        complete block of the first unsealed one (the seal rule); without a start, the end of
+        the newest file (``startingOffsets=latest``)."""
         out: OffsetMap = {}
         for s in shards:
-            extent = shard_extent(self.path, s[0], s[1], (start or {}).get(s, Offset()))
-            latest = extent.latest(self._boundaries, self.path)
             begin = (start or {}).get(s)
-            out[s] = max(latest, begin) if begin is not None else latest
+            if begin is None:
+                out[s] = latest_offset(self.path, s[0], s[1])
+                continue
+            extent = shard_extent(self.path, s[0], s[1], begin)
+            out[s] = max(extent.latest(self._boundaries, self.path, begin), begin)
         return out
 
     def limited(self, start: OffsetMap, limit: ReadLimit) -> Tuple[OffsetMap, OffsetMap]:
@@ -188,7 +187,7 @@ class _Planner:
                     f"maxBytesPerTrigger (ReadMaxBytes) and maxRowsPerTrigger (ReadMaxRows)"
                 )
         extents = {s: shard_extent(self.path, s[0], s[1], start[s]) for s in shards}
-        latest = {s: max(extents[s].latest(self._boundaries, self.path), start[s]) for s in shards}
+        latest = {s: max(extents[s].latest(self._boundaries, self.path, start[s]), start[s]) for s in shards}
         if max_bytes is None and max_rows is None:
             return latest, latest
         backlog = {s: extents[s].backlog(start[s]) for s in shards}

@@ -3,8 +3,9 @@
 Each shard is followed by a :class:`ShardTailer` that holds the shard's position
 ``(file, length)``. A poll round asks the read path for the lengths of every followed file
 in one batched call, reads the new bytes of each shard, decodes the complete blocks into
-Arrow record batches, and moves to the next file when the current one is finished (sealed
-by its writer, or abandoned by a writer that crashed and was replaced).
+Arrow record batches, and moves to the next file only when it has read the current one's
+seal (the seal rule, :mod:`pyspark_acs.read.positions`): a writer seals its file when it rolls
+over or closes, and a writer that takes a shard over seals its predecessor's file first.
 
 A block whose bytes are only partly written is waited for, never reported as corrupt: the
 store is append-only, so bytes present are final, and a block is only decoded once all of
@@ -21,15 +22,15 @@ from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import pyarrow as pa
 
-from pyspark_acs.format.block import BLOCK_SCHEMA, HEADER_SIZE, MAGIC, decode_block, parse_header, scan_blocks
-from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError, InvalidNameError, TruncatedBlockError
-from pyspark_acs.format.names import parse_file_name, shard_dir, validate_shard, validate_stream
+from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError
+from pyspark_acs.format.block import BLOCK_SCHEMA, HEADER_SIZE, decode_block, parse_header, scan_blocks
+from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
-from pyspark_acs.read.readpath import DurableReadPath, RateLimiter, ReadPath
-from pyspark_acs.storage.store import DurableStore, open_store
+from pyspark_acs.read.positions import ends_with_seal, latest_offset, skip_void
+from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
+from pyspark_acs.storage.store import DurableStore
 
 __all__ = [
-    "ABANDON_CHECK_INTERVAL_S",
     "DEFAULT_MAX_READ_BYTES",
     "DEFAULT_POLL_INTERVAL_S",
     "OUTPUT_SCHEMA",
@@ -42,11 +43,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_POLL_INTERVAL_S = 0.01
+#: A tailer stuck this long before bytes that are no complete block (and no recovery seal)
+#: says so once: a writer or copy still at work, a crashed writer whose shard nobody took over
+#: yet, or a file damaged after the fact. It waits for a seal; it never skips the bytes.
+STUCK_WARN_AFTER_S = 30.0
 #: Bytes read from one shard in one step: bounds memory when a consumer is far behind.
 DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
-#: How often a tailer stuck at the end of an unsealed file checks for a newer file
-#: (a writer that crashed leaves its file unsealed; its replacement starts a new one).
-ABANDON_CHECK_INTERVAL_S = 1.0
 
 OUTPUT_SCHEMA = pa.schema(
     [("stream", pa.string()), ("shard", pa.int32()), ("file", pa.string())] + list(BLOCK_SCHEMA)
@@ -91,7 +93,9 @@ class ShardTailer:
         self.max_read_bytes = max_read_bytes
         self.fail_on_data_loss = fail_on_data_loss
         self.limiter = limiter or RateLimiter(None)
-        self._stalled_since: Optional[float] = -math.inf
+        self._check_behind = True  # first stall after a seek: is the position right after a seal?
+        self._void_checked: Optional[Tuple[int, int]] = None  # (position, length) searched for a recovery seal
+        self._stuck: Optional[Tuple[int, float]] = None  # (position, since) while no complete block follows
         self._loss_logged: Optional[Offset] = None  # the lost position already logged
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
@@ -112,9 +116,8 @@ class ShardTailer:
             self.path.forget(self.rel)  # drop per-file read state of the file we leave
         self.file, self.length = offset
         self.sealed = False
-        # Check for a newer file at the first stall after a seek: a position saved right after
-        # a seal (a restart from offsets) must not wait ABANDON_CHECK_INTERVAL_S to move on.
-        self._stalled_since = -math.inf
+        self._check_behind = True  # a position saved right after a seal is at a finished file's end
+        self._void_checked = None
 
     def step(self, length: Optional[int] = None, *, known: bool = False, end: Optional[Offset] = None) -> List[pa.RecordBatch]:
         """Read what is new; return decoded batches (possibly none).
@@ -155,16 +158,16 @@ class ShardTailer:
             if end is not None and self.file == end.file:
                 limit = min(limit, end.length)
             progressed = self._read(limit, out) if limit > self.length else False
-            if self.sealed or (end is not None and self.file < end.file and not progressed and self._finished_early()):
+            if not progressed and not self.sealed:
+                self._check_finished(limit)
+            if self.sealed:
                 if not self._next_file():
                     return out
                 continue
             if progressed:
-                self._stalled_since = None
+                self._check_behind = False
                 if end is None:
                     return out
-                continue
-            if end is None and self._abandoned():
                 continue
             return out
 
@@ -186,6 +189,8 @@ class ShardTailer:
                 blocks.append(item)
         except CorruptFileError:
             if not blocks:
+                if self._pass_void(limit):
+                    return True
                 raise
         if not blocks and len(data) >= HEADER_SIZE:
             # One block larger than max_read_bytes: read it whole if it is all there.
@@ -205,6 +210,8 @@ class ShardTailer:
                 try:
                     _, batch = decode_block(buf, at, path=self.store.uri(self.rel), position=start + at)
                 except CorruptFileError:
+                    if self.length == start + at and self._pass_void(limit):
+                        return True
                     if self.length == start:
                         raise
                     break
@@ -235,6 +242,7 @@ class ShardTailer:
         return True
 
     def _next_file(self) -> bool:
+        """After the seal: follow the first file after this one in name order (wait for it)."""
         files = self.store.list_files(self.stream, self.shard)
         later = [f for f in files if f > self.file]
         if not later:
@@ -242,86 +250,61 @@ class ShardTailer:
         self.seek(Offset(later[0], 0))
         return True
 
-    def _finished_early(self) -> bool:
-        """Bounded read: the current file precedes the end file, so it will not grow.
+    def _check_finished(self, limit: int) -> None:
+        """No complete block at the position: the file may be finished all the same.
 
-        It is finished once every complete block of its durable length is read; a torn
-        block left by a crashed writer at its end is skipped (and logged).
+        Two cases, both through the seal rule (:mod:`pyspark_acs.read.positions`): the position
+        is right after a seal (a restart from saved offsets), or bytes follow that do not make
+        a complete block and a recovery seal voids them (a crashed writer's torn block).
         """
-        durable = self.path.durable_length(self.rel)
-        if durable is None or durable <= self.length:
-            return True
-        if self._complete_block_at(durable):
-            return False  # readable blocks remain (the read path may be postponing them)
-        self._skip_torn_tail(durable)
+        if self._check_behind:
+            self._check_behind = False
+            if self.length > 0 and ends_with_seal(self.path, self.rel, self.length):
+                self.sealed = True
+                return
+        if limit > self.length and not self._pass_void(limit) and not self.sealed:
+            self._warn_stuck(limit)
+
+    def _warn_stuck(self, limit: int) -> None:
+        now = time.monotonic()
+        if self._stuck is None or self._stuck[0] != self.length:
+            self._stuck = (self.length, now)
+        elif now - self._stuck[1] >= STUCK_WARN_AFTER_S:
+            self._stuck = (self.length, math.inf)  # once per position
+            log.warning(
+                "%s: bytes [%d, %d) have been no complete block for %.0f s; waiting for them or for a seal "
+                "(a writer or copy still at work, a crashed writer whose shard nobody took over yet, or a file "
+                "truncated after the fact)",
+                self.store.uri(self.rel), self.length, limit, STUCK_WARN_AFTER_S,
+            )
+
+    def _pass_void(self, limit: int) -> bool:
+        """Skip a torn block up to and including the recovery seal that voids it (logged with
+        the byte range); False while there is none. Searched once per readable length."""
+        if self._void_checked == (self.length, limit):
+            return False
+        self._void_checked = (self.length, limit)
+        after = skip_void(self.path, self.rel, self.length, limit)
+        if after is None:
+            return False
+        log.warning(
+            "%s: bytes [%d, %d) are a block its writer never finished; the writer that took the shard over "
+            "sealed the file after them (they were never acknowledged and are skipped)",
+            self.store.uri(self.rel), self.length, self._void_seal_start(after),
+        )
+        self.length = after
+        self.sealed = True
         return True
 
-    def _complete_block_at(self, durable: int) -> bool:
-        """True if a whole block starts at the position within the file's durable length."""
-        if durable - self.length < HEADER_SIZE:
-            return False
-        head = self.store.read(self.rel, self.length, self.length + HEADER_SIZE)
-        header = parse_header(head, 0, path=self.store.uri(self.rel), position=self.length)
-        return self.length + header.size <= durable
-
-    def _abandoned(self) -> bool:
-        """At the end of an unsealed file: move on if a newer file exists (writer replaced)."""
-        now = time.monotonic()
-        if self._stalled_since is None:
-            self._stalled_since = now
-            return False
-        if now - self._stalled_since < ABANDON_CHECK_INTERVAL_S:
-            return False
-        self._stalled_since = now
-        files = self.store.list_files(self.stream, self.shard)
-        if not any(f > self.file for f in files):
-            return False
-        # The newer file exists, so the old writer stopped; its length is final now.
-        durable = self.path.durable_length(self.rel)
-        if durable is not None and durable > self.length:
-            # Complete blocks not yet published (caches lagging) are read in a later step.
-            if self._complete_block_at(durable):
-                return False
-            self._skip_torn_tail(durable)
-        return self._next_file()
-
-    def _skip_torn_tail(self, durable: int) -> None:
-        """The file is finished: skip a block its crashed writer left half written (logged).
-
-        Raises CorruptFileError when the bytes cannot be such a block: they do not start like
-        one, or the file's own writer went on to a newer file (a writer seals a file before it
-        starts its next one, so that file was truncated or damaged after the fact).
-        """
-        uri = self.store.uri(self.rel)
-        data = self.store.read(self.rel, self.length, durable)
-        good = 0
-        for at, header in scan_blocks(data, path=uri, base=self.length):
-            good = at + header.size
-        if self.length + good < durable:
-            bad_at = self.length + good
-            torn = bytes(data[good : good + len(MAGIC)])
-            if torn != MAGIC[: len(torn)]:
-                raise CorruptFileError(
-                    f"{uri} at byte {bad_at}: not a block (magic {torn!r}, expected {MAGIC!r}) in a finished file",
-                    path=uri,
-                    position=bad_at,
-                )
-            later = [f for f in self.store.list_files(self.stream, self.shard) if f > self.file]
-            if later and _writer_of(later[0]) is not None and _writer_of(later[0]) == _writer_of(self.file):
-                raise TruncatedBlockError(
-                    f"{uri}: the block at byte {bad_at} is cut off by the end of the file at byte {durable}, "
-                    f"but the file is finished (its writer went on to {later[0]} without sealing it): "
-                    f"the file was truncated or damaged",
-                    path=uri,
-                    position=bad_at,
-                )
-            log.warning(
-                "%s: bytes [%d, %d) are a block its writer never finished (the writer stopped and a newer "
-                "file exists); they were never acknowledged and are skipped",
-                self.store.uri(self.rel),
-                self.length + good,
-                durable,
-            )
+    def _void_seal_start(self, after: int) -> int:
+        head = self.path.read(self.rel, after - HEADER_SIZE - 8, after)
+        try:
+            header = parse_header(head, 0)
+            if header.sealed:
+                return after - header.size
+        except CorruptFileError:
+            pass
+        return after - HEADER_SIZE
 
     def _data_loss(self, length: Optional[int]) -> bool:
         """Handle a missing or shortened file. Returns True if the tailer moved on."""
@@ -342,13 +325,15 @@ class ShardTailer:
             )
         files = self.store.list_files(self.stream, self.shard)
         later = [f for f in files if f > self.file]
-        if length is not None:
-            log.warning("%s; continuing from the end of that file (byte %d)", msg, length)
-            self.length = length
-            return True
+        # failOnDataLoss=false: the file lost its end (its seal with it), so nothing more will be
+        # read from it; go on with the next file, else wait at its new end for more.
         if later:
             log.warning("%s; continuing from file %s", msg, later[0])
             self.seek(Offset(later[0], 0))
+            return True
+        if length is not None:
+            log.warning("%s; continuing from the end of that file (byte %d)", msg, length)
+            self.length = length
             return True
         # Wait at this position for a newer file. (Seeking to Offset() would restart the shard
         # from its oldest file and replay messages already consumed.)
@@ -358,36 +343,10 @@ class ShardTailer:
         return False
 
 
-def _writer_of(name: str) -> Optional[str]:
-    try:
-        return parse_file_name(name).writer_id
-    except InvalidNameError:
-        return None
-
-
 def earliest_offset(store: DurableStore, stream: str, shard: int) -> Offset:
     """The position before the first message of a shard."""
     files = store.list_files(stream, shard)
     return Offset(files[0], 0) if files else Offset()
-
-
-def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
-    """The position after the last complete block of a shard's newest file."""
-    store = path.store
-    files = store.list_files(stream, shard)
-    if not files:
-        return Offset()
-    rel = f"{shard_dir(stream, shard)}/{files[-1]}"
-    length = path.lengths([rel])[rel] or 0
-    # The readable length may end inside a block being written: walk headers to the last
-    # complete block boundary (one small read per block).
-    at = 0
-    while at + HEADER_SIZE <= length:
-        header = parse_header(store.read(rel, at, at + HEADER_SIZE), 0, path=store.uri(rel), position=at)
-        if at + header.size > length or header.sealed:
-            break  # stop before a seal: reading it tells the tailer at once to follow the next file
-        at += header.size
-    return Offset(files[-1], at)
 
 
 StartSpec = Union[str, Mapping[str, Any]]
@@ -452,14 +411,10 @@ class Consumer:
             raise AcsOptionError(f"poll_interval: {poll_interval!r} is not allowed; use seconds >= 0", option="poll_interval")
         if max_bytes_per_second is not None and max_bytes_per_second <= 0:
             raise AcsOptionError("max_bytes_per_second: must be > 0 (or None for no cap)", option="max_bytes_per_second")
-        self.store = open_store(root) if read_path is None else read_path.store
-        if read_path is None and (data_cache or metadata_cache):
-            from pyspark_acs.read.cachepath import CachedReadPath
-
-            read_path = CachedReadPath(
-                self.store, data_cache=data_cache, metadata_cache=metadata_cache, token=cache_token
-            )
-        self.path: ReadPath = read_path or DurableReadPath(self.store)
+        if read_path is None:
+            read_path = open_read_path(root, data_cache=data_cache, metadata_cache=metadata_cache, token=cache_token)
+        self.path: ReadPath = read_path
+        self.store = read_path.store
         self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]
         self.poll_interval = float(poll_interval)
         limiter = RateLimiter(max_bytes_per_second)

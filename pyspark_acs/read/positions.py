@@ -1,8 +1,14 @@
-"""Positions in a shard: latest readable offset, offset for a timestamp, backlog, and how far
-a bounded read may go under a byte or row budget.
+"""Positions in a shard: latest readable offset, offset for a timestamp, backlog, how far
+a bounded read may go under a byte or row budget -- and the seal rule.
 
 All of it walks block *headers* only (a 48-byte read per block, or one window read for many
 small blocks), through a read path, so it costs little even on large files.
+
+The seal rule lives here, once: a file is finished only at its seal (DESIGN.md section 5,
+step 6). A walk crosses from one file to the next only after passing the first file's seal;
+a newer file, a listing, an age or a timeout never finishes a file. A reader stuck at a block
+its crashed writer never finished (a torn block) passes it only through the recovery seal
+that the next writer appended (:func:`skip_void`).
 """
 
 from __future__ import annotations
@@ -11,12 +17,23 @@ import threading
 from collections import OrderedDict
 from typing import List, Optional, Tuple
 
-from pyspark_acs.format.block import HEADER_SIZE, parse_header
+from pyspark_acs.errors import CorruptFileError
+from pyspark_acs.format.block import HEADER_SIZE, find_recovery_seal, parse_header
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.format.offsets import Offset
 from pyspark_acs.read.readpath import ReadPath
 
-__all__ = ["BoundaryCache", "ShardExtent", "advance", "offset_for_timestamp", "shard_extent", "walk_blocks"]
+__all__ = [
+    "BoundaryCache",
+    "ShardExtent",
+    "advance",
+    "ends_with_seal",
+    "latest_offset",
+    "offset_for_timestamp",
+    "shard_extent",
+    "skip_void",
+    "walk_blocks",
+]
 
 #: Bytes read at once while walking headers of small blocks.
 WALK_WINDOW_BYTES = 256 * 1024
@@ -34,6 +51,35 @@ def _read_now(path: ReadPath, rel: str, start: int, end: int) -> bytes:
     return data
 
 
+def skip_void(path: ReadPath, rel: str, at: int, length: int) -> Optional[int]:
+    """Past a torn block: the position after the recovery seal that voids ``[at, seal)``.
+
+    ``at`` is where the last complete block of ``rel`` ends and a block its crashed writer
+    never finished begins; a writer that took the shard over sealed the file after it with
+    ``void_from = at``. Returns ``None`` while no such seal is within ``[at, length)``.
+    """
+    if length - at < HEADER_SIZE:
+        return None
+    data = _read_now(path, rel, at, length)
+    found = find_recovery_seal(data, at, base=at, path=path.store.uri(rel))
+    return None if found is None else at + found[0] + found[1].size
+
+
+def ends_with_seal(path: ReadPath, rel: str, at: int) -> bool:
+    """Whether the bytes just before ``at`` are a seal (a plain one, or a recovery seal with
+    its 8-byte body): a position saved right after a seal is at the end of a finished file."""
+    for size in (HEADER_SIZE, HEADER_SIZE + 8):
+        if at < size:
+            continue
+        try:
+            header = parse_header(_read_now(path, rel, at - size, at), 0, position=at - size)
+        except CorruptFileError:
+            continue
+        if header.sealed and header.size == size:
+            return True
+    return False
+
+
 def walk_blocks(
     path: ReadPath,
     rel: str,
@@ -42,15 +88,17 @@ def walk_blocks(
     *,
     max_bytes: Optional[int] = None,
     max_rows: Optional[int] = None,
-) -> Tuple[int, int, int]:
+) -> Tuple[int, int, int, bool]:
     """Walk whole blocks of ``rel`` from ``start`` (a block boundary) towards ``stop``.
 
-    Stops before a block that would end past ``stop`` or exceed the budgets; the first block
-    is always taken when it fits ``stop``, so a read always makes progress.
+    Stops before a block that would end past ``stop`` or exceed the budgets, and after a seal;
+    the first block is always taken when it fits ``stop``, so a read always makes progress. A
+    torn block followed by its recovery seal is passed as one (void) block.
 
     Returns
     -------
-    (end, rows, blocks) : the block boundary reached, messages and blocks passed.
+    (end, rows, blocks, sealed) : the block boundary reached, messages and blocks passed, and
+    whether the walk ended by passing the file's seal.
     """
     at, rows, blocks = start, 0, 0
     uri = path.store.uri(rel)
@@ -61,41 +109,60 @@ def walk_blocks(
             break
         off = 0
         while off + HEADER_SIZE <= len(data):
-            header = parse_header(data, off, path=uri, position=at + off)
+            try:
+                header = parse_header(data, off, path=uri, position=at + off)
+            except CorruptFileError:
+                header = None
+            if header is None or (header.size > stop - (at + off) and not header.sealed):
+                # Not a complete block: a torn block is passed only with its recovery seal.
+                void_end = skip_void(path, rel, at + off, stop) if blocks == 0 or header is None else None
+                if void_end is not None and (max_bytes is None or not blocks or void_end - start <= max_bytes):
+                    return void_end, rows, blocks + 1, True
+                if header is None and void_end is None:
+                    parse_header(data, off, path=uri, position=at + off)  # raise: real corruption
+                return at + off, rows, blocks, False
             # Large blocks: read just the next header instead of a window of body bytes.
             window = HEADER_SIZE if header.size > WALK_WINDOW_BYTES // 4 else WALK_WINDOW_BYTES
             end = at + off + header.size
             over_bytes = max_bytes is not None and end - start > max_bytes
             over_rows = max_rows is not None and rows + header.count > max_rows
             if end > stop or (blocks and (over_bytes or over_rows)):
-                return at + off, rows, blocks
+                return at + off, rows, blocks, False
             rows += header.count
             blocks += 1
             off += header.size
+            if header.sealed:
+                return at + off, rows, blocks, True
         at += off
-    return at, rows, blocks
+    return at, rows, blocks, False
 
 
 class BoundaryCache:
-    """Remembers the last block boundary found per file so walks resume there."""
+    """Remembers the last block boundary found per file, and whether it is the file's seal,
+    so walks resume there (a sealed file is never walked again)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # guards _known
-        self._known: "OrderedDict[str, int]" = OrderedDict()
+        self._known: "OrderedDict[str, Tuple[int, bool]]" = OrderedDict()
 
-    def boundary(self, path: ReadPath, rel: str, length: int) -> int:
-        """The last block boundary at or below ``length`` in ``rel``."""
+    def boundary(self, path: ReadPath, rel: str, length: int, start: int = 0) -> Tuple[int, bool]:
+        """The last block boundary at or below ``length`` in ``rel`` walking from ``start`` (a
+        block boundary), and whether the file is sealed there."""
         with self._lock:
-            at = self._known.get(rel, 0)
-        if at > length:
-            at = 0
-        end, _, _ = walk_blocks(path, rel, at, length)
+            at, sealed = self._known.get(rel, (0, False))
+        if sealed and at >= start:
+            return at, True
+        if at > length or at < start:
+            at = start
+        end, _, _, sealed = walk_blocks(path, rel, at, length)
+        if not sealed and end == at and at > 0 and at == start:
+            sealed = ends_with_seal(path, rel, at)  # a position saved right after a seal
         with self._lock:
-            self._known[rel] = end
+            self._known[rel] = (end, sealed)
             self._known.move_to_end(rel)  # least recently used files go first
             if len(self._known) > MAX_KNOWN_FILES:
                 self._known.popitem(last=False)
-        return end
+        return end, sealed
 
 
 class ShardExtent:
@@ -106,16 +173,21 @@ class ShardExtent:
         self.shard = shard
         self.files = files  # [(name, readable length)], oldest first
 
-    def latest(self, boundaries: BoundaryCache, path: ReadPath) -> Offset:
-        """The last readable block boundary of the newest file (``Offset()`` when there are none).
-
-        Walks block headers from the boundary ``boundaries`` remembers for that file.
-        """
-        if not self.files:
-            return Offset()
-        name, length = self.files[-1]
-        rel = f"{shard_dir(self.stream, self.shard)}/{name}"
-        return Offset(name, boundaries.boundary(path, rel, length))
+    def latest(self, boundaries: BoundaryCache, path: ReadPath, start: Offset = Offset()) -> Offset:
+        """How far a reader at ``start`` can read now: through every sealed file, up to the last
+        complete block of the first file that is not sealed (the seal rule: an unsealed file
+        is never left, whatever files come after it)."""
+        at = start
+        for name, length in self.files:
+            if name < start.file:
+                continue
+            rel = f"{shard_dir(self.stream, self.shard)}/{name}"
+            begin = start.length if name == start.file else 0
+            end, sealed = boundaries.boundary(path, rel, length, begin)
+            at = Offset(name, end)
+            if not sealed:
+                return at
+        return at
 
     def backlog(self, start: Offset) -> int:
         """Bytes readable after ``start``."""
@@ -156,7 +228,7 @@ def advance(
         rel = f"{shard_dir(extent.stream, extent.shard)}/{name}"
         begin = start.length if name == start.file else 0
         stop = latest.length if name == latest.file else length
-        end, rows, blocks = walk_blocks(
+        end, rows, blocks, _ = walk_blocks(
             path, rel, begin, stop,
             max_bytes=None if max_bytes is None else max(max_bytes - used_bytes, 0),
             max_rows=None if max_rows is None else max(max_rows - used_rows, 0),
@@ -202,3 +274,32 @@ def offset_for_timestamp(path: ReadPath, stream: str, shard: int, ts_us: int) ->
             at += off
         last = Offset(name, at)
     return last
+
+
+def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
+    """The position after the last complete block of a shard's newest file (before its seal,
+    so a reader starting there reads the seal and follows the next file at once).
+
+    Headers are read through ``path`` up to the readable length it reports, so a cache copy
+    that is ahead of the durable copy is walked in the cache.
+    """
+    files = path.store.list_files(stream, shard)
+    if not files:
+        return Offset()
+    rel = f"{shard_dir(stream, shard)}/{files[-1]}"
+    length = path.lengths([rel])[rel] or 0
+    at, rows, blocks, sealed = walk_blocks(path, rel, 0, length)
+    if sealed:
+        # Walk again to the start of the seal: stop one block short.
+        end, _, _, _ = walk_blocks(path, rel, 0, length, max_rows=rows, max_bytes=None)
+        at = _before_seal(path, rel, at)
+    return Offset(files[-1], at)
+
+
+def _before_seal(path: ReadPath, rel: str, after: int) -> int:
+    for size in (HEADER_SIZE, HEADER_SIZE + 8):
+        if after >= size and ends_with_seal(path, rel, after):
+            header = parse_header(_read_now(path, rel, after - size, after), 0)
+            if header.size == size:
+                return after - size
+    return after

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, Optional, Protocol, Sequence
+from typing import Any, Dict, Optional, Protocol, Sequence
 
 from pyspark_acs.storage.store import DurableStore
 
-__all__ = ["DurableReadPath", "RateLimiter", "ReadPath"]
+__all__ = ["DurableReadPath", "RateLimiter", "ReadPath", "open_read_path"]
 
 
 class ReadPath(Protocol):
@@ -72,6 +72,34 @@ class DurableReadPath:
     def close(self) -> None:
         """Close the store's open files."""
         self.store.close()
+
+
+def open_read_path(
+    root: "str | DurableStore",
+    *,
+    data_cache: Any = None,
+    metadata_cache: Any = None,
+    token: Optional[str] = None,
+) -> "ReadPath":
+    """The one read-path factory: through the caches when any is given, else the durable store.
+
+    Parameters
+    ----------
+    root : str or DurableStore
+        Durable store root (URI or path) of the cluster, or an open store.
+    data_cache, metadata_cache : str or CacheClient, optional
+        Cache endpoints (``host:port,...``) or clients of the same cluster.
+    token : str, optional
+        Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
+    """
+    from pyspark_acs.storage.store import open_store
+
+    store = open_store(root)
+    if data_cache or metadata_cache:
+        from pyspark_acs.read.cachepath import CachedReadPath  # imports grpc: only when caches are used
+
+        return CachedReadPath(store, data_cache=data_cache, metadata_cache=metadata_cache, token=token)
+    return DurableReadPath(store)
 
 
 class RateLimiter:
