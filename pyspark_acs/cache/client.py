@@ -392,7 +392,10 @@ class CacheClient:
             self._mark(rep, None)
             out.put((tag, rep, response, None))
 
-        self._pool().submit(run)
+        try:
+            self._pool().submit(run)
+        except RuntimeError as exc:  # close() shut the pool down between _pool() and submit
+            raise ClosedError(f"{self.name}: client is closed") from exc
 
     def _error(
         self,

@@ -19,7 +19,7 @@ import time
 from typing import Dict, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.client import CacheClient
-from pyspark_acs.errors import CacheError
+from pyspark_acs.errors import CacheError, ClosedError
 from pyspark_acs.cache.metadata import MetadataCache
 
 __all__ = ["DEFAULT_POLL_INTERVAL_S", "FORGET_AFTER_S", "LengthPoller"]
@@ -126,6 +126,10 @@ class LengthPoller:
                 error = None
             except CacheError as exc:
                 got, error = {}, exc
+            except ClosedError:
+                with self._lock:
+                    self._thread = None
+                return  # the client was closed (process shutting down): nothing left to poll
             with self._lock:
                 moved = any(self._values.get(u) != v for u, v in got.items())
                 self._values.update(got)

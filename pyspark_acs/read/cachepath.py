@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 #: Algorithm 1's maxDelay: how long the cache may trail the durable store before readers
 #: go to the store.
 DEFAULT_MAX_DELAY_S = 1.0
-#: How often durable lengths are polled from the store while the metadata cache is down.
+#: How often durable lengths are polled from the store while the metadata cache is down, and
+#: how often the store's real size of a file is checked while its published length stands
+#: still (the paper's ``colossus.size()``: a writer that crashed between its durable append and
+#: publishing the length must not stall readers until the metadata entry expires).
 DEFAULT_DURABLE_POLL_INTERVAL_S = 1.0
 #: Repeated data-cache failures are logged at most this often.
 _WARN_INTERVAL_S = 10.0
@@ -133,6 +136,8 @@ class CachedReadPath:
         self._published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
         self._delays: Dict[str, DelayedDurableReads] = {}
         self._durable_cache: Dict[str, Tuple[float, Optional[int]]] = {}
+        # rel -> (published length, when it last moved or the store was last asked)
+        self._standing: Dict[str, Tuple[int, float]] = {}
         self._meta_down_until = 0.0
         self._warned_at = float("-inf")  # last data-cache warning (monotonic)
         self._stats = {"durable_bytes": 0, "durable_fallbacks": 0, "metadata_fallbacks": 0}
@@ -160,6 +165,11 @@ class CachedReadPath:
         # While the metadata cache is down, durable lengths are polled less often; files it
         # simply does not know (written without caches) are read from the store each time.
         durable = self._durable_lengths(unknown, cached=meta_down)
+        # Published lengths that stood still for a poll interval: ask the store for its real
+        # size (Algorithm 1 is fed by it; the read path postpones durable reads by maxDelay).
+        stalled = self._stalled([r for r in rels if r not in durable], published, now)
+        if stalled:
+            durable.update(self.store.lengths(stalled))
         out: Dict[str, Optional[int]] = {}
         with self._lock:
             for r in rels:
@@ -169,6 +179,8 @@ class CachedReadPath:
                     if d is None:
                         out[r] = None
                         continue
+                else:
+                    d = _max_known(d, durable.get(r))
                 # Files only grow: never let a length go below one already seen (a durable
                 # length cached before the metadata cache went down, or a lagging replica,
                 # would otherwise look like the file shrank).
@@ -176,6 +188,23 @@ class CachedReadPath:
                 c, d = _max_known(c, c0), _max_known(d, d0)
                 self._published[r] = (c, d)
                 out[r] = max(c or 0, d or 0)
+        return out
+
+    def _stalled(self, rels: Sequence[str], published: Dict[str, Tuple[Optional[int], Optional[int]]],
+                 now: float) -> list:
+        """Files whose published length has not moved for ``durable_poll_interval`` (and whose
+        store size was not asked for within it)."""
+        out = []
+        with self._lock:
+            for r in rels:
+                c, d = published.get(r, (None, None))
+                value = max(c or 0, d or 0)
+                seen = self._standing.get(r)
+                if seen is None or seen[0] != value:
+                    self._standing[r] = (value, now)
+                elif now - seen[1] >= self.durable_poll_interval:
+                    self._standing[r] = (value, now)
+                    out.append(r)
         return out
 
     def _durable_lengths(self, rels: Sequence[str], cached: bool) -> Dict[str, Optional[int]]:
@@ -297,6 +326,7 @@ class CachedReadPath:
             self._published.pop(rel, None)
             self._delays.pop(rel, None)
             self._durable_cache.pop(rel, None)
+            self._standing.pop(rel, None)
 
     def close(self) -> None:
         """Close the cache clients this path created from endpoint strings, and the store's open files.

@@ -14,7 +14,8 @@ continue from, then deltas of whole blocks. Durable operations wait for each ack
 come from the data cache first with the durable store as fallback (cache operations; durable
 reads beyond the cache length are postponed by Algorithm 1) or from the durable store with
 opportunistic cache reads (durable operations). An operation ends when it has copied a
-sealed file to its end (or a file whose writer was replaced and that no longer grows).
+sealed file to its end (the seal rule, :mod:`pyspark_acs.read.positions`: a file is finished
+only at its seal; a torn block is copied with the recovery seal that voids it).
 
 Catch-up mode: a cache operation more than ``catchup_bytes`` behind jumps to the chunk at
 the source's head, so a backlog is copied durable to durable and never floods the caches.
@@ -36,19 +37,17 @@ from pyspark_acs.format.block import HEADER_SIZE, parse_header, scan_blocks
 from pyspark_acs.read.cachepath import DelayedDurableReads
 from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader
 from pyspark_acs.errors import AcsError, CacheError, CorruptFileError
-from pyspark_acs.read.readpath import RateLimiter
+from pyspark_acs.read.positions import ends_with_seal, skip_void
+from pyspark_acs.read.readpath import DurableReadPath, RateLimiter
 from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, OpKey
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 
-__all__ = ["ABANDONED_AFTER_S", "ACK_TIMEOUT_S", "DURABLE_POLL_INTERVAL_S", "CopyOperation", "LengthPoller", "OperationEnded"]
+__all__ = ["ACK_TIMEOUT_S", "DURABLE_POLL_INTERVAL_S", "CopyOperation", "LengthPoller", "OperationEnded"]
 
 log = logging.getLogger(__name__)
 
-#: A final (superseded) file whose length has not reached a block boundary for this long is
-#: an abandoned writer's torn tail: the operation ends without it.
-ABANDONED_AFTER_S = 3.0
 #: How long a reader waits for any acknowledgement before it reconnects.
 ACK_TIMEOUT_S = 10.0
 #: The poller also reads every followed file's length from the durable store this often.
@@ -298,11 +297,8 @@ class CopyOperation:
     poller : LengthPoller
     stub_for : callable
         ``stub_for(cluster name) -> CopyStub`` of the child's daemon.
-    is_final : callable
-        ``is_final() -> bool``: a newer file exists in the shard.
     is_source : bool
-        This cluster is the stream's source: an unsealed file with a newer file after it was
-        abandoned by its writer and ends once it stops growing (elsewhere its copy waits).
+        This cluster is the stream's source.
     options : CopyDaemonOptions
     metrics : CopyMetrics
     operation_prefix : str
@@ -316,7 +312,6 @@ class CopyOperation:
         io: ClusterIO,
         poller: LengthPoller,
         stub_for: Callable[[str], copy_pb2_grpc.CopyStub],
-        is_final: Callable[[], bool],
         options: CopyDaemonOptions,
         metrics: CopyMetrics,
         operation_prefix: str,
@@ -328,7 +323,6 @@ class CopyOperation:
         self.io = io
         self.poller = poller
         self.stub_for = stub_for
-        self.is_final = is_final
         self.options = options
         self.metrics = metrics
         self.operation = f"{operation_prefix}_{secrets.token_hex(4)}"
@@ -342,7 +336,7 @@ class CopyOperation:
         self.delay = DelayedDurableReads()
         #: Positions known to be block boundaries of the source (acked delta ends).
         self._boundaries: Set[int] = {0}
-        self._stalled_since: Optional[float] = None
+        self._source_path = DurableReadPath(io.store)  # for the seal rule's checks (store is the truth)
         self._tail_checked = -1
         self._tail_sealed = False
         #: Set by the poller (a round, or a length this daemon's writer published) and by acks.
@@ -478,37 +472,16 @@ class CopyOperation:
 
     def _complete(self, pos: int) -> bool:
         """Whether the file is finished although no delta we sent carried its seal (the
-        destination already had the bytes when this operation started)."""
+        destination already had the bytes when this operation started): the source ends with
+        a seal at ``pos``. Nothing else finishes a file."""
         # The store is the truth here (a published length can lag it).
         durable = self.io.store.lengths([self.rel])[self.rel] or 0
         if pos < durable or durable == 0:
-            self._stalled_since = None
             return False
         if durable != self._tail_checked:
             self._tail_checked = durable
-            self._tail_sealed = self._ends_with_seal(durable)
-        if self._tail_sealed:
-            return True
-        # Files are copied in parallel, so a newer file here does not mean this one is done,
-        # except in the source cluster: there the writer was replaced and left it unsealed.
-        if not (self.is_source and self.is_final()):
-            self._stalled_since = None
-            return False
-        now = time.monotonic()
-        if self._stalled_since is None:
-            self._stalled_since = now
-        return now - self._stalled_since >= ABANDONED_AFTER_S
-
-    def _ends_with_seal(self, length: int) -> bool:
-        """The last block of ``[0, length)`` is an END_OF_FILE seal (header checksum verified)."""
-        if length < HEADER_SIZE:
-            return False
-        tail = self.io.store.read(self.rel, length - HEADER_SIZE, length)
-        try:
-            header = parse_header(tail, 0, path=self.uri, position=length - HEADER_SIZE)
-        except CorruptFileError:
-            return False
-        return header.sealed and header.count == 0 and header.size == HEADER_SIZE
+            self._tail_sealed = ends_with_seal(self._source_path, self.rel, durable)
+        return self._tail_sealed
 
     # -- reading the source ----------------------------------------------------------------
 
@@ -558,14 +531,30 @@ class CopyOperation:
             return self._resync(session, pos, source_len, cache_len, durable_len, inflight)
         want = min(source_len, pos + self.options.max_delta_bytes)
         data = self._read(pos, want, cache_len, durable_len)
-        blocks = list(scan_blocks(data, path=self.uri, base=pos))
-        if not blocks and len(data) >= HEADER_SIZE:
-            header = parse_header(data, 0, path=self.uri, position=pos)
-            if pos + header.size <= source_len and len(data) < header.size:
-                data = self._read(pos, pos + header.size, cache_len, durable_len)  # one block > max delta
-                blocks = list(scan_blocks(data, path=self.uri, base=pos))
+        corrupt: Optional[CorruptFileError] = None
+        try:
+            blocks = list(scan_blocks(data, path=self.uri, base=pos))
+            if not blocks and len(data) >= HEADER_SIZE:
+                header = parse_header(data, 0, path=self.uri, position=pos)
+                if pos + header.size <= source_len and len(data) < header.size:
+                    data = self._read(pos, pos + header.size, cache_len, durable_len)  # one block > max delta
+                    blocks = list(scan_blocks(data, path=self.uri, base=pos))
+        except CorruptFileError as exc:
+            blocks, corrupt = [], exc
         if not blocks:
-            return pos, False
+            # A torn block: copied byte for byte together with the recovery seal that voids it
+            # (readers downstream skip them by the same rule), never before that seal exists.
+            void_end = skip_void(self._source_path, self.rel, pos, source_len) if source_len - pos >= HEADER_SIZE else None
+            if void_end is None:
+                if corrupt is not None:
+                    raise corrupt
+                return pos, False
+            data = self.io.store.read(self.rel, pos, void_end)
+            if len(data) < void_end - pos:
+                return pos, False
+            self._emit(session, pos, data, 0, True, inflight)
+            self._boundaries.add(void_end)
+            return void_end, True
         at, last = blocks[-1]
         end = at + last.size
         sealed = any(h.sealed for _, h in blocks)

@@ -56,10 +56,6 @@ YIELD_S = 10.0
 _JOIN_S = 5.0
 
 
-def _never_final() -> bool:
-    # THE SEAL RULE: no newer file, listing, age or timeout finishes a file; only its seal does.
-    return False
-
 
 def _created_key(key: OpKey) -> Tuple[str, int, str, str]:
     return (key.stream, key.shard, key.file, key.child)
@@ -435,7 +431,7 @@ class CopyScheduler:
                 self._unpark(key)
                 tree = self._trees[key.stream]
                 op = CopyOperation(
-                    key, self._shards[key.stream], self.io, self.poller, self.stub_for, _never_final,
+                    key, self._shards[key.stream], self.io, self.poller, self.stub_for,
                     self.options, self.metrics, self.operation_prefix, is_source=tree.source == self.cluster,
                 )
                 thread = threading.Thread(target=op.run, name=f"acs-copy-{key.storage}-{key.child}", daemon=True)
