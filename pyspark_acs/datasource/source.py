@@ -130,7 +130,7 @@ class _Planner:
     @property
     def path(self) -> ReadPath:
         if self._path is None:
-            self._path = open_read_path(self.opts)
+            self._path = source_read_path(self.opts)
         return self._path
 
     def shards(self) -> List[Tuple[str, int]]:

@@ -115,7 +115,7 @@ def walk_blocks(
                 header = None
             if header is None or (header.size > stop - (at + off) and not header.sealed):
                 # Not a complete block: a torn block is passed only with its recovery seal.
-                void_end = skip_void(path, rel, at + off, stop) if blocks == 0 or header is None else None
+                void_end = skip_void(path, rel, at + off, stop)
                 if void_end is not None and (max_bytes is None or not blocks or void_end - start <= max_bytes):
                     return void_end, rows, blocks + 1, True
                 if header is None and void_end is None:

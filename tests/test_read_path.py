@@ -1,0 +1,224 @@
+"""Regression tests of the one read path (issue 8): a file is finished only at its seal.
+
+Each test names the bug of issue 8 it guards and fails on the read path before the change
+(commit 0c51954): there a reader left an unsealed file once a newer file existed, planned
+Spark ranges across it, fed Algorithm 1 only published lengths, walked ``latest`` headers in
+the durable file up to the cache length, and let the length poller thread die on a closed client.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from pyspark_acs import Consumer, Producer
+from pyspark_acs.cache.chunks import ChunkWriter
+from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.cache.metadata import MetadataCache
+from pyspark_acs.cache.poller import LengthPoller
+from pyspark_acs.datasource.options import parse_source_options
+from pyspark_acs.datasource.source import _Planner
+from pyspark_acs.format.block import encode_block, encode_seal
+from pyspark_acs.format.names import file_name, shard_dir
+from pyspark_acs.format.offsets import Offset
+from pyspark_acs.server.local.deploy import LocalDeployment
+from pyspark_acs.storage.store import DurableStore
+
+WAIT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """One data and one metadata cache server (real processes) for the module."""
+    with LocalDeployment(str(tmp_path_factory.mktemp("caches")), data_replicas=1, metadata_replicas=1) as dep:
+        yield {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints}
+
+
+def _name(offset_s: float, writer: str = "w") -> str:
+    created = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc) + dt.timedelta(seconds=offset_s)
+    return file_name(created, writer)
+
+
+def _append(root: str, stream: str, name: str, data: bytes) -> str:
+    path = os.path.join(root, shard_dir(stream, 0), name)
+    with open(path, "ab") as f:
+        f.write(data)
+    return path
+
+
+def _block(first: int, n: int, tag: str = "m") -> bytes:
+    values = [f"{tag}{i}".encode() for i in range(first, first + n)]
+    return encode_block(values, None, list(range(first, first + n)), first_index=first)
+
+
+def _values(consumer: Consumer, n: int, timeout: float = WAIT_S) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"only {len(got)} of {n} messages arrived: {got[-5:]}"
+        for batch in consumer.poll():
+            got.extend(batch.column("value").to_pylist())
+        time.sleep(0.01)
+    return got
+
+
+def _quiet(consumer: Consumer, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert [v for b in consumer.poll() for v in b.column("value").to_pylist()] == []
+        time.sleep(0.02)
+
+
+# -- bug 1 (single-cluster form): a newer file never finishes an older one --------------------
+
+
+def test_unsealed_file_is_not_left_for_a_newer_file(root):
+    DurableStore(root).create_stream("s", 1)
+    f1, f2 = _name(0), _name(1)
+    _append(root, "s", f1, _block(0, 3, "a"))
+    _append(root, "s", f2, _block(0, 2, "b"))  # a newer file exists while f1 still grows
+    with Consumer(root, "s") as c:
+        assert _values(c, 3) == [b"a0", b"a1", b"a2"]
+        _quiet(c, 1.5)  # the old rule moved on after ABANDON_CHECK_INTERVAL_S (1 s)
+        assert c.offsets()["s"]["0"]["file"] == f1
+        b = _block(3, 2, "a")
+        _append(root, "s", f1, b + encode_seal(5))
+        assert _values(c, 4) == [b"a3", b"a4", b"b0", b"b1"]
+
+
+def test_spark_planner_stops_at_the_first_unsealed_file(root):
+    DurableStore(root).create_stream("p", 1)
+    f1, f2 = _name(0), _name(1)
+    b1 = _block(0, 3)
+    _append(root, "p", f1, b1)
+    _append(root, "p", f2, _block(0, 2, "b") + encode_seal(2))
+    planner = _Planner(parse_source_options({"root": root, "stream": "p"}))
+    shard = ("p", 0)
+    assert planner.latest([shard], {shard: Offset(f1, 0)})[shard] == Offset(f1, len(b1))
+    _append(root, "p", f1, encode_seal(3))
+    # sealed now: the walk crosses into f2 and up to the end of f2 (its seal included)
+    end = planner.latest([shard], {shard: Offset(f1, 0)})[shard]
+    assert end.file == f2 and end.length == os.path.getsize(os.path.join(root, shard_dir("p", 0), f2))
+
+
+# -- torn block + recovery seal --------------------------------------------------------------------
+
+
+def test_torn_block_is_skipped_only_through_its_recovery_seal(root, caplog):
+    DurableStore(root).create_stream("t", 1)
+    f1, f2 = _name(0), _name(1)
+    good = _block(0, 2, "a")
+    torn = _block(2, 50, "x")[: 300]  # a writer died in the middle of this block
+    path = _append(root, "t", f1, good + torn)
+    _append(root, "t", f2, _block(0, 1, "b"))
+    with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
+        with Consumer(root, "t") as c:
+            assert _values(c, 2) == [b"a0", b"a1"]
+            _quiet(c, 0.5)  # no seal yet: the torn bytes may still complete; never skipped
+            seal_at = os.path.getsize(path)
+            _append(root, "t", f1, encode_seal(2, void_from=len(good)))  # the next writer's recovery seal
+            assert _values(c, 1) == [b"b0"]
+    uri = DurableStore(root).uri(f"{shard_dir('t', 0)}/{f1}")
+    assert any(uri in r.getMessage() and f"[{len(good)}, {seal_at})" in r.getMessage() for r in caplog.records)
+    planner = _Planner(parse_source_options({"root": root, "stream": "t"}))
+    end = planner.latest([("t", 0)], {("t", 0): Offset(f1, 0)})[("t", 0)]
+    assert end.file == f2
+
+
+# -- bug 3: a producer that dies between its durable append and publishing ----------------------
+
+_DYING_PRODUCER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pyspark_acs import Producer
+    root, data, meta = sys.argv[1:4]
+    p = Producer(root, "d", shards=1, data_cache=data, metadata_cache=meta, writer_id="dying")
+    for i in range(5):
+        p.send(f"a{i}".encode())
+    p.flush()
+    print(p.current_files()[0], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no seal, no release
+    """
+)
+
+
+def test_unpublished_bytes_of_a_dead_producer_reach_cached_readers(root, caches, subprocess_env):
+    DurableStore(root).create_stream("d", 1)
+    with Consumer(root, "d", **caches) as c:
+        out = subprocess.run(
+            [sys.executable, "-c", _DYING_PRODUCER, root, caches["data_cache"], caches["metadata_cache"]],
+            capture_output=True, text=True, env=subprocess_env, timeout=60,
+        )
+        name = out.stdout.strip().splitlines()[-1]
+        assert _values(c, 5) == [f"a{i}".encode() for i in range(5)]
+        # The producer's last append reached the store, but it died before publishing the length.
+        _append(root, "d", name, _block(5, 2, "a"))
+        # Old read path: stuck at the published length until the metadata entry expires (24 h).
+        assert _values(c, 2, timeout=10) == [b"a5", b"a6"]
+        with Producer(root, "d", shards=1, lease_seconds=1, **caches) as p2:  # takes over, seals
+            p2.send(b"next")
+        assert _values(c, 1, timeout=10) == [b"next"]
+        assert c.stats()["durable_bytes"] > 0
+
+
+# -- bug 6: start="latest" where the cache copy is ahead of the durable copy -------------------------
+
+
+def test_latest_where_the_cache_copy_leads_the_durable_copy(root, caches):
+    store = DurableStore(root)
+    store.create_stream("l", 1)
+    name = _name(0)
+    b1, b2 = _block(0, 3), _block(3, 4)
+    _append(root, "l", name, b1)  # the durable copy has b1 only
+    uri = store.uri(f"{shard_dir('l', 0)}/{name}")
+    with CacheClient(caches["data_cache"]) as data, CacheClient(caches["metadata_cache"]) as meta:
+        cache_len = ChunkWriter(data, uri).append(b1 + b2)
+        MetadataCache(meta).publish(uri, cache_length=cache_len, durable_length=len(b1))
+    with Consumer(root, "l", start="latest", **caches) as c:  # old: TruncatedBlockError
+        assert c.offsets()["l"]["0"] == {"file": name, "length": len(b1) + len(b2)}
+
+
+# -- bug 8: the length poller's thread on a closed client -----------------------------------------
+
+
+def test_poller_thread_stops_quietly_when_its_client_closes(caches):
+    errors = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        poller = LengthPoller(tuple(caches["metadata_cache"].split(",")))
+        poller.lengths(["file:///nowhere/a.acs"])
+        assert poller._thread is not None
+        poller._client.close()
+        deadline = time.monotonic() + 5
+        while poller._thread is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert poller._thread is None
+    finally:
+        threading.excepthook = old_hook
+    assert errors == []
+
+
+def test_closing_consumers_leaves_no_thread_exception(root, caches):
+    errors = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        with Producer(root, "c8", shards=2, **caches) as p:
+            p.send_many([b"x"] * 20)
+        for _ in range(5):
+            c = Consumer(root, "c8", **caches)
+            _values(c, 20)
+            c.close()
+        time.sleep(0.3)
+    finally:
+        threading.excepthook = old_hook
+    assert errors == []
