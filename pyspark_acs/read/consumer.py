@@ -26,7 +26,7 @@ from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, Da
 from pyspark_acs.format.block import BLOCK_SCHEMA, HEADER_SIZE, decode_block, parse_header, scan_blocks
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
-from pyspark_acs.read.positions import ends_with_seal, latest_offset, skip_void
+from pyspark_acs.read.positions import ends_with_seal, latest_offset, seal_behind, skip_void
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
 
@@ -290,21 +290,11 @@ class ShardTailer:
         log.warning(
             "%s: bytes [%d, %d) are a block its writer never finished; the writer that took the shard over "
             "sealed the file after them (they were never acknowledged and are skipped)",
-            self.store.uri(self.rel), self.length, self._void_seal_start(after),
+            self.store.uri(self.rel), self.length, after - (seal_behind(self.path, self.rel, after) or 0),
         )
         self.length = after
         self.sealed = True
         return True
-
-    def _void_seal_start(self, after: int) -> int:
-        head = self.path.read(self.rel, after - HEADER_SIZE - 8, after)
-        try:
-            header = parse_header(head, 0)
-            if header.sealed:
-                return after - header.size
-        except CorruptFileError:
-            pass
-        return after - HEADER_SIZE
 
     def _data_loss(self, length: Optional[int]) -> bool:
         """Handle a missing or shortened file. Returns True if the tailer moved on."""

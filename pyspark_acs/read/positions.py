@@ -30,6 +30,7 @@ __all__ = [
     "ends_with_seal",
     "latest_offset",
     "offset_for_timestamp",
+    "seal_behind",
     "shard_extent",
     "skip_void",
     "walk_blocks",
@@ -65,9 +66,9 @@ def skip_void(path: ReadPath, rel: str, at: int, length: int) -> Optional[int]:
     return None if found is None else at + found[0] + found[1].size
 
 
-def ends_with_seal(path: ReadPath, rel: str, at: int) -> bool:
-    """Whether the bytes just before ``at`` are a seal (a plain one, or a recovery seal with
-    its 8-byte body): a position saved right after a seal is at the end of a finished file."""
+def seal_behind(path: ReadPath, rel: str, at: int) -> Optional[int]:
+    """The size of the seal that ends at ``at`` (a plain one, or a recovery seal with its
+    8-byte body), ``None`` if the bytes before ``at`` are no seal."""
     for size in (HEADER_SIZE, HEADER_SIZE + 8):
         if at < size:
             continue
@@ -76,8 +77,14 @@ def ends_with_seal(path: ReadPath, rel: str, at: int) -> bool:
         except CorruptFileError:
             continue
         if header.sealed and header.size == size:
-            return True
-    return False
+            return size
+    return None
+
+
+def ends_with_seal(path: ReadPath, rel: str, at: int) -> bool:
+    """Whether the bytes just before ``at`` are a seal: a position saved right after a seal is
+    at the end of a finished file."""
+    return seal_behind(path, rel, at) is not None
 
 
 def walk_blocks(
@@ -288,18 +295,7 @@ def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
         return Offset()
     rel = f"{shard_dir(stream, shard)}/{files[-1]}"
     length = path.lengths([rel])[rel] or 0
-    at, rows, blocks, sealed = walk_blocks(path, rel, 0, length)
+    at, _, _, sealed = walk_blocks(path, rel, 0, length)
     if sealed:
-        # Walk again to the start of the seal: stop one block short.
-        end, _, _, _ = walk_blocks(path, rel, 0, length, max_rows=rows, max_bytes=None)
-        at = _before_seal(path, rel, at)
+        at -= seal_behind(path, rel, at) or 0
     return Offset(files[-1], at)
-
-
-def _before_seal(path: ReadPath, rel: str, after: int) -> int:
-    for size in (HEADER_SIZE, HEADER_SIZE + 8):
-        if after >= size and ends_with_seal(path, rel, after):
-            header = parse_header(_read_now(path, rel, after - size, after), 0)
-            if header.size == size:
-                return after - size
-    return after
