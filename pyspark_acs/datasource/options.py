@@ -13,6 +13,8 @@ from typing import Any, Mapping, Optional, Tuple
 
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES
+from pyspark_acs.read.consumer import DEFAULT_POLL_INTERVAL_S
+from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES
 from pyspark_acs.format.names import validate_stream
 from pyspark_acs.format.offsets import parse_offsets
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_bool, parse_int, parse_options, parse_str
@@ -22,7 +24,6 @@ __all__ = ["SinkOptions", "SourceOptions", "parse_sink_options", "parse_source_o
 #: How long a read task waits for bytes that were published but are not readable yet
 #: (e.g. chunks lost with a cache replica while the durable copy is still catching up).
 DEFAULT_READ_TIMEOUT_S = 60.0
-DEFAULT_SOURCE_POLL_INTERVAL_S = 0.01
 
 
 def _streams(value: Any, name: str) -> Tuple[str, ...]:
@@ -100,7 +101,7 @@ class SourceOptions:
     )
     fail_on_data_loss: bool = option("failOnDataLoss", True, parse=parse_bool, doc="fail when data is gone (true)")
     poll_interval: float = option(
-        "pollInterval", DEFAULT_SOURCE_POLL_INTERVAL_S, parse=duration_parser(0.0), doc="read retry interval (10ms)"
+        "pollInterval", DEFAULT_POLL_INTERVAL_S, parse=duration_parser(0.0), doc="read retry interval (10ms)"
     )
     max_bytes_per_second: Optional[int] = option(
         "maxBytesPerSecond", None, parse=bytes_parser(1), doc="read-rate cap of one read task"
@@ -130,7 +131,9 @@ class SinkOptions:
     max_block_bytes: int = option(
         "maxBlockBytes", DEFAULT_MAX_BLOCK_BYTES, parse=bytes_parser(1024), doc="block size (1MiB)"
     )
-    roll_bytes: int = option("rollBytes", 64 * 1024 * 1024, parse=bytes_parser(1), doc="file rollover size (64MiB)")
+    roll_bytes: int = option(
+        "rollBytes", DEFAULT_ROLL_BYTES, parse=bytes_parser(1), doc="file rollover size (64MiB)"
+    )
     sink_id: Optional[str] = option(
         "sinkId", None, parse=parse_str, doc="identity for exactly-once (default: the query's checkpointLocation)"
     )
