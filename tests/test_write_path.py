@@ -19,7 +19,6 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
 
-import pyspark_acs.read.consumer as consumer_mod
 import pyspark_acs.write.producer as producer_mod
 from pyspark_acs.datasource.options import parse_sink_options
 from pyspark_acs.datasource.sink import AcsBatchWriter, AcsStreamWriter, SinkCommitter
@@ -80,14 +79,6 @@ class Follower:
 def fresh_values(root: str, stream: str) -> list:
     with Consumer(root, stream) as c:
         return [r["value"] for b in c.batches(timeout=0.5) for r in b.to_pylist()]
-
-
-@pytest.fixture(autouse=True)
-def _fast_abandon(monkeypatch):
-    # Today's consumer also moves on from an unsealed file after this interval when a newer
-    # file exists; keep it short so a test that needs a seal shows it by failing quickly.
-    if hasattr(consumer_mod, "ABANDON_CHECK_INTERVAL_S"):
-        monkeypatch.setattr(consumer_mod, "ABANDON_CHECK_INTERVAL_S", 0.05)
 
 
 # -- bug 2: a deposed producer is fenced ---------------------------------------------------------
@@ -195,7 +186,6 @@ def test_retried_sink_batch_after_another_writer_moved_on_is_seen_once_by_live_r
             a.commit(batch1, 1)
         a.abort(batch1, 1)
         monkeypatch.undo()
-        monkeypatch.setattr(consumer_mod, "ABANDON_CHECK_INTERVAL_S", 0.05)
         # The other sink moves on: it takes the shard, writes its batch and leaves.
         b.commit([staged(b, [b"b0-%d" % i for i in range(3)])], 0)
         follower.wait_for(b"b0-2")
