@@ -6,22 +6,26 @@ operation for the same file and storage: make-before-break), works out where the
 continues and answers with that length. Every later request is a delta of whole blocks;
 the writer writes it, publishes the new length, and acknowledges it.
 
-Durable operations (paper section 2.4, "Writers"): single-threaded appends through
-:class:`~pyspark_acs.write.file.DurableFile`, the one fenced append of the package: the
-delta must start exactly at the destination file's length, checked under the file's append
-lock together with the append (so two operations on one file, e.g. a stale one and its
-successor, cannot both append: the check-then-append is atomic) and verified after it. A gap
-or overlap is answered with RESTART and the destination length, and the reader continues
-from there; then ``durable_length`` is published in the metadata cache. Seals are bytes
-like any other: a source's recovery seal reaches every hop.
+Both kinds write through the one file writer of the package (:mod:`pyspark_acs.write.file`):
 
-Cache operations: a :class:`~pyspark_acs.cache.chunks.ChunkWriter` per file writes complete chunks
-in parallel and rewrites the partial last chunk from its start, serialized; the
-``cache_length`` is published after every chunk below it is written. Where the destination
-cache lost the file (no cache length), the copy starts at the destination's durable length
-with the prefix of that chunk read back from the durable store (paper section 3, "Start
-position for cache copies"); a reader in catch-up mode may instead jump ahead to a chunk
-boundary near the head.
+Durable operations (paper section 2.4, "Writers"): single-threaded appends through a
+:class:`~pyspark_acs.write.file.FileWriter` without a data cache: the fenced append of
+:class:`~pyspark_acs.write.file.DurableFile` (the delta must start exactly at the destination
+file's length, checked under the file's append lock together with the append, so two
+operations on one file, e.g. a stale one and its successor, cannot both append: the
+check-then-append is atomic; and verified after it), then ``durable_length`` published in the
+metadata cache (a failure there is logged and counted, never fails the delta). A gap or
+overlap is answered with RESTART and the destination length, and the reader continues from
+there. Seals are bytes like any other: a source's recovery seal reaches every hop.
+
+Cache operations: a :class:`~pyspark_acs.write.file.CacheMirror` per file writes complete
+chunks in parallel and rewrites the partial last chunk from its start, serialized; the
+``cache_length`` is published after every chunk below it is written (here a cache failure
+fails the delta: the cache is the operation's only storage). Where the destination cache
+lost the file (no cache length), the copy starts at the destination's durable length with
+the prefix of that chunk read back from the durable store by the mirror (paper section 3,
+"Start position for cache copies"); a reader in catch-up mode may instead jump ahead to a
+chunk boundary near the head.
 
 Both kinds set the shard's head key and make sure the stream's ``_stream.json`` exists, so
 consumers in the destination cluster find the stream.
@@ -36,7 +40,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import grpc
 
-from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader, ChunkWriter
+from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader
 from pyspark_acs.errors import AcsError, CacheError, LeasePoisonedError, StoreError, WriterConflictError
 from pyspark_acs.cache.metadata import MetadataLease
 from pyspark_acs.format.names import parse_file_name, validate_shard, validate_stream
@@ -44,7 +48,7 @@ from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, publish_d
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
-from pyspark_acs.write.file import AppendConflictError, DurableFile
+from pyspark_acs.write.file import AppendConflictError, CacheMirror, FileWriter
 
 __all__ = ["DELAY_PUBLISH_INTERVAL_S", "CopyServicer"]
 
@@ -175,23 +179,30 @@ class _DurableWriter(_OpWriter):
 
     def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
         super().__init__(servicer, hello)
-        self.durable: Optional[DurableFile] = None
+        self.out: Optional[FileWriter] = None
+
+    def _publish_failed(self, what: str, exc: Exception) -> None:
+        # Never fails the delta: readers of this cluster fall back to the store's length.
+        self.s.metrics.inc("errors_total", kind="durable_publish")
+        log.debug("%s: %s not published, metadata cache unavailable: %s", self.what(), what, exc)
 
     def open(self) -> copy_pb2.CopyAck:
         self.take_lease()
         self.prepare_destination()
         # Reopen the destination file: the length on disk is the truth (a restarted writer
         # may have left a partial delta; its bytes are a correct prefix of the source's).
-        self.durable = DurableFile(self.io.store, self.rel)
-        self.position = self.durable.position
+        self.out = FileWriter(self.io.store, self.rel, meta=self.io.meta, on_cache_error=self._publish_failed)
+        self.position = self.out.position
         if self.position:
             # A writer killed between append and publish left the published length behind.
-            try:
-                self.io.meta.publish(self.uri, durable_length=self.position)
-            except CacheError as exc:
-                log.debug("%s: durable length not published: %s", self.what(), exc)
+            self.out.publish()
             self.s.published(self.rel, durable_length=self.position)
         return _ack(copy_pb2.OK, self.position, durable_length=self.position)
+
+    def _restart(self, start: int, actual: int) -> copy_pb2.CopyAck:
+        kind = "gap" if start > actual else "overlap"
+        self.s.metrics.inc("errors_total", kind=f"durable_{kind}")
+        return _ack(copy_pb2.RESTART, actual, f"{kind}: delta starts at {start}, file has {actual} bytes")
 
     def write(self, req: copy_pb2.CopyRequest) -> copy_pb2.CopyAck:
         if self.superseded():
@@ -199,37 +210,29 @@ class _DurableWriter(_OpWriter):
         if not req.data:
             actual = self.position = self.io.store.length(self.rel)
             if req.start != actual:
-                kind = "gap" if req.start > actual else "overlap"
-                self.s.metrics.inc("errors_total", kind=f"durable_{kind}")
-                return _ack(copy_pb2.RESTART, actual, f"{kind}: delta starts at {req.start}, file has {actual} bytes")
+                return self._restart(req.start, actual)
             return _ack(copy_pb2.OK, actual)
         # The delta must land exactly at the file's end: checked and appended under the
-        # file's append lock, verified after (DurableFile.append).
-        self.durable.position = req.start
+        # file's append lock, verified after, then the durable length is published
+        # (FileWriter.append).
+        self.out.durable.position = req.start
         try:
-            self.position = self.durable.append(req.data)
+            self.position = self.out.append(req.data)
         except AppendConflictError as exc:
-            actual = self.position = exc.actual_length
-            kind = "gap" if req.start > actual else "overlap"
-            self.s.metrics.inc("errors_total", kind=f"durable_{kind}")
-            return _ack(copy_pb2.RESTART, actual, f"{kind}: delta starts at {req.start}, file has {actual} bytes")
-        if req.data:
-            try:
-                self.io.meta.publish(self.uri, durable_length=self.position)
-            except CacheError as exc:
-                log.debug("%s: durable length not published: %s", self.what(), exc)
-            # The store has the bytes: this daemon's readers of the next hop may send them now.
-            self.s.published(self.rel, durable_length=self.position)
-            self.note_delay(req, len(req.data))
+            self.position = exc.actual_length
+            return self._restart(req.start, exc.actual_length)
+        # The store has the bytes: this daemon's readers of the next hop may send them now.
+        self.s.published(self.rel, durable_length=self.position)
+        self.note_delay(req, len(req.data))
         return _ack(copy_pb2.OK, self.position)
 
     def close(self) -> None:
-        if self.durable is not None:
+        if self.out is not None:
             try:
-                self.durable.close()
+                self.out.close()
             except StoreError as exc:
                 log.warning("%s: close failed: %s", self.what(), exc)
-            self.durable = None
+            self.out = None
         super().close()
 
 
@@ -238,10 +241,13 @@ class _CacheWriter(_OpWriter):
 
     def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
         super().__init__(servicer, hello)
-        self.chunks: Optional[ChunkWriter] = None
+        self.mirror: Optional[CacheMirror] = None
 
-    def _writer(self, position: int, prefix: bytes = b"") -> ChunkWriter:
-        return ChunkWriter(self.io.data, self.uri, position, prefix, ttl=self.s.options.chunk_ttl)
+    def _mirror(self, position: int, prefix: Optional[bytes] = b"") -> CacheMirror:
+        """The file's chunks from ``position``; ``prefix=None`` reads that chunk's first bytes
+        back from the durable store (the destination's durable copy is a prefix of the source)."""
+        return CacheMirror(self.io.data, self.uri, position, prefix, store=self.io.store, rel=self.rel,
+                           ttl=self.s.options.chunk_ttl)
 
     def open(self) -> copy_pb2.CopyAck:
         self.take_lease()
@@ -273,9 +279,8 @@ class _CacheWriter(_OpWriter):
         if jumped:
             # The cache lost the file (or never had it, or lags the durable copy): jump to the
             # durable position with that chunk's prefix from the durable store (paper section 3).
-            prefix = self.io.store.read(self.rel, durable - durable % CHUNK_SIZE, durable) if durable else b""
             position = durable
-        self.chunks = self._writer(position, prefix)
+        self.mirror = self._mirror(position, prefix)
         self.position = position
         if jumped and position > (cache_len or 0):
             # "... and the length in the metadata cache is updated accordingly" (paper
@@ -283,7 +288,7 @@ class _CacheWriter(_OpWriter):
             # the durable copy already holds the whole (sealed) file no delta follows, the
             # reader ends at once, and the cache length would never be published.
             try:
-                self.chunks.append(b"")  # the partial chunk at the position, from its start
+                self.mirror.append(b"")  # the partial chunk at the position, from its start
                 self.io.meta.publish(self.uri, cache_length=position)
                 self.s.published(self.rel, cache_length=position)
             except CacheError as exc:
@@ -297,21 +302,21 @@ class _CacheWriter(_OpWriter):
         if req.jump:
             if req.start % CHUNK_SIZE or req.start < self.position:
                 return _ack(copy_pb2.RESTART, self.position, f"bad jump to {req.start}")
-            self.chunks = self._writer(req.start)
+            self.mirror = self._mirror(req.start)
             self.position = req.start
         elif req.start != self.position:
             self.s.metrics.inc("errors_total", kind="cache_restart")
             return _ack(copy_pb2.RESTART, self.position, f"delta starts at {req.start}, cache copy is at {self.position}")
         try:
             if req.data:
-                self.chunks.append(req.data)
-            self.io.meta.publish(self.uri, cache_length=self.chunks.position)
+                self.mirror.append(req.data)
+            self.io.meta.publish(self.uri, cache_length=self.mirror.position)
         except CacheError as exc:
             # Not every chunk below the new length is known written: do not publish; the
             # reader reconnects and the hello works out the start again.
             self.s.metrics.inc("errors_total", kind="cache_write")
             return _ack(copy_pb2.FAILED, self.position, f"cache write failed: {exc}")
-        self.position = self.chunks.position
+        self.position = self.mirror.position
         self.s.published(self.rel, cache_length=self.position, data=(req.start, req.data))
         self.note_delay(req, len(req.data))
         return _ack(copy_pb2.OK, self.position)
