@@ -38,8 +38,8 @@ WAIT_S = 20.0
 class Follower:
     """A Consumer following a stream from the start in a background thread (live reader)."""
 
-    def __init__(self, root: str, stream: str) -> None:
-        self.consumer = Consumer(root, stream)
+    def __init__(self, root: str, stream: str, **options) -> None:
+        self.consumer = Consumer(root, stream, **options)
         self.rows: list = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -76,8 +76,8 @@ class Follower:
         self.consumer.close()
 
 
-def fresh_values(root: str, stream: str) -> list:
-    with Consumer(root, stream) as c:
+def fresh_values(root: str, stream: str, **options) -> list:
+    with Consumer(root, stream, **options) as c:
         return [r["value"] for b in c.batches(timeout=0.5) for r in b.to_pylist()]
 
 
@@ -141,6 +141,108 @@ def test_deposed_producer_stalled_after_its_lease_check_is_fenced(root, monkeypa
     expected = [b"first-%d" % i for i in range(10)] + [b"second-%d" % i for i in range(20)]
     assert live == expected
     assert fresh_values(root, "fence") == expected
+
+
+_STALLING_CHILD = r"""
+import os, signal, sys
+import pyspark_acs.write.producer as producer_mod
+from pyspark_acs.errors import WriterConflictError
+
+root, data, meta = sys.argv[1:4]
+real_encode = producer_mod.encode_block
+
+
+def stalling_encode(values, *args, **kwargs):
+    # The writer thread, after its lease check and before its append: the whole process
+    # stops here (a GC pause, a slow disk) until the test sends SIGCONT.
+    if values and values[0].startswith(b"deposed"):
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return real_encode(values, *args, **kwargs)
+
+
+producer_mod.encode_block = stalling_encode
+p = producer_mod.Producer(root, "stall", lease_seconds=0.6, data_cache=data, metadata_cache=meta)
+for i in range(10):
+    p.send(b"first-%d" % i)
+p.flush(timeout=20)
+print("FLUSHED " + p.current_files()[0], flush=True)
+for i in range(5):
+    p.send(b"deposed-%d" % i)
+try:
+    p.flush(timeout=30)
+    print("ACKNOWLEDGED", flush=True)
+except WriterConflictError as exc:
+    print("CONFLICT " + " ".join(str(exc).split()), flush=True)
+try:
+    p.close(timeout=20)
+except WriterConflictError:
+    pass
+"""
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_deposed_producer_process_stopped_after_its_lease_check_is_fenced_with_caches(
+        tmp_path, root, python_exe, subprocess_env):
+    """The same fault with real processes and the caches: a producer process is SIGSTOPped
+    between its lease check and its append while another producer (poisoning its metadata
+    lease) takes the shard over; SIGCONT. Its flush fails naming the file and messages, and
+    neither a live consumer through the caches nor a fresh one (caches or store) ever sees
+    its messages: they were never mirrored to the data cache."""
+    from pyspark_acs.server.local.deploy import LocalDeployment
+
+    with LocalDeployment(tmp_path / "dep", data_replicas=2, metadata_replicas=3, capacity="16MiB") as dep:
+        caches = {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints}
+        child = subprocess.Popen([python_exe, "-c", _STALLING_CHILD, root, dep.data_endpoints,
+                                  dep.metadata_endpoints], stdout=subprocess.PIPE, env=subprocess_env, text=True)
+        follower = None
+        try:
+            line = child.stdout.readline().strip()
+            assert line.startswith("FLUSHED "), line
+            old_file = line.split()[1]
+            follower = Follower(root, "stall", **caches)
+            follower.wait_for(b"first-9")
+            deadline = time.monotonic() + WAIT_S
+            while not _stopped(child.pid):
+                assert time.monotonic() < deadline, "the child producer never stalled"
+                time.sleep(0.01)
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                try:
+                    second = Producer(root, "stall", lease_seconds=0.6, **caches)
+                    break
+                except WriterConflictError:
+                    assert time.monotonic() < deadline, "the stalled producer's lease was never taken over"
+                    time.sleep(0.05)
+            with second:
+                for i in range(10):
+                    second.send(b"second-%d" % i)
+                second.flush(timeout=WAIT_S)
+                follower.wait_for(b"second-9")
+                child.send_signal(signal.SIGCONT)  # the deposed producer wakes up and appends
+                verdict = child.stdout.readline().strip()
+                for i in range(10, 20):
+                    second.send(b"second-%d" % i)
+            assert verdict.startswith("CONFLICT "), verdict
+            assert old_file in verdict and "messages 10..14" in verdict and "not acknowledged" in verdict, verdict
+            assert child.wait(WAIT_S) == 0
+            follower.wait_for(b"second-19")
+            time.sleep(0.3)
+            live = follower.values()
+        finally:
+            if follower is not None:
+                follower.close()
+            if child.poll() is None:
+                child.send_signal(signal.SIGCONT)
+                child.kill()
+                child.wait(WAIT_S)
+        expected = [b"first-%d" % i for i in range(10)] + [b"second-%d" % i for i in range(20)]
+        assert live == expected
+        assert fresh_values(root, "stall", **caches) == expected
+        assert fresh_values(root, "stall") == expected
 
 
 # -- bug 4: a retried sink batch lands where live readers are -------------------------------------
