@@ -23,7 +23,7 @@ import pyspark_acs.write.producer as producer_mod
 from pyspark_acs.datasource.options import parse_sink_options
 from pyspark_acs.datasource.sink import AcsBatchWriter, AcsStreamWriter, SinkCommitter
 from pyspark_acs.errors import AcsError, WriterConflictError
-from pyspark_acs.format.block import encode_block, parse_header, scan_blocks, seal_void_from
+from pyspark_acs.format.block import encode_block, encode_seal, parse_header, scan_blocks, seal_void_from
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.storage.leases import StoreLease
@@ -400,6 +400,57 @@ def test_two_concurrent_appenders_of_one_file_never_duplicate_bytes(root):
         t.join(60)
     assert open(store.path(rel), "rb").read() == source
     assert sum(conflicts) > 0  # they did race
+
+
+def test_without_an_append_lock_the_check_after_the_append_is_the_fence(root):
+    """On a filesystem without flock (HDFS, anything pyarrow.fs reaches but a local disk) a
+    deposed writer's append is not prevented, only found out: its bytes land after the
+    successor's recovery seal, the append raises naming the seal, and readers stop at the
+    seal (they never see those bytes). A writer whose bytes landed before a foreign seal is
+    acknowledged (they are readable), and only its next append fails."""
+    store = DurableStore(root)
+    store.create_stream("nolock", 1)
+    store.local = False  # no append lock, no check before the append: only the check after it
+    rel_dir = shard_dir("nolock", 0)
+    deposed = ShardWriter(store, "nolock", 0, "deposed", lease_seconds=5)
+    deposed.acquire()
+    deposed.recover()
+    sealed_at = deposed.append(encode_block([b"a0", b"a1"], None, [1, 2]), 2)
+    old = deposed.file
+    deposed.release()  # its lease lapses (it stalled); the writer object goes on
+    successor = ShardWriter(store, "nolock", 0, "successor", lease_seconds=5)
+    successor.acquire()
+    successor.recover()  # the recovery seal of the deposed writer's file
+    assert successor.recovered == [old]
+    lost = encode_block([b"lost0", b"lost1"], None, [1, 2], first_index=2)
+    with pytest.raises(WriterConflictError) as err:
+        deposed.append(lost, 2)
+    assert (err.value.start, err.value.seal_at) == (sealed_at, sealed_at)
+    assert err.value.actual_length == sealed_at + len(encode_seal(2)) + len(lost)
+    msg = str(err.value)
+    assert old in msg and "messages 2..3" in msg and "sealed the file at byte" in msg, msg
+    assert b"lost0" in open(store.path(f"{rel_dir}/{old}"), "rb").read()  # it did land: after the seal
+    successor.append(encode_block([b"b0"], None, [1]), 1)
+    successor.close()
+    assert fresh_values(root, "nolock") == [b"a0", b"a1", b"b0"]
+
+    # Ours first, then a foreign seal: acknowledged; the next append is refused.
+    first = DurableFile(store, f"{rel_dir}/x.acs", position=0)
+    block = encode_block([b"x"], None, [1])
+    real_write = first._appender.write
+
+    def write_then_sealed(data):
+        real_write(data)
+        with open(store.path(f"{rel_dir}/x.acs"), "ab") as f:  # the successor's seal right after
+            f.write(encode_seal(1))
+
+    first._appender.write = write_then_sealed
+    assert first.append(block) == len(block)
+    first._appender.write = real_write
+    with pytest.raises(WriterConflictError) as err:
+        first.append(encode_block([b"y"], None, [1], first_index=1))
+    assert err.value.seal_at == len(block)
+    first.close()
 
 
 # -- suspected: lease records and store leases ---------------------------------------------------
