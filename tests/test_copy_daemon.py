@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pyspark_acs.cache.poller import LengthPoller
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.storage.store import DurableStore
 
@@ -161,28 +162,38 @@ def test_cache_copy_after_complete_durable_copy_publishes_cache_length(make_env)
         io.close()
 
 
-def test_poller_notify_wakes_followers_of_the_file_only():
+def test_poller_notify_wakes_followers_of_the_file_only(make_env):
     """A length this daemon's writer published wakes the next hop's readers of that file at
     once (no poll wait per intermediate hop) and hands them the bytes; lengths only grow;
-    other files stay asleep."""
-    from pyspark_acs.server.copy.reader import LengthPoller
+    other files stay asleep. The daemon's source files read through the process's one length
+    poller and the one read path (issue 8: no second poller in the copy reader)."""
+    from pyspark_acs.server.copy.cluster import ClusterIO
+    from pyspark_acs.server.copy.reader import SourceFiles
+    from pyspark_acs.server.copy.topology import load_topology
 
-    poller = LengthPoller(io=None, interval=0.05)  # never started: no poll rounds
-    a, b = poller.follow("s/00000/a"), poller.follow("s/00000/b")
-    poller.notify("s/00000/a", durable_length=100)
-    assert a.is_set() and not b.is_set()
-    assert poller.lengths("s/00000/a") == (None, 100)
-    a.clear()
-    poller.notify("s/00000/a", cache_length=100, durable_length=50)
-    assert a.is_set() and poller.lengths("s/00000/a") == (100, 100)
-    poller.notify("s/00000/a", cache_length=300, data=(100, b"y" * 200))  # bytes the writer wrote
-    assert poller.recent("s/00000/a", 150, 300) == b"y" * 150
-    assert poller.recent("s/00000/a", 50, 300) is None and poller.recent("s/00000/a", 100, 301) is None
-    poller.notify("s/00000/zzz", cache_length=1)  # not followed: ignored
-    assert poller.lengths("s/00000/zzz") == (None, None)
-    poller.unfollow("s/00000/a", a)
-    poller.notify("s/00000/a", cache_length=400)
-    assert poller.lengths("s/00000/a") == (None, None) and poller.recent("s/00000/a", 150, 300) is None
+    env = make_env(CHAIN, dests=("B",))
+    io = ClusterIO(load_topology(env.topology).cluster("B"), cache_deadline=5.0)
+    files = SourceFiles(io, interval=0.05)
+    try:
+        assert files.path.poller is LengthPoller.shared(io.meta_client.endpoints)
+        a, b = files.follow("s/00000/a"), files.follow("s/00000/b")
+        a.clear(), b.clear()
+        files.notify("s/00000/a", durable_length=100)
+        assert a.is_set() and not b.is_set()
+        assert files.lengths("s/00000/a") == (None, 100)
+        a.clear()
+        files.notify("s/00000/a", cache_length=100, durable_length=50)
+        assert a.is_set() and files.lengths("s/00000/a") == (100, 100)
+        files.notify("s/00000/a", cache_length=300, data=(100, b"y" * 200))  # bytes the writer wrote
+        assert files.path.read("s/00000/a", 150, 300) == b"y" * 150  # from memory: no such chunks
+        files.notify("s/00000/zzz", cache_length=1)  # not followed: ignored
+        assert files.lengths("s/00000/zzz") == (None, None)
+        files.unfollow("s/00000/a", a)
+        files.notify("s/00000/a", cache_length=400)
+        assert files.path.published("s/00000/a") == (None, None)
+    finally:
+        files.stop()
+        io.close()
 
 
 def test_tree_copy_with_live_consumer_in_c(make_env):

@@ -7,16 +7,20 @@ reads the published lengths of *all* followed files in one batched consistent re
 the metadata cache sees one request per process per interval however many readers there are.
 
 A file asked for the first time is fetched at once (no interval of delay for a new file);
-files nobody asked for during :data:`FORGET_AFTER_S` are dropped from the poll. The thread
-starts on first use and stops when nothing is followed, so importing this module starts no
-thread.
+files nobody asked for during :data:`FORGET_AFTER_S` are dropped from the poll, unless a
+reader follows them explicitly (:meth:`LengthPoller.follow`, with an event set whenever the
+file's length moves: the copy daemon's operations and its scheduler's parked operations). A
+length this process published itself (the copy daemon's writer) is handed in with
+:meth:`LengthPoller.notify`, so readers of the next hop move at once instead of at the next
+poll. The thread starts on first use and stops when nothing is followed, so importing this
+module starts no thread. The copy daemon uses this poller too: one per process.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.errors import CacheError, ClosedError
@@ -30,6 +34,12 @@ DEFAULT_POLL_INTERVAL_S = 0.01
 FORGET_AFTER_S = 5.0
 
 Lengths = Tuple[Optional[int], Optional[int]]  # (cache length, durable length)
+
+
+def _max_known(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    if a is None:
+        return b
+    return a if b is None else max(a, b)
 
 
 class LengthPoller:
@@ -48,26 +58,81 @@ class LengthPoller:
         self.interval = interval
         self._client = CacheClient(endpoints, name="metadata cache", token=token)
         self.meta = MetadataCache(self._client)
-        # _lock guards _values, _asked, _error, _thread and _generation; _changed (on _lock)
-        # wakes readers waiting for a length to move.
+        # _lock guards _values, _asked, _followers, _error, _thread and _generation; _changed
+        # (on _lock) wakes readers waiting for a length to move.
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._generation = 0
         self._values: Dict[str, Lengths] = {}
         self._asked: Dict[str, float] = {}
+        # uri -> events of explicit followers (polled while followed, whatever FORGET_AFTER_S)
+        self._followers: Dict[str, List[threading.Event]] = {}
         self._error: Optional[CacheError] = None
         self._thread: Optional[threading.Thread] = None
         self.polls = 0
 
     @classmethod
-    def shared(cls, endpoints: Sequence[str], token: Optional[str] = None) -> "LengthPoller":
-        """The process-wide poller for these metadata-cache endpoints (and token)."""
+    def shared(
+        cls, endpoints: Sequence[str], token: Optional[str] = None, interval: Optional[float] = None
+    ) -> "LengthPoller":
+        """The process-wide poller for these metadata-cache endpoints (and token).
+
+        ``interval`` (seconds, default :data:`DEFAULT_POLL_INTERVAL_S`) is the poll interval
+        when this call creates the poller; a later caller asking for a shorter one shortens it
+        (every reader of the process then gets news at least as often as it asked for).
+        """
         key = (tuple(endpoints), token)
         with cls._registry_lock:
             poller = cls._registry.get(key)
             if poller is None:
-                poller = cls._registry[key] = cls(tuple(endpoints), token=token)
+                poller = cls._registry[key] = cls(
+                    tuple(endpoints), interval=DEFAULT_POLL_INTERVAL_S if interval is None else interval, token=token
+                )
+            elif interval is not None and interval < poller.interval:
+                poller.interval = interval
             return poller
+
+    def follow(self, uri: str, wake: Optional[threading.Event] = None) -> threading.Event:
+        """Poll ``uri`` until :meth:`unfollow`; ``wake`` (returned; a new event if None) is set
+        whenever its polled or notified length moves."""
+        wake = wake if wake is not None else threading.Event()
+        with self._lock:
+            self._followers.setdefault(uri, []).append(wake)
+            self._asked[uri] = time.monotonic()
+            self._ensure_thread()
+        return wake
+
+    def unfollow(self, uri: str, wake: Optional[threading.Event] = None) -> None:
+        """Undo one :meth:`follow` of ``uri`` (``wake``: the follower's event; None drops the
+        latest). The file is then polled only while readers keep asking for it."""
+        with self._lock:
+            events = self._followers.get(uri)
+            if events is None:
+                return
+            if wake is not None and wake in events:
+                events.remove(wake)
+            elif events:
+                events.pop()
+            if not events:
+                del self._followers[uri]
+
+    def followed(self, uri: str) -> bool:
+        """Whether a reader follows ``uri`` explicitly."""
+        with self._lock:
+            return uri in self._followers
+
+    def notify(self, uri: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None) -> None:
+        """A length of ``uri`` this process published itself (a majority write, so a consistent
+        read would return it): raise the known lengths at once and wake its readers, without
+        waiting for the next poll. Ignored for files nobody polls."""
+        with self._lock:
+            if uri not in self._values and uri not in self._followers:
+                return
+            c, d = self._values.get(uri, (None, None))
+            new = (_max_known(c, cache_length), _max_known(d, durable_length))
+            if new != (c, d):
+                self._values[uri] = new
+                self._moved([uri])
 
     def lengths(self, uris: Sequence[str]) -> Dict[str, Lengths]:
         """Latest polled ``(cache length, durable length)`` of each file (None = unknown).
@@ -110,10 +175,20 @@ class LengthPoller:
             self._thread = threading.Thread(target=self._run, name="acs-length-poller", daemon=True)
             self._thread.start()
 
+    def _moved(self, uris: Sequence[str]) -> None:
+        """Wake readers of files whose lengths moved. Caller holds _lock."""
+        self._generation += 1
+        self._changed.notify_all()
+        for u in uris:
+            for e in self._followers.get(u, ()):
+                e.set()
+
     def _run(self) -> None:
         while True:
             started = time.monotonic()
             with self._lock:
+                for u in list(self._followers):
+                    self._asked[u] = started  # followed files stay polled
                 for u in [u for u, t in self._asked.items() if started - t > FORGET_AFTER_S]:
                     del self._asked[u]
                     self._values.pop(u, None)
@@ -131,11 +206,16 @@ class LengthPoller:
                     self._thread = None
                 return  # the client was closed (process shutting down): nothing left to poll
             with self._lock:
-                moved = any(self._values.get(u) != v for u, v in got.items())
-                self._values.update(got)
+                # Lengths never shrink: a notify() newer than this poll's read stays.
+                moved = []
+                for u, (c, d) in got.items():
+                    old = self._values.get(u, (None, None))
+                    new = (_max_known(old[0], c), _max_known(old[1], d))
+                    if new != old:
+                        self._values[u] = new
+                        moved.append(u)
                 self._error = error
                 self.polls += 1
                 if moved:
-                    self._generation += 1
-                    self._changed.notify_all()
+                    self._moved(moved)
             time.sleep(max(0.0, self.interval - (time.monotonic() - started)))

@@ -40,6 +40,9 @@ DEFAULT_MAX_DELAY_S = 1.0
 #: still (the paper's ``colossus.size()``: a writer that crashed between its durable append and
 #: publishing the length must not stall readers until the metadata entry expires).
 DEFAULT_DURABLE_POLL_INTERVAL_S = 1.0
+#: Largest write a process hands to its own readers with :meth:`CachedReadPath.notify` (the
+#: last one per file is kept); larger ones are read from the cache.
+RECENT_MAX_BYTES = 1024 * 1024
 #: Repeated data-cache failures are logged at most this often.
 _WARN_INTERVAL_S = 10.0
 #: After a metadata-cache failure, retry it no sooner than this.
@@ -103,6 +106,9 @@ class CachedReadPath:
         Take metadata lengths from the process's shared :class:`~pyspark_acs.cache.poller.LengthPoller`
         (one batched read per interval for every reader of the process; default) instead of
         reading them on every call.
+    poller : LengthPoller, optional
+        The process's poller to take lengths from when ``metadata_cache`` is a ready client
+        (the copy daemon passes the shared poller of its cluster's metadata cache).
     durable_poll_interval : float
         Durable-length polling interval while the metadata cache is down (default 1 s).
     """
@@ -117,6 +123,7 @@ class CachedReadPath:
         durable_poll_interval: float = DEFAULT_DURABLE_POLL_INTERVAL_S,
         shared_poller: bool = True,
         token: Optional[str] = None,
+        poller: Optional[LengthPoller] = None,
     ) -> None:
         self.store = store
         self._own = []
@@ -125,15 +132,19 @@ class CachedReadPath:
         self.meta = MetadataCache(meta) if meta else None
         # Readers given endpoint strings share the process's poller; a caller-made client
         # (tests, the copy daemon's own poller) is read directly.
-        self.poller: Optional[LengthPoller] = None
-        if meta is not None and shared_poller and not isinstance(metadata_cache, CacheClient):
+        self.poller: Optional[LengthPoller] = poller
+        if poller is None and meta is not None and shared_poller and not isinstance(metadata_cache, CacheClient):
             self.poller = LengthPoller.shared(meta.endpoints, token)
         self.chunks = ChunkReader(self.data) if self.data else None
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval
-        # _lock guards _published, _delays, _durable_cache, _meta_down_until and _stats.
+        # _lock guards _published, _recent, _delays, _durable_cache, _standing, _meta_down_until
+        # and _stats.
         self._lock = threading.Lock()
         self._published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
+        # rel -> (start, bytes) this process just wrote to the data cache (notify): served
+        # from memory instead of a cache round trip (the copy daemon's next hop).
+        self._recent: Dict[str, Tuple[int, bytes]] = {}
         self._delays: Dict[str, DelayedDurableReads] = {}
         self._durable_cache: Dict[str, Tuple[float, Optional[int]]] = {}
         # rel -> (published length, when it last moved or the store was last asked)
@@ -241,11 +252,43 @@ class CachedReadPath:
         """The durable store's length of ``rel`` in bytes (``None`` if missing), bypassing the caches."""
         return self.store.lengths([rel])[rel]
 
+    def published(self, rel: str) -> Tuple[Optional[int], Optional[int]]:
+        """``(cache length, durable length)`` of ``rel`` as the last :meth:`lengths` saw them
+        (``None``: unknown); the durable one includes the store's real size when it was asked."""
+        with self._lock:
+            return self._published.get(rel, (None, None))
+
+    def notify(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None,
+               data: Optional[Tuple[int, bytes]] = None) -> None:
+        """A length of ``rel`` this process published itself (the copy daemon's writer): raise
+        the known lengths and wake readers at once (through the poller). ``data`` =
+        ``(start, bytes)`` it just wrote to the data cache, kept (up to
+        :data:`RECENT_MAX_BYTES`) so the next read of them needs no cache round trip. Call it
+        only for files this path's readers follow; :meth:`forget` drops the state."""
+        with self._lock:
+            c, d = self._published.get(rel, (None, None))
+            self._published[rel] = (_max_known(c, cache_length), _max_known(d, durable_length))
+            if data is not None and 0 < len(data[1]) <= RECENT_MAX_BYTES:
+                self._recent[rel] = (data[0], bytes(data[1]))
+        if self.poller is not None:
+            self.poller.notify(self.store.uri(rel), cache_length, durable_length)
+
+    def _recent_bytes(self, rel: str, start: int, end: int) -> Optional[bytes]:
+        with self._lock:
+            got = self._recent.get(rel)
+        if got is None or not (got[0] <= start and end <= got[0] + len(got[1])):
+            return None
+        return got[1][start - got[0]: end - got[0]]
+
     # -- bytes -----------------------------------------------------------------------------
 
-    def read(self, rel: str, start: int, end: int) -> bytes:
+    def read(self, rel: str, start: int, end: int, *, postpone: bool = True) -> bytes:
         """Bytes ``[start, end)``, cache first; may stop short while Algorithm 1 postpones
-        a durable read (the caller retries at its next poll)."""
+        a durable read (the caller retries at its next poll).
+
+        ``postpone=False`` reads bytes past the cache length from the store at once (a durable
+        copy must not wait for the cache).
+        """
         with self._lock:
             cache_len, durable_len = self._published.get(rel, (None, None))
         cache_len = cache_len or 0
@@ -254,7 +297,10 @@ class CachedReadPath:
         else:
             cache_end = min(end, cache_len)
         parts = []
-        if cache_end > start:
+        local = self._recent_bytes(rel, start, cache_end) if cache_end > start else None
+        if local is not None:
+            parts.append(local)  # this process just wrote these bytes to the cache
+        elif cache_end > start:
             uri = self.store.uri(rel)
             try:
                 chunks = self.chunks.read(uri, start, cache_end)
@@ -282,7 +328,8 @@ class CachedReadPath:
         if end > cache_end:
             delay = self._delay(rel)
             with self._lock:  # DelayedDurableReads is not thread-safe; readers may share a file
-                go_durable = self.chunks is None or delay.should_read_durable(cache_len, durable_len or end)
+                go_durable = (self.chunks is None or not postpone
+                              or delay.should_read_durable(cache_len, durable_len or end))
             if go_durable:
                 parts.append(self._durable(rel, cache_end, end))
         return b"".join(parts)
@@ -324,6 +371,7 @@ class CachedReadPath:
         """Drop per-file state once a reader left the file."""
         with self._lock:
             self._published.pop(rel, None)
+            self._recent.pop(rel, None)
             self._delays.pop(rel, None)
             self._durable_cache.pop(rel, None)
             self._standing.pop(rel, None)

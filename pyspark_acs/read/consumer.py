@@ -23,10 +23,10 @@ from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence
 import pyarrow as pa
 
 from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError
-from pyspark_acs.format.block import BLOCK_SCHEMA, HEADER_SIZE, decode_block, parse_header, scan_blocks
+from pyspark_acs.format.block import BLOCK_SCHEMA, decode_block
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
-from pyspark_acs.read.positions import ends_with_seal, latest_offset, seal_behind, skip_void
+from pyspark_acs.read.positions import ends_with_seal, latest_offset, read_blocks, seal_behind, skip_void
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
 
@@ -176,33 +176,16 @@ class ShardTailer:
     def _read(self, limit: int, out: List[pa.RecordBatch]) -> bool:
         """Read complete blocks of the current file in ``[self.length, limit)``."""
         start = self.length
-        want = min(limit, start + self.max_read_bytes)
-        self.limiter.acquire(want - start)
-        data = self.path.read(self.rel, start, want)
-        if len(data) < HEADER_SIZE and limit - start >= HEADER_SIZE and len(data) < limit - start:
-            return False
+        self.limiter.acquire(min(limit, start + self.max_read_bytes) - start)
         # Blocks before a bad one are handed out first; the next step starts at the bad block
-        # and raises then.
-        blocks: List[Tuple[int, Any]] = []
-        try:
-            for item in scan_blocks(data, path=self.store.uri(self.rel), base=start):
-                blocks.append(item)
-        except CorruptFileError:
-            if not blocks:
-                if self._pass_void(limit):
-                    return True
-                raise
-        if not blocks and len(data) >= HEADER_SIZE:
-            # One block larger than max_read_bytes: read it whole if it is all there.
-            header = parse_header(data, 0, path=self.store.uri(self.rel), position=start)
-            if start + header.size > limit:
-                return False
-            data = self.path.read(self.rel, start, start + header.size)
-            if len(data) < header.size:
-                return False  # the read path postponed part of it (cache catching up)
-            blocks = [(0, header)]
+        # and raises then (unless a recovery seal voids it).
+        data, blocks, error = read_blocks(self.path, self.rel, start, limit, self.max_read_bytes)
+        if error is not None:
+            if self._pass_void(limit):
+                return True
+            raise error
         if not blocks:
-            return False
+            return False  # no complete block yet (or the read path postponed the bytes)
         buf = pa.py_buffer(data)
         file_arr = None
         for at, header in blocks:

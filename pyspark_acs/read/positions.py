@@ -2,7 +2,9 @@
 a bounded read may go under a byte or row budget -- and the seal rule.
 
 All of it walks block *headers* only (a 48-byte read per block, or one window read for many
-small blocks), through a read path, so it costs little even on large files.
+small blocks), through a read path, so it costs little even on large files. Readers that need
+the blocks' bytes (the Consumer's tailer, the copy reader) take them with :func:`read_blocks`:
+with :func:`~pyspark_acs.format.block.scan_blocks` the one block walk of the read side.
 
 The seal rule lives here, once: a file is finished only at its seal (DESIGN.md section 5,
 step 6). A walk crosses from one file to the next only after passing the first file's seal;
@@ -18,7 +20,7 @@ from collections import OrderedDict
 from typing import List, Optional, Tuple
 
 from pyspark_acs.errors import CorruptFileError
-from pyspark_acs.format.block import HEADER_SIZE, find_recovery_seal, parse_header
+from pyspark_acs.format.block import HEADER_SIZE, BlockHeader, find_recovery_seal, parse_header, scan_blocks
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.format.offsets import Offset
 from pyspark_acs.read.readpath import ReadPath
@@ -30,6 +32,7 @@ __all__ = [
     "ends_with_seal",
     "latest_offset",
     "offset_for_timestamp",
+    "read_blocks",
     "seal_behind",
     "shard_extent",
     "skip_void",
@@ -50,6 +53,40 @@ def _read_now(path: ReadPath, rel: str, start: int, end: int) -> bytes:
     if len(data) < end - start:
         data += path.store.read(rel, start + len(data), end)
     return data
+
+
+def read_blocks(
+    path: ReadPath, rel: str, start: int, limit: int, max_bytes: int, *, postpone: bool = True
+) -> Tuple[bytes, List[Tuple[int, BlockHeader]], Optional[CorruptFileError]]:
+    """The complete blocks of ``rel`` from ``start`` (a block boundary) below ``limit``.
+
+    Reads at most ``max_bytes`` -- or, when the first block is larger, that block whole once
+    it is all readable. ``postpone`` is passed to the read path (Algorithm 1).
+
+    Returns
+    -------
+    (data, blocks, error) : the bytes read from ``start``; ``(offset in data, header)`` of each
+    complete block in them, a seal included; and, when there is no complete block because the
+    bytes at ``start`` are no valid header, that error (the caller decides: a torn block passed
+    through its recovery seal with :func:`skip_void`, or real corruption).
+    """
+    kw = {} if postpone else {"postpone": False}
+    data = path.read(rel, start, min(limit, start + max_bytes), **kw)
+    uri = path.store.uri(rel)
+    blocks: List[Tuple[int, BlockHeader]] = []
+    try:
+        for item in scan_blocks(data, path=uri, base=start):
+            blocks.append(item)
+    except CorruptFileError as exc:
+        if not blocks:
+            return data, [], exc
+    if not blocks and len(data) >= HEADER_SIZE:
+        header = parse_header(data, 0, path=uri, position=start)  # valid: scan_blocks parsed it
+        if start + header.size <= limit and len(data) < header.size:
+            data = path.read(rel, start, start + header.size, **kw)  # one block larger than max_bytes
+            if len(data) >= header.size:
+                blocks = [(0, header)]
+    return data, blocks, None
 
 
 def skip_void(path: ReadPath, rel: str, at: int, length: int) -> Optional[int]:

@@ -30,7 +30,9 @@ class ReadPath(Protocol):
         """The durable store's own length of a file (``None`` if missing), bypassing caches."""
 
     def read(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of a file; ``end`` must not exceed a length from ``lengths``."""
+        """Bytes ``[start, end)`` of a file; ``end`` must not exceed a length from ``lengths``.
+        May stop short (a prefix) while the bytes are not readable yet; a cached path takes
+        ``postpone=False`` to read past the cache length at once."""
 
     def stats(self) -> Dict[str, int]:
         """Counters of where bytes came from."""

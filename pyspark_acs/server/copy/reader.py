@@ -1,21 +1,23 @@
 """The reader side of a copy operation: poll the source file, read new blocks, stream them.
 
-A :class:`LengthPoller` (one background thread per daemon) reads the lengths of every file
-being copied in one batched consistent read of this cluster's metadata cache every poll
-interval (50 ms); for files the metadata cache does not know, or while it is down, the
-durable store's lengths are used (paper section 2.4, "Readers"). This daemon's own writer
-also reports every length it publishes (:meth:`LengthPoller.notify`), so in an intermediate
-cluster the next hop starts at once instead of at the next poll.
+Operations read through the one read path of the package
+(:class:`~pyspark_acs.read.cachepath.CachedReadPath`, held by :class:`SourceFiles`): lengths
+from the process's one :class:`~pyspark_acs.cache.poller.LengthPoller` of this cluster's
+metadata cache, the store's lengths for files it does not know or while it is down, and the
+store's real size when a published length stands still; bytes from the data cache with one
+durable read per missing run, durable reads past the cache postponed by Algorithm 1. This
+daemon's own writer reports every length it publishes (:meth:`SourceFiles.notify`), so in an
+intermediate cluster the next hop starts at once instead of at the next poll.
 
 A :class:`CopyOperation` copies one file to one storage of one child cluster over ONE
 long-lived bidirectional gRPC stream: a hello, answered with the destination length to
 continue from, then deltas of whole blocks. Durable operations wait for each acknowledgement
 (sequential appends); cache operations keep up to ``cache_window`` deltas in flight. Bytes
-come from the data cache first with the durable store as fallback (cache operations; durable
-reads beyond the cache length are postponed by Algorithm 1) or from the durable store with
-opportunistic cache reads (durable operations). An operation ends when it has copied a
-sealed file to its end (the seal rule, :mod:`pyspark_acs.read.positions`: a file is finished
-only at its seal; a torn block is copied with the recovery seal that voids it).
+come from that read path (durable operations read past the cache length at once). Blocks are
+taken with :func:`~pyspark_acs.read.positions.read_blocks`, the read side's one block walk.
+An operation ends when it has copied a sealed file to its end (the seal rule,
+:mod:`pyspark_acs.read.positions`: a file is finished only at its seal; a torn block is copied
+with the recovery seal that voids it).
 
 Catch-up mode: a cache operation more than ``catchup_bytes`` behind jumps to the chunk at
 the source's head, so a backlog is copied durable to durable and never floods the caches.
@@ -27,207 +29,108 @@ import logging
 import queue
 import secrets
 import threading
-import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Callable, Deque, Dict, Optional, Set, Tuple
 
 import grpc
 
-from pyspark_acs.format.block import HEADER_SIZE, parse_header, scan_blocks
-from pyspark_acs.read.cachepath import DelayedDurableReads
-from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader
-from pyspark_acs.errors import AcsError, CacheError, CorruptFileError
-from pyspark_acs.read.positions import ends_with_seal, skip_void
-from pyspark_acs.read.readpath import DurableReadPath, RateLimiter
+from pyspark_acs.cache.chunks import CHUNK_SIZE
+from pyspark_acs.cache.poller import LengthPoller
+from pyspark_acs.errors import AcsError
+from pyspark_acs.read.cachepath import CachedReadPath
+from pyspark_acs.read.positions import ends_with_seal, read_blocks, skip_void, walk_blocks
+from pyspark_acs.read.readpath import RateLimiter
 from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, OpKey
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 
-__all__ = ["ACK_TIMEOUT_S", "DURABLE_POLL_INTERVAL_S", "CopyOperation", "LengthPoller", "OperationEnded"]
+__all__ = ["ACK_TIMEOUT_S", "CopyOperation", "OperationEnded", "SourceFiles"]
 
 log = logging.getLogger(__name__)
 
 #: How long a reader waits for any acknowledgement before it reconnects.
 ACK_TIMEOUT_S = 10.0
-#: The poller also reads every followed file's length from the durable store this often.
-DURABLE_POLL_INTERVAL_S = 1.0
-#: Largest delta a local writer hands to the next hop's readers with its notification (the
-#: last one per file is kept while the file is followed); larger ones are read from the cache.
-RECENT_MAX_BYTES = 1024 * 1024
-#: After a metadata-cache failure the poller uses store lengths for this long.
-_META_RETRY_S = 1.0
 
 
 class OperationEnded(Exception):
     """Internal: the operation must stop (stopped, poisoned)."""
 
 
-def _max_len(a: Optional[int], b: Optional[int]) -> Optional[int]:
-    if a is None:
-        return b
-    return a if b is None else max(a, b)
+class SourceFiles:
+    """The files this daemon copies, read through the one read path of its cluster.
 
+    Holds one :class:`~pyspark_acs.read.cachepath.CachedReadPath` over the cluster's store and
+    caches, fed by the process's shared :class:`~pyspark_acs.cache.poller.LengthPoller` of
+    the metadata cache (no polling thread of its own). Operations and the scheduler's parked
+    operations :meth:`follow` their file with an event that is set when its length moves.
+    ``_lock`` guards ``_follows``.
 
-class LengthPoller:
-    """One thread polling the source lengths of all files being copied.
-
-    ``lengths(rel)`` returns ``(cache length or None, durable length or None)``. Every
-    follower registers a wake-up event, set after every poll round and whenever this
-    daemon's own copy writer published a new length of the file (:meth:`notify`): an
-    intermediate cluster's reader sends a delta as soon as its writer wrote it, without
-    waiting for the next poll. ``_lock`` guards ``_rels``, ``_lengths`` and ``_round``.
+    Parameters
+    ----------
+    io : ClusterIO
+        This (source) cluster.
+    interval : float
+        Poll interval of the metadata cache (the shared poller keeps the shortest asked for).
     """
 
     def __init__(self, io: ClusterIO, interval: float) -> None:
         self.io = io
-        self.interval = interval
+        self.poller = LengthPoller.shared(io.meta_client.endpoints, interval=interval)
+        self.path = CachedReadPath(io.store, data_cache=io.data, metadata_cache=io.meta_client, poller=self.poller)
         self._lock = threading.Lock()
-        self._rels: Dict[str, List[threading.Event]] = {}
-        self._lengths: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
-        self._recent: Dict[str, Tuple[int, bytes]] = {}
-        self._round = 0
-        self._meta_down_until = 0.0
-        self._store_polled = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="acs-copy-poller", daemon=True)
+        self._follows: Dict[str, int] = {}
 
     def start(self) -> None:
-        """Start the polling thread."""
-        self._thread.start()
+        """Nothing to start: the shared poller runs while files are followed."""
 
     def stop(self) -> None:
-        """Stop polling, wake every follower, and wait (up to 5 s) for the thread to end."""
-        self._stop.set()
-        self._wake_all()
-        self._thread.join(timeout=5)
+        """Stop following every file (the shared poller stops once nothing is followed)."""
+        with self._lock:
+            follows, self._follows = self._follows, {}
+        for rel, n in follows.items():
+            for _ in range(n):
+                self.poller.unfollow(self.io.uri(rel))
 
     def follow(self, rel: str, wake: Optional[threading.Event] = None) -> threading.Event:
-        """Poll ``rel`` from now on; ``wake`` (returned; a new event if None) is set on news."""
-        wake = wake if wake is not None else threading.Event()
+        """Follow ``rel`` from now on; ``wake`` (returned; a new event if None) is set when its
+        length moves (a poll, or a length this daemon's writer published)."""
         with self._lock:
-            self._rels.setdefault(rel, []).append(wake)
-        return wake
+            self._follows[rel] = self._follows.get(rel, 0) + 1
+        self.path.lengths([rel])  # known to the read path from now on (notify raises it)
+        return self.poller.follow(self.io.uri(rel), wake)
 
     def unfollow(self, rel: str, wake: Optional[threading.Event] = None) -> None:
-        """Undo one :meth:`follow` of ``rel``; when its last follower is gone, forget its lengths.
-
-        ``wake`` is the follower's event; when it is None or not registered, the most recently
-        registered event of ``rel`` is dropped instead.
-        """
+        """Undo one :meth:`follow` of ``rel``; when its last follower is gone, the read path
+        forgets the file."""
         with self._lock:
-            events = self._rels.get(rel)
-            if events is None:
+            n = self._follows.get(rel, 0) - 1
+            if n < 0:
                 return
-            if wake is not None and wake in events:
-                events.remove(wake)
-            elif events:
-                events.pop()
-            if not events:
-                self._rels.pop(rel, None)
-                self._lengths.pop(rel, None)
-                self._recent.pop(rel, None)
+            if n:
+                self._follows[rel] = n
+            else:
+                del self._follows[rel]
+        self.poller.unfollow(self.io.uri(rel), wake)
+        if n == 0:
+            self.path.forget(rel)
 
     def lengths(self, rel: str) -> Tuple[Optional[int], Optional[int]]:
-        """``(cache length, durable length)`` of ``rel`` in bytes as last seen (``None``: unknown)."""
-        with self._lock:
-            return self._lengths.get(rel, (None, None))
-
-    @property
-    def rounds(self) -> int:
-        """How many poll rounds have completed."""
-        with self._lock:
-            return self._round
+        """``(cache length, durable length)`` of ``rel`` in bytes now (``None``: unknown),
+        through the read path (the store's real size included when the published length
+        stands still)."""
+        self.path.lengths([rel])
+        return self.path.published(rel)
 
     def notify(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None,
                data: Optional[Tuple[int, bytes]] = None) -> None:
-        """This daemon's writer published a length of ``rel`` (a majority write, so a
-        consistent read would return it): raise the known lengths and wake its followers.
-        ``data`` = ``(start, bytes)``: the bytes it just wrote there, kept for :meth:`recent`."""
+        """This daemon's writer published a length of ``rel``: raise the known lengths and wake
+        its followers at once; ``data`` = ``(start, bytes)`` it just wrote to the cache. Files
+        this daemon does not copy are ignored."""
         with self._lock:
-            events = self._rels.get(rel)
-            if not events:
+            if rel not in self._follows:
                 return
-            c, d = self._lengths.get(rel, (None, None))
-            self._lengths[rel] = (_max_len(c, cache_length), _max_len(d, durable_length))
-            if data is not None and 0 < len(data[1]) <= RECENT_MAX_BYTES:
-                self._recent[rel] = (data[0], bytes(data[1]))
-            events = list(events)
-        for e in events:
-            e.set()
-
-    def recent(self, rel: str, start: int, end: int) -> Optional[bytes]:
-        """Bytes ``[start, end)`` of ``rel`` if the last local write of it covers them."""
-        with self._lock:
-            got = self._recent.get(rel)
-        if got is None or not (got[0] <= start and end <= got[0] + len(got[1])):
-            return None
-        return got[1][start - got[0]: end - got[0]]
-
-    def _wake_all(self) -> None:
-        with self._lock:
-            events = [e for es in self._rels.values() for e in es]
-        for e in events:
-            e.set()
-
-    def poll_once(self) -> None:
-        """One poll round: read every followed file's lengths, raise the known ones, wake all followers.
-
-        Known lengths never shrink. After a metadata-cache failure, store lengths are used for a
-        second; every ``DURABLE_POLL_INTERVAL_S`` all files are also checked in the store. Not
-        meant to run concurrently with itself (the polling thread calls it).
-
-        Raises
-        ------
-        StoreError
-            When the durable store cannot be asked.
-        """
-        with self._lock:
-            rels = list(self._rels)
-        if not rels:
-            return
-        published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
-        now = time.monotonic()
-        if now >= self._meta_down_until:
-            uris = [self.io.uri(r) for r in rels]
-            try:
-                got = self.io.meta.lengths(uris)
-                published = {r: got[u] for r, u in zip(rels, uris)}
-            except CacheError as exc:
-                self._meta_down_until = now + _META_RETRY_S
-                log.warning("metadata cache of %s unavailable, copying from durable lengths: %s", self.io.name, exc)
-        # Files the metadata cache does not know (or all, while it is down): the store's lengths.
-        # Every DURABLE_POLL_INTERVAL_S all files are checked in the store too: a writer killed
-        # between its append and its publish leaves a published length behind the file.
-        if now - self._store_polled >= DURABLE_POLL_INTERVAL_S:
-            self._store_polled = now
-            unknown = rels
-        else:
-            unknown = [r for r in rels if published.get(r, (None, None))[1] is None]
-        durable = self.io.store.lengths(unknown) if unknown else {}
-        out = {}
-        for r in rels:
-            c, d = published.get(r, (None, None))
-            if r in durable and durable[r] is not None:
-                d = max(d or 0, durable[r])
-            out[r] = (c, d)
-        with self._lock:
-            for r, (c, d) in out.items():
-                if r in self._rels:
-                    # Lengths never shrink: a notify() newer than this round's read stays.
-                    old_c, old_d = self._lengths.get(r, (None, None))
-                    self._lengths[r] = (_max_len(old_c, c), _max_len(old_d, d))
-            self._round += 1
-        self._wake_all()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                self.poll_once()
-            except AcsError as exc:
-                log.warning("length poll of %s failed: %s", self.io.name, exc)
-            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+        self.path.notify(rel, cache_length, durable_length, data)
 
 
 class _Session:
@@ -294,7 +197,8 @@ class CopyOperation:
         Shard count of the stream (sent so the writer can create the stream).
     io : ClusterIO
         This (source) cluster.
-    poller : LengthPoller
+    poller : SourceFiles
+        The daemon's source files (lengths and bytes through the one read path).
     stub_for : callable
         ``stub_for(cluster name) -> CopyStub`` of the child's daemon.
     is_source : bool
@@ -310,7 +214,7 @@ class CopyOperation:
         key: OpKey,
         shards: int,
         io: ClusterIO,
-        poller: LengthPoller,
+        poller: SourceFiles,
         stub_for: Callable[[str], copy_pb2_grpc.CopyStub],
         options: CopyDaemonOptions,
         metrics: CopyMetrics,
@@ -332,14 +236,13 @@ class CopyOperation:
         self.finished = False
         self.poisoned = False
         self.limiter = RateLimiter(options.max_bytes_per_second or None)
-        self.chunks = ChunkReader(io.data)
-        self.delay = DelayedDurableReads()
+        #: The one read path of this cluster (shared by every operation of the daemon).
+        self.path = poller.path
         #: Positions known to be block boundaries of the source (acked delta ends).
         self._boundaries: Set[int] = {0}
-        self._source_path = DurableReadPath(io.store)  # for the seal rule's checks (store is the truth)
         self._tail_checked = -1
         self._tail_sealed = False
-        #: Set by the poller (a round, or a length this daemon's writer published) and by acks.
+        #: Set when the file's length moves (a poll, a length this daemon's writer published) and by acks.
         self._wake = threading.Event()
         #: Set once a hello was answered OK: for a durable operation the file exists at the
         #: destination from then on (the scheduler orders file creation by it).
@@ -475,81 +378,32 @@ class CopyOperation:
         destination already had the bytes when this operation started): the source ends with
         a seal at ``pos``. Nothing else finishes a file."""
         # The store is the truth here (a published length can lag it).
-        durable = self.io.store.lengths([self.rel])[self.rel] or 0
+        durable = self.path.durable_length(self.rel) or 0
         if pos < durable or durable == 0:
             return False
         if durable != self._tail_checked:
             self._tail_checked = durable
-            self._tail_sealed = ends_with_seal(self._source_path, self.rel, durable)
+            self._tail_sealed = ends_with_seal(self.path, self.rel, durable)
         return self._tail_sealed
 
     # -- reading the source ----------------------------------------------------------------
-
-    def _read(self, start: int, end: int, cache_len: int, durable_len: int) -> bytes:
-        """Source bytes ``[start, end)``: cache chunks first, durable for the rest.
-
-        Stops short (returns a prefix) when the durable store does not have the bytes yet or
-        Algorithm 1 postpones a durable read.
-        """
-        parts = []
-        at = start
-        cache_end = min(end, cache_len)
-        local = self.poller.recent(self.rel, start, cache_end) if cache_end > start else None
-        if local is not None:
-            # This daemon's writer just wrote these bytes to the cache: no cache read needed.
-            parts.append(local)
-            at = cache_end
-        elif cache_end > start:
-            try:
-                chunks = self.chunks.read(self.uri, start, cache_end)
-            except CacheError:
-                chunks = [(start, cache_end, None)]
-            run = None
-            for s, e, data in chunks + [(cache_end, cache_end, b"")]:
-                if data is None:
-                    run = s if run is None else run
-                    continue
-                if run is not None:
-                    got = self.io.store.read(self.rel, run, s)  # one read per missing run (Fig. 6)
-                    parts.append(got)
-                    at = run + len(got)
-                    run = None
-                    if at < s:
-                        return b"".join(parts)
-                if data:
-                    parts.append(data)
-                    at = e
-        if end > at:
-            if self.key.storage == DURABLE or self.delay.should_read_durable(cache_len, durable_len):
-                parts.append(self.io.store.read(self.rel, at, end))
-        return b"".join(parts)
 
     def _send_delta(self, session: _Session, pos: int, source_len: int, cache_len: int, durable_len: int,
                     inflight: Deque[int]) -> Tuple[int, bool]:
         """Send the whole blocks in ``[pos, source_len)``; return (new position, sealed)."""
         if pos not in self._boundaries:
-            return self._resync(session, pos, source_len, cache_len, durable_len, inflight)
-        want = min(source_len, pos + self.options.max_delta_bytes)
-        data = self._read(pos, want, cache_len, durable_len)
-        corrupt: Optional[CorruptFileError] = None
-        try:
-            blocks = list(scan_blocks(data, path=self.uri, base=pos))
-            if not blocks and len(data) >= HEADER_SIZE:
-                header = parse_header(data, 0, path=self.uri, position=pos)
-                if pos + header.size <= source_len and len(data) < header.size:
-                    data = self._read(pos, pos + header.size, cache_len, durable_len)  # one block > max delta
-                    blocks = list(scan_blocks(data, path=self.uri, base=pos))
-        except CorruptFileError as exc:
-            blocks, corrupt = [], exc
+            return self._resync(session, pos, source_len, inflight)
+        data, blocks, corrupt = read_blocks(self.path, self.rel, pos, source_len, self.options.max_delta_bytes,
+                                            postpone=self.key.storage == CACHE)
         if not blocks:
             # A torn block: copied byte for byte together with the recovery seal that voids it
             # (readers downstream skip them by the same rule), never before that seal exists.
-            void_end = skip_void(self._source_path, self.rel, pos, source_len) if source_len - pos >= HEADER_SIZE else None
+            void_end = skip_void(self.path, self.rel, pos, source_len)
             if void_end is None:
                 if corrupt is not None:
                     raise corrupt
                 return pos, False
-            data = self.io.store.read(self.rel, pos, void_end)
+            data = self.path.read(self.rel, pos, void_end, postpone=False)
             if len(data) < void_end - pos:
                 return pos, False
             self._emit(session, pos, data, 0, True, inflight)
@@ -563,32 +417,30 @@ class CopyOperation:
         self._boundaries.add(pos + end)
         return pos + end, sealed
 
-    def _resync(self, session: _Session, pos: int, source_len: int, cache_len: int, durable_len: int,
-                inflight: Deque[int]) -> Tuple[int, bool]:
+    def _resync(self, session: _Session, pos: int, source_len: int, inflight: Deque[int]) -> Tuple[int, bool]:
         """The destination stopped inside a block (a torn append, a jump): find the block
-        boundaries of the source from its start and send up to the next one."""
-        data = self.io.store.read(self.rel, 0, durable_len)
-        end = 0
-        last_ts = 0
-        sealed = False
-        for at, header in scan_blocks(data, path=self.uri):
-            end = at + header.size
-            self._boundaries.add(end)
-            if end > pos:
-                last_ts = header.last_ts if header.count else 0
-                sealed = header.sealed
-                break
-        if end <= pos:
-            return pos, False
-        self._emit(session, pos, data[pos:end], last_ts, sealed, inflight)
-        return end, sealed
+        boundary of the source at or before ``pos`` (a header walk from the start) and send the
+        rest of the block that spans ``pos``."""
+        boundary, _, _, sealed = walk_blocks(self.path, self.rel, 0, pos)
+        self._boundaries.add(boundary)
+        if boundary == pos or sealed:
+            return pos, False  # a boundary after all (the next round sends from here), or past a seal
+        data, blocks, _ = read_blocks(self.path, self.rel, boundary, source_len, pos - boundary + 1, postpone=False)
+        if not blocks:
+            return pos, False  # the block spanning pos is not complete yet
+        end = boundary + blocks[0][1].size
+        header = blocks[0][1]
+        self._emit(session, pos, data[pos - boundary:end - boundary], header.last_ts if header.count else 0,
+                   header.sealed, inflight)
+        self._boundaries.add(end)
+        return end, header.sealed
 
     def _jump(self, session: _Session, pos: int, cache_len: int, inflight: Deque[int]) -> int:
         """Catch-up mode: restart the cache copy at the chunk holding the source's cache length."""
         chunk_start = cache_len - cache_len % CHUNK_SIZE
         if chunk_start < pos:
             return pos
-        data = self._read(chunk_start, cache_len, cache_len, cache_len) if cache_len > chunk_start else b""
+        data = self.path.read(self.rel, chunk_start, cache_len) if cache_len > chunk_start else b""
         if len(data) < cache_len - chunk_start:
             return pos  # the bytes are not readable yet; try again next round
         log.info("%s: %d bytes behind; the cache copy jumps to byte %d (catch-up mode)", self.key,

@@ -41,7 +41,7 @@ from pyspark_acs.errors import AcsError, CacheError, TopologyError
 from pyspark_acs.server.copy.cluster import DURABLE, STORAGES, ClusterIO, OpKey
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
-from pyspark_acs.server.copy.reader import CopyOperation, LengthPoller
+from pyspark_acs.server.copy.reader import CopyOperation, SourceFiles
 from pyspark_acs.server.copy.tree import CopyTree, build_copy_tree
 from pyspark_acs.server.copy.topology import Topology, load_topology
 from pyspark_acs.storage.store import DurableStore
@@ -95,7 +95,7 @@ class CopyScheduler:
         self.metrics = metrics
         self.stub_for = stub_for
         self.operation_prefix = operation_prefix
-        self.poller = LengthPoller(io, options.poll_interval)
+        self.poller = SourceFiles(io, options.poll_interval)
         # _lock guards everything below but _child_stores; operation threads never take it.
         self._lock = threading.Lock()
         self._topology = topology
