@@ -25,7 +25,7 @@ import time
 import zlib
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from pyspark_acs.errors import CacheError
+from pyspark_acs.errors import CacheError, LeaseError, WriterConflictError
 from pyspark_acs.format.block import encode_seal
 from pyspark_acs.format.names import next_file_name, shard_dir
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, StoreLease
@@ -115,6 +115,7 @@ class ShardWriter:
         self.opened_at = 0.0  # monotonic time the open file was opened
         self.files_opened = 0
         self.recovered: List[str] = []  # files this writer sealed for a predecessor
+        self._checked_upto: Optional[str] = None  # newest file recover() examined (sealed or resumed)
 
     # -- lease -----------------------------------------------------------------------------
 
@@ -183,6 +184,7 @@ class ShardWriter:
         self._close_writer()
         files = self.files()
         newest = files[-1] if files else None
+        self._checked_upto = newest
         if resume is not None:
             if newest == resume.file or (resume.file not in files and (newest is None or resume.file > newest)):
                 length = self.store.lengths([f"{self.dir}/{resume.file}"]).get(f"{self.dir}/{resume.file}") or 0
@@ -247,11 +249,49 @@ class ShardWriter:
 
     def open_new(self, name: Optional[str] = None) -> str:
         """Seal the open file (if any) and start a new one (named ``name`` or by the name rule)."""
+        previous = self.file
         self.seal()
         name = name or self.new_file_name()
         self._open(name, 0, 0)
         self.files_opened += 1
+        self._claim(name, previous)
         return name
+
+    def _claim(self, name: str, previous: Optional[str]) -> None:
+        """A new file is this writer's only if no file sorts after it and the lease still holds
+        once it exists. A writer that stalled past its lease between its last check and
+        creating the file (the take-over's recovery could not seal a file that did not exist
+        yet) seals its own empty file and stops, so no unfenced file enters the shard. Files
+        between ``previous`` and ``name`` that are not sealed (a deposed writer's file created
+        while this one took over) are sealed: the recovery seal fences them too.
+
+        Raises
+        ------
+        WriterConflictError
+            This writer was deposed; the new file is sealed empty.
+        """
+        files = self.files()
+        later = [f for f in files if f > name]
+        why = f"{later[0]} was created after it" if later else None
+        if why is None:
+            try:
+                for lease in self.leases:
+                    lease.check()
+            except LeaseError as exc:
+                why = str(exc)
+            except CacheError as exc:  # availability first: the seal fence still protects the shard
+                log.warning("%s: lease check skipped, metadata cache unavailable: %s", self.what, exc)
+        if why is not None:
+            self.seal()
+            raise WriterConflictError(
+                f"{self.what}: new file {self.store.uri(self.dir + '/' + name)} was sealed unused, this writer "
+                f"was deposed: {why}"
+            )
+        floor = max([f for f in (previous, self._checked_upto) if f], default="")
+        for other in files:
+            if floor < other < name:
+                self._seal_predecessor(other)
+        self._checked_upto = name
 
     @property
     def position(self) -> int:

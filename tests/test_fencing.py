@@ -1,0 +1,73 @@
+"""A writer deposed while it stalls between its lease check and creating its next file must
+not start an unfenced file (hostile review of issue 8, finding F1).
+
+The take-over's recovery can only seal files that exist; a file the deposed writer creates
+afterwards would be outside every seal. Variant A: it stalls before naming the file (its file
+sorts after the new writer's first file: readers would stall there and later acknowledged
+messages would be hidden). Variant B: it named the file before the stall (its file sorts before
+the new writer's: live readers would skip its acknowledged messages). Both failed on a7d4837.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pyspark_acs import Consumer, Producer, WriterConflictError
+
+
+def _drain(consumer: Consumer, timeout: float) -> list:
+    return [v.decode() for b in consumer.batches(timeout=timeout) for v in b.column("value").to_pylist()]
+
+
+@pytest.mark.parametrize("variant", ["stall_before_naming", "stall_after_naming"])
+def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
+    deposed = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
+    writer = deposed._shards[0].writer
+    if variant == "stall_before_naming":
+        original = writer.open_new
+
+        def slow_open_new(name=None):
+            time.sleep(1.6)  # past the 1 s lease: another writer takes the shard over meanwhile
+            return original(name)
+
+        writer.open_new = slow_open_new
+    else:
+        original = writer._open
+
+        def slow_open(name, length, index):
+            time.sleep(1.6)
+            return original(name, length, index)
+
+        writer._open = slow_open
+    live = Consumer(root, "s", start="earliest")
+    deposed.send(b"d1")
+    outcome = {}
+
+    def flush():
+        try:
+            deposed.flush()
+            outcome["acked"] = True
+        except WriterConflictError as exc:
+            outcome["error"] = exc
+
+    flusher = threading.Thread(target=flush)
+    flusher.start()
+    time.sleep(1.2)
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r", roll_bytes=1)  # every block rolls
+    successor.send(b"r1")
+    successor.flush()
+    seen = _drain(live, 0.3)
+    flusher.join(10)
+    successor.send(b"r2")
+    successor.flush()
+    seen += _drain(live, 1.5)
+    fresh = _drain(Consumer(root, "s", start="earliest"), 1.5)
+    successor.close()
+    with pytest.raises(WriterConflictError):
+        deposed.close()
+    assert "error" in outcome and "deposed" in str(outcome["error"])  # d1 never acknowledged
+    assert seen == fresh == ["r1", "r2"]  # one history, every acknowledged message in it
+    live.close()
