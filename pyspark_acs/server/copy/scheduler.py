@@ -424,6 +424,9 @@ class CopyScheduler:
         self._note_progress(now)
         start: List[CopyOperation] = []
         with self._lock:
+            # A tree rebuild may have run since _discover read the children: plan only for
+            # children this cluster still feeds (a stale op would never be stopped).
+            feeding = {s: tuple(c for c in cs if c in self._children.get(s, ())) for s, cs in feeding.items()}
             ready, foreign = self._plan(feeding, now)
             budget = self.options.workers - len(self._ops)
             waiting = len(ready) - max(0, budget)
