@@ -22,7 +22,7 @@ import pytest
 
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.cache.metadata import MetadataCache, MetadataLease
-from pyspark_acs.format.block import encode_block
+from pyspark_acs.format.block import encode_block, encode_seal
 from pyspark_acs.format.names import file_name, new_writer_id, shard_dir
 from pyspark_acs.storage.store import DurableStore
 
@@ -272,5 +272,47 @@ def test_relay_daemon_sigkilled_mid_stream_loses_no_file(make_env, caches2, down
     finally:
         for w in watchers:
             w.stop()
+        for c in live:
+            c.stop()
+
+
+@pytest.mark.parametrize("tear", ["in_header", "in_body"])
+def test_torn_block_and_its_recovery_seal_travel_to_every_hop(make_env, caches, tear):
+    """A crashed writer's torn block, then the take-over's recovery seal (``void_from``), then the
+    next writer's file: every hop copies the torn bytes and the seal byte for byte, and readers
+    live in every cluster skip exactly the void bytes and go on to the next file (review
+    finding F2: a delta of good blocks + a torn header made the copy reader retry for ever)."""
+    env = make_env(caches, dests=("B", "C"))
+    env.write_topology()
+    store = DurableStore(env.roots["A"])
+    try:
+        store.create_stream(env.stream, 1)
+        d = shard_dir(env.stream, 0)
+        first = file_name(dt.datetime.now(dt.timezone.utc), new_writer_id())
+        good = b"".join(encode_block([b"g%d-%d" % (b, i) for i in range(5)], first_index=5 * b) for b in range(3))
+        torn = encode_block([b"t" * 500] * 4, first_index=15)
+        torn = torn[:20] if tear == "in_header" else torn[:300]
+        appender = store.open_appender(f"{d}/{first}")
+        appender.write(good + torn + encode_seal(15, void_from=len(good)))
+        appender.close()
+        second = file_name(dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1), new_writer_id())
+        appender = store.open_appender(f"{d}/{second}")
+        appender.write(encode_block([b"next-%d" % i for i in range(3)], first_index=0))
+        appender.close()
+    finally:
+        store.close()
+    live = [LiveConsumer(env, c) for c in ("A", "B", "C")]
+    for c in ("A", "B", "C"):
+        env.start_daemon(c)
+    expected = [b"g%d-%d" % (b, i) for b in range(3) for i in range(5)] + [b"next-%d" % i for i in range(3)]
+    try:
+        deadline = time.monotonic() + QUIET_S
+        while time.monotonic() < deadline and any(c.values.get(0, []) != expected for c in live):
+            time.sleep(0.1)
+        for c in live:
+            assert not c.errors, c.errors
+            assert c.values.get(0, []) == expected, (c.cluster, c.values.get(0, [])[-5:])
+        env.wait_same("C")
+    finally:
         for c in live:
             c.stop()
