@@ -222,3 +222,65 @@ def test_closing_consumers_leaves_no_thread_exception(root, caches):
     finally:
         threading.excepthook = old_hook
     assert errors == []
+
+
+# -- a start at a timestamp follows the seal rule too ----------------------------------------------
+
+
+def test_timestamp_start_does_not_skip_an_unsealed_file(root):
+    from pyspark_acs.format.offsets import format_offsets
+    from pyspark_acs.read.positions import offset_for_timestamp
+    from pyspark_acs.read.readpath import open_read_path
+
+    DurableStore(root).create_stream("ts", 1)
+    f1, f2 = _name(0), _name(1)
+    b1 = encode_block([b"a0", b"a1", b"a2"], None, [1, 2, 3], first_index=0)
+    _append(root, "ts", f1, b1)  # unsealed: its writer may still append
+    _append(root, "ts", f2, encode_block([b"b0", b"b1"], None, [100, 101], first_index=0) + encode_seal(2))
+    path = open_read_path(root)
+    try:
+        # Old rule: Offset(f2, 0) -- a reader starting there never sees f1's later messages.
+        start = offset_for_timestamp(path, "ts", 0, 50)
+        assert start == Offset(f1, len(b1))
+        with Consumer(root, "ts", start=format_offsets({("ts", 0): start})) as c:
+            _quiet(c, 0.3)
+            _append(root, "ts", f1, encode_block([b"a3"], None, [60], first_index=3) + encode_seal(4))
+            assert _values(c, 3) == [b"a3", b"b0", b"b1"]
+        assert offset_for_timestamp(path, "ts", 0, 50) == Offset(f1, len(b1))  # a3 (60 >= 50)
+        assert offset_for_timestamp(path, "ts", 0, 80) == Offset(f2, 0)  # f1 sealed: on to f2
+    finally:
+        path.close()
+
+
+# -- the copy daemon reads through the process's one poller and the one read path -----------------
+
+
+def test_copy_reader_uses_the_one_length_poller_and_read_path(root, caches):
+    from pyspark_acs.read.cachepath import CachedReadPath
+    from pyspark_acs.server.copy import reader
+
+    assert not hasattr(reader, "LengthPoller") or reader.LengthPoller is LengthPoller
+    assert not hasattr(reader, "ABANDONED_AFTER_S")
+
+    class _IO:  # the parts of ClusterIO SourceFiles uses
+        def __init__(self) -> None:
+            self.store = DurableStore(root)
+            self.data = CacheClient(caches["data_cache"])
+            self.meta_client = CacheClient(caches["metadata_cache"])
+
+        def uri(self, rel: str) -> str:
+            return self.store.uri(rel)
+
+    io = _IO()
+    files = reader.SourceFiles(io, interval=0.05)
+    try:
+        assert isinstance(files.path, CachedReadPath)
+        assert files.path.poller is LengthPoller.shared(io.meta_client.endpoints)
+        consumer_path = CachedReadPath(DurableStore(root), metadata_cache=caches["metadata_cache"])
+        assert files.path.poller is consumer_path.poller  # one poller per process and metadata cache
+        consumer_path.close()
+        assert not [t for t in threading.enumerate() if t.name == "acs-copy-poller"]
+    finally:
+        files.stop()
+        io.data.close()
+        io.meta_client.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from pyspark_acs.errors import CorruptFileError
 from pyspark_acs.format.block import HEADER_SIZE, BlockHeader, find_recovery_seal, parse_header, scan_blocks
@@ -132,12 +132,14 @@ def walk_blocks(
     *,
     max_bytes: Optional[int] = None,
     max_rows: Optional[int] = None,
+    stop_before: Optional[Callable[[BlockHeader], bool]] = None,
 ) -> Tuple[int, int, int, bool]:
     """Walk whole blocks of ``rel`` from ``start`` (a block boundary) towards ``stop``.
 
-    Stops before a block that would end past ``stop`` or exceed the budgets, and after a seal;
-    the first block is always taken when it fits ``stop``, so a read always makes progress. A
-    torn block followed by its recovery seal is passed as one (void) block.
+    Stops before a block that would end past ``stop`` or exceed the budgets, before a block
+    for which ``stop_before(header)`` is true, and after a seal; the first block is always
+    taken when it fits ``stop`` (and ``stop_before`` lets it), so a read always makes
+    progress. A torn block followed by its recovery seal is passed as one (void) block.
 
     Returns
     -------
@@ -171,6 +173,8 @@ def walk_blocks(
             over_bytes = max_bytes is not None and end - start > max_bytes
             over_rows = max_rows is not None and rows + header.count > max_rows
             if end > stop or (blocks and (over_bytes or over_rows)):
+                return at + off, rows, blocks, False
+            if stop_before is not None and stop_before(header):
                 return at + off, rows, blocks, False
             rows += header.count
             blocks += 1
@@ -292,31 +296,22 @@ def advance(
 def offset_for_timestamp(path: ReadPath, stream: str, shard: int, ts_us: int) -> Offset:
     """The offset of the first block whose last message is at or after ``ts_us`` (µs).
 
-    Messages of that block before ``ts_us`` are returned too (offsets are block
-    boundaries); with no such block, the end of the shard.
+    Messages of that block before ``ts_us`` are returned too (offsets are block boundaries).
+    The search follows the seal rule: it goes on to the next file only past a file's seal, so
+    with no such block it stops after the last complete block of the first unsealed file (a
+    reader starting there gets everything written later), or at the end of the shard.
     """
     files = path.store.list_files(stream, shard)
     rels = [f"{shard_dir(stream, shard)}/{f}" for f in files]
     lengths = path.lengths(rels) if rels else {}
     last = Offset()
     for name, rel in zip(files, rels):
-        length = lengths.get(rel) or 0
-        at = 0
-        uri = path.store.uri(rel)
-        while at + HEADER_SIZE <= length:
-            data = _read_now(path, rel, at, min(length, at + WALK_WINDOW_BYTES))
-            off = 0
-            while off + HEADER_SIZE <= len(data):
-                header = parse_header(data, off, path=uri, position=at + off)
-                if at + off + header.size > length:
-                    break
-                if header.count and header.last_ts >= ts_us:
-                    return Offset(name, at + off)
-                off += header.size
-            if off == 0:
-                break
-            at += off
-        last = Offset(name, at)
+        end, _, _, sealed = walk_blocks(
+            path, rel, 0, lengths.get(rel) or 0, stop_before=lambda h: bool(h.count) and h.last_ts >= ts_us
+        )
+        last = Offset(name, end)
+        if not sealed:
+            return last  # at the block found, or waiting at an unsealed file's end
     return last
 
 

@@ -82,6 +82,7 @@ def open_read_path(
     data_cache: Any = None,
     metadata_cache: Any = None,
     token: Optional[str] = None,
+    poller: Any = None,
 ) -> "ReadPath":
     """The one read-path factory: through the caches when any is given, else the durable store.
 
@@ -93,6 +94,9 @@ def open_read_path(
         Cache endpoints (``host:port,...``) or clients of the same cluster.
     token : str, optional
         Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
+    poller : LengthPoller, optional
+        The process's shared length poller to take published lengths from when
+        ``metadata_cache`` is a ready client (the copy daemon); endpoint strings find it alone.
     """
     from pyspark_acs.storage.store import open_store
 
@@ -100,7 +104,7 @@ def open_read_path(
     if data_cache or metadata_cache:
         from pyspark_acs.read.cachepath import CachedReadPath  # imports grpc: only when caches are used
 
-        return CachedReadPath(store, data_cache=data_cache, metadata_cache=metadata_cache, token=token)
+        return CachedReadPath(store, data_cache=data_cache, metadata_cache=metadata_cache, token=token, poller=poller)
     return DurableReadPath(store)
 
 

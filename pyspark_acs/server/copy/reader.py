@@ -39,7 +39,7 @@ from pyspark_acs.cache.poller import LengthPoller
 from pyspark_acs.errors import AcsError
 from pyspark_acs.read.cachepath import CachedReadPath
 from pyspark_acs.read.positions import ends_with_seal, read_blocks, skip_void, walk_blocks
-from pyspark_acs.read.readpath import RateLimiter
+from pyspark_acs.read.readpath import RateLimiter, open_read_path
 from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, OpKey
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
@@ -77,7 +77,9 @@ class SourceFiles:
     def __init__(self, io: ClusterIO, interval: float) -> None:
         self.io = io
         self.poller = LengthPoller.shared(io.meta_client.endpoints, interval=interval)
-        self.path = CachedReadPath(io.store, data_cache=io.data, metadata_cache=io.meta_client, poller=self.poller)
+        self.path: CachedReadPath = open_read_path(
+            io.store, data_cache=io.data, metadata_cache=io.meta_client, poller=self.poller
+        )
         self._lock = threading.Lock()
         self._follows: Dict[str, int] = {}
 
