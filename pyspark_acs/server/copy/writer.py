@@ -335,8 +335,8 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         Returns how many operations this daemon reads now (for Health).
     on_published : callable, optional
         ``on_published(rel, cache_length=None, durable_length=None, data=None)`` after every length a
-        writer published (the daemon's :meth:`LengthPoller.notify
-        <pyspark_acs.server.copy.reader.LengthPoller.notify>`: the readers of the next hop
+        writer published (the daemon's :meth:`SourceFiles.notify
+        <pyspark_acs.server.copy.reader.SourceFiles.notify>`: the readers of the next hop
         send the bytes at once instead of at their next poll).
     """
 
