@@ -143,8 +143,75 @@ def test_deposed_producer_stalled_after_its_lease_check_is_fenced(root, monkeypa
     assert fresh_values(root, "fence") == expected
 
 
+@pytest.mark.parametrize("stall", ["before_naming", "after_naming"])
+def test_deposed_producer_stalled_before_it_creates_its_next_file_is_fenced(root, monkeypatch, stall):
+    """The stall falls between the lease check and the creation of the next file (a roll):
+    the deposed producer's new file may sort before or after the new writer's file. Either
+    way its flush fails, its file is sealed empty (no reader waits at it) and no reader sees
+    its messages."""
+    first = Producer(root, "rollfence", lease_seconds=0.6, roll_bytes=1)  # every block ends its file
+    follower = Follower(root, "rollfence")
+    try:
+        for i in range(3):
+            first.send(b"first-%d" % i)
+            first.flush(timeout=WAIT_S)
+        follower.wait_for(b"first-2")
+        stalled, resume = threading.Event(), threading.Event()
+        real_name = ShardWriter.new_file_name
+
+        def stalling_name(self):
+            if self.writer_id != first.writer_id:
+                return real_name(self)
+            if stall == "before_naming":
+                stalled.set()
+                resume.wait(WAIT_S)
+                return real_name(self)
+            name = real_name(self)  # listed and named: the name sorts before the new writer's file
+            stalled.set()
+            resume.wait(WAIT_S)
+            return name
+
+        monkeypatch.setattr(ShardWriter, "new_file_name", stalling_name)
+        first.send(b"deposed-0")
+        assert stalled.wait(WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                second = Producer(root, "rollfence", lease_seconds=0.6)
+                break
+            except WriterConflictError:
+                assert time.monotonic() < deadline, "the stalled producer's lease never expired"
+                time.sleep(0.05)
+        with second:
+            for i in range(5):
+                second.send(b"second-%d" % i)
+            second.flush(timeout=WAIT_S)
+            follower.wait_for(b"second-4")
+            resume.set()
+            with pytest.raises(WriterConflictError) as err:
+                first.flush(timeout=WAIT_S)
+            assert "was deposed" in str(err.value), str(err.value)
+            with pytest.raises(WriterConflictError):
+                first.close(timeout=WAIT_S)
+            for i in range(5, 10):
+                second.send(b"second-%d" % i)
+        # The new writer sealed its file on close: every reader moves on past it.
+        live = follower.wait_for(b"second-9")
+        time.sleep(0.2)
+        live = follower.values()
+    finally:
+        resume.set()
+        follower.close()
+    expected = [b"first-%d" % i for i in range(3)] + [b"second-%d" % i for i in range(10)]
+    assert live == expected
+    assert fresh_values(root, "rollfence") == expected
+    store = DurableStore(root)
+    for name in store.list_files("rollfence", 0):  # no file is left unsealed (none holds readers)
+        assert scan_file(store, f"{shard_dir('rollfence', 0)}/{name}").sealed, name
+
+
 _STALLING_CHILD = r"""
-import os, signal, sys
+import sys
 import pyspark_acs.write.producer as producer_mod
 from pyspark_acs.errors import WriterConflictError
 
@@ -153,10 +220,13 @@ real_encode = producer_mod.encode_block
 
 
 def stalling_encode(values, *args, **kwargs):
-    # The writer thread, after its lease check and before its append: the whole process
-    # stops here (a GC pause, a slow disk) until the test sends SIGCONT.
+    # The writer thread, after its lease check and before its append, tells the test, which
+    # stops the whole process (a GC pause, a slow disk) with SIGSTOP, takes the shard over,
+    # sends SIGCONT and then lets this thread go on. (A SIGSTOP the thread sends itself is
+    # not enough: the kernel may let it run on for a moment before the group stop.)
     if values and values[0].startswith(b"deposed"):
-        os.kill(os.getpid(), signal.SIGSTOP)
+        print("STALLED", flush=True)
+        sys.stdin.readline()
     return real_encode(values, *args, **kwargs)
 
 
@@ -188,16 +258,19 @@ def _stopped(pid: int) -> bool:
 def test_deposed_producer_process_stopped_after_its_lease_check_is_fenced_with_caches(
         tmp_path, root, python_exe, subprocess_env):
     """The same fault with real processes and the caches: a producer process is SIGSTOPped
-    between its lease check and its append while another producer (poisoning its metadata
-    lease) takes the shard over; SIGCONT. Its flush fails naming the file and messages, and
+    (its writer thread held between its lease check and its append) while another producer
+    (poisoning its metadata lease) takes the shard over; SIGCONT. Its flush fails naming the file and messages, and
     neither a live consumer through the caches nor a fresh one (caches or store) ever sees
     its messages: they were never mirrored to the data cache."""
     from pyspark_acs.server.local.deploy import LocalDeployment
 
     with LocalDeployment(tmp_path / "dep", data_replicas=2, metadata_replicas=3, capacity="16MiB") as dep:
         caches = {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints}
-        child = subprocess.Popen([python_exe, "-c", _STALLING_CHILD, root, dep.data_endpoints,
-                                  dep.metadata_endpoints], stdout=subprocess.PIPE, env=subprocess_env, text=True)
+        child_log = tmp_path / "child.log"
+        with open(child_log, "wb") as err_file:
+            child = subprocess.Popen([python_exe, "-c", _STALLING_CHILD, root, dep.data_endpoints,
+                                      dep.metadata_endpoints], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=err_file, env=subprocess_env, text=True)
         follower = None
         try:
             line = child.stdout.readline().strip()
@@ -205,9 +278,11 @@ def test_deposed_producer_process_stopped_after_its_lease_check_is_fenced_with_c
             old_file = line.split()[1]
             follower = Follower(root, "stall", **caches)
             follower.wait_for(b"first-9")
+            assert child.stdout.readline().strip() == "STALLED"
+            child.send_signal(signal.SIGSTOP)
             deadline = time.monotonic() + WAIT_S
             while not _stopped(child.pid):
-                assert time.monotonic() < deadline, "the child producer never stalled"
+                assert time.monotonic() < deadline, "the child producer never stopped"
                 time.sleep(0.01)
             deadline = time.monotonic() + WAIT_S
             while True:
@@ -223,10 +298,15 @@ def test_deposed_producer_process_stopped_after_its_lease_check_is_fenced_with_c
                 second.flush(timeout=WAIT_S)
                 follower.wait_for(b"second-9")
                 child.send_signal(signal.SIGCONT)  # the deposed producer wakes up and appends
+                child.stdin.write("go\n")
+                child.stdin.flush()
                 verdict = child.stdout.readline().strip()
                 for i in range(10, 20):
                     second.send(b"second-%d" % i)
-            assert verdict.startswith("CONFLICT "), verdict
+            if not verdict.startswith("CONFLICT "):
+                st = DurableStore(root)
+                files = [(f, scan_file(st, f"{shard_dir('stall', 0)}/{f}")) for f in st.list_files("stall", 0)]
+                raise AssertionError(f"{verdict!r}; files {files}; the child's log:\n{child_log.read_text()}")
             assert old_file in verdict and "messages 10..14" in verdict and "not acknowledged" in verdict, verdict
             assert child.wait(WAIT_S) == 0
             follower.wait_for(b"second-19")
@@ -451,6 +531,30 @@ def test_without_an_append_lock_the_check_after_the_append_is_the_fence(root):
         first.append(encode_block([b"y"], None, [1], first_index=1))
     assert err.value.seal_at == len(block)
     first.close()
+
+
+def test_a_seal_that_meets_the_successors_recovery_seal_keeps_the_bytes_acknowledged(root):
+    """A writer's last append is verified, then the shard is taken over and the successor's
+    recovery seal lands right after those bytes, then the writer seals (roll or close). The
+    bytes lie before the seal and are acknowledged: sealing must not report them as a conflict
+    (a caller would send them again); the writer's next file is refused instead."""
+    store = DurableStore(root)
+    store.create_stream("meet", 1)
+    writer = ShardWriter(store, "meet", 0, "old", lease_seconds=0.5, roll_bytes=10**9)
+    writer.acquire()
+    writer.recover()
+    writer.append(encode_block([b"o0", b"o1"], None, [1, 2]), 2)
+    time.sleep(0.6)  # it stalls: its lease lapses
+    successor = ShardWriter(store, "meet", 0, "new", lease_seconds=5)
+    successor.acquire()
+    successor.recover()
+    assert successor.recovered == [writer.file]
+    writer.seal()  # the file is sealed where our bytes end: fine
+    with pytest.raises(WriterConflictError, match="was deposed"):
+        writer.append(encode_block([b"o2"], None, [1]), 1)
+    successor.append(encode_block([b"n0"], None, [1]), 1)
+    successor.close()
+    assert fresh_values(root, "meet") == [b"o0", b"o1", b"n0"]
 
 
 # -- suspected: lease records and store leases ---------------------------------------------------

@@ -323,11 +323,28 @@ class ShardWriter:
             self.seal()
 
     def seal(self) -> None:
-        """Seal the open file (readers move on at the seal) and close it."""
+        """Seal the open file (readers move on at the seal) and close it.
+
+        A file another writer already sealed exactly where this writer's bytes end (its
+        recovery seal after taking the shard over) counts as sealed: every byte of this
+        writer lies before that seal and was acknowledged, so reporting a conflict here would
+        make a caller resend messages readers already have. Whether this writer may go on is
+        decided where it next writes (:meth:`open_new` checks the lease).
+
+        Raises
+        ------
+        AppendConflictError
+            The file holds foreign bytes before this writer's end (it is not ours any more).
+        """
         if self.writer is None:
             return
         try:
             self.writer.append(encode_seal(self.next_index))
+        except AppendConflictError as exc:
+            if exc.seal_at != exc.start:
+                raise
+            log.info("%s: %s was sealed at byte %d, where our bytes end, by another writer (it took the "
+                     "shard over); every byte of ours lies before the seal", self.what, self.writer.uri, exc.seal_at)
         finally:
             self._close_writer()
 
