@@ -151,8 +151,12 @@ class WriterConflictError(LeaseError):
     """Another live writer holds the lease of the file or shard."""
 
 
-class LeasePoisonedError(LeaseError):
-    """A newer writer poisoned our lease: this writer must stop at once."""
+class LeasePoisonedError(WriterConflictError):
+    """A newer writer poisoned our lease: this writer must stop at once.
+
+    A :class:`WriterConflictError`: however a deposed writer finds out (its lease check, or
+    the seal fence at its next append), ``except WriterConflictError`` catches it.
+    """
 
 
 class DataLossError(AcsError):

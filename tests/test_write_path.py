@@ -210,6 +210,31 @@ def test_deposed_producer_stalled_before_it_creates_its_next_file_is_fenced(root
         assert scan_file(store, f"{shard_dir('rollfence', 0)}/{name}").sealed, name
 
 
+def test_deposed_producer_found_out_at_its_lease_check_raises_writer_conflict_naming_the_messages(root):
+    """However a deposed producer finds out (here: its lease check, before it wrote the
+    pending messages), flush raises a WriterConflictError that says how many messages are
+    not acknowledged and names the shard's last file."""
+    from pyspark_acs.errors import LeasePoisonedError
+    from pyspark_acs.storage.leases import LeaseRecord
+
+    p = Producer(root, "checked", lease_seconds=30)
+    p.send(b"kept")
+    p.flush(timeout=WAIT_S)
+    store = DurableStore(root)
+    lease_rel = f"{shard_dir('checked', 0)}/_writer.lease"
+    store.write_small(lease_rel, LeaseRecord.new("usurper", 30).encode())  # another writer took it
+    p._shards[0].writer.leases[0]._renewed -= 100  # the next round checks the lease first
+    p.send_many([b"lost-%d" % i for i in range(3)])
+    with pytest.raises(WriterConflictError) as err:
+        p.flush(timeout=WAIT_S)
+    assert isinstance(err.value, LeasePoisonedError)  # what a lease check raises, as before
+    msg = str(err.value)
+    assert "3 message(s)" in msg and "not acknowledged" in msg and p.current_files()[0] in msg, msg
+    with pytest.raises(WriterConflictError):
+        p.close(timeout=WAIT_S)
+    assert fresh_values(root, "checked") == [b"kept"]
+
+
 _STALLING_CHILD = r"""
 import sys
 import pyspark_acs.write.producer as producer_mod

@@ -20,11 +20,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from pyspark_acs.errors import AcsError, AcsOptionError, AcsTimeoutError, ClosedError
+from pyspark_acs.errors import AcsError, AcsOptionError, AcsTimeoutError, ClosedError, LeaseError
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block
 from pyspark_acs.format.names import MAX_SHARDS, new_writer_id, validate_shard, validate_stream
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS
 from pyspark_acs.storage.store import DurableStore, open_store
+from pyspark_acs.write.file import AppendConflictError
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES, DEFAULT_ROLL_SECONDS, ShardWriter, shard_for_key
 
 __all__ = [
@@ -432,12 +433,28 @@ class Producer:
                 if closing and not wrote:
                     break
         except BaseException as exc:  # handed to the caller through send/flush/close
+            if isinstance(exc, LeaseError) and not isinstance(exc, AppendConflictError):
+                exc = self._deposed(exc)
             log.error("producer for stream %r stopped: %s", self.stream, exc)
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
         finally:
             self._finish()
+
+    def _deposed(self, exc: LeaseError) -> LeaseError:
+        """The same error naming what is not acknowledged: a lease check (or the check of a new
+        file) found this producer deposed before it wrote the pending messages. (An append the
+        seal fence refused names its messages itself: AppendConflictError.)"""
+        with self._cond:
+            unwritten = self._sent - self._written
+        files = ", ".join(f"shard {sh.index} {sh.writer.file}" for sh in self._shards if sh.writer.file)
+        named = type(exc)(
+            f"{exc}; {unwritten} message(s) sent since the last acknowledged one are not acknowledged and were "
+            f"not written (last files: {files or 'none'})"
+        )
+        named.__cause__ = exc
+        return named
 
     def _idle_wait(self) -> float:
         # Wake up for lease renewal and age-based rollover even without traffic.
