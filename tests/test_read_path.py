@@ -207,21 +207,40 @@ def test_poller_thread_stops_quietly_when_its_client_closes(caches):
     assert errors == []
 
 
-def test_closing_consumers_leaves_no_thread_exception(root, caches):
+_CLOSING_CONSUMER = textwrap.dedent(
+    """
+    import concurrent.futures.thread, sys, threading, time
+    from pyspark_acs import Consumer
     errors = []
-    old_hook = threading.excepthook
-    threading.excepthook = lambda args: errors.append(args.exc_value)
-    try:
-        with Producer(root, "c8", shards=2, **caches) as p:
-            p.send_many([b"x"] * 20)
-        for _ in range(5):
-            c = Consumer(root, "c8", **caches)
-            _values(c, 20)
-            c.close()
-        time.sleep(0.3)
-    finally:
-        threading.excepthook = old_hook
-    assert errors == []
+    threading.excepthook = lambda args: errors.append(f"{args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
+    root, data, meta = sys.argv[1:4]
+    c = Consumer(root, "c8", data_cache=data, metadata_cache=meta)
+    n = 0
+    while n < 20:
+        n += sum(b.num_rows for b in c.poll())
+    c.close()
+    time.sleep(0.1)  # the shared poller still follows the files it was asked about
+    # What the interpreter does at exit before daemon threads stop: shut every executor down.
+    concurrent.futures.thread._python_exit()
+    time.sleep(0.3)
+    print(repr(errors), flush=True)
+    """
+)
+
+
+def test_closing_a_consumer_and_exiting_leaves_no_poller_exception(root, caches, subprocess_env):
+    """Bug 8 as users saw it: a script closes its Consumer and exits while the process's
+    length poller still polls; the poller's next batched read submitted to a shut-down pool and
+    its thread died with ``RuntimeError: cannot schedule new futures after ... shutdown``
+    (3 runs in 10 printed it on 0c51954; this test makes the exit deterministic)."""
+    with Producer(root, "c8", shards=2, **caches) as p:
+        p.send_many([b"x"] * 20)
+    out = subprocess.run(
+        [sys.executable, "-c", _CLOSING_CONSUMER, root, caches["data_cache"], caches["metadata_cache"]],
+        capture_output=True, text=True, env=subprocess_env, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr[-2000:]
 
 
 # -- a start at a timestamp follows the seal rule too ----------------------------------------------
