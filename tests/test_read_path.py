@@ -249,14 +249,14 @@ def test_closing_a_consumer_and_exiting_leaves_no_poller_exception(root, caches,
 def test_timestamp_start_does_not_skip_an_unsealed_file(root):
     from pyspark_acs.format.offsets import format_offsets
     from pyspark_acs.read.positions import offset_for_timestamp
-    from pyspark_acs.read.readpath import open_read_path
+    from pyspark_acs.read.readpath import DurableReadPath
 
     DurableStore(root).create_stream("ts", 1)
     f1, f2 = _name(0), _name(1)
     b1 = encode_block([b"a0", b"a1", b"a2"], None, [1, 2, 3], first_index=0)
     _append(root, "ts", f1, b1)  # unsealed: its writer may still append
     _append(root, "ts", f2, encode_block([b"b0", b"b1"], None, [100, 101], first_index=0) + encode_seal(2))
-    path = open_read_path(root)
+    path = DurableReadPath(DurableStore(root))
     try:
         # Old rule: Offset(f2, 0) -- a reader starting there never sees f1's later messages.
         start = offset_for_timestamp(path, "ts", 0, 50)
