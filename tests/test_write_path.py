@@ -412,6 +412,76 @@ def test_retried_sink_batch_after_another_writer_moved_on_is_seen_once_by_live_r
     assert live == fresh_values(root, "both")  # one history
 
 
+def test_sink_stalled_before_it_creates_its_planned_file_does_not_hide_the_batch(root, monkeypatch):
+    """The sink's commit plans a new file (its name fixed in the intent), then stalls past its
+    lease before creating it; a producer takes the shard over and writes a newer file. The
+    planned file would sort before the producer's: live readers already past it would never
+    see the batch. The commit must fail instead (the planned file sealed empty), and the
+    retry must land the batch after the producer's file, exactly once."""
+    import functools
+
+    import pyspark_acs.datasource.sink as sink_mod
+
+    monkeypatch.setattr(sink_mod, "ShardWriter", functools.partial(ShardWriter, lease_seconds=0.6))
+    a = sink(root, "a")
+    a.commit([staged(a, [b"a0-%d" % i for i in range(3)] )], 0)
+    # The sink's next batch starts a new file: the producer below seals the sink's file.
+    with Producer(root, "both", lease_seconds=0.6) as p:
+        p.send(b"p-0")
+    follower = Follower(root, "both")
+    stalled, resume = threading.Event(), threading.Event()
+    real_open = ShardWriter._open
+
+    def stalling_open(self, name, length, index):
+        if self.writer_id == a_writer and length == 0 and not stalled.is_set():
+            stalled.set()
+            resume.wait(WAIT_S)
+        return real_open(self, name, length, index)
+
+    a_writer = SinkCommitter(a.opts, a.sink_id).writer_id
+    monkeypatch.setattr(ShardWriter, "_open", stalling_open)
+    outcome = {}
+
+    def commit():
+        try:
+            a.commit([staged(a, [b"a1-%d" % i for i in range(3)])], 1)
+            outcome["done"] = True
+        except AcsError as exc:
+            outcome["error"] = exc
+
+    try:
+        follower.wait_for(b"p-0")
+        committer = threading.Thread(target=commit)
+        committer.start()
+        assert stalled.wait(WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                p = Producer(root, "both", lease_seconds=0.6)
+                break
+            except WriterConflictError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with p:
+            p.send(b"p-1")
+            p.flush(timeout=WAIT_S)
+            follower.wait_for(b"p-1")
+            resume.set()
+            committer.join(WAIT_S)
+            assert isinstance(outcome.get("error"), WriterConflictError), outcome
+            p.send(b"p-2")
+        a.commit([staged(a, [b"ignored"])], 1)  # the retry
+        live = follower.wait_for(b"a1-2")
+        time.sleep(0.2)
+        live = follower.values()
+    finally:
+        resume.set()
+        follower.close()
+    expected = [b"a0-0", b"a0-1", b"a0-2", b"p-0", b"p-1", b"p-2", b"a1-0", b"a1-1", b"a1-2"]
+    assert live == expected
+    assert fresh_values(root, "both") == expected
+
+
 # -- torn tail: a producer killed mid-block --------------------------------------------------------
 
 _CHILD = r"""

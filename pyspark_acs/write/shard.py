@@ -174,7 +174,9 @@ class ShardWriter:
 
         With ``resume`` (a file this writer left unsealed, e.g. the sink's file of its last
         batch): when it is still the newest file, or absent and named after every existing
-        file, and ends at ``resume.length``, it stays open for the next append. Otherwise
+        file, and ends at ``resume.length``, it stays open for the next append (a file created
+        here is claimed like :meth:`open_new`'s: WriterConflictError when another writer's file
+        sorts after it or the lease is lost, the file then sealed empty). Otherwise
         (or without ``resume``) the newest file is sealed at its durable length if it is not
         sealed yet (recovery: the predecessor stopped or was deposed), and the next append
         starts a new file.
@@ -192,6 +194,9 @@ class ShardWriter:
                     if resume.file != newest and newest is not None:
                         self._seal_predecessor(newest)
                     self._open(resume.file, resume.length, resume.next_index)
+                    if resume.file != newest:
+                        # Created now (a sink's planned file): fenced like any new file.
+                        self._claim(resume.file, newest)
                     return None
         if newest is None:
             return None
