@@ -50,6 +50,34 @@ def test_poller_stops_when_nothing_is_followed(deployment, monkeypatch):
     assert poller._thread is None
 
 
+
+def test_followed_files_wake_their_followers_and_outlive_forget(deployment, monkeypatch):
+    """The copy daemon follows its files through this poller (no second poller): a published
+    length wakes the file's followers only, a followed file is polled past FORGET_AFTER_S,
+    a length the process published itself (notify) is seen at once, and lengths never shrink."""
+    import pyspark_acs.cache.poller as poller_mod
+    from pyspark_acs.cache.client import CacheClient
+    from pyspark_acs.cache.metadata import MetadataCache
+
+    monkeypatch.setattr(poller_mod, "FORGET_AFTER_S", 0.1)
+    poller = LengthPoller(tuple(deployment.metadata_endpoints.split(",")), interval=0.02)
+    a, b = "file:///follow/a.acs", "file:///follow/b.acs"
+    wake_a, wake_b = poller.follow(a), poller.follow(b)
+    with CacheClient(deployment.metadata_endpoints) as client:
+        time.sleep(0.3)  # past FORGET_AFTER_S: still polled because followed
+        MetadataCache(client).publish(a, cache_length=10, durable_length=10)
+        assert wake_a.wait(5) and not wake_b.is_set()
+        assert poller.lengths([a])[a] == (10, 10)
+        poller.notify(b, durable_length=7)  # this process published it: no poll needed
+        assert wake_b.is_set() and poller.lengths([b])[b] == (None, 7)
+        MetadataCache(client).publish(a, cache_length=4)  # a lower length (a lagging writer) never lowers it
+        time.sleep(0.1)
+        assert poller.lengths([a])[a] == (10, 10)
+    poller.unfollow(a, wake_a)
+    poller.unfollow(b, wake_b)
+    assert not poller.followed(a) and not poller.followed(b)
+
+
 def test_token_protected_caches_need_the_token(tmp_path, caplog):
     from pyspark_acs.datasource.options import parse_sink_options, parse_source_options
 
@@ -70,3 +98,14 @@ def test_token_protected_caches_need_the_token(tmp_path, caplog):
     opts = {"root": root, "stream": "sec", "cacheToken": "s3cret"}
     assert parse_source_options(opts).cache_token == "s3cret"
     assert parse_sink_options(dict(opts, checkpointLocation="/ck")).cache_token == "s3cret"
+
+
+def test_closing_a_reader_releases_its_files(root, deployment):
+    """A closed reader's files leave the shared poll at once (not FORGET_AFTER_S later), so
+    the poller thread stops soon after the last reader of the process closed."""
+    path = CachedReadPath(open_store(root), metadata_cache=deployment.metadata_endpoints)
+    uri = path.store.uri("s/00000/x.acs")
+    path.lengths(["s/00000/x.acs"])
+    assert uri in path.poller._asked
+    path.close()
+    assert uri not in path.poller._asked

@@ -116,6 +116,16 @@ class LengthPoller:
             if not events:
                 del self._followers[uri]
 
+    def release(self, uris: Sequence[str]) -> None:
+        """A reader closed: stop polling ``uris`` unless someone follows them (another reader
+        asking for one again gets it fetched at once), so the thread stops soon after the
+        last reader of the process closed."""
+        with self._lock:
+            for u in uris:
+                if u not in self._followers:
+                    self._asked.pop(u, None)
+                    self._values.pop(u, None)
+
     def followed(self, uri: str) -> bool:
         """Whether a reader follows ``uri`` explicitly."""
         with self._lock:

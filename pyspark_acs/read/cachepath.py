@@ -19,7 +19,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Deque, Dict, Optional, Sequence, Tuple, Union
+from typing import Deque, Dict, Optional, Sequence, Set, Tuple, Union
 
 from pyspark_acs.cache.client import CacheClient, client_for
 from pyspark_acs.cache.chunks import ChunkReader
@@ -138,10 +138,12 @@ class CachedReadPath:
         self.chunks = ChunkReader(self.data) if self.data else None
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval
-        # _lock guards _published, _recent, _delays, _durable_cache, _standing, _meta_down_until
+        # _lock guards _published, _polled, _recent, _delays, _durable_cache, _standing, _meta_down_until
         # and _stats.
         self._lock = threading.Lock()
         self._published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
+        # files asked of the shared poller (released when this path closes)
+        self._polled: Set[str] = set()
         # rel -> (start, bytes) this process just wrote to the data cache (notify): served
         # from memory instead of a cache round trip (the copy daemon's next hop).
         self._recent: Dict[str, Tuple[int, bytes]] = {}
@@ -163,6 +165,9 @@ class CachedReadPath:
         meta_down = self.meta is not None and now < self._meta_down_until
         if self.meta is not None and rels and not meta_down:
             uris = [self.store.uri(r) for r in rels]
+            if self.poller is not None:
+                with self._lock:
+                    self._polled.update(rels)
             try:
                 got = self.poller.lengths(uris) if self.poller is not None else self.meta.lengths(uris)
                 published = {r: got[u] for r, u in zip(rels, uris)}
@@ -371,6 +376,7 @@ class CachedReadPath:
         """Drop per-file state once a reader left the file."""
         with self._lock:
             self._published.pop(rel, None)
+            self._polled.discard(rel)
             self._recent.pop(rel, None)
             self._delays.pop(rel, None)
             self._durable_cache.pop(rel, None)
@@ -380,7 +386,12 @@ class CachedReadPath:
         """Close the cache clients this path created from endpoint strings, and the store's open files.
 
         Clients passed in as :class:`~pyspark_acs.cache.client.CacheClient` objects stay open.
+        The shared poller stops polling the files this path asked for (unless others follow them).
         """
+        if self.poller is not None:
+            with self._lock:
+                rels, self._polled = list(self._polled), set()
+            self.poller.release([self.store.uri(r) for r in rels])
         for c in self._own:
             c.close()
         self.store.close()
