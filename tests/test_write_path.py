@@ -424,7 +424,7 @@ def test_sink_stalled_before_it_creates_its_planned_file_does_not_hide_the_batch
 
     monkeypatch.setattr(sink_mod, "ShardWriter", functools.partial(ShardWriter, lease_seconds=0.6))
     a = sink(root, "a")
-    a.commit([staged(a, [b"a0-%d" % i for i in range(3)] )], 0)
+    a.commit([staged(a, [b"a0-%d" % i for i in range(3)])], 0)
     # The sink's next batch starts a new file: the producer below seals the sink's file.
     with Producer(root, "both", lease_seconds=0.6) as p:
         p.send(b"p-0")
