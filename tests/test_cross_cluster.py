@@ -26,7 +26,7 @@ from pyspark_acs.format.block import encode_block, encode_seal
 from pyspark_acs.format.names import file_name, new_writer_id, shard_dir
 from pyspark_acs.storage.store import DurableStore
 
-from _harness import CHAIN, Env, LiveConsumer, check_histories, source_history, start_caches
+from _harness import CHAIN, Env, LiveConsumer, check_histories, metric, source_history, start_caches
 
 pytestmark = pytest.mark.slow
 
@@ -314,5 +314,68 @@ def test_torn_block_and_its_recovery_seal_travel_to_every_hop(make_env, caches, 
             assert c.values.get(0, []) == expected, (c.cluster, c.values.get(0, [])[-5:])
         env.wait_same("C")
     finally:
+        for c in live:
+            c.stop()
+
+
+def _files(root: str, stream: str, shards: int) -> Dict[int, List[str]]:
+    store = DurableStore(root)
+    try:
+        return {s: store.list_files(stream, s) for s in range(shards)}
+    finally:
+        store.close()
+
+
+def test_restarted_daemons_ask_children_what_they_have(make_env, caches):
+    """A restarted daemon learns in one ``Files`` call per shard which files a child holds and
+    which are complete there, instead of re-running one operation per file, one file at a
+    time (THE FILE ORDER RULE waited for each file's hello: with thousands of small files a
+    restarted daemon spent minutes before it reached the files being written). Chain A -> B -> C
+    with consumers following in every cluster; both daemons feeding others are SIGKILLed with
+    ~140 small files copied and restarted while more arrive; no operation runs again for a
+    file that was complete at the child, files still appear in order, everyone gets everything."""
+    env = make_env(caches)
+    for c in ("A", "B", "C"):
+        env.start_daemon(c)
+    live = [LiveConsumer(env, c) for c in ("A", "B", "C")]
+    watchers = [OrderWatcher(env, c, 2) for c in ("B", "C")]
+    acknowledged: List[bytes] = []
+    try:
+        with env.producer(roll_bytes=2000) as p:
+            def send(n: int) -> None:
+                for _ in range(n):
+                    value = f"m{len(acknowledged):06d}-".encode() + b"r" * 300
+                    p.send(value, key=str(len(acknowledged) % 2).encode())
+                    acknowledged.append(value)
+                    if len(acknowledged) % 5 == 0:
+                        p.flush(timeout=30)
+                p.flush(timeout=30)
+
+            send(1000)
+            env.wait_same("C")
+            before = _files(env.roots["A"], env.stream, 2)
+            complete = sum(len(v) - 1 for v in before.values())  # all but each shard's open file
+            assert complete >= 80
+            env.kill_daemon("A")
+            env.kill_daemon("B")
+            send(100)  # files made while the daemons are down
+            restarted = {c: env.start_daemon(c, "--workers", "4") for c in ("A", "B")}
+            send(100)
+        env.wait_same("C")
+        for w in watchers:
+            w.stop()
+            assert not w.violations, w.violations[:5]
+        wait_quiet(env, live, acknowledged)
+        after = _files(env.roots["A"], env.stream, 2)
+        new = sum(len(v) for v in after.values()) - complete
+        for c, proc in restarted.items():
+            known = metric(proc, "files_surveyed_total", state="complete")
+            assert known >= complete, (c, known, complete, env.logs())
+            # Durable operations ran only for files that were not complete at the child.
+            ran = metric(proc, "operations_finished_total", storage="durable")
+            assert ran <= new, (c, ran, new)
+    finally:
+        for w in watchers:
+            w.stop()
         for c in live:
             c.stop()

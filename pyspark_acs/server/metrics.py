@@ -136,6 +136,9 @@ COPY_METRICS: Dict[str, MetricSpec] = {
         ("storage",), COPY_DELAY_BUCKETS),
     "errors_total": MetricSpec("counter", "Errors by kind (restart, poisoned, connect, ...).", ("kind",)),
     "tree_rebuilds_total": MetricSpec("counter", "Copy-tree rebuilds after health or topology changes."),
+    "files_surveyed_total": MetricSpec(
+        "counter", "Files a child reported holding when this daemon started feeding it (Files RPC), "
+        "by state: complete (sealed there, no operation needed) or present (exists, copy goes on).", ("state",)),
 }
 
 _TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}

@@ -49,7 +49,7 @@ class OpKey(NamedTuple):
         return f"{shard_dir(self.stream, self.shard)}/{self.file}"
 
     def __str__(self) -> str:
-        return f"{self.stream}/{self.shard:05d}/{self.file} [{self.storage}] -> {self.child}"
+        return f"{self.rel} [{self.storage}] -> {self.child}"
 
 
 class ClusterIO:

@@ -16,6 +16,11 @@ Rules the scheduler owns (one place each):
   name never skips a file still being copied. Files are still copied side by side.
 * **The seal rule**: an operation finishes only at its file's seal; no newer file finishes
   it (a take-over producer seals its predecessor's file, and that seal is copied).
+* **What a child already has** (:meth:`CopyScheduler._survey`): when the scheduler starts
+  feeding a child (a daemon restart, a tree change) it asks the child's daemon once per shard
+  which files it holds (the ``Files`` RPC): those exist there (file order), and those sealed
+  there are complete (their operations are done). Without it a restarted daemon would run one
+  operation per file, one file at a time, before it reached the files still being written.
 * **Idle operations yield** (:meth:`CopyScheduler._park`): an operation that has copied
   everything of an unsealed file that stopped growing is parked when other operations wait
   for a worker slot, and started again once the file's length moves (its seal moves it), so
@@ -37,16 +42,19 @@ import time
 import zlib
 from typing import Callable, Dict, FrozenSet, List, Set, Tuple
 
+import grpc
+
 from pyspark_acs.errors import AcsError, CacheError, TopologyError
 from pyspark_acs.server.copy.cluster import DURABLE, STORAGES, ClusterIO, OpKey
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
+from pyspark_acs.server.copy.proto import copy_pb2
 from pyspark_acs.server.copy.reader import CopyOperation, SourceFiles
 from pyspark_acs.server.copy.tree import CopyTree, build_copy_tree
 from pyspark_acs.server.copy.topology import Topology, load_topology
 from pyspark_acs.storage.store import DurableStore
 
-__all__ = ["YIELD_S", "CopyScheduler", "owns"]
+__all__ = ["SURVEY_TIMEOUT_S", "YIELD_S", "CopyScheduler", "owns"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,8 @@ log = logging.getLogger(__name__)
 YIELD_S = 10.0
 #: Bounded wait for operation threads at shutdown.
 _JOIN_S = 5.0
+#: Deadline of one ``Files`` call to a child's daemon (seconds).
+SURVEY_TIMEOUT_S = 10.0
 
 
 
@@ -110,6 +120,8 @@ class CopyScheduler:
         self._yielded: Dict[OpKey, float] = {}
         #: (stream, shard, file, child) known to exist in the child's durable store.
         self._created: Set[Tuple[str, int, str, str]] = set()
+        #: (stream, shard, child) whose files at the child were asked for (:meth:`_survey`).
+        self._surveyed: Set[Tuple[str, int, str]] = set()
         #: Running operations caught up with their source file, since when (monotonic).
         self._idle_since: Dict[OpKey, float] = {}
         #: Parked operations: (acknowledged length, the poller wake event following the file).
@@ -194,6 +206,8 @@ class CopyScheduler:
             self._children = children
             if changed:
                 self._yielded.clear()
+                # A child fed again later is asked again what it has (it may have been fed by another parent).
+                self._surveyed = {k for k in self._surveyed if k[2] in children.get(k[0], ())}
             stale = [op for key, (op, _) in self._ops.items() if key.child not in children.get(key.stream, ())]
             for key in [k for k in self._parked if k.child not in children.get(k.stream, ())]:
                 self._unpark(key)
@@ -290,6 +304,7 @@ class CopyScheduler:
                     # every older file of it is known before this one may be created at a child
                     # (files appear here in name order, so the listing has all older ones).
                     self._add_files(stream, shard, self.io.store.list_files(stream, shard) + [head])
+        self._survey(feeding)
         self._schedule(feeding)
 
     def _known(self, stream: str, shard: int, name: str) -> bool:
@@ -373,6 +388,45 @@ class CopyScheduler:
                             break  # later files wait until this one exists at the child
         ready.sort(key=lambda k: (k.file, STORAGES.index(k.storage), k.stream, k.shard, k.child))
         return ready, foreign
+
+    def _survey(self, feeding: Dict[str, Tuple[str, ...]]) -> None:
+        """Ask each child not yet asked which files of each shard it holds (one ``Files`` call
+        per shard): present files count as created there (THE FILE ORDER RULE needs no
+        operation to learn it), sealed ones as done for both storages (a copy is a prefix of
+        the source's file, so a copy that ends with a seal is the whole file; readers there
+        read what the cache lacks from the durable copy). A child that cannot answer is asked
+        again next round; meanwhile operations learn it file by file."""
+        for stream, children in sorted(feeding.items()):
+            for shard in range(self._shards.get(stream, 0)):
+                for child in children:
+                    target = (stream, shard, child)
+                    with self._lock:
+                        if target in self._surveyed or child not in self._children.get(stream, ()):
+                            continue
+                    try:
+                        reply = self.stub_for(child).Files(
+                            copy_pb2.FilesRequest(stream=stream, shard=shard), timeout=SURVEY_TIMEOUT_S)
+                    except grpc.RpcError as exc:
+                        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older daemon: learn file by file
+                            with self._lock:
+                                self._surveyed.add(target)
+                        else:
+                            log.debug("%s/%d: cannot ask %s which files it has: %s", stream, shard, child, exc)
+                        continue
+                    complete = 0
+                    with self._lock:
+                        self._surveyed.add(target)
+                        for f in reply.files:
+                            self._created.add((stream, shard, f.name, child))
+                            if f.sealed:
+                                complete += 1
+                                for storage in STORAGES:
+                                    self._done.add(OpKey(stream, shard, f.name, storage, child))
+                    if reply.files:
+                        log.info("%s/%d: %s holds %d files, %d of them complete", stream, shard, child,
+                                 len(reply.files), complete)
+                    self.metrics.inc("files_surveyed_total", complete, state="complete")
+                    self.metrics.inc("files_surveyed_total", len(reply.files) - complete, state="present")
 
     def _park(self, count: int, now: float) -> None:
         """Stop up to ``count`` operations idle for ``park_after`` (longest idle first); each is

@@ -39,11 +39,14 @@ import time
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import grpc
+from cachetools import LRUCache
 
 from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader
 from pyspark_acs.errors import AcsError, CacheError, LeasePoisonedError, StoreError, WriterConflictError
 from pyspark_acs.cache.metadata import MetadataLease
-from pyspark_acs.format.names import parse_file_name, validate_shard, validate_stream
+from pyspark_acs.format.names import parse_file_name, shard_dir, validate_shard, validate_stream
+from pyspark_acs.read.positions import ends_with_seal
+from pyspark_acs.read.readpath import DurableReadPath
 from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, publish_delay
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
@@ -56,6 +59,8 @@ log = logging.getLogger(__name__)
 
 #: How often a writer records the delivery delay in the metadata cache (per operation).
 DELAY_PUBLISH_INTERVAL_S = 0.5
+#: How many files found sealed the Files RPC remembers (files; each entry is a name and a length).
+SEALED_FILES_REMEMBERED = 100_000
 _STORAGE_NAMES = {copy_pb2.DURABLE: DURABLE, copy_pb2.CACHE: CACHE}
 
 
@@ -95,7 +100,7 @@ class _OpWriter:
         self.shard = validate_shard(hello.shard)
         parse_file_name(hello.file)
         self.file = hello.file
-        self.rel = f"{self.stream}/{self.shard:05d}/{self.file}"
+        self.rel = f"{shard_dir(self.stream, self.shard)}/{self.file}"
         self.uri = self.io.uri(self.rel)
         self.shard_uri = self.io.shard_uri(self.stream, self.shard)
         self.shards = hello.shards
@@ -348,9 +353,13 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         self.generations = _Generations()
         self._reading = reading
         self._on_published = on_published
-        # _lock guards _streams (streams whose _stream.json exists here) and _writing.
+        # _lock guards _streams (streams whose _stream.json exists here), _writing and _sealed_files.
         self._lock = threading.Lock()
         self._streams: Dict[str, int] = {}
+        #: Files found sealed here, with their length (a sealed file never changes).
+        self._sealed_files: LRUCache = LRUCache(maxsize=SEALED_FILES_REMEMBERED)
+        #: This cluster's store alone, for the seal walks of :meth:`Files` (never closed: the store is io's).
+        self._durable_path = DurableReadPath(io.store)
         self._writing = 0
         self.serving = True
 
@@ -437,6 +446,44 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
             self.metrics.inc("operations", -1, role="writer", storage=writer.storage)
             with self._lock:
                 self._writing -= 1
+
+    def Files(self, request: copy_pb2.FilesRequest, context: grpc.ServicerContext) -> copy_pb2.FilesResponse:  # noqa: N802
+        """The files of one shard in this cluster's durable store: name, length, sealed.
+
+        A parent asks once when it starts feeding this cluster (a restart, a tree change), so it
+        need not run one operation per file to learn which files exist here (the file order
+        rule) and which are complete. Whether a file is sealed follows the read side's seal
+        rule (:func:`pyspark_acs.read.positions.ends_with_seal`); a sealed file never changes,
+        so the answer is remembered.
+        """
+        try:
+            stream = validate_stream(request.stream)
+            shard = validate_shard(request.shard)
+        except (AcsError, ValueError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad Files request: {exc}")
+        try:
+            names = self.io.store.list_files(stream, shard)
+            rels = [f"{shard_dir(stream, shard)}/{name}" for name in names]
+            lengths = self.io.store.lengths(rels) if rels else {}
+            files = []
+            for name, rel in zip(names, rels):
+                length = lengths.get(rel)
+                if length is None:
+                    continue  # deleted since the listing
+                files.append(copy_pb2.FileState(name=name, durable_length=length, sealed=self._sealed(rel, length)))
+        except AcsError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot list {self.io.shard_uri(stream, shard)}: {exc}")
+        return copy_pb2.FilesResponse(files=files)
+
+    def _sealed(self, rel: str, length: int) -> bool:
+        with self._lock:
+            if self._sealed_files.get(rel) == length:
+                return True
+        if length == 0 or not ends_with_seal(self._durable_path, rel, length):
+            return False
+        with self._lock:
+            self._sealed_files[rel] = length
+        return True
 
     def Health(self, request: copy_pb2.HealthRequest, context: grpc.ServicerContext) -> copy_pb2.HealthResponse:  # noqa: N802
         """Whether this daemon serves (False once stopping), its cluster, and its running operations.

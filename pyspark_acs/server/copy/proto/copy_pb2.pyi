@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -80,3 +82,27 @@ class HealthResponse(_message.Message):
     reading: int
     writing: int
     def __init__(self, serving: _Optional[bool] = ..., cluster: _Optional[str] = ..., reading: _Optional[int] = ..., writing: _Optional[int] = ...) -> None: ...
+
+class FilesRequest(_message.Message):
+    __slots__ = ("stream", "shard")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    shard: int
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class FileState(_message.Message):
+    __slots__ = ("name", "durable_length", "sealed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    durable_length: int
+    sealed: bool
+    def __init__(self, name: _Optional[str] = ..., durable_length: _Optional[int] = ..., sealed: _Optional[bool] = ...) -> None: ...
+
+class FilesResponse(_message.Message):
+    __slots__ = ("files",)
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[FileState]
+    def __init__(self, files: _Optional[_Iterable[_Union[FileState, _Mapping]]] = ...) -> None: ...

@@ -44,6 +44,11 @@ class CopyStub:
                 request_serializer=pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.HealthRequest.SerializeToString,
                 response_deserializer=pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Files = channel.unary_unary(
+                '/pyspark_acs.copy.Copy/Files',
+                request_serializer=pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.FilesRequest.SerializeToString,
+                response_deserializer=pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.FilesResponse.FromString,
+                _registered_method=True)
 
 
 class CopyServicer:
@@ -61,6 +66,12 @@ class CopyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Files(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CopyServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_CopyServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.HealthRequest.FromString,
                     response_serializer=pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.HealthResponse.SerializeToString,
+            ),
+            'Files': grpc.unary_unary_rpc_method_handler(
+                    servicer.Files,
+                    request_deserializer=pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.FilesRequest.FromString,
+                    response_serializer=pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.FilesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class Copy:
             '/pyspark_acs.copy.Copy/Health',
             pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.HealthRequest.SerializeToString,
             pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Files(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pyspark_acs.copy.Copy/Files',
+            pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.FilesRequest.SerializeToString,
+            pyspark__acs_dot_server_dot_copy_dot_proto_dot_copy__pb2.FilesResponse.FromString,
             options,
             channel_credentials,
             insecure,
