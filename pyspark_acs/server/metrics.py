@@ -115,6 +115,10 @@ CACHE_METRICS: Dict[str, MetricSpec] = {
     "expired_total": MetricSpec("counter", "Entries dropped when their TTL ran out."),
     "evicted_total": MetricSpec("counter", "Entries evicted by GC to make room."),
     "gc_runs_total": MetricSpec("counter", "GC runs."),
+    "watch_streams": MetricSpec("gauge", "Watch push streams open now (metadata readers)."),
+    "follow_streams": MetricSpec("gauge", "Follow push streams open now (data readers)."),
+    "pushed_messages_total": MetricSpec("counter", "Messages sent on push streams."),
+    "pushed_bytes_total": MetricSpec("counter", "File bytes sent on Follow streams."),
 }
 
 #: Copy-daemon metrics, ``acs_copy_<name>{cluster, ...}`` (``cluster`` is the daemon's own).

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pyspark_acs/cache/proto/acs.proto\x12\x11pyspark_acs.cache\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"K\n\x0bGetResponse\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\r\x12\x10\n\x08versions\x18\x04 \x03(\x04\"Y\n\nPutRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\r\x12\x10\n\x08versions\x18\x04 \x03(\x04\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\x04\";\n\x0bPutResponse\x12,\n\x06status\x18\x01 \x03(\x0e\x32\x1c.pyspark_acs.cache.PutStatus\"|\n\x14\x43ompareAndSetRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x15\n\rexpect_absent\x18\x02 \x01(\x08\x12\x10\n\x08\x65xpected\x18\x03 \x01(\x0c\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\x04\"W\n\x15\x43ompareAndSetResponse\x12\x0f\n\x07swapped\x18\x01 \x01(\x08\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\x9c\x01\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12<\n\x06values\x18\x02 \x03(\x0b\x32,.pyspark_acs.cache.StatsResponse.ValuesEntry\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x0f\n\rHealthRequest\"A\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01*1\n\tPutStatus\x12\n\n\x06STORED\x10\x00\x12\t\n\x05STALE\x10\x01\x12\r\n\tTOO_LARGE\x10\x02\x32\xe1\x03\n\x05\x43\x61\x63he\x12\x44\n\x03Get\x12\x1d.pyspark_acs.cache.GetRequest\x1a\x1e.pyspark_acs.cache.GetResponse\x12\x44\n\x03Put\x12\x1d.pyspark_acs.cache.PutRequest\x1a\x1e.pyspark_acs.cache.PutResponse\x12\x62\n\rCompareAndSet\x12\'.pyspark_acs.cache.CompareAndSetRequest\x1a(.pyspark_acs.cache.CompareAndSetResponse\x12M\n\x06\x44\x65lete\x12 .pyspark_acs.cache.DeleteRequest\x1a!.pyspark_acs.cache.DeleteResponse\x12J\n\x05Stats\x12\x1f.pyspark_acs.cache.StatsRequest\x1a .pyspark_acs.cache.StatsResponse\x12M\n\x06Health\x12 .pyspark_acs.cache.HealthRequest\x1a!.pyspark_acs.cache.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pyspark_acs/cache/proto/acs.proto\x12\x11pyspark_acs.cache\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"K\n\x0bGetResponse\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\r\x12\x10\n\x08versions\x18\x04 \x03(\x04\"Y\n\nPutRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\r\x12\x10\n\x08versions\x18\x04 \x03(\x04\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\x04\";\n\x0bPutResponse\x12,\n\x06status\x18\x01 \x03(\x0e\x32\x1c.pyspark_acs.cache.PutStatus\"|\n\x14\x43ompareAndSetRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x15\n\rexpect_absent\x18\x02 \x01(\x08\x12\x10\n\x08\x65xpected\x18\x03 \x01(\x0c\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\x04\"W\n\x15\x43ompareAndSetResponse\x12\x0f\n\x07swapped\x18\x01 \x01(\x08\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\x9c\x01\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12<\n\x06values\x18\x02 \x03(\x0b\x32,.pyspark_acs.cache.StatsResponse.ValuesEntry\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x0f\n\rHealthRequest\"A\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\"+\n\x0cWatchRequest\x12\x0b\n\x03\x61\x64\x64\x18\x01 \x03(\x0c\x12\x0e\n\x06remove\x18\x02 \x03(\x0c\"X\n\nWatchEvent\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05\x66ound\x18\x02 \x03(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05sizes\x18\x04 \x03(\r\x12\x10\n\x08versions\x18\x05 \x03(\x04\"B\n\rFollowRequest\x12\x0e\n\x06\x66ollow\x18\x01 \x03(\x0c\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x10\n\x08unfollow\x18\x03 \x03(\x0c\"G\n\tFileBytes\x12\r\n\x05\x66iles\x18\x01 \x03(\x0c\x12\x0e\n\x06starts\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05sizes\x18\x04 \x03(\r*1\n\tPutStatus\x12\n\n\x06STORED\x10\x00\x12\t\n\x05STALE\x10\x01\x12\r\n\tTOO_LARGE\x10\x02\x32\xfc\x04\n\x05\x43\x61\x63he\x12\x44\n\x03Get\x12\x1d.pyspark_acs.cache.GetRequest\x1a\x1e.pyspark_acs.cache.GetResponse\x12\x44\n\x03Put\x12\x1d.pyspark_acs.cache.PutRequest\x1a\x1e.pyspark_acs.cache.PutResponse\x12\x62\n\rCompareAndSet\x12\'.pyspark_acs.cache.CompareAndSetRequest\x1a(.pyspark_acs.cache.CompareAndSetResponse\x12M\n\x06\x44\x65lete\x12 .pyspark_acs.cache.DeleteRequest\x1a!.pyspark_acs.cache.DeleteResponse\x12J\n\x05Stats\x12\x1f.pyspark_acs.cache.StatsRequest\x1a .pyspark_acs.cache.StatsResponse\x12M\n\x06Health\x12 .pyspark_acs.cache.HealthRequest\x1a!.pyspark_acs.cache.HealthResponse\x12K\n\x05Watch\x12\x1f.pyspark_acs.cache.WatchRequest\x1a\x1d.pyspark_acs.cache.WatchEvent(\x01\x30\x01\x12L\n\x06\x46ollow\x12 .pyspark_acs.cache.FollowRequest\x1a\x1c.pyspark_acs.cache.FileBytes(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSRESPONSE_VALUESENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_PUTSTATUS']._serialized_start=853
-  _globals['_PUTSTATUS']._serialized_end=902
+  _globals['_PUTSTATUS']._serialized_start=1129
+  _globals['_PUTSTATUS']._serialized_end=1178
   _globals['_GETREQUEST']._serialized_start=56
   _globals['_GETREQUEST']._serialized_end=82
   _globals['_GETRESPONSE']._serialized_start=84
@@ -61,6 +61,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREQUEST']._serialized_end=784
   _globals['_HEALTHRESPONSE']._serialized_start=786
   _globals['_HEALTHRESPONSE']._serialized_end=851
-  _globals['_CACHE']._serialized_start=905
-  _globals['_CACHE']._serialized_end=1386
+  _globals['_WATCHREQUEST']._serialized_start=853
+  _globals['_WATCHREQUEST']._serialized_end=896
+  _globals['_WATCHEVENT']._serialized_start=898
+  _globals['_WATCHEVENT']._serialized_end=986
+  _globals['_FOLLOWREQUEST']._serialized_start=988
+  _globals['_FOLLOWREQUEST']._serialized_end=1054
+  _globals['_FILEBYTES']._serialized_start=1056
+  _globals['_FILEBYTES']._serialized_end=1127
+  _globals['_CACHE']._serialized_start=1181
+  _globals['_CACHE']._serialized_end=1817
 # @@protoc_insertion_point(module_scope)

@@ -128,3 +128,47 @@ class HealthResponse(_message.Message):
     role: str
     uptime_s: float
     def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("add", "remove")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
+    add: _containers.RepeatedScalarFieldContainer[bytes]
+    remove: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, add: _Optional[_Iterable[bytes]] = ..., remove: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class WatchEvent(_message.Message):
+    __slots__ = ("keys", "found", "data", "sizes", "versions")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    found: _containers.RepeatedScalarFieldContainer[bool]
+    data: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., found: _Optional[_Iterable[bool]] = ..., data: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FollowRequest(_message.Message):
+    __slots__ = ("follow", "offsets", "unfollow")
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    UNFOLLOW_FIELD_NUMBER: _ClassVar[int]
+    follow: _containers.RepeatedScalarFieldContainer[bytes]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    unfollow: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, follow: _Optional[_Iterable[bytes]] = ..., offsets: _Optional[_Iterable[int]] = ..., unfollow: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FileBytes(_message.Message):
+    __slots__ = ("files", "starts", "data", "sizes")
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedScalarFieldContainer[bytes]
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, files: _Optional[_Iterable[bytes]] = ..., starts: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...

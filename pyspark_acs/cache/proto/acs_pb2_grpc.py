@@ -64,6 +64,16 @@ class CacheStub:
                 request_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.HealthRequest.SerializeToString,
                 response_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.stream_stream(
+                '/pyspark_acs.cache.Cache/Watch',
+                request_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.WatchRequest.SerializeToString,
+                response_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.WatchEvent.FromString,
+                _registered_method=True)
+        self.Follow = channel.stream_stream(
+                '/pyspark_acs.cache.Cache/Follow',
+                request_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FollowRequest.SerializeToString,
+                response_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FileBytes.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -105,6 +115,18 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Follow(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +159,16 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.HealthRequest.FromString,
                     response_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.HealthResponse.SerializeToString,
+            ),
+            'Watch': grpc.stream_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.WatchRequest.FromString,
+                    response_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.WatchEvent.SerializeToString,
+            ),
+            'Follow': grpc.stream_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FollowRequest.FromString,
+                    response_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FileBytes.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +333,60 @@ class Cache:
             '/pyspark_acs.cache.Cache/Health',
             pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.HealthRequest.SerializeToString,
             pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pyspark_acs.cache.Cache/Watch',
+            pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.WatchRequest.SerializeToString,
+            pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pyspark_acs.cache.Cache/Follow',
+            pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FollowRequest.SerializeToString,
+            pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FileBytes.FromString,
             options,
             channel_credentials,
             insecure,

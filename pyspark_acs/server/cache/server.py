@@ -23,6 +23,7 @@ naming the flag when a flag is bad. With ``--token`` every call must carry the m
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import os
 import signal
@@ -37,14 +38,14 @@ import grpc
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.units import parse_bytes, parse_duration
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
-from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, Store
+from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, PutResult, Store
+from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Watchers
 from pyspark_acs.server.metrics import CACHE_METRICS, Metrics, MetricsEndpoint, StatsCollector
 
 __all__ = [
     "CACHE_PREFIX",
     "DEFAULT_CAPACITY_BYTES",
     "DEFAULT_HOST",
-    "DEFAULT_SERVER_THREADS",
     "EXPIRY_SWEEP_INTERVAL_S",
     "MAX_MESSAGE_BYTES",
     "MIN_CAPACITY_BYTES",
@@ -69,9 +70,6 @@ DEFAULT_CAPACITY_BYTES: Dict[str, int] = {"data": 1024**3, "metadata": 256 * 102
 #: Smallest capacity accepted: below this not even a handful of 4 KiB chunks fit.
 MIN_CAPACITY_BYTES = 64 * 1024
 DEFAULT_HOST = "127.0.0.1"
-#: Worker threads of the gRPC server. Handlers are short and hold the store lock briefly; a
-#: few threads overlap (de)serialization with network waits without GIL thrashing.
-DEFAULT_SERVER_THREADS = 8
 #: Largest gRPC message either way: a batched put or get of several MiB of 4 KiB chunks
 #: (the client splits batches at 4 MiB; 64 MiB leaves room for callers that do not).
 MAX_MESSAGE_BYTES = 64 * 1024**2
@@ -107,14 +105,21 @@ def _rss_bytes() -> int:
 
 
 class CacheServicer(acs_pb2_grpc.CacheServicer):
-    """The gRPC handlers: thin translations between protobuf messages and :class:`Store` calls."""
+    """The gRPC handlers: thin translations between protobuf messages and :class:`Store` calls.
+
+    Every handler runs on the server's event loop (grpc.aio): the unary ones call the store
+    and return, the two push streams (:meth:`Watch`, :meth:`Follow`) wait on their marks
+    (:mod:`pyspark_acs.server.cache.watch`). One thread does all of it, so a put marks the
+    streams that watch its keys without a lock or a thread hand-off.
+    """
 
     def __init__(self, store: Store, role: str) -> None:
         self.store = store
         self.role = role
         self.started_at = time.monotonic()
+        self.watchers = Watchers(store)
 
-    def Get(self, request, context):  # noqa: N802 (gRPC method name)
+    async def Get(self, request, context):  # noqa: N802 (gRPC method name)
         """Batched get: per key ``found``, ``versions`` and ``sizes``, the values concatenated in ``data``.
 
         Absent or expired keys answer ``found=False``, size 0 and version 0.
@@ -128,17 +133,18 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             versions=[e.version if e is not None else 0 for e in entries],
         )
 
-    def Put(self, request, context):  # noqa: N802
+    async def Put(self, request, context):  # noqa: N802
         """Batched versioned put; answers one ``PutStatus`` per key.
 
         Values come concatenated in ``data`` and are split by ``sizes``; ``ttl_ms`` 0 means the
         server's default TTL. Aborts with ``INVALID_ARGUMENT`` when the counts of keys, sizes and
-        versions, or the sizes and the data length, disagree.
+        versions, or the sizes and the data length, disagree. Stored keys that a push stream
+        watches or follows are marked for it.
         """
         keys, sizes, versions = request.keys, list(request.sizes), request.versions
         data = request.data
         if not (len(keys) == len(sizes) == len(versions)) or sum(sizes) != len(data):
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"put: {len(keys)} keys, {len(sizes)} sizes and {len(versions)} versions, "
                 f"sizes summing to {sum(sizes)} for {len(data)} data bytes; they must agree",
@@ -150,9 +156,11 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             offset += size
         ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
         results = self.store.put_many(zip(keys, values, versions), ttl_s=ttl_s)
+        if not self.watchers.idle:
+            self.watchers.stored(k for k, r in zip(keys, results) if r == PutResult.STORED)
         return acs_pb2.PutResponse(status=results)
 
-    def CompareAndSet(self, request, context):  # noqa: N802
+    async def CompareAndSet(self, request, context):  # noqa: N802
         """Set a key to ``value`` if it holds ``expected`` (or is absent, with ``expect_absent``).
 
         Answers whether it swapped and the entry stored after the call. Aborts with
@@ -165,24 +173,27 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
                 request.key, expected, request.value, version=request.version, ttl_s=ttl_s
             )
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"compare_and_set: {exc}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"compare_and_set: {exc}")
+        if swapped and not self.watchers.idle:
+            self.watchers.stored([request.key])
         if entry is None:
             return acs_pb2.CompareAndSetResponse(swapped=swapped, found=False)
         return acs_pb2.CompareAndSetResponse(
             swapped=swapped, found=True, value=entry.value, version=entry.version
         )
 
-    def Delete(self, request, context):  # noqa: N802
+    async def Delete(self, request, context):  # noqa: N802
         """Delete keys; answers how many were present."""
         return acs_pb2.DeleteResponse(deleted=self.store.delete_many(request.keys))
 
     def stats_values(self) -> Dict[str, int]:
-        """The store's stats plus this process's ``rss_bytes`` (what ``Stats`` reports)."""
+        """The store's stats, the push streams' counters and this process's ``rss_bytes``."""
         values = self.store.stats()
+        values.update(self.watchers.counts)
         values["rss_bytes"] = _rss_bytes()
         return values
 
-    def Stats(self, request, context):  # noqa: N802
+    async def Stats(self, request, context):  # noqa: N802
         """The role, :meth:`stats_values` and the uptime in seconds."""
         return acs_pb2.StatsResponse(
             role=self.role,
@@ -190,31 +201,107 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             uptime_s=time.monotonic() - self.started_at,
         )
 
-    def Health(self, request, context):  # noqa: N802
+    async def Health(self, request, context):  # noqa: N802
         """Serving (always, while the process answers), with the role and the uptime in seconds."""
         return acs_pb2.HealthResponse(
             serving=True, role=self.role, uptime_s=time.monotonic() - self.started_at
         )
 
+    async def Watch(self, request_iterator, context):  # noqa: N802
+        """Push the newest entries of the keys this stream watches whenever a put stores one
+        (batched per message; added keys are sent at once, found or not). Ends when the
+        reader closes its side."""
+        w = KeyWatch()
 
-class _TokenInterceptor(grpc.ServerInterceptor):
+        def apply(req) -> None:
+            self.watchers.watch(w, req.add, req.remove)
+
+        async for keys, entries in self._push(request_iterator, w, apply, "watch_streams",
+                                              lambda: w.take(self.store)):
+            values = [e[0] if e is not None else b"" for e in entries]
+            yield acs_pb2.WatchEvent(
+                keys=keys, found=[e is not None for e in entries], data=b"".join(values),
+                sizes=[len(v) for v in values], versions=[e[1] if e is not None else 0 for e in entries],
+            )
+
+    async def Follow(self, request_iterator, context):  # noqa: N802
+        """Push the bytes of followed files from each file's cursor as chunks land here
+        (contiguous runs, at most :data:`~pyspark_acs.server.cache.watch.MAX_PUSH_BYTES` per
+        message). Ends when the reader closes its side."""
+        f = FileFollow()
+
+        def apply(req) -> None:
+            if len(req.follow) != len(req.offsets):
+                raise ValueError(f"follow: {len(req.follow)} files but {len(req.offsets)} offsets")
+            self.watchers.follow(f, req.follow, req.offsets, req.unfollow)
+
+        async for runs, _ in self._push(request_iterator, f, apply, "follow_streams",
+                                        lambda: (f.take(self.store), None)):
+            self.watchers.counts["pushed_bytes_total"] += sum(len(r[2]) for r in runs)
+            yield acs_pb2.FileBytes(
+                files=[r[0] for r in runs], starts=[r[1] for r in runs], data=b"".join(r[2] for r in runs),
+                sizes=[len(r[2]) for r in runs],
+            )
+
+    async def _push(self, request_iterator, stream, apply, gauge: str, take):
+        """The loop of one push stream: apply the reader's requests as they come, and yield
+        ``take()`` whenever the stream has marks. Level-triggered: nothing is queued."""
+        counts = self.watchers.counts
+        counts[gauge] += 1
+
+        async def pump() -> None:
+            async for req in request_iterator:
+                apply(req)
+
+        reader = asyncio.ensure_future(pump())
+        try:
+            while not reader.done():
+                if not stream.marked:
+                    waiter = asyncio.ensure_future(stream.wake.wait())
+                    await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    continue
+                first, second = take()
+                if first:
+                    counts["pushed_messages_total"] += 1
+                    yield first, second
+        finally:
+            reader.cancel()
+            counts[gauge] -= 1
+            if isinstance(stream, KeyWatch):
+                self.watchers.drop_watch(stream)
+            else:
+                self.watchers.drop_follow(stream)
+
+
+class _TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls whose ``authorization`` metadata is not the shared token."""
 
     def __init__(self, token: str) -> None:
         self._accepted = (token.encode(), f"Bearer {token}".encode())
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cache token")
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cache token")
+
+        async def deny_stream(request_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cache token")
+            yield  # pragma: no cover - never reached; makes this an async generator
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else bytes(value)
                 if any(hmac.compare_digest(given, ok) for ok in self._accepted):
-                    return continuation(handler_call_details)
-        return self._deny
+                    return await continuation(handler_call_details)
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        return self._deny_stream if method in _STREAM_METHODS else self._deny
+
+
+#: The Cache service's streaming methods (the token check denies them with a stream handler).
+_STREAM_METHODS = frozenset({"Watch", "Follow"})
 
 
 class CacheServer:
@@ -238,8 +325,10 @@ class CacheServer:
         HTTP metrics port; 0 picks a free one, ``None`` disables the endpoint.
     token : str, optional
         Shared token every call must carry.
-    threads : int
-        gRPC worker threads.
+
+    The gRPC server is grpc.aio on an event loop of its own thread (:meth:`start` returns
+    once it listens): many long-lived push streams cost no worker thread each, and a put
+    marks the streams that watch its keys on the same thread.
     """
 
     def __init__(
@@ -252,7 +341,6 @@ class CacheServer:
         ttl_s: Optional[float] = None,
         metrics_port: Optional[int] = 0,
         token: Optional[str] = None,
-        threads: int = DEFAULT_SERVER_THREADS,
     ) -> None:
         if role not in ROLES:
             raise AcsOptionError(f"role: {role!r} is not a role; use one of: {', '.join(ROLES)}", option="role")
@@ -269,10 +357,11 @@ class CacheServer:
         StatsCollector(CACHE_PREFIX, CACHE_METRICS, self.metric_values, {"role": role}, registry=self.registry)
         self.metrics_port_requested = metrics_port
         self.token = token
-        self.threads = threads
         self.port = 0
         self.metrics_port: Optional[int] = None
-        self._server: Optional[grpc.Server] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop_thread: Optional[threading.Thread] = None
+        self._grace: "Optional[asyncio.Future[float]]" = None  # set by stop(): the grace seconds
         self._http: Optional[MetricsEndpoint] = None
         self._stopping = threading.Event()
         self._threads: List[threading.Thread] = []
@@ -308,33 +397,56 @@ class CacheServer:
         OSError
             If a port cannot be bound; the message names it.
         """
-        interceptors = [_TokenInterceptor(self.token)] if self.token else []
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="acs-cache"),
-            options=_SERVER_OPTIONS,
-            interceptors=interceptors,
-        )
-        acs_pb2_grpc.add_CacheServicer_to_server(self.servicer, server)
         address = format_endpoint(self.host, self.requested_port)
+        listening: "futures.Future[int]" = futures.Future()
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=self._serve, args=(loop, address, listening), name="acs-cache-grpc",
+                                  daemon=True)
+        thread.start()
+        try:
+            self.port = listening.result()
+        except BaseException:
+            thread.join(timeout=5.0)
+            raise
+        self._loop, self._loop_thread = loop, thread
+        if self.metrics_port_requested is not None:
+            try:
+                self._http = MetricsEndpoint(self.registry, self.healthz, self.host, self.metrics_port_requested,
+                                             name="acs-cache-metrics")
+            except OSError:  # the message names the metrics port
+                self.stop(0)
+                raise
+            self.metrics_port = self._http.port
+            self._http.start()
+        self._spawn("acs-cache-expiry", self._sweep_expired)
+
+    def _serve(self, loop: asyncio.AbstractEventLoop, address: str, listening: "futures.Future[int]") -> None:
+        """The gRPC thread: run the aio server on ``loop`` until :meth:`stop`."""
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._main(address, listening))
+        except BaseException as exc:  # a bind failure is reported through ``listening``
+            if not listening.done():
+                listening.set_exception(exc)
+        finally:
+            loop.close()
+
+    async def _main(self, address: str, listening: "futures.Future[int]") -> None:
+        interceptors = [_TokenInterceptor(self.token)] if self.token else []
+        server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
+        acs_pb2_grpc.add_CacheServicer_to_server(self.servicer, server)
         try:
             port = server.add_insecure_port(address)
         except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
             raise OSError(f"cannot bind the cache gRPC port {address}: {exc}") from exc
         if port == 0:  # older grpc releases report failure as port 0
             raise OSError(f"cannot bind the cache gRPC port {address} (in use or not a local address?)")
-        self.port = port
-        if self.metrics_port_requested is not None:
-            try:
-                self._http = MetricsEndpoint(self.registry, self.healthz, self.host, self.metrics_port_requested,
-                                             name="acs-cache-metrics")
-            except OSError:  # the message names the metrics port
-                server.stop(None)
-                raise
-            self.metrics_port = self._http.port
-            self._http.start()
-        server.start()
-        self._server = server
-        self._spawn("acs-cache-expiry", self._sweep_expired)
+        grace = asyncio.get_running_loop().create_future()
+        self._grace = grace
+        await server.start()
+        listening.set_result(port)
+        seconds = await grace
+        await server.stop(seconds)
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -346,16 +458,23 @@ class CacheServer:
             self.store.expire()
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """Stop serving; in-flight calls get ``grace`` seconds. Idempotent."""
+        """Stop serving; in-flight calls get ``grace`` seconds (push streams end). Idempotent."""
         self._stopping.set()
-        if self._server is not None:
-            self._server.stop(grace).wait(grace + 1.0)
-            self._server = None
+        loop, thread, self._loop, self._loop_thread = self._loop, self._loop_thread, None, None
+        if loop is not None and thread is not None:
+            def finish() -> None:
+                if not self._grace.done():
+                    self._grace.set_result(grace)
+            try:
+                loop.call_soon_threadsafe(finish)
+            except RuntimeError:
+                pass  # the loop already ended
+            thread.join(timeout=grace + 5.0)
         if self._http is not None:
             self._http.stop()
             self._http = None
-        for thread in self._threads:
-            thread.join(timeout=grace + 1.0)
+        for t in self._threads:
+            t.join(timeout=grace + 1.0)
         self._threads = []
 
     def banner(self) -> str:
@@ -392,16 +511,6 @@ def _port(text: str, *, flag: str, allow_off: bool = False) -> int:
         return -1
     if not 0 <= value <= 65535:
         raise AcsOptionError(f"{flag}: {value} is not a port number (0-65535)", option=flag)
-    return value
-
-
-def _threads(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise AcsOptionError(f"--threads: {text!r} is not a whole number", option="--threads") from None
-    if not 1 <= value <= 1024:
-        raise AcsOptionError(f"--threads: {value} must be between 1 and 1024", option="--threads")
     return value
 
 
@@ -452,10 +561,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $ACS_CACHE_TOKEN, else no check)",
     )
     parser.add_argument(
-        "--threads", type=_flag_type("--threads", _threads), default=DEFAULT_SERVER_THREADS,
-        help=f"gRPC worker threads (default {DEFAULT_SERVER_THREADS})",
-    )
-    parser.add_argument(
         "--parent-pid", type=_flag_type("--parent-pid", _pid), default=None,
         help="stop when this process exits (used by test and local deployments)",
     )
@@ -488,7 +593,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ttl_s=args.ttl,
         metrics_port=None if args.metrics_port == -1 else args.metrics_port,
         token=token,
-        threads=args.threads,
     )
     stop = threading.Event()
 

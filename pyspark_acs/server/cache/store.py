@@ -208,8 +208,12 @@ class Store:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def get_many(self, keys: Sequence[bytes]) -> List[Optional[StoredEntry]]:
-        """Look up ``keys``; absent or expired keys give ``None``. Never refreshes an entry."""
+    def get_many(self, keys: Sequence[bytes], *, count: bool = True) -> List[Optional[StoredEntry]]:
+        """Look up ``keys``; absent or expired keys give ``None``. Never refreshes an entry.
+
+        ``count=False`` leaves the get/hit/miss counters alone (the push streams' reads: they
+        are counted as pushed messages and bytes instead).
+        """
         now = self._clock()
         out: List[Optional[StoredEntry]] = []
         append = out.append
@@ -230,6 +234,8 @@ class Store:
                     nbytes += len(item.value)
                     append(StoredEntry(item.value, item.version))
             counts = self._counts
+            if not count:
+                return out
             counts["gets_total"] += len(keys)
             counts["hits_total"] += hits
             counts["misses_total"] += len(keys) - hits

@@ -1,0 +1,188 @@
+"""Push streams of one cache replica: readers are told, instead of asking (issue 9).
+
+Two kinds of long-lived streams, one per (reader process, replica), each carrying many keys
+or files:
+
+- **Watch** (metadata replicas): the reader names keys (published lengths); every put that
+  stores a newer entry of a watched key marks it, and the stream sends the newest entries of
+  all marked keys in one message.
+- **Follow** (data replicas): the reader names files (the 16-byte file id of their chunk keys,
+  :func:`pyspark_acs.cache.chunks.chunk_key`) with a byte offset each; every chunk put of a
+  followed file marks it, and the stream sends the file's bytes from its cursor as far as this
+  replica holds them contiguously, then moves the cursor. A caught-up reader thus receives each
+  new byte once, with no request.
+
+Both are *level-triggered*: a mark says "look again", and the sender reads the store when it
+sends. A stream therefore never queues entries or bytes: what it owes is a set of marked keys
+or files and their cursors, however slow the reader. A slow reader only holds up its own
+stream (gRPC flow control suspends its sender at the ``yield``), and at most
+:data:`MAX_PUSH_BYTES` are built per message. Bytes that left the store before a slow reader
+got them stop its run (a missing chunk); the reader asks for them as it does without push.
+
+Every method runs on the server's event loop thread (put handlers and stream senders alike),
+so the registries need no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from pyspark_acs.cache.chunks import CHUNK_SIZE
+from pyspark_acs.server.cache.store import Store
+
+__all__ = ["FILE_ID_BYTES", "MAX_PUSH_BYTES", "FileFollow", "KeyWatch", "Watchers", "chunk_parts"]
+
+#: Largest payload of one pushed message (bytes); more is sent in the next message.
+MAX_PUSH_BYTES = 1024 * 1024
+#: Bytes of a file id in a chunk key (``b"c" + file id + 8-byte chunk number``).
+FILE_ID_BYTES = 16
+_CHUNK_KEY_BYTES = 1 + FILE_ID_BYTES + 8
+
+
+def chunk_parts(key: bytes) -> Optional[Tuple[bytes, int]]:
+    """``(file id, chunk number)`` of a chunk key, ``None`` for any other key."""
+    if len(key) != _CHUNK_KEY_BYTES or key[:1] != b"c":
+        return None
+    return key[1:1 + FILE_ID_BYTES], int.from_bytes(key[1 + FILE_ID_BYTES:], "big")
+
+
+class KeyWatch:
+    """One Watch stream: the keys it watches and those marked since its last message."""
+
+    def __init__(self) -> None:
+        self.keys: Set[bytes] = set()
+        self.marked: Set[bytes] = set()
+        self.wake = asyncio.Event()
+
+    def mark(self, key: bytes) -> None:
+        self.marked.add(key)
+        self.wake.set()
+
+    def take(self, store: Store) -> Tuple[List[bytes], List[Optional[Tuple[bytes, int]]]]:
+        """The marked keys still watched and their current entries (value, version) or None."""
+        keys = [k for k in self.marked if k in self.keys]
+        self.marked.clear()
+        self.wake.clear()
+        entries = store.get_many(keys, count=False) if keys else []
+        return keys, [(e.value, e.version) if e is not None else None for e in entries]
+
+
+class FileFollow:
+    """One Follow stream: a cursor per followed file and the files marked since it last sent."""
+
+    def __init__(self) -> None:
+        self.cursors: Dict[bytes, int] = {}
+        self.marked: Set[bytes] = set()
+        self.wake = asyncio.Event()
+
+    def mark(self, fid: bytes) -> None:
+        self.marked.add(fid)
+        self.wake.set()
+
+    def take(self, store: Store, budget: int = MAX_PUSH_BYTES) -> List[Tuple[bytes, int, bytes]]:
+        """Runs ``(file id, start, bytes)`` from the marked files' cursors, as far as the store
+        holds each contiguously (whole chunks, then the valid prefix of the last one), within
+        ``budget`` bytes; files left over stay marked. Moves the cursors."""
+        runs: List[Tuple[bytes, int, bytes]] = []
+        left = budget
+        for fid in list(self.marked):
+            if left <= 0:
+                break
+            self.marked.discard(fid)
+            start = self.cursors.get(fid)
+            if start is None:
+                continue  # unfollowed since it was marked
+            pos = start
+            parts: List[bytes] = []
+            while left > 0:
+                n, skip = divmod(pos, CHUNK_SIZE)
+                entry = store.get_many([b"c" + fid + n.to_bytes(8, "big")], count=False)[0]
+                if entry is None or entry.version <= skip:
+                    break  # not here (yet): the next put of the chunk marks the file again
+                piece = entry.value[skip:entry.version]
+                if len(piece) > left:
+                    piece = piece[:left]
+                    self.marked.add(fid)  # more to send in the next message
+                parts.append(piece)
+                pos += len(piece)
+                left -= len(piece)
+                if skip + len(piece) < CHUNK_SIZE:
+                    break  # the end of what this chunk holds (or of the budget)
+            if parts:
+                self.cursors[fid] = pos
+                runs.append((fid, start, b"".join(parts)))
+        if not self.marked:
+            self.wake.clear()
+        return runs
+
+
+class Watchers:
+    """Who watches which key and follows which file, on one replica (event loop thread only)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._by_key: Dict[bytes, Set[KeyWatch]] = {}
+        self._by_file: Dict[bytes, Set[FileFollow]] = {}
+        #: Counters for /metrics: streams open now, messages and bytes pushed since start.
+        self.counts: Dict[str, int] = {"watch_streams": 0, "follow_streams": 0, "pushed_messages_total": 0,
+                                       "pushed_bytes_total": 0}
+
+    @property
+    def idle(self) -> bool:
+        """Nobody watches or follows anything (puts skip :meth:`stored`)."""
+        return not self._by_key and not self._by_file
+
+    def stored(self, keys: Iterable[bytes]) -> None:
+        """Keys a put just stored (newer entries): mark the streams that watch or follow them."""
+        by_key, by_file = self._by_key, self._by_file
+        for key in keys:
+            watches = by_key.get(key)
+            if watches:
+                for w in watches:
+                    w.mark(key)
+            if by_file and len(key) == _CHUNK_KEY_BYTES and key[:1] == b"c":
+                follows = by_file.get(key[1:1 + FILE_ID_BYTES])
+                if follows:
+                    fid = key[1:1 + FILE_ID_BYTES]
+                    for f in follows:
+                        f.mark(fid)
+
+    # -- Watch -----------------------------------------------------------------------------
+
+    def watch(self, w: KeyWatch, add: Sequence[bytes], remove: Sequence[bytes]) -> None:
+        """Change what ``w`` watches; added keys are marked, so their entries go out at once."""
+        for key in remove:
+            w.keys.discard(key)
+            s = self._by_key.get(key)
+            if s is not None:
+                s.discard(w)
+                if not s:
+                    del self._by_key[key]
+        for key in add:
+            w.keys.add(key)
+            self._by_key.setdefault(key, set()).add(w)
+            w.mark(key)
+
+    def drop_watch(self, w: KeyWatch) -> None:
+        self.watch(w, (), list(w.keys))
+
+    # -- Follow ----------------------------------------------------------------------------
+
+    def follow(self, f: FileFollow, files: Sequence[bytes], offsets: Sequence[int], unfollow: Sequence[bytes]) -> None:
+        """Change what ``f`` follows; (re)followed files are marked, so present bytes go out at once."""
+        for fid in unfollow:
+            f.cursors.pop(fid, None)
+            f.marked.discard(fid)
+            s = self._by_file.get(fid)
+            if s is not None:
+                s.discard(f)
+                if not s:
+                    del self._by_file[fid]
+        for fid, offset in zip(files, offsets):
+            f.cursors[fid] = int(offset)
+            self._by_file.setdefault(fid, set()).add(f)
+            f.mark(fid)
+
+    def drop_follow(self, f: FileFollow) -> None:
+        self.follow(f, (), (), list(f.cursors))
