@@ -17,19 +17,37 @@ from typing import Dict, List, Optional, Tuple
 
 from pyspark_acs.cache.client import CacheClient
 
-__all__ = ["CHUNK_SIZE", "ChunkReader", "ChunkWriter", "chunk_key", "chunk_range"]
+__all__ = ["CHUNK_SIZE", "FILE_ID_BYTES", "ChunkReader", "ChunkWriter", "chunk_key", "chunk_range", "file_id",
+           "parse_chunk_key"]
 
 #: Bytes per chunk: the paper's 4 KB (a chunk fits one packet of the cluster fabric).
 CHUNK_SIZE = 4096
 
 
-def _file_id(uri: str) -> bytes:
-    return hashlib.blake2b(uri.encode("utf-8"), digest_size=16).digest()
+#: Bytes of a file id (the blake2b digest of its URI) in its chunk keys.
+FILE_ID_BYTES = 16
+_CHUNK_KEY_BYTES = 1 + FILE_ID_BYTES + 8
+
+
+def file_id(uri: str) -> bytes:
+    """The 16-byte id of the file ``uri`` in its chunk keys (and in push streams)."""
+    return hashlib.blake2b(uri.encode("utf-8"), digest_size=FILE_ID_BYTES).digest()
 
 
 def chunk_key(uri: str, n: int, *, file_id: Optional[bytes] = None) -> bytes:
-    """The data-cache key of chunk ``n`` of the file ``uri``: ``b"c" + blake2b(uri) + n``."""
-    return b"c" + (file_id or _file_id(uri)) + n.to_bytes(8, "big")
+    """The data-cache key of chunk ``n`` of the file ``uri``: ``b"c" + blake2b(uri) + n``
+    (give ``file_id`` instead of computing it from ``uri``)."""
+    return b"c" + (file_id or _digest(uri)) + n.to_bytes(8, "big")
+
+
+def parse_chunk_key(key: bytes) -> Optional[Tuple[bytes, int]]:
+    """``(file id, chunk number)`` of a chunk key; ``None`` for any other key."""
+    if len(key) != _CHUNK_KEY_BYTES or key[:1] != b"c":
+        return None
+    return key[1:1 + FILE_ID_BYTES], int.from_bytes(key[1 + FILE_ID_BYTES:], "big")
+
+
+_digest = file_id  # chunk_key's parameter shadows the function's name
 
 
 def chunk_range(start: int, end: int) -> range:
@@ -68,7 +86,7 @@ class ChunkWriter:
         self.client = client
         self.uri = uri
         self.ttl = ttl
-        self._id = _file_id(uri)
+        self._id = file_id(uri)
         # _lock serialises appends: it guards position and _tail.
         self._lock = threading.Lock()
         self.position = position
@@ -124,7 +142,7 @@ class ChunkReader:
         CacheError
             Only when no replica of some chunk answered at all (all dead).
         """
-        fid = _file_id(uri)
+        fid = file_id(uri)
         numbers = list(chunk_range(start, end))
         keys = [chunk_key(uri, n, file_id=fid) for n in numbers]
         spans = [(max(start, n * CHUNK_SIZE), min(end, (n + 1) * CHUNK_SIZE)) for n in numbers]

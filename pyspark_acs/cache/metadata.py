@@ -28,7 +28,7 @@ from pyspark_acs.errors import CacheError, LeasePoisonedError, WriterConflictErr
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, LeaseRecord
 from pyspark_acs.format.names import parse_file_name
 
-__all__ = ["LENGTH_TTL_S", "MetadataCache", "MetadataLease", "lease_version"]
+__all__ = ["LENGTH_TTL_S", "MetadataCache", "MetadataLease", "lease_version", "length_keys", "parse_length_key"]
 
 #: Metadata lives much longer than a file takes to roll over (paper: 24 h).
 LENGTH_TTL_S = 24 * 3600.0
@@ -36,6 +36,26 @@ LENGTH_TTL_S = 24 * 3600.0
 
 def _len_value(n: int) -> bytes:
     return n.to_bytes(8, "big")
+
+
+#: Key prefixes of a file's published cache and durable lengths.
+CACHE_LENGTH_PREFIX = b"lc:"
+DURABLE_LENGTH_PREFIX = b"ld:"
+
+
+def length_keys(uri: str) -> Tuple[bytes, bytes]:
+    """The metadata keys of ``uri``'s published (cache length, durable length)."""
+    b = uri.encode()
+    return CACHE_LENGTH_PREFIX + b, DURABLE_LENGTH_PREFIX + b
+
+
+def parse_length_key(key: bytes) -> Optional[Tuple[str, int]]:
+    """``(uri, 0 for the cache length or 1 for the durable one)`` of a length key, else ``None``."""
+    if key.startswith(CACHE_LENGTH_PREFIX):
+        return key[len(CACHE_LENGTH_PREFIX):].decode(), 0
+    if key.startswith(DURABLE_LENGTH_PREFIX):
+        return key[len(DURABLE_LENGTH_PREFIX):].decode(), 1
+    return None
 
 
 def lease_version(current: Optional[Entry]) -> int:
@@ -61,10 +81,11 @@ class MetadataCache:
     def publish(self, uri: str, *, cache_length: Optional[int] = None, durable_length: Optional[int] = None) -> None:
         """Publish a file's cache and/or durable length (majority write)."""
         items = []
+        lc, ld = length_keys(uri)
         if cache_length is not None:
-            items.append((b"lc:" + uri.encode(), _len_value(cache_length), cache_length))
+            items.append((lc, _len_value(cache_length), cache_length))
         if durable_length is not None:
-            items.append((b"ld:" + uri.encode(), _len_value(durable_length), durable_length))
+            items.append((ld, _len_value(durable_length), durable_length))
         if items:
             self.client.put(items, ttl=LENGTH_TTL_S)
 
@@ -72,8 +93,7 @@ class MetadataCache:
         """``{uri: (cache length, durable length)}`` in one batched consistent read (None = unknown)."""
         keys = []
         for u in uris:
-            b = u.encode()
-            keys += [b"lc:" + b, b"ld:" + b]
+            keys += length_keys(u)
         entries = self.client.get(keys, consistent=True) if keys else []
         out = {}
         for i, u in enumerate(uris):

@@ -14,24 +14,39 @@ length this process published itself (the copy daemon's writer) is handed in wit
 :meth:`LengthPoller.notify`, so readers of the next hop move at once instead of at the next
 poll. The thread starts on first use and stops when nothing is followed, so importing this
 module starts no thread. The copy daemon uses this poller too: one per process.
+
+**Push** (issue 9): the poller also keeps one :class:`~pyspark_acs.cache.push.WatchStream`
+per metadata replica, watching the length keys of every file it polls; a replica pushes a
+length the moment a put stores it, and readers wake at once. A file whose two length keys a
+majority of their replicas' live streams have confirmed is no longer polled every
+``interval`` but every :data:`PUSH_SAFETY_POLL_S` (a safety net): the metadata cache then sees
+no request per poll round at all, only pushed changes. Any replica's length is safe to take (a
+length is published only after every byte below it is written), and with a majority of a key's
+replicas watched every acknowledged (majority) write reaches at least one of them, so this is
+as fresh as the consistent read it replaces; with fewer, the file is polled as before.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
-from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.cache.client import CacheClient, _majority
 from pyspark_acs.errors import CacheError, ClosedError
-from pyspark_acs.cache.metadata import MetadataCache
+from pyspark_acs.cache.metadata import MetadataCache, length_keys, parse_length_key
 
-__all__ = ["DEFAULT_POLL_INTERVAL_S", "FORGET_AFTER_S", "LengthPoller"]
+if TYPE_CHECKING:
+    from pyspark_acs.cache.push import WatchStream
+
+__all__ = ["DEFAULT_POLL_INTERVAL_S", "FORGET_AFTER_S", "PUSH_SAFETY_POLL_S", "LengthPoller"]
 
 #: How often the shared poller reads all followed lengths (the consumer's 10 ms).
 DEFAULT_POLL_INTERVAL_S = 0.01
 #: A file no reader asked about for this long is no longer polled.
 FORGET_AFTER_S = 5.0
+#: How often a file whose lengths push streams deliver is polled all the same (seconds).
+PUSH_SAFETY_POLL_S = 1.0
 
 Lengths = Tuple[Optional[int], Optional[int]]  # (cache length, durable length)
 
@@ -52,12 +67,19 @@ class LengthPoller:
     _registry_lock = threading.Lock()  # guards _registry
 
     def __init__(
-        self, endpoints: Tuple[str, ...], interval: float = DEFAULT_POLL_INTERVAL_S, token: Optional[str] = None
+        self, endpoints: Tuple[str, ...], interval: float = DEFAULT_POLL_INTERVAL_S, token: Optional[str] = None,
+        push: bool = True,
     ) -> None:
         self.endpoints = endpoints
         self.interval = interval
+        self.push = push
         self._client = CacheClient(endpoints, name="metadata cache", token=token)
         self.meta = MetadataCache(self._client)
+        # The push streams, by endpoint, and the files whose keys they watch (poller thread only).
+        self._streams: Dict[str, "WatchStream"] = {}
+        self._watched: Dict[str, Tuple[Tuple[bytes, Tuple[str, ...]], ...]] = {}
+        self._last_full_poll = 0.0
+        self.pushed = 0
         # _lock guards _values, _asked, _followers, _error, _thread and _generation; _changed
         # (on _lock) wakes readers waiting for a length to move.
         self._lock = threading.Lock()
@@ -193,6 +215,75 @@ class LengthPoller:
             for e in self._followers.get(u, ()):
                 e.set()
 
+    # -- push ----------------------------------------------------------------------------------
+
+    def _stream(self, endpoint: str) -> "WatchStream":
+        stream = self._streams.get(endpoint)
+        if stream is None:
+            from pyspark_acs.cache.push import WatchStream  # imports grpc: only once something is followed
+
+            stream = self._streams[endpoint] = WatchStream(self._client, endpoint, self._on_entries)
+        return stream
+
+    def _update_watches(self, uris: Sequence[str]) -> None:
+        """Watch the length keys of ``uris`` on their replicas and stop watching the rest.
+        Poller thread only."""
+        current = set(uris)
+        add: Dict[str, List[bytes]] = {}
+        remove: Dict[str, List[bytes]] = {}
+        for u in [u for u in self._watched if u not in current]:
+            for key, eps in self._watched.pop(u):
+                for ep in eps:
+                    remove.setdefault(ep, []).append(key)
+        for u in current.difference(self._watched):
+            placed = tuple((key, self._client.replicas_for(key)) for key in length_keys(u))
+            self._watched[u] = placed
+            for key, eps in placed:
+                for ep in eps:
+                    add.setdefault(ep, []).append(key)
+        for ep in set(add) | set(remove):
+            self._stream(ep).watch(add.get(ep, ()), remove.get(ep, ()))
+
+    def _covered(self, uri: str) -> bool:
+        """Whether live push streams of a majority of the replicas of both length keys of
+        ``uri`` have confirmed them (then a poll round may skip it)."""
+        placed = self._watched.get(uri)
+        if not placed:
+            return False
+        for key, eps in placed:
+            live = sum(1 for ep in eps if ep in self._streams and self._streams[ep].confirmed(key))
+            if live < _majority(len(eps)):
+                return False
+        return True
+
+    def _on_entries(self, endpoint: str, keys: Sequence[bytes], found: Sequence[bool], versions: Sequence[int]) -> None:
+        """A replica pushed length entries (its stream's thread): lengths only grow."""
+        moved = []
+        with self._lock:
+            for key, ok, version in zip(keys, found, versions):
+                if not ok:
+                    continue
+                parsed = parse_length_key(key)
+                if parsed is None:
+                    continue
+                uri, which = parsed
+                if uri not in self._values and uri not in self._asked:
+                    continue  # dropped meanwhile
+                old = self._values.get(uri, (None, None))
+                new = (_max_known(old[0], version), old[1]) if which == 0 else (old[0], _max_known(old[1], version))
+                if new != old:
+                    self._values[uri] = new
+                    moved.append(uri)
+            self.pushed += 1
+            if moved:
+                self._moved(moved)
+
+    def _close_streams(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        self._watched.clear()
+        for stream in streams:
+            stream.close()
+
     def _run(self) -> None:
         while True:
             started = time.monotonic()
@@ -205,18 +296,32 @@ class LengthPoller:
                 uris = list(self._asked)
                 if not uris:
                     self._thread = None
+                    self._close_streams()
                     return  # nothing followed: stop; the next lengths() call restarts it
+            poll = uris
+            if self.push:
+                try:
+                    self._update_watches(uris)
+                except ClosedError:
+                    with self._lock:
+                        self._thread = None
+                    return
+                if started - self._last_full_poll >= PUSH_SAFETY_POLL_S:
+                    self._last_full_poll = started
+                else:
+                    poll = [u for u in uris if not self._covered(u)]
             try:
-                got = self.meta.lengths(uris)
+                got = self.meta.lengths(poll) if poll else {}
                 error = None
             except CacheError as exc:
                 got, error = {}, exc
             except ClosedError:
                 with self._lock:
                     self._thread = None
+                    self._close_streams()
                 return  # the client was closed (process shutting down): nothing left to poll
             with self._lock:
-                # Lengths never shrink: a notify() newer than this poll's read stays.
+                # Lengths never shrink: a notify() or push newer than this poll's read stays.
                 moved = []
                 for u, (c, d) in got.items():
                     old = self._values.get(u, (None, None))
@@ -224,7 +329,8 @@ class LengthPoller:
                     if new != old:
                         self._values[u] = new
                         moved.append(u)
-                self._error = error
+                if poll or error is None:
+                    self._error = error
                 self.polls += 1
                 if moved:
                     self._moved(moved)

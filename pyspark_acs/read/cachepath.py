@@ -23,6 +23,7 @@ from typing import Deque, Dict, Optional, Sequence, Set, Tuple, Union
 
 from pyspark_acs.cache.client import CacheClient, client_for
 from pyspark_acs.cache.chunks import ChunkReader
+from pyspark_acs.cache.feed import ChunkFeed
 from pyspark_acs.errors import CacheError
 from pyspark_acs.cache.metadata import MetadataCache
 from pyspark_acs.cache.poller import LengthPoller
@@ -111,6 +112,10 @@ class CachedReadPath:
         (the copy daemon passes the shared poller of its cluster's metadata cache).
     durable_poll_interval : float
         Durable-length polling interval while the metadata cache is down (default 1 s).
+    push : bool
+        Have the bytes of files this path reads pushed by the data cache (the process's shared
+        :class:`~pyspark_acs.cache.feed.ChunkFeed`): for readers that tail files (Consumers,
+        the copy daemon). Reads the feed holds need no request; the rest is read as without.
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class CachedReadPath:
         shared_poller: bool = True,
         token: Optional[str] = None,
         poller: Optional[LengthPoller] = None,
+        push: bool = False,
     ) -> None:
         self.store = store
         self._own = []
@@ -136,6 +142,9 @@ class CachedReadPath:
         if poller is None and meta is not None and shared_poller and not isinstance(metadata_cache, CacheClient):
             self.poller = LengthPoller.shared(meta.endpoints, token)
         self.chunks = ChunkReader(self.data) if self.data else None
+        self.feed: Optional[ChunkFeed] = ChunkFeed.shared(self.data.endpoints, token) if push and self.data else None
+        # files this path follows in the feed (guarded by _lock)
+        self._fed: Set[str] = set()
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval
         # _lock guards _published, _polled, _recent, _delays, _durable_cache, _standing, _meta_down_until
@@ -153,7 +162,7 @@ class CachedReadPath:
         self._standing: Dict[str, Tuple[int, float]] = {}
         self._meta_down_until = 0.0
         self._warned_at = float("-inf")  # last data-cache warning (monotonic)
-        self._stats = {"durable_bytes": 0, "durable_fallbacks": 0, "metadata_fallbacks": 0}
+        self._stats = {"durable_bytes": 0, "durable_fallbacks": 0, "metadata_fallbacks": 0, "pushed_bytes": 0}
 
     # -- lengths ---------------------------------------------------------------------------
 
@@ -291,9 +300,32 @@ class CachedReadPath:
         """Bytes ``[start, end)``, cache first; may stop short while Algorithm 1 postpones
         a durable read (the caller retries at its next poll).
 
+        With ``push``, bytes the data cache pushed come first (no request), the rest as below.
         ``postpone=False`` reads bytes past the cache length from the store at once (a durable
         copy must not wait for the cache).
         """
+        feed = self.feed
+        if feed is None or end <= start:
+            return self._read(rel, start, end, postpone)
+        uri = self.store.uri(rel)
+        with self._lock:
+            new = rel not in self._fed
+            self._fed.add(rel)
+        if new:
+            feed.follow(uri, id(self), start)
+        # The pushed bytes are the cache's, i.e. the file's own (a chunk is written only
+        # after the durable append it mirrors was verified); the caller reads only below the
+        # readable length, so they may even be ahead of the published cache length.
+        got = feed.read(uri, start, end)
+        if got:
+            with self._lock:
+                self._stats["pushed_bytes"] += len(got)
+        if start + len(got) < end:
+            got += self._read(rel, start + len(got), end, postpone)
+        feed.consumed(uri, id(self), start + len(got))
+        return got
+
+    def _read(self, rel: str, start: int, end: int, postpone: bool) -> bytes:
         with self._lock:
             cache_len, durable_len = self._published.get(rel, (None, None))
         cache_len = cache_len or 0
@@ -364,23 +396,29 @@ class CachedReadPath:
         return data
 
     def stats(self) -> Dict[str, int]:
-        """``cache_bytes``, ``relaxed_chunks``, ``consistent_chunks``, ``missing_chunks``,
+        """``cache_bytes`` (from the data cache: asked for, or pushed), ``pushed_bytes`` (of
+        those, pushed), ``relaxed_chunks``, ``consistent_chunks``, ``missing_chunks``,
         ``durable_bytes``, ``durable_fallbacks``, ``metadata_fallbacks``."""
         with self._lock:
             out = dict(self._stats)
         base = self.chunks.stats() if self.chunks else {"cache_bytes": 0, "relaxed_chunks": 0, "consistent_chunks": 0, "missing_chunks": 0}
         out.update(base)
+        out["cache_bytes"] += out["pushed_bytes"]
         return out
 
     def forget(self, rel: str) -> None:
         """Drop per-file state once a reader left the file."""
         with self._lock:
+            fed = rel in self._fed
+            self._fed.discard(rel)
             self._published.pop(rel, None)
             self._polled.discard(rel)
             self._recent.pop(rel, None)
             self._delays.pop(rel, None)
             self._durable_cache.pop(rel, None)
             self._standing.pop(rel, None)
+        if fed and self.feed is not None:
+            self.feed.unfollow(self.store.uri(rel), id(self))
 
     def close(self) -> None:
         """Close the cache clients this path created from endpoint strings, and the store's open files.
@@ -392,6 +430,11 @@ class CachedReadPath:
             with self._lock:
                 rels, self._polled = list(self._polled), set()
             self.poller.release([self.store.uri(r) for r in rels])
+        if self.feed is not None:
+            with self._lock:
+                fed, self._fed = list(self._fed), set()
+            for r in fed:
+                self.feed.unfollow(self.store.uri(r), id(self))
         for c in self._own:
             c.close()
         self.store.close()

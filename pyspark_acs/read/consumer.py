@@ -385,7 +385,8 @@ class Consumer:
         if max_bytes_per_second is not None and max_bytes_per_second <= 0:
             raise AcsOptionError("max_bytes_per_second: must be > 0 (or None for no cap)", option="max_bytes_per_second")
         if read_path is None:
-            read_path = open_read_path(root, data_cache=data_cache, metadata_cache=metadata_cache, token=cache_token)
+            read_path = open_read_path(root, data_cache=data_cache, metadata_cache=metadata_cache, token=cache_token,
+                                       push=True)
         self.path: ReadPath = read_path
         self.store = read_path.store
         self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]

@@ -83,6 +83,7 @@ def open_read_path(
     metadata_cache: Any = None,
     token: Optional[str] = None,
     poller: Any = None,
+    push: bool = False,
 ) -> "ReadPath":
     """The one read-path factory: through the caches when any is given, else the durable store.
 
@@ -97,6 +98,9 @@ def open_read_path(
     poller : LengthPoller, optional
         The process's shared length poller to take published lengths from when
         ``metadata_cache`` is a ready client (the copy daemon); endpoint strings find it alone.
+    push : bool
+        Tailing reader: have the data cache push the bytes of the files it reads
+        (:class:`~pyspark_acs.cache.feed.ChunkFeed`). Lengths are pushed to every reader.
     """
     from pyspark_acs.storage.store import open_store
 
@@ -104,7 +108,8 @@ def open_read_path(
     if data_cache or metadata_cache:
         from pyspark_acs.read.cachepath import CachedReadPath  # imports grpc: only when caches are used
 
-        return CachedReadPath(store, data_cache=data_cache, metadata_cache=metadata_cache, token=token, poller=poller)
+        return CachedReadPath(store, data_cache=data_cache, metadata_cache=metadata_cache, token=token, poller=poller,
+                              push=push)
     return DurableReadPath(store)
 
 

@@ -28,23 +28,13 @@ from __future__ import annotations
 import asyncio
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from pyspark_acs.cache.chunks import CHUNK_SIZE
+from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key, parse_chunk_key
 from pyspark_acs.server.cache.store import Store
 
-__all__ = ["FILE_ID_BYTES", "MAX_PUSH_BYTES", "FileFollow", "KeyWatch", "Watchers", "chunk_parts"]
+__all__ = ["MAX_PUSH_BYTES", "FileFollow", "KeyWatch", "Watchers"]
 
 #: Largest payload of one pushed message (bytes); more is sent in the next message.
 MAX_PUSH_BYTES = 1024 * 1024
-#: Bytes of a file id in a chunk key (``b"c" + file id + 8-byte chunk number``).
-FILE_ID_BYTES = 16
-_CHUNK_KEY_BYTES = 1 + FILE_ID_BYTES + 8
-
-
-def chunk_parts(key: bytes) -> Optional[Tuple[bytes, int]]:
-    """``(file id, chunk number)`` of a chunk key, ``None`` for any other key."""
-    if len(key) != _CHUNK_KEY_BYTES or key[:1] != b"c":
-        return None
-    return key[1:1 + FILE_ID_BYTES], int.from_bytes(key[1 + FILE_ID_BYTES:], "big")
 
 
 class KeyWatch:
@@ -97,7 +87,7 @@ class FileFollow:
             parts: List[bytes] = []
             while left > 0:
                 n, skip = divmod(pos, CHUNK_SIZE)
-                entry = store.get_many([b"c" + fid + n.to_bytes(8, "big")], count=False)[0]
+                entry = store.get_many([chunk_key("", n, file_id=fid)], count=False)[0]
                 if entry is None or entry.version <= skip:
                     break  # not here (yet): the next put of the chunk marks the file again
                 piece = entry.value[skip:entry.version]
@@ -141,12 +131,12 @@ class Watchers:
             if watches:
                 for w in watches:
                     w.mark(key)
-            if by_file and len(key) == _CHUNK_KEY_BYTES and key[:1] == b"c":
-                follows = by_file.get(key[1:1 + FILE_ID_BYTES])
+            if by_file:
+                parsed = parse_chunk_key(key)
+                follows = by_file.get(parsed[0]) if parsed is not None else None
                 if follows:
-                    fid = key[1:1 + FILE_ID_BYTES]
                     for f in follows:
-                        f.mark(fid)
+                        f.mark(parsed[0])
 
     # -- Watch -----------------------------------------------------------------------------
 

@@ -1,0 +1,211 @@
+"""Pushed file bytes, one receiver per process and data cache (issue 9).
+
+Readers that tail files (Consumers, the copy daemon's operations) follow them here: the
+:class:`ChunkFeed` keeps one :class:`~pyspark_acs.cache.push.FollowStream` per data replica,
+asks the file's primary replica (by the cache's ring) to push the file's bytes from the
+reader's position, and keeps what arrives in a bounded buffer per file. A read of bytes the
+buffer holds needs no request at all; anything else (bytes before the buffer, a replica that
+does not hold a chunk, a stream that is down) is read from the cache as without push, and the
+feed is moved on to where the reader is.
+
+What a reader gets from the feed is the cache's bytes, which are the file's bytes: the read
+path still reads only below the published length, so the seal rule, prefix safety and
+Algorithm 1 stay where they are (:mod:`pyspark_acs.read.cachepath`).
+
+Memory: per file at most :data:`FEED_MAX_BYTES`; bytes every follower of the file has read are
+dropped at once. A slow follower only makes its own file's buffer drop its oldest bytes, which
+that follower then reads from the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
+
+from pyspark_acs.cache.chunks import chunk_key, file_id
+from pyspark_acs.cache.client import CacheClient
+
+if TYPE_CHECKING:
+    from pyspark_acs.cache.push import FollowStream
+
+__all__ = ["FEED_MAX_BYTES", "ChunkFeed"]
+
+#: Most bytes buffered per followed file (a caught-up reader needs a few KiB).
+FEED_MAX_BYTES = 8 * 1024 * 1024
+
+
+class _File:
+    __slots__ = ("uri", "replicas", "endpoint", "base", "buf", "readers")
+
+    def __init__(self, uri: str, replicas: Tuple[str, ...]) -> None:
+        self.uri = uri
+        self.replicas = replicas
+        self.endpoint = replicas[0]
+        self.base = 0
+        self.buf = bytearray()
+        self.readers: Dict[int, int] = {}  # reader id -> position
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.buf)
+
+
+class ChunkFeed:
+    """Receives pushed bytes of followed files from a data cache (one per process and cache).
+
+    Use :meth:`shared`. Thread-safe.
+    """
+
+    _registry: Dict[Tuple[Tuple[str, ...], Optional[str]], "ChunkFeed"] = {}
+    _registry_lock = threading.Lock()  # guards _registry
+
+    def __init__(self, endpoints: Sequence[str], token: Optional[str] = None) -> None:
+        self.client = CacheClient(tuple(endpoints), name="data cache", token=token)
+        # _lock guards _files, _by_fid and _streams.
+        self._lock = threading.Lock()
+        self._files: Dict[str, _File] = {}
+        self._by_fid: Dict[bytes, _File] = {}
+        self._streams: Dict[str, "FollowStream"] = {}
+        #: Bytes received by push and bytes served from the buffer (since creation).
+        self.received = 0
+        self.served = 0
+
+    @classmethod
+    def shared(cls, endpoints: Sequence[str], token: Optional[str] = None) -> "ChunkFeed":
+        """The process-wide feed for these data-cache endpoints (and token)."""
+        key = (tuple(endpoints), token)
+        with cls._registry_lock:
+            feed = cls._registry.get(key)
+            if feed is None:
+                feed = cls._registry[key] = cls(tuple(endpoints), token)
+            return feed
+
+    # -- readers ---------------------------------------------------------------------------
+
+    def follow(self, uri: str, reader: int, position: int) -> None:
+        """Reader ``reader`` reads ``uri`` from ``position`` on: have its bytes pushed. A
+        position outside what the buffer holds or will get next moves the file's cursor there."""
+        with self._lock:
+            f = self._files.get(uri)
+            if f is None:
+                fid = file_id(uri)
+                f = self._files[uri] = _File(uri, self.client.replicas_for(chunk_key(uri, 0, file_id=fid)))
+                self._by_fid[fid] = f
+                f.base = position
+                f.readers[reader] = position
+                self._stream(f.endpoint).follow(fid, position)
+                return
+            f.readers[reader] = position
+            if not (f.base <= position <= f.end):
+                f.base, f.buf = position, bytearray()
+                self._stream(f.endpoint).follow(file_id(uri), position)
+
+    def read(self, uri: str, start: int, end: int) -> bytes:
+        """The bytes of ``[start, end)`` the buffer holds from ``start`` on (maybe fewer, maybe none)."""
+        with self._lock:
+            f = self._files.get(uri)
+            if f is None or not (f.base <= start < f.end):
+                return b""
+            got = bytes(f.buf[start - f.base:min(end, f.end) - f.base])
+            self.served += len(got)
+            return got
+
+    def consumed(self, uri: str, reader: int, position: int) -> None:
+        """Reader ``reader`` has read ``uri`` up to ``position``: drop bytes every reader has;
+        move the file's cursor when the reader went past what the feed has (it read them
+        from the cache)."""
+        with self._lock:
+            f = self._files.get(uri)
+            if f is None or reader not in f.readers:
+                return
+            f.readers[reader] = position
+            low = min(f.readers.values())
+            if low > f.end:
+                # Every reader is past the feed (the replica lacked bytes, or its stream is
+                # down): follow from where they are.
+                f.base, f.buf = low, bytearray()
+                self._stream(f.endpoint).follow(file_id(uri), low)
+            elif low > f.base:
+                del f.buf[:low - f.base]
+                f.base = low
+
+    def unfollow(self, uri: str, reader: int) -> None:
+        """Reader ``reader`` left ``uri``; the last one to leave stops its push."""
+        with self._lock:
+            f = self._files.get(uri)
+            if f is None:
+                return
+            f.readers.pop(reader, None)
+            if f.readers:
+                return
+            del self._files[uri]
+            fid = file_id(uri)
+            self._by_fid.pop(fid, None)
+            stream = self._streams.get(f.endpoint)
+        if stream is not None:
+            stream.unfollow(fid)
+
+    def following(self) -> int:
+        """How many files are followed now."""
+        with self._lock:
+            return len(self._files)
+
+    # -- streams ---------------------------------------------------------------------------
+
+    def _stream(self, endpoint: str) -> "FollowStream":
+        """The stream to ``endpoint`` (caller holds _lock)."""
+        stream = self._streams.get(endpoint)
+        if stream is None:
+            from pyspark_acs.cache.push import FollowStream  # imports grpc: only once a file is followed
+
+            stream = self._streams[endpoint] = FollowStream(self.client, endpoint, self._on_bytes, self._on_state)
+        return stream
+
+    def _on_bytes(self, fid: bytes, start: int, data: bytes) -> None:
+        with self._lock:
+            f = self._by_fid.get(fid)
+            if f is None:
+                return
+            self.received += len(data)
+            end = f.end
+            if start > end or start + len(data) <= end:
+                return  # a gap (the cursor moved past it) or bytes the buffer already has
+            f.buf += data[end - start:]
+            if len(f.buf) > FEED_MAX_BYTES:
+                drop = len(f.buf) - FEED_MAX_BYTES
+                del f.buf[:drop]
+                f.base += drop
+
+    def _on_state(self, endpoint: str, live: bool) -> None:
+        """A stream came up or broke. A broken one's files move to their next replica (hedging),
+        resuming where their buffers end; the stream itself keeps reconnecting."""
+        if live:
+            return
+        moves = []
+        with self._lock:
+            for f in self._files.values():
+                if f.endpoint != endpoint or len(f.replicas) < 2:
+                    continue
+                f.endpoint = f.replicas[(f.replicas.index(endpoint) + 1) % len(f.replicas)]
+                moves.append((f, f.end))
+        for f, end in moves:
+            fid = file_id(f.uri)
+            old = self._streams.get(endpoint)
+            if old is not None:
+                old.unfollow(fid)
+            with self._lock:
+                self._stream(f.endpoint).follow(fid, end)
+
+    def close(self) -> None:
+        """Close every stream and the client (the shared feed is dropped from the registry)."""
+        with self._registry_lock:
+            for key, feed in list(self._registry.items()):
+                if feed is self:
+                    del self._registry[key]
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+            self._files.clear()
+            self._by_fid.clear()
+        for stream in streams:
+            stream.close()
+        self.client.close()

@@ -1,0 +1,253 @@
+"""Push streams, the reader's side: one long-lived stream per (process, replica) (issue 9).
+
+A :class:`WatchStream` tells a metadata replica which keys to watch and hands every entry it
+pushes to a callback; a :class:`FollowStream` tells a data replica which files to follow from
+which offset and hands every run of bytes it pushes to a callback. Each stream owns its
+subscription (the keys, the files and their cursors), so when the stream breaks (the replica
+died or restarted) it reconnects by itself with back-off and sends the whole subscription again
+-- resuming each file at the cursor the bytes reached. While a stream is down its owner reads
+as it would without push (the length poller polls, the read path asks for chunks): push only
+ever saves requests, it never decides what is correct.
+
+The streams use the :class:`~pyspark_acs.cache.client.CacheClient`'s channels (and its token).
+Callbacks run on the stream's thread and must be quick.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Set
+
+from pyspark_acs.cache.client import CacheClient
+
+__all__ = ["RECONNECT_INITIAL_S", "RECONNECT_MAX_S", "FollowStream", "WatchStream"]
+
+log = logging.getLogger(__name__)
+
+#: First wait before reconnecting a broken stream; doubled on each failure up to the max.
+RECONNECT_INITIAL_S = 0.05
+RECONNECT_MAX_S = 2.0
+_END = object()
+
+
+class _PushStream:
+    """One reconnecting bidirectional stream to one replica. Subclasses own the subscription."""
+
+    method = ""
+
+    def __init__(self, client: CacheClient, endpoint: str, on_state: Optional[Callable[[str, bool], None]] = None):
+        self.client = client
+        self.endpoint = endpoint
+        self.on_state = on_state
+        # _lock guards the subscription of subclasses, _requests and _closed; a request queued
+        # under it reaches the current stream or is part of the next one's first request.
+        self._lock = threading.Lock()
+        self._requests: Optional["queue.SimpleQueue[Any]"] = None
+        self._call: Any = None
+        self._closed = False
+        #: Set while the stream is up and has answered since it (re)connected.
+        self.live = threading.Event()
+        self.reconnects = 0
+        self._thread = threading.Thread(target=self._run, name=f"acs-push-{self.method.lower()}-{endpoint}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- subclass hooks ----------------------------------------------------------------------
+
+    def _initial(self) -> Any:
+        """The request that restores the whole subscription (caller holds _lock)."""
+        raise NotImplementedError
+
+    def _handle(self, message: Any) -> None:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        """The stream broke: forget what it had confirmed (caller holds no lock)."""
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _send(self, request: Any) -> None:
+        """Queue ``request`` on the current stream. Caller holds _lock."""
+        if self._requests is not None:
+            self._requests.put(request)
+
+    def close(self) -> None:
+        """End the stream and its thread (does not wait)."""
+        with self._lock:
+            self._closed = True
+            requests, call = self._requests, self._call
+            self._requests = None
+        if requests is not None:
+            requests.put(_END)
+        if call is not None:
+            call.cancel()
+
+    def _iterate(self, requests: "queue.SimpleQueue[Any]") -> Iterator[Any]:
+        while True:
+            item = requests.get()
+            if item is _END:
+                return
+            yield item
+
+    def _run(self) -> None:
+        import grpc  # deferred like the client's own import
+
+        wait = RECONNECT_INITIAL_S
+        stop = threading.Event()
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+                requests.put(self._initial())
+                self._requests = requests
+            try:
+                stub = self.client._stub(self.client._replicas[self.endpoint])
+                call = getattr(stub, self.method)(self._iterate(requests), metadata=self.client._metadata)
+                with self._lock:
+                    self._call = call
+                for message in call:
+                    if not self.live.is_set():
+                        self.live.set()
+                        wait = RECONNECT_INITIAL_S
+                        if self.on_state is not None:
+                            self.on_state(self.endpoint, True)
+                    self._handle(message)
+            except grpc.RpcError as exc:
+                if not self._closed:
+                    log.debug("%s push stream to %s broke: %s", self.method, self.endpoint, exc)
+            except Exception:  # a stream thread must never die silently: log it, then reconnect
+                if self._closed:
+                    return
+                log.exception("%s push stream to %s failed", self.method, self.endpoint)
+            with self._lock:
+                self._requests = None
+                self._call = None
+                if self._closed:
+                    return
+            requests.put(_END)
+            if self.live.is_set():
+                self.live.clear()
+                if self.on_state is not None:
+                    self.on_state(self.endpoint, False)
+            self._reset()
+            self.reconnects += 1
+            stop.wait(wait)
+            wait = min(wait * 2.0, RECONNECT_MAX_S)
+
+
+class WatchStream(_PushStream):
+    """Watches keys on one metadata replica.
+
+    Parameters
+    ----------
+    client : CacheClient
+        The metadata cache's client (channel and token).
+    endpoint : str
+        The replica.
+    on_entries : callable
+        ``on_entries(endpoint, keys, found, versions)`` for every pushed event: the newest entry
+        of each key (``found`` False: absent), on the stream's thread.
+    on_state : callable, optional
+        ``on_state(endpoint, live)`` when the stream comes up (its first event) or breaks.
+    """
+
+    method = "Watch"
+
+    def __init__(self, client: CacheClient, endpoint: str,
+                 on_entries: Callable[[str, Sequence[bytes], Sequence[bool], Sequence[int]], None],
+                 on_state: Optional[Callable[[str, bool], None]] = None) -> None:
+        self._keys: Set[bytes] = set()
+        #: Keys this stream has pushed since it (re)connected (guarded by _lock).
+        self._confirmed: Set[bytes] = set()
+        self.on_entries = on_entries
+        super().__init__(client, endpoint, on_state)
+
+    def watch(self, add: Iterable[bytes] = (), remove: Iterable[bytes] = ()) -> None:
+        """Start watching ``add`` and stop watching ``remove`` (entries of added keys come at once)."""
+        add = [k for k in add]
+        remove = [k for k in remove]
+        with self._lock:
+            add = [k for k in add if k not in self._keys]
+            remove = [k for k in remove if k in self._keys]
+            if not add and not remove:
+                return
+            self._keys.update(add)
+            self._keys.difference_update(remove)
+            self._confirmed.difference_update(remove)
+            self._send(self.client._pb2().WatchRequest(add=add, remove=remove))
+
+    def confirmed(self, key: bytes) -> bool:
+        """Whether this live stream has pushed ``key`` since it (re)connected (so later changes
+        of it are pushed too)."""
+        with self._lock:
+            return key in self._confirmed and self.live.is_set()
+
+    def _initial(self) -> Any:
+        return self.client._pb2().WatchRequest(add=sorted(self._keys))
+
+    def _handle(self, message: Any) -> None:
+        with self._lock:
+            self._confirmed.update(k for k in message.keys if k in self._keys)
+        self.on_entries(self.endpoint, message.keys, message.found, message.versions)
+
+    def _reset(self) -> None:
+        with self._lock:
+            self._confirmed.clear()
+
+
+class FollowStream(_PushStream):
+    """Follows files on one data replica, each from a cursor that moves as bytes arrive.
+
+    Parameters
+    ----------
+    client : CacheClient
+        The data cache's client.
+    endpoint : str
+        The replica.
+    on_bytes : callable
+        ``on_bytes(file id, start, data)`` for every pushed run, on the stream's thread.
+    """
+
+    method = "Follow"
+
+    def __init__(self, client: CacheClient, endpoint: str, on_bytes: Callable[[bytes, int, bytes], None],
+                 on_state: Optional[Callable[[str, bool], None]] = None) -> None:
+        self._cursors: Dict[bytes, int] = {}
+        self.on_bytes = on_bytes
+        super().__init__(client, endpoint, on_state)
+
+    def follow(self, fid: bytes, offset: int) -> None:
+        """Follow file ``fid`` from byte ``offset`` (moves the cursor of a followed file)."""
+        with self._lock:
+            if self._cursors.get(fid) == offset:
+                return
+            self._cursors[fid] = offset
+            self._send(self.client._pb2().FollowRequest(follow=[fid], offsets=[offset]))
+
+    def unfollow(self, fid: bytes) -> None:
+        with self._lock:
+            if self._cursors.pop(fid, None) is not None:
+                self._send(self.client._pb2().FollowRequest(unfollow=[fid]))
+
+    def following(self) -> int:
+        with self._lock:
+            return len(self._cursors)
+
+    def _initial(self) -> Any:
+        fids = sorted(self._cursors)
+        return self.client._pb2().FollowRequest(follow=fids, offsets=[self._cursors[f] for f in fids])
+
+    def _handle(self, message: Any) -> None:
+        offset = 0
+        data = message.data
+        for fid, start, size in zip(message.files, message.starts, message.sizes):
+            run = data[offset:offset + size]
+            offset += size
+            with self._lock:
+                if fid not in self._cursors:
+                    continue  # unfollowed meanwhile
+                self._cursors[fid] = start + size  # a reconnect resumes here
+            self.on_bytes(fid, start, run)
