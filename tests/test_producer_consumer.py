@@ -777,3 +777,33 @@ def test_a_hot_shard_does_not_starve_the_others(root):
         finally:
             stop.set()
             t.join()
+
+
+def test_waits_at_the_start_of_two_files_are_not_added_up(root, monkeypatch, caplog):
+    """A tailer waits at byte 0 of each new file while its first block is still arriving (a
+    copy at a destination). The 'no complete block' warning timed the wait by position alone,
+    so the wait at byte 0 of file X and, much later, the one at byte 0 of file Y added up to a
+    false warning about Y (seen in the soak run). It is timed per file and position now."""
+    from pyspark_acs.format.block import encode_seal
+
+    monkeypatch.setattr(consumer_mod, "STUCK_WARN_AFTER_S", 0.5)
+    store = DurableStore(root)
+    store.create_stream("slow", 1)
+    block = encode_block([b"first"] * 3, first_index=0)
+    names = [file_name(dt.datetime(2026, 1, 1, 0, 0, i, tzinfo=dt.timezone.utc), "w") for i in range(2)]
+    rels = [f"{shard_dir('slow', 0)}/{n}" for n in names]
+    with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
+        with Consumer(root, "slow") as c:
+            x = store.open_appender(rels[0])
+            x.write(block[:10])  # X's first block is arriving
+            assert rows_of(c.poll()) == []
+            time.sleep(0.7)  # longer than the warning's wait, at X:0 ... then X completes
+            x.write(block[10:] + encode_seal(3))
+            x.close()
+            y = store.open_appender(rels[1])
+            y.write(encode_block([b"second"], first_index=3)[:10])  # ... and Y's first block arrives
+            got = consume(c, 3)
+            assert_quiet(c, 0.2)
+            y.close()
+    assert len(got) == 3
+    assert not [r for r in caplog.records if "no complete block" in r.getMessage()], caplog.text

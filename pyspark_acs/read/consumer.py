@@ -95,7 +95,10 @@ class ShardTailer:
         self.limiter = limiter or RateLimiter(None)
         self._check_behind = True  # first stall after a seek: is the position right after a seal?
         self._void_checked: Optional[Tuple[int, int]] = None  # (position, length) searched for a recovery seal
-        self._stuck: Optional[Tuple[int, float]] = None  # (position, since) while no complete block follows
+        # (file, position, since) while no complete block follows; the file is part of the key:
+        # a tailer waits at byte 0 of every new file at a destination, and those waits must
+        # not add up to one warning.
+        self._stuck: Optional[Tuple[Optional[str], int, float]] = None
         self._loss_logged: Optional[Offset] = None  # the lost position already logged
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
@@ -250,10 +253,10 @@ class ShardTailer:
 
     def _warn_stuck(self, limit: int) -> None:
         now = time.monotonic()
-        if self._stuck is None or self._stuck[0] != self.length:
-            self._stuck = (self.length, now)
-        elif now - self._stuck[1] >= STUCK_WARN_AFTER_S:
-            self._stuck = (self.length, math.inf)  # once per position
+        if self._stuck is None or self._stuck[:2] != (self.rel, self.length):
+            self._stuck = (self.rel, self.length, now)
+        elif now - self._stuck[2] >= STUCK_WARN_AFTER_S:
+            self._stuck = (self.rel, self.length, math.inf)  # once per position
             log.warning(
                 "%s: bytes [%d, %d) have been no complete block for %.0f s; waiting for them or for a seal "
                 "(a writer or copy still at work, a crashed writer whose shard nobody took over yet, or a file "
