@@ -1,0 +1,251 @@
+"""Push streams (issue 9) against real cache-server processes: readers are told instead of
+polling, keep every message in order while replicas die and come back, resume by offset, and a
+slow reader holds up nobody and grows no server's memory."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import List
+
+import pytest
+
+from pyspark_acs.cache.chunks import ChunkWriter, file_id
+from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.cache.push import FollowStream, WatchStream
+from pyspark_acs.read.consumer import Consumer
+from pyspark_acs.server.local.deploy import LocalDeployment
+from pyspark_acs.write.producer import Producer
+
+from test_cache_delivery import Collector, Sender, assert_exact, msg, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory):
+    with LocalDeployment(tmp_path_factory.mktemp("push"), data_replicas=3, metadata_replicas=3,
+                         capacity="64MiB") as d:
+        yield d
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "store")
+
+
+def endpoints(dep: LocalDeployment) -> dict:
+    """Endpoint strings: readers share the process's poller and feed, as users' readers do."""
+    return {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints}
+
+
+def server_stats(eps: str) -> dict:
+    with CacheClient(eps) as c:
+        return c.stats()
+
+
+def total(stats: dict, name: str) -> int:
+    return sum(v.get(name, 0) for v in stats.values() if "error" not in v)
+
+
+def test_following_reader_is_pushed_lengths_and_bytes_without_asking(dep, root):
+    """Caught up, a reader makes no Get calls at all: the metadata replicas push lengths and
+    the data replica pushes bytes."""
+    with Producer(root, "steady", shards=1, **endpoints(dep)) as p, Consumer(root, "steady", **endpoints(dep)) as c:
+        col = Collector(c)
+        p.send(msg(0))
+        p.flush()
+        col.until(lambda: len(col.values) == 1, 20, "the first message")
+        col.pump(1.2)  # past one safety poll
+        data0, meta0 = server_stats(dep.data_endpoints), server_stats(dep.metadata_endpoints)
+        for i in range(1, 301):
+            p.send(msg(i))
+            p.flush()
+            col.pump(0.002)
+        col.until(lambda: len(col.values) == 301, 20, "every message")
+        data1, meta1 = server_stats(dep.data_endpoints), server_stats(dep.metadata_endpoints)
+        assert_exact(col.values, 301)
+        assert total(data1, "gets_total") - total(data0, "gets_total") == 0
+        # Only the 1-second safety polls of one file (two keys, a majority of replicas).
+        assert total(meta1, "gets_total") - total(meta0, "gets_total") <= 40
+        assert total(data1, "pushed_bytes_total") > total(data0, "pushed_bytes_total")
+        assert c.stats()["pushed_bytes"] > 0 and c.stats()["durable_bytes"] == 0
+
+
+@pytest.mark.parametrize("role", ["data", "metadata", "both"])
+def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, role):
+    """One data and/or one metadata replica is SIGKILLed mid-stream and restarted: the reader
+    hedges (bytes from another replica, lengths polled while no majority of streams is live),
+    gets every message in order, and is pushed to again after the restart."""
+    roles = ["data", "metadata"] if role == "both" else [role]
+    with Producer(root, "faults", shards=1, **endpoints(dep)) as p, Consumer(root, "faults", **endpoints(dep)) as c:
+        col = Collector(c)
+        sender = Sender(p)
+        sender.start()
+        try:
+            col.until(lambda: len(col.values) >= 500, 30, "first messages")
+            for r in roles:
+                dep.kill(r, 0, signal.SIGKILL)
+            seen = len(col.values)
+            col.until(lambda: len(col.values) >= seen + 1000, 30, "messages with a replica dead")
+            for r in roles:
+                dep.restart(r, 0)
+            pushed = col.stat("pushed_bytes")
+            seen = len(col.values)
+            col.until(lambda: len(col.values) >= seen + 1000, 30, "messages after the restart")
+            assert col.stat("pushed_bytes") > pushed
+        finally:
+            count = sender.stop()
+        col.until(lambda: len(col.values) >= count, 30, "every message")
+        col.pump(0.2)
+        assert_exact(col.values, count)
+        assert c.stats()["durable_bytes"] == 0
+
+
+def test_reader_that_connects_late_resumes_by_offset(dep, root):
+    """A reader closed mid-stream and a new one started from its offsets later gets exactly the
+    rest: the backlog it asks for, then, caught up, what is pushed from where it is."""
+    with Producer(root, "late", shards=2, **endpoints(dep)) as p:
+        for i in range(500):
+            p.send(msg(i), shard=0)
+        p.flush()
+        with Consumer(root, "late", **endpoints(dep)) as c:
+            col = Collector(c)
+            col.until(lambda: len(col.values) >= 500, 20, "the first 500")
+            offsets = c.offsets()
+        for i in range(500, 1500):
+            p.send(msg(i), shard=0)
+        p.flush()
+        with Consumer(root, "late", start=offsets, **endpoints(dep)) as c2:
+            col2 = Collector(c2)
+            col2.until(lambda: len(col2.values) >= 1000, 20, "the backlog")
+            for i in range(1500, 1700):
+                p.send(msg(i), shard=0)
+                p.flush()
+            col2.until(lambda: len(col2.values) >= 1200, 20, "the new messages")
+            col2.pump(0.2)
+            assert col2.values == [msg(i) for i in range(500, 1700)]
+            assert c2.stats()["pushed_bytes"] > 0
+
+
+def test_follow_stream_starts_at_the_offset_and_resumes_after_a_restart(dep):
+    """The stream protocol itself: bytes come from the asked offset, contiguous, and after the
+    replica restarts the stream reconnects and resumes at the cursor the bytes reached."""
+    uri = f"file:///push/{time.time_ns()}.acs"
+    data = bytes(range(251)) * 200  # 50,200 bytes
+    writer = ChunkWriter(CacheClient(dep.data_endpoints), uri)
+    writer.append(data[:20_000])
+    got = bytearray()
+    starts: List[int] = []
+    lock = threading.Lock()
+
+    def on_bytes(fid, start, run):
+        with lock:
+            starts.append(start)
+            assert start == 5000 + len(got), (start, len(got))
+            got.extend(run)
+
+    client = CacheClient(dep.data_endpoints, name="data cache")
+    index = dep.endpoints("data").index(client.endpoints[0])
+    stream = FollowStream(client, client.endpoints[0], on_bytes)
+    try:
+        stream.follow(file_id(uri), 5000)
+        wait_until(lambda: len(got) == 15_000, 10, "the bytes from 5000")
+        assert starts[0] == 5000
+        dep.kill("data", index, signal.SIGKILL)
+        writer.append(data[20_000:30_000])  # a majority of the other replicas take it
+        dep.restart("data", index)
+        # gRPC clients of this process back off from the dead address for up to a second.
+        wait_until(lambda: "error" not in server_stats(client.endpoints[0])[client.endpoints[0]], 10, "the replica")
+        # The restarted replica has none of the file: the stream reconnects and waits at its
+        # cursor (20,000) until chunks from there are written to it again.
+        writer2 = ChunkWriter(CacheClient(dep.data_endpoints), uri, 16_384)  # rewrites from chunk 4 on
+        writer2.append(data[16_384:])
+        wait_until(lambda: len(got) == len(data) - 5000, 20, "the bytes after the restart")
+        assert bytes(got) == data[5000:]
+        assert stream.reconnects >= 1
+    finally:
+        stream.close()
+        client.close()
+
+
+def test_slow_reader_holds_up_nobody_and_grows_no_server_memory(dep):
+    """One follower stops reading (its callback blocks); 48 MiB go through a data cache of
+    64 MiB. The other follower gets every byte as it lands, and the server's memory grows by
+    no more than what it stores: a stream owes marks and a cursor, never queued bytes."""
+    uri = f"file:///slow/{time.time_ns()}.acs"
+    fid = file_id(uri)
+    client = CacheClient(dep.data_endpoints, name="data cache")
+    endpoint = client.endpoints[0]
+    index = dep.endpoints("data").index(endpoint)
+    blocked = threading.Event()
+    fast = bytearray()
+    slow = [0]
+
+    def on_fast(f, start, run):
+        assert start == len(fast)
+        fast.extend(run)
+
+    def on_slow(f, start, run):
+        slow[0] += len(run)
+        blocked.wait(60)  # a reader that stopped reading
+
+    before = client.stats()[endpoint]["rss_bytes"]
+    streams = [FollowStream(client, endpoint, on_fast), FollowStream(client, endpoint, on_slow)]
+    try:
+        for s in streams:
+            s.follow(fid, 0)
+        writer = ChunkWriter(CacheClient(dep.data_endpoints), uri)
+        piece = bytes(range(256)) * 1024  # 256 KiB
+        for i in range(192):  # 48 MiB
+            writer.append(piece)
+        wait_until(lambda: len(fast) == 192 * len(piece), 60, "the fast follower's bytes")
+        after = client.stats()[endpoint]["rss_bytes"]
+        stored = client.stats()[endpoint]["used_bytes"]
+        assert after - before < stored + 32 * 1024 * 1024, (before, after, stored)
+        assert slow[0] < 16 * 1024 * 1024  # the slow one got a message or so, then flow control
+        assert dep.is_running("data", index)
+    finally:
+        blocked.set()
+        for s in streams:
+            s.close()
+        client.close()
+
+
+def test_watch_stream_pushes_lengths_and_resends_after_restart(dep):
+    """The metadata side: an added key is answered at once (absent), every stored change is
+    pushed, and after the replica restarts the stream comes back and pushes the key again."""
+    from pyspark_acs.cache.metadata import MetadataCache, length_keys
+
+    uri = f"file:///watch/{time.time_ns()}.acs"
+    key = length_keys(uri)[1]
+    seen: List[int] = []
+    client = CacheClient(dep.metadata_endpoints, name="metadata cache")
+    endpoint = client.endpoints[0]
+    index = dep.endpoints("metadata").index(endpoint)
+
+    def on_entries(ep, keys, found, versions):
+        seen.extend(v if ok else -1 for k, ok, v in zip(keys, found, versions) if k == key)
+
+    stream = WatchStream(client, endpoint, on_entries)
+    meta = MetadataCache(CacheClient(dep.metadata_endpoints))
+    try:
+        stream.watch([key])
+        wait_until(lambda: seen == [-1], 10, "the first (absent) answer")
+        assert stream.confirmed(key)
+        for n in (100, 200, 300):
+            meta.publish(uri, durable_length=n)
+        wait_until(lambda: seen and seen[-1] == 300, 10, "the pushed lengths")
+        dep.kill("metadata", index, signal.SIGKILL)
+        wait_until(lambda: not stream.confirmed(key), 10, "the stream to notice")
+        dep.restart("metadata", index)
+        wait_until(lambda: stream.confirmed(key), 20, "the stream to come back")
+        assert seen[-1] == -1  # the restarted replica lost the entry and says so at once
+        wait_until(lambda: "error" not in server_stats(endpoint)[endpoint], 10, "the replica")
+        meta.publish(uri, durable_length=400)
+        wait_until(lambda: seen[-1] == 400, 20, "the pushed length after the restart")
+    finally:
+        stream.close()
+        meta.client.close()
+        client.close()
