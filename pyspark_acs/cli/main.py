@@ -79,11 +79,13 @@ _EXTRA_COMMANDS: Dict[str, Callable[[argparse._SubParsersAction], None]] = {}
 
 
 def _read_path(args: argparse.Namespace, root: str):
-    """The read path for a command: caches when given, else the durable store alone."""
+    """The read path of ``acs tail`` (a tailing reader: bytes pushed): caches when given, else
+    the durable store alone."""
     from pyspark_acs.read.readpath import open_read_path
 
     return open_read_path(
-        root, data_cache=getattr(args, "data_cache", None), metadata_cache=getattr(args, "metadata_cache", None)
+        root, data_cache=getattr(args, "data_cache", None), metadata_cache=getattr(args, "metadata_cache", None),
+        push=True,
     )
 
 
