@@ -303,3 +303,28 @@ def test_copy_reader_uses_the_one_length_poller_and_read_path(root, caches):
         files.stop()
         io.data.close()
         io.meta_client.close()
+
+
+# -- review finding F3: a seal is proven by a header walk, never by the last bytes alone ----------
+
+
+def test_message_ending_in_seal_bytes_does_not_finish_its_file(root):
+    """A message may end in bytes shaped exactly like a seal (a user sent them). A reader
+    restarted right after that message's block, and the Spark planner, took the file for
+    sealed there and moved on to the next file (here one that already exists, as at a
+    destination where a newer file's copy arrived while this one's is still in flight),
+    skipping the rest of this one. Now a seal is proven by walking block headers."""
+    DurableStore(root).create_stream("f3", 1)
+    x, y = _name(0), _name(1)
+    forged = b"payload-" + encode_seal(7)  # its last 48 bytes are a valid seal
+    head = _block(0, 1, "a") + encode_block([forged], None, [1], first_index=1)
+    _append(root, "f3", x, head)
+    _append(root, "f3", y, _block(0, 1, "b") + encode_seal(1))
+    at = Offset(x, len(head))
+    assert head.endswith(encode_seal(7))
+    planner = _Planner(parse_source_options({"root": root, "stream": "f3"}))
+    assert planner.latest([("f3", 0)], {("f3", 0): at})[("f3", 0)] == at  # x is not sealed: stop there
+    with Consumer(root, "f3", start={"f3": {"0": {"file": x, "length": len(head)}}}) as c:
+        _quiet(c, 0.3)  # x may still grow: never left
+        _append(root, "f3", x, _block(2, 1, "a") + encode_seal(3))  # the rest of x, then its real seal
+        assert _values(c, 2) == [b"a2", b"b0"]

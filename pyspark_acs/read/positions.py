@@ -103,9 +103,25 @@ def skip_void(path: ReadPath, rel: str, at: int, length: int) -> Optional[int]:
     return None if found is None else at + found[0] + found[1].size
 
 
-def seal_behind(path: ReadPath, rel: str, at: int) -> Optional[int]:
+def seal_behind(path: ReadPath, rel: str, at: int, *, start: int = 0) -> Optional[int]:
     """The size of the seal that ends at ``at`` (a plain one, or a recovery seal with its
-    8-byte body), ``None`` if the bytes before ``at`` are no seal."""
+    8-byte body), ``None`` if the file is not sealed there.
+
+    Proven by walking block headers from ``start`` (a block boundary: 0, or one the caller
+    knows) up to ``at``, never by parsing the bytes just before ``at`` alone: a message may end
+    in bytes shaped exactly like a seal (a user may send them), and a reader that took those for
+    the seal would leave an unsealed file and skip the rest of it.
+    """
+    if at < HEADER_SIZE or start > at:
+        return None
+    end, _, _, sealed = walk_blocks(path, rel, start, at)
+    if not (sealed and end == at):
+        return None
+    return _seal_size(path, rel, at)
+
+
+def _seal_size(path: ReadPath, rel: str, at: int) -> Optional[int]:
+    """The size of the seal a walk proved to end at ``at``: its last 48 or 56 bytes."""
     for size in (HEADER_SIZE, HEADER_SIZE + 8):
         if at < size:
             continue
@@ -118,10 +134,10 @@ def seal_behind(path: ReadPath, rel: str, at: int) -> Optional[int]:
     return None
 
 
-def ends_with_seal(path: ReadPath, rel: str, at: int) -> bool:
-    """Whether the bytes just before ``at`` are a seal: a position saved right after a seal is
-    at the end of a finished file."""
-    return seal_behind(path, rel, at) is not None
+def ends_with_seal(path: ReadPath, rel: str, at: int, *, start: int = 0) -> bool:
+    """Whether ``rel`` is sealed exactly at ``at`` (a position saved right after a seal is at
+    the end of a finished file); proven by a header walk from ``start``, see :func:`seal_behind`."""
+    return seal_behind(path, rel, at, start=start) is not None
 
 
 def walk_blocks(
@@ -329,5 +345,5 @@ def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
     length = path.lengths([rel])[rel] or 0
     at, _, _, sealed = walk_blocks(path, rel, 0, length)
     if sealed:
-        at -= seal_behind(path, rel, at) or 0
+        at -= _seal_size(path, rel, at) or 0  # the walk proved the seal
     return Offset(files[-1], at)

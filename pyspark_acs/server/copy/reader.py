@@ -385,7 +385,10 @@ class CopyOperation:
             return False
         if durable != self._tail_checked:
             self._tail_checked = durable
-            self._tail_sealed = ends_with_seal(self.path, self.rel, durable)
+            # Walk from the last block boundary known before it (a whole-file walk each
+            # time the copy catches up would cost O(n^2) on a long file).
+            start = max((b for b in self._boundaries if b < durable), default=0)
+            self._tail_sealed = ends_with_seal(self.path, self.rel, durable, start=start)
         return self._tail_sealed
 
     # -- reading the source ----------------------------------------------------------------
