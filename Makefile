@@ -33,9 +33,10 @@ test: setup check-java
 # Benchmarks print figures and ratios against peers run in the same process (redis-server for
 # the cache: apt-get install -y redis-server; without it that comparison is skipped with a note).
 bench: setup check-java
-	$(BIN)/pip install --quiet --progress-bar off redis  # the bench extra, without reinstalling the package
+	$(BIN)/pip install --quiet --progress-bar off redis matplotlib  # the bench extra, without reinstalling the package
 	$(BIN)/python benchmarks/produce_consume.py
 	$(BIN)/python benchmarks/cache_throughput.py
+	$(BIN)/python benchmarks/fanout.py
 	$(BIN)/python benchmarks/copy_hops.py
 	$(BIN)/python benchmarks/spark_source.py
 

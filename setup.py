@@ -22,7 +22,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3"],
-        "bench": ["redis"],
+        "bench": ["redis", "matplotlib"],
     },
     entry_points={
         "console_scripts": [

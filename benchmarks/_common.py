@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from typing import Dict, List, Sequence
@@ -43,3 +45,45 @@ def summary_ms(samples: Sequence[float]) -> str:
         f"p50 {percentile(samples, 50):.2f} ms  p99 {percentile(samples, 99):.2f} ms  "
         f"mean {statistics.fmean(samples):.2f} ms  n={len(samples)}"
     )
+
+
+#: How long redis-server may take to answer its first PING.
+REDIS_START_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A throw-away redis-server on a free loopback port, no persistence."""
+
+    def __init__(self, binary: str) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )
+
+    def wait(self, redis_module) -> "object":
+        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+        client = redis_module.Redis(host="127.0.0.1", port=self.port)
+        while True:
+            try:
+                client.ping()
+                return client
+            except redis_module.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import RedisServer  # noqa: E402
 from pyspark_acs.cache.client import CacheClient  # noqa: E402
 from pyspark_acs.server.local.deploy import LocalDeployment  # noqa: E402
 
@@ -44,7 +43,6 @@ DEFAULT_CHUNKS = 8192  # 32 MiB of chunks
 DEFAULT_BATCH_KEYS = 256  # 1 MiB per batched read
 DEFAULT_SECONDS = 3.0
 DEFAULT_THREADS = 4
-REDIS_START_TIMEOUT_S = 10.0
 
 
 def chunk_keys(n: int) -> List[bytes]:
@@ -108,44 +106,6 @@ def ours(endpoints: str, replication: int, keys: List[bytes], values: List[bytes
 
         read(keys[:batch])  # warm the channels
         return measure(read, keys, batch, seconds, threads)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A throw-away redis-server on a free loopback port, no persistence."""
-
-    def __init__(self, binary: str) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )
-
-    def wait(self, redis_module) -> "object":
-        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-        client = redis_module.Redis(host="127.0.0.1", port=self.port)
-        while True:
-            try:
-                client.ping()
-                return client
-            except redis_module.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
 
 
 def theirs(keys: List[bytes], values: List[bytes], batch: int, seconds: float,

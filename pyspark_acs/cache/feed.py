@@ -20,7 +20,7 @@ that follower then reads from the cache.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.chunks import chunk_key, file_id
 from pyspark_acs.cache.client import CacheClient
@@ -35,7 +35,7 @@ FEED_MAX_BYTES = 8 * 1024 * 1024
 
 
 class _File:
-    __slots__ = ("uri", "replicas", "endpoint", "base", "buf", "readers")
+    __slots__ = ("uri", "replicas", "endpoint", "base", "buf", "readers", "listeners")
 
     def __init__(self, uri: str, replicas: Tuple[str, ...]) -> None:
         self.uri = uri
@@ -44,6 +44,7 @@ class _File:
         self.base = 0
         self.buf = bytearray()
         self.readers: Dict[int, int] = {}  # reader id -> position
+        self.listeners: Dict[int, Callable[[str, int], None]] = {}  # reader id -> on_grow
 
     @property
     def end(self) -> int:
@@ -82,9 +83,15 @@ class ChunkFeed:
 
     # -- readers ---------------------------------------------------------------------------
 
-    def follow(self, uri: str, reader: int, position: int) -> None:
+    def follow(self, uri: str, reader: int, position: int,
+               on_grow: Optional[Callable[[str, int], None]] = None) -> None:
         """Reader ``reader`` reads ``uri`` from ``position`` on: have its bytes pushed. A
-        position outside what the buffer holds or will get next moves the file's cursor there."""
+        position outside what the buffer holds or will get next moves the file's cursor there.
+
+        ``on_grow(uri, end)`` is called (on the stream's thread) whenever pushed bytes extend
+        the buffer to ``end``: every byte below it is in the data cache, so it is a length the
+        reader may read up to (the read path raises its known cache length and wakes).
+        """
         with self._lock:
             f = self._files.get(uri)
             if f is None:
@@ -93,9 +100,13 @@ class ChunkFeed:
                 self._by_fid[fid] = f
                 f.base = position
                 f.readers[reader] = position
+                if on_grow is not None:
+                    f.listeners[reader] = on_grow
                 self._stream(f.endpoint).follow(fid, position)
                 return
             f.readers[reader] = position
+            if on_grow is not None:
+                f.listeners[reader] = on_grow
             if not (f.base <= position <= f.end):
                 f.base, f.buf = position, bytearray()
                 self._stream(f.endpoint).follow(file_id(uri), position)
@@ -136,6 +147,7 @@ class ChunkFeed:
             if f is None:
                 return
             f.readers.pop(reader, None)
+            f.listeners.pop(reader, None)
             if f.readers:
                 return
             del self._files[uri]
@@ -175,6 +187,9 @@ class ChunkFeed:
                 drop = len(f.buf) - FEED_MAX_BYTES
                 del f.buf[:drop]
                 f.base += drop
+            uri, end, listeners = f.uri, f.end, list(f.listeners.values())
+        for on_grow in listeners:
+            on_grow(uri, end)
 
     def _on_state(self, endpoint: str, live: bool) -> None:
         """A stream came up or broke. A broken one's files move to their next replica (hedging),

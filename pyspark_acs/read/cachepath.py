@@ -312,7 +312,10 @@ class CachedReadPath:
             new = rel not in self._fed
             self._fed.add(rel)
         if new:
-            feed.follow(uri, id(self), start)
+            # Pushed bytes raise the file's known cache length and wake its readers: they are
+            # in the data cache, i.e. mirrored after their durable append was verified (the
+            # write path's order), so a reader may take them before the length is published.
+            feed.follow(uri, id(self), start, self._grown if self.poller is not None else None)
         # The pushed bytes are the cache's, i.e. the file's own (a chunk is written only
         # after the durable append it mirrors was verified); the caller reads only below the
         # readable length, so they may even be ahead of the published cache length.
@@ -324,6 +327,10 @@ class CachedReadPath:
             got += self._read(rel, start + len(got), end, postpone)
         feed.consumed(uri, id(self), start + len(got))
         return got
+
+    def _grown(self, uri: str, end: int) -> None:
+        """The feed holds ``uri``'s bytes up to ``end`` (stream thread): a cache length."""
+        self.poller.notify(uri, cache_length=end)
 
     def _read(self, rel: str, start: int, end: int, postpone: bool) -> bytes:
         with self._lock:

@@ -1,0 +1,423 @@
+"""Fan-out: one producer, N consumer processes, ours through the caches vs the durable store
+alone vs Redis Streams, the same load in one run (issue 9).
+
+One producer sends 1 KiB messages carrying their send time at a fixed rate (default 2 MB/s);
+each of N consumer processes receives all of them (so each consumer receives 2 MB/s). The
+consumers start first and say they are ready; then the producer runs for ``--seconds``; then
+the consumers get up to ``--drain`` more seconds to catch up. Three columns:
+
+- ``caches``: our Producer and Consumers through a 3 data + 3 metadata deployment of
+  ``acs-cache-server`` processes (push streams: lengths and bytes are pushed);
+- ``durable``: the same, through the durable store (local files) alone;
+- ``redis``: Debian's ``redis-server``, one stream, ``XADD`` (pipelined per 10 ms) and
+  ``XREAD BLOCK`` per consumer. Skipped with a note when redis-server or the ``redis`` client
+  is missing (as root: ``apt-get install -y redis-server``; ``pip install redis``).
+
+For N in ``--consumers`` (default 8,32,64) it prints delivered MB/s (all consumers together,
+over the time from the first send to the last message received), the delay p50/p99 (receive
+time minus send time, from up to 20,000 samples per consumer, leaving out messages sent in the
+first second: start-up), messages missing at the end,
+bytes our consumers read from the durable store, server CPU seconds per GB delivered (utime +
+stime of the cache servers, or of redis-server, from /proc), what the producer achieved, and
+our/Redis ratios; and it writes a PNG plot (``--plot``) of p99 and MB/s against N.
+
+    .venv/bin/python benchmarks/fanout.py [--consumers 8,32,64] [--seconds 10] [--rate-mb 2]
+    .venv/bin/python benchmarks/fanout.py --consumers 4 --seconds 3       # smoke run
+
+No assertion is timed here; an honest miss is printed as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import RedisServer, percentile, progress  # noqa: E402
+
+#: Message size (bytes) and how often the producer flushes / pipelines (seconds).
+MESSAGE_BYTES = 1024
+FLUSH_EVERY_S = 0.01
+#: Delay samples each consumer keeps (reservoir).
+SAMPLES = 20_000
+#: Messages sent in the first second are left out of the delays: they include start-up (the
+#: producer's lease and first file, each consumer finding the stream), for every column alike.
+WARMUP_S = 1.0
+#: How often a consumer writes its running count for the parent (seconds).
+COUNT_EVERY_S = 0.25
+COLUMNS = ("caches", "durable", "redis")
+
+
+# -- child processes --------------------------------------------------------------------------
+
+
+def _payload(i: int, now_us: int) -> bytes:
+    head = b"%d %d " % (now_us, i)
+    return head + b"x" * (MESSAGE_BYTES - len(head))
+
+
+class _Tally:
+    """A consumer's count, bytes and a reservoir of delays (ms)."""
+
+    def __init__(self, count_file: str) -> None:
+        self.count_file = count_file
+        self.n = 0
+        self.nbytes = 0
+        self.samples: List[float] = []
+        self.last_at = 0.0
+        self.first_sent_us: Optional[int] = None
+        self._written = 0.0
+        self._rnd = random.Random(os.getpid())
+
+    def add(self, sent_us: int, now_us: int, size: int) -> None:
+        self.n += 1
+        self.nbytes += size
+        if self.first_sent_us is None:
+            self.first_sent_us = sent_us
+        if sent_us - self.first_sent_us < WARMUP_S * 1e6:
+            return
+        delay_ms = (now_us - sent_us) / 1000.0
+        if len(self.samples) < SAMPLES:
+            self.samples.append(delay_ms)
+        else:
+            j = self._rnd.randrange(self.n)
+            if j < SAMPLES:
+                self.samples[j] = delay_ms
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._written >= COUNT_EVERY_S:
+            self._written = now
+            tmp = self.count_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{self.n} {self.last_at}")
+            os.replace(tmp, self.count_file)
+
+
+def run_consumer(args: argparse.Namespace) -> int:
+    tally = _Tally(args.count_file)
+    stop_file = args.count_file + ".stop"
+    extra: Dict[str, object] = {}
+    if args.kind == "redis":
+        import redis  # type: ignore
+
+        client = redis.Redis(host="127.0.0.1", port=args.redis_port)
+        last = "0-0"
+        print("ready", flush=True)
+        while not os.path.exists(stop_file):
+            got = client.xread({args.stream: last}, count=2000, block=100)
+            now_us = time.time_ns() // 1000
+            for _, entries in got or ():
+                for entry_id, fields in entries:
+                    last = entry_id
+                    value = fields[b"v"]
+                    tally.add(int(value.split(b" ", 1)[0]), now_us, len(value))
+                tally.last_at = time.time()
+            tally.tick()
+    else:
+        from pyspark_acs import Consumer
+
+        kw = {}
+        if args.kind == "caches":
+            kw = {"data_cache": args.data_cache, "metadata_cache": args.metadata_cache}
+        with Consumer(args.root, args.stream, **kw) as c:
+            print("ready", flush=True)
+            while not os.path.exists(stop_file):
+                # batches() waits for news (the cached path wakes on a pushed length) instead
+                # of spinning; it returns after 0.2 s without data so the stop file is seen.
+                for b in c.batches(timeout=0.2):
+                    now_us = time.time_ns() // 1000
+                    ts = b.column("timestamp").cast("int64").to_pylist()
+                    sizes = b.column("value").to_pylist()
+                    for t, v in zip(ts, sizes):
+                        tally.add(t, now_us, len(v))
+                    tally.last_at = time.time()
+                    tally.tick()
+                    if os.path.exists(stop_file):
+                        break
+                tally.tick()
+            extra = c.stats()
+    tally.tick(force=True)
+    result = {"n": tally.n, "bytes": tally.nbytes, "samples": tally.samples, "last_at": tally.last_at,
+              "durable_bytes": extra.get("durable_bytes", 0), "pushed_bytes": extra.get("pushed_bytes", 0)}
+    with open(args.count_file + ".json", "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def run_producer(args: argparse.Namespace) -> int:
+    rate = args.rate_mb * 1_000_000 / MESSAGE_BYTES  # messages per second
+    sent = 0
+    started = time.monotonic()
+    first_send = time.time()
+    end = started + args.seconds
+    if args.kind == "redis":
+        import redis  # type: ignore
+
+        client = redis.Redis(host="127.0.0.1", port=args.redis_port)
+        while time.monotonic() < end:
+            due = int((time.monotonic() - started) * rate)
+            if due > sent:
+                pipe = client.pipeline(transaction=False)
+                now_us = time.time_ns() // 1000
+                for i in range(sent, due):
+                    pipe.xadd(args.stream, {b"v": _payload(i, now_us)})
+                pipe.execute()
+                sent = due
+            time.sleep(FLUSH_EVERY_S)
+    else:
+        from pyspark_acs import Producer
+
+        kw = {}
+        if args.kind == "caches":
+            kw = {"data_cache": args.data_cache, "metadata_cache": args.metadata_cache}
+        value = b"x" * MESSAGE_BYTES
+        with Producer(args.root, args.stream, shards=1, **kw) as p:
+            while time.monotonic() < end:
+                due = int((time.monotonic() - started) * rate)
+                if due > sent:
+                    p.send_many([value] * (due - sent))  # stamped with the send time
+                    p.flush()
+                    sent = due
+                time.sleep(FLUSH_EVERY_S)
+    elapsed = time.monotonic() - started
+    print(json.dumps({"sent": sent, "elapsed": elapsed, "first_send": first_send}), flush=True)
+    return 0
+
+
+# -- the parent -------------------------------------------------------------------------------
+
+
+def cpu_seconds(pids: List[int]) -> float:
+    """utime + stime of processes, in seconds (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def _child(args: argparse.Namespace, role: str, kind: str, stream: str, extra: List[str]) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "--role", role, "--kind", kind, "--stream", stream, "--root", args.root,
+           "--rate-mb", str(args.rate_mb), "--seconds", str(args.seconds)] + extra
+    if kind == "caches":
+        cmd += ["--data-cache", args.data_cache, "--metadata-cache", args.metadata_cache]
+    if kind == "redis":
+        cmd += ["--redis-port", str(args.redis_port)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+
+
+def run_point(args: argparse.Namespace, kind: str, n: int, server_pids: List[int]) -> Dict[str, float]:
+    stream = f"fan_{kind}_{n}_{time.monotonic_ns()}"
+    if kind != "redis":
+        from pyspark_acs.storage.store import DurableStore
+
+        store = DurableStore(args.root)
+        store.create_stream(stream, 1)
+        store.close()
+    work = Path(tempfile.mkdtemp(prefix="fanout-"))
+    consumers = []
+    try:
+        for i in range(n):
+            consumers.append(_child(args, "consumer", kind, stream, ["--count-file", str(work / f"c{i}")]))
+        for proc in consumers:
+            line = proc.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(f"a {kind} consumer did not start: {line!r}")
+        progress(f"{kind}: {n} consumers ready; producing {args.rate_mb} MB/s for {args.seconds} s")
+        cpu0 = cpu_seconds(server_pids)
+        producer = _child(args, "producer", kind, stream, [])
+        out, _ = producer.communicate(timeout=args.seconds + 120)
+        prod = json.loads(out.strip().splitlines()[-1])
+        sent = prod["sent"]
+        # Drain: until every consumer has everything, nothing moved for 3 s, or --drain passed.
+        deadline = time.monotonic() + args.drain
+        last_total, still_since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            counts = []
+            for i in range(n):
+                try:
+                    counts.append(int((work / f"c{i}").read_text().split()[0]))
+                except (OSError, ValueError, IndexError):
+                    counts.append(0)
+            total = sum(counts)
+            if min(counts) >= sent:
+                break
+            if total != last_total:
+                last_total, still_since = total, time.monotonic()
+            elif time.monotonic() - still_since > 3.0:
+                break
+            time.sleep(0.2)
+        cpu1 = cpu_seconds(server_pids)
+        for i in range(n):
+            (work / f"c{i}.stop").touch()
+        results = []
+        for i, proc in enumerate(consumers):
+            proc.wait(timeout=60)
+            results.append(json.loads((work / f"c{i}.json").read_text()))
+    finally:
+        for proc in consumers:
+            if proc.poll() is None:
+                proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    samples = [s for r in results for s in r["samples"]]
+    delivered = sum(r["bytes"] for r in results)
+    last = max((r["last_at"] for r in results), default=0.0)
+    span = max(1e-9, last - prod["first_send"])
+    return {
+        "sent": sent,
+        "producer_mb_s": sent * MESSAGE_BYTES / prod["elapsed"] / 1e6,
+        "mb_s": delivered / span / 1e6,
+        "p50": percentile(samples, 50),
+        "p99": percentile(samples, 99),
+        "missing": sum(max(0, sent - r["n"]) for r in results),
+        "durable_bytes": sum(r["durable_bytes"] for r in results),
+        "pushed_bytes": sum(r["pushed_bytes"] for r in results),
+        "cpu_per_gb": (cpu1 - cpu0) / max(delivered / 1e9, 1e-9),
+    }
+
+
+def plot(path: str, table: Dict[str, Dict[int, Dict[str, float]]]) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: pip install matplotlib (the bench extra)"
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, points in table.items():
+        ns = sorted(points)
+        a.plot(ns, [points[n]["p99"] for n in ns], marker="o", label=kind)
+        b.plot(ns, [points[n]["mb_s"] for n in ns], marker="o", label=kind)
+    a.set(xlabel="consumers", ylabel="delay p99 (ms)", yscale="log", title="delay p99")
+    b.set(xlabel="consumers", ylabel="delivered MB/s", title="delivered MB/s")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--consumers", default="8,32,64", help="consumer counts, comma-separated (default 8,32,64)")
+    p.add_argument("--seconds", type=float, default=10.0, help="producing time per point (default 10)")
+    p.add_argument("--drain", type=float, default=None, help="most seconds to wait for consumers (default 2x seconds)")
+    p.add_argument("--rate-mb", type=float, default=2.0, help="MB/s produced = received per consumer (default 2)")
+    p.add_argument("--columns", default=",".join(COLUMNS), help=f"which of {','.join(COLUMNS)} (default all)")
+    p.add_argument("--plot", default=str(Path(__file__).with_name("fanout.png")), help="PNG output")
+    # child-process arguments
+    p.add_argument("--role", default="parent", choices=["parent", "consumer", "producer"], help=argparse.SUPPRESS)
+    p.add_argument("--kind", default="caches", help=argparse.SUPPRESS)
+    p.add_argument("--stream", default="", help=argparse.SUPPRESS)
+    p.add_argument("--root", default="", help=argparse.SUPPRESS)
+    p.add_argument("--count-file", default="", help=argparse.SUPPRESS)
+    p.add_argument("--data-cache", default="", help=argparse.SUPPRESS)
+    p.add_argument("--metadata-cache", default="", help=argparse.SUPPRESS)
+    p.add_argument("--redis-port", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.role == "consumer":
+        return run_consumer(args)
+    if args.role == "producer":
+        return run_producer(args)
+
+    from pyspark_acs.server.local.deploy import LocalDeployment
+
+    ns = [int(x) for x in args.consumers.split(",")]
+    columns = [c for c in args.columns.split(",") if c]
+    args.drain = 2 * args.seconds if args.drain is None else args.drain
+    base = Path(tempfile.mkdtemp(prefix="acs-fanout-"))
+    args.root = str(base / "store")
+    notes: List[str] = []
+    redis_server = None
+    table: Dict[str, Dict[int, Dict[str, float]]] = {}
+    dep = LocalDeployment(base / "caches", data_replicas=3, metadata_replicas=3, capacity="1GiB")
+    try:
+        if "caches" in columns:
+            dep.start()
+            args.data_cache, args.metadata_cache = dep.data_endpoints, dep.metadata_endpoints
+        cache_pids = [s.pid for role in ("data", "metadata") for s in dep.servers[role] if s.pid]
+        if "redis" in columns:
+            binary = shutil.which("redis-server")
+            try:
+                import redis  # type: ignore  # noqa: F401
+            except ImportError:
+                binary = None
+            if binary is None:
+                notes.append("redis column skipped: install redis-server (as root: apt-get install -y redis-server) "
+                              "and the redis client (pip install redis)")
+                columns.remove("redis")
+            else:
+                import redis  # type: ignore
+
+                redis_server = RedisServer(binary)
+                redis_server.wait(redis)
+                args.redis_port = redis_server.port
+        for n in ns:
+            for kind in columns:
+                pids = cache_pids if kind == "caches" else ([redis_server.proc.pid] if kind == "redis" else [])
+                table.setdefault(kind, {})[n] = run_point(args, kind, n, pids)
+                r = table[kind][n]
+                progress(f"{kind} N={n}: {r['mb_s']:.1f} MB/s, p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, "
+                         f"missing {r['missing']}")
+    except KeyboardInterrupt:
+        notes.append("interrupted")
+    finally:
+        if redis_server is not None:
+            redis_server.stop()
+        dep.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+    print(f"\n== fan-out: 1 producer of {MESSAGE_BYTES} B messages at {args.rate_mb} MB/s, N consumers, "
+          f"{args.seconds:g} s per point")
+    header = (f"{'column':<8} {'N':>3} {'MB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'missing':>8} {'durable B':>10} "
+              f"{'pushed MB':>9} {'CPU s/GB':>9} {'producer MB/s':>13}")
+    print(header)
+    for n in ns:
+        for kind in table:
+            r = table[kind].get(n)
+            if r is None:
+                continue
+            cpu = f"{r['cpu_per_gb']:.1f}" if kind != "durable" else "-"
+            print(f"{kind:<8} {n:>3} {r['mb_s']:>7.1f} {r['p50']:>8.1f} {r['p99']:>8.1f} {r['missing']:>8} "
+                  f"{r['durable_bytes']:>10} {r['pushed_bytes'] / 1e6:>9.1f} {cpu:>9} {r['producer_mb_s']:>13.2f}")
+    if "redis" in table:
+        print("\nours / redis (MB/s: higher is better; p99 and CPU/GB: lower is better)")
+        for kind in ("caches", "durable"):
+            for n in ns:
+                r, q = table.get(kind, {}).get(n), table["redis"].get(n)
+                if r is None or q is None:
+                    continue
+                cpu = f"{r['cpu_per_gb'] / q['cpu_per_gb']:.2f}" if kind == "caches" and q["cpu_per_gb"] else "-"
+                print(f"  {kind:<8} N={n:>3}: MB/s {r['mb_s'] / max(q['mb_s'], 1e-9):.2f}x  "
+                      f"p99 {r['p99'] / max(q['p99'], 1e-9):.2f}x  CPU/GB {cpu}x")
+    note = plot(args.plot, table) if table else None
+    if note:
+        notes.append(note)
+    elif table:
+        print(f"\nplot: {args.plot}")
+    for line in notes:
+        print(f"note: {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    sys.exit(main())
