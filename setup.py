@@ -17,6 +17,7 @@ setup(
         "grpcio>=1.85.1",
         "protobuf>=7.35",
         "pyarrow>=15",
+        "numpy>=1.23",  # format/block.py builds message positions with numpy (optional in pyarrow since 16)
         "cachetools>=5",
         "prometheus-client>=0.20",  # /metrics of the cache server and copy daemon (pyspark_acs/server/metrics.py)
     ],
