@@ -627,7 +627,10 @@ class Duel(RuleBasedStateMachine):
     @rule(data=st.data())
     def read_from_the_middle(self, data):
         length = self.path.lengths([self.rel])[self.rel]
-        start = data.draw(st.integers(0, length))
+        # Drawn within fixed bounds, then clamped: the length depends on timing (a stalled
+        # published length is checked against the store after 50 ms), and hypothesis refuses
+        # draws whose bounds differ between replays of one example.
+        start = min(data.draw(st.integers(0, DUEL_LEN)), length)
         got = self.path.read(self.rel, start, length)
         assert got == DUEL_CONTENT[start:start + len(got)]
 

@@ -66,7 +66,9 @@ def test_following_reader_is_pushed_lengths_and_bytes_without_asking(dep, root):
         col.until(lambda: len(col.values) == 301, 20, "every message")
         data1, meta1 = server_stats(dep.data_endpoints), server_stats(dep.metadata_endpoints)
         assert_exact(col.values, 301)
-        assert total(data1, "gets_total") - total(data0, "gets_total") == 0
+        # At most a few: a length pushed by a metadata replica may wake the reader before the
+        # data replica's bytes arrive, and then it asks (without push: one Get per flush, 300).
+        assert total(data1, "gets_total") - total(data0, "gets_total") <= 5
         # Only the 1-second safety polls of one file (two keys, a majority of replicas).
         assert total(meta1, "gets_total") - total(meta0, "gets_total") <= 40
         assert total(data1, "pushed_bytes_total") > total(data0, "pushed_bytes_total")
