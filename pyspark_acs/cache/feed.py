@@ -157,6 +157,14 @@ class ChunkFeed:
         if stream is not None:
             stream.unfollow(fid)
 
+    def live(self, uri: str) -> bool:
+        """Whether ``uri`` is followed and the stream that pushes it is up (has pushed since it
+        connected)."""
+        with self._lock:
+            f = self._files.get(uri)
+            stream = self._streams.get(f.endpoint) if f is not None else None
+        return stream is not None and stream.live.is_set()
+
     def following(self) -> int:
         """How many files are followed now."""
         with self._lock:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.client import CacheClient, _majority
 from pyspark_acs.errors import CacheError, ClosedError
@@ -79,6 +79,13 @@ class LengthPoller:
         self._streams: Dict[str, "WatchStream"] = {}
         self._watched: Dict[str, Tuple[Tuple[bytes, Tuple[str, ...]], ...]] = {}
         self._last_full_poll = 0.0
+        #: Set when the poller thread must look again before its next round: a file asked for
+        #: the first time (to watch it), a push stream broke (to poll what it covered).
+        self._kick = threading.Event()
+        #: Files whose bytes a live feed pushes to this process (guarded by _lock): uri ->
+        #: [count of readers, predicate "the feed's stream is live"]. Pushed bytes raise their
+        #: cache length (CachedReadPath._grown), so they need no Watch while the feed is live.
+        self._fed: Dict[str, list] = {}
         self.pushed = 0
         # _lock guards _values, _asked, _followers, _error, _thread and _generation; _changed
         # (on _lock) wakes readers waiting for a length to move.
@@ -122,6 +129,7 @@ class LengthPoller:
             self._followers.setdefault(uri, []).append(wake)
             self._asked[uri] = time.monotonic()
             self._ensure_thread()
+        self._kick.set()
         return wake
 
     def unfollow(self, uri: str, wake: Optional[threading.Event] = None) -> None:
@@ -185,6 +193,7 @@ class LengthPoller:
         if error is not None and not new:
             raise error
         if new:  # first sight of a file: do not make the reader wait for the next poll
+            self._kick.set()
             got = self.meta.lengths(new)
             with self._lock:
                 for u, v in got.items():
@@ -217,18 +226,42 @@ class LengthPoller:
 
     # -- push ----------------------------------------------------------------------------------
 
+    def cover(self, uri: str, live: Callable[[], bool]) -> None:
+        """A reader of this process has ``uri``'s bytes pushed (a feed): while ``live()`` is
+        true the file needs no Watch of its lengths and is polled only every
+        :data:`PUSH_SAFETY_POLL_S` (pushed bytes raise its cache length and wake its readers)."""
+        with self._lock:
+            entry = self._fed.get(uri)
+            if entry is None:
+                self._fed[uri] = [1, live]
+            else:
+                entry[0] += 1
+        self._kick.set()
+
+    def uncover(self, uri: str) -> None:
+        """Undo one :meth:`cover` of ``uri``."""
+        with self._lock:
+            entry = self._fed.get(uri)
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] <= 0:
+                    del self._fed[uri]
+        self._kick.set()
+
     def _stream(self, endpoint: str) -> "WatchStream":
         stream = self._streams.get(endpoint)
         if stream is None:
             from pyspark_acs.cache.push import WatchStream  # imports grpc: only once something is followed
 
-            stream = self._streams[endpoint] = WatchStream(self._client, endpoint, self._on_entries)
+            stream = self._streams[endpoint] = WatchStream(self._client, endpoint, self._on_entries,
+                                                           self._on_stream_state)
         return stream
 
     def _update_watches(self, uris: Sequence[str]) -> None:
         """Watch the length keys of ``uris`` on their replicas and stop watching the rest.
         Poller thread only."""
-        current = set(uris)
+        with self._lock:
+            current = {u for u in uris if u not in self._fed}
         add: Dict[str, List[bytes]] = {}
         remove: Dict[str, List[bytes]] = {}
         for u in [u for u in self._watched if u not in current]:
@@ -246,7 +279,12 @@ class LengthPoller:
 
     def _covered(self, uri: str) -> bool:
         """Whether live push streams of a majority of the replicas of both length keys of
-        ``uri`` have confirmed them (then a poll round may skip it)."""
+        ``uri`` have confirmed them, or a live feed pushes its bytes (then a poll round may
+        skip it)."""
+        with self._lock:
+            fed = self._fed.get(uri)
+        if fed is not None:
+            return bool(fed[1]())
         placed = self._watched.get(uri)
         if not placed:
             return False
@@ -277,6 +315,10 @@ class LengthPoller:
             self.pushed += 1
             if moved:
                 self._moved(moved)
+
+    def _on_stream_state(self, endpoint: str, live: bool) -> None:
+        if not live:
+            self._kick.set()  # what the stream covered is polled again at once
 
     def _close_streams(self) -> None:
         streams, self._streams = list(self._streams.values()), {}
@@ -334,4 +376,11 @@ class LengthPoller:
                 self.polls += 1
                 if moved:
                     self._moved(moved)
-            time.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+            if self.push and not poll and uris:
+                # Every file is pushed: nothing to do until the safety poll, a new file or a
+                # broken stream (a round every interval cost a tailing reader ~10 % of its CPU).
+                self._kick.wait(max(0.0, min(PUSH_SAFETY_POLL_S - (time.monotonic() - self._last_full_poll),
+                                             PUSH_SAFETY_POLL_S)))
+                self._kick.clear()
+            else:
+                time.sleep(max(0.0, self.interval - (time.monotonic() - started)))

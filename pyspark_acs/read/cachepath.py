@@ -316,6 +316,8 @@ class CachedReadPath:
             # in the data cache, i.e. mirrored after their durable append was verified (the
             # write path's order), so a reader may take them before the length is published.
             feed.follow(uri, id(self), start, self._grown if self.poller is not None else None)
+            if self.poller is not None:
+                self.poller.cover(uri, lambda: feed.live(uri))
         # The pushed bytes are the cache's, i.e. the file's own (a chunk is written only
         # after the durable append it mirrors was verified); the caller reads only below the
         # readable length, so they may even be ahead of the published cache length.
@@ -426,6 +428,8 @@ class CachedReadPath:
             self._standing.pop(rel, None)
         if fed and self.feed is not None:
             self.feed.unfollow(self.store.uri(rel), id(self))
+            if self.poller is not None:
+                self.poller.uncover(self.store.uri(rel))
 
     def close(self) -> None:
         """Close the cache clients this path created from endpoint strings, and the store's open files.
@@ -442,6 +446,8 @@ class CachedReadPath:
                 fed, self._fed = list(self._fed), set()
             for r in fed:
                 self.feed.unfollow(self.store.uri(r), id(self))
+                if self.poller is not None:
+                    self.poller.uncover(self.store.uri(r))
         for c in self._own:
             c.close()
         self.store.close()
