@@ -429,9 +429,10 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
 
 
 def _positions(first: int, n: int) -> pa.Array:
-    # numpy's arange, wrapped without a copy: pyarrow.compute's cumulative_sum cost 20x more
-    # per block, and its first call imports pandas (half a second of a consumer's CPU).
-    return pa.array(np.arange(first, first + n, dtype=np.int64))
+    # numpy's arange, wrapped as a buffer without a copy: pyarrow.compute's cumulative_sum cost
+    # more per block, and both it and pa.array(ndarray) import pandas on first use (half a
+    # second of every consumer process's CPU).
+    return pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(np.arange(first, first + n, dtype=np.int64))])
 
 
 def scan_blocks(
