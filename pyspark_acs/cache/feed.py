@@ -157,12 +157,14 @@ class ChunkFeed:
         if stream is not None:
             stream.unfollow(fid)
 
-    def live(self, uri: str) -> bool:
-        """Whether ``uri`` is followed and the stream that pushes it is up (has pushed since it
-        connected)."""
+    def live(self, uri: str, at_least: int = 0) -> bool:
+        """Whether ``uri`` is followed, the stream that pushes it is up (has pushed since it
+        connected) and the file's bytes have arrived up to ``at_least``."""
         with self._lock:
             f = self._files.get(uri)
-            stream = self._streams.get(f.endpoint) if f is not None else None
+            if f is None or f.end < at_least:
+                return False
+            stream = self._streams.get(f.endpoint)
         return stream is not None and stream.live.is_set()
 
     def following(self) -> int:

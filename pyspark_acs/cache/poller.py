@@ -226,10 +226,12 @@ class LengthPoller:
 
     # -- push ----------------------------------------------------------------------------------
 
-    def cover(self, uri: str, live: Callable[[], bool]) -> None:
-        """A reader of this process has ``uri``'s bytes pushed (a feed): while ``live()`` is
-        true the file needs no Watch of its lengths and is polled only every
-        :data:`PUSH_SAFETY_POLL_S` (pushed bytes raise its cache length and wake its readers)."""
+    def cover(self, uri: str, live: Callable[[int], bool]) -> None:
+        """A reader of this process has ``uri``'s bytes pushed (a feed): while
+        ``live(known length)`` is true (the feed is up and holds the file at least up to the
+        longest length known here) the file needs no Watch of its lengths and is polled only
+        every :data:`PUSH_SAFETY_POLL_S` (pushed bytes raise its cache length and wake its
+        readers)."""
         with self._lock:
             entry = self._fed.get(uri)
             if entry is None:
@@ -283,8 +285,12 @@ class LengthPoller:
         skip it)."""
         with self._lock:
             fed = self._fed.get(uri)
+            c, d = self._values.get(uri, (None, None))
         if fed is not None:
-            return bool(fed[1]())
+            # Only while the feed is not behind what the cache last said: bytes that do not
+            # reach the data cache (failed chunk writes) must not leave readers waiting for
+            # the safety poll.
+            return bool(fed[1](max(c or 0, d or 0)))
         placed = self._watched.get(uri)
         if not placed:
             return False

@@ -317,7 +317,7 @@ class CachedReadPath:
             # write path's order), so a reader may take them before the length is published.
             feed.follow(uri, id(self), start, self._grown if self.poller is not None else None)
             if self.poller is not None:
-                self.poller.cover(uri, lambda: feed.live(uri))
+                self.poller.cover(uri, lambda known: feed.live(uri, known))
         # The pushed bytes are the cache's, i.e. the file's own (a chunk is written only
         # after the durable append it mirrors was verified); the caller reads only below the
         # readable length, so they may even be ahead of the published cache length.
