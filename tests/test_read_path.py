@@ -328,3 +328,87 @@ def test_message_ending_in_seal_bytes_does_not_finish_its_file(root):
         _quiet(c, 0.3)  # x may still grow: never left
         _append(root, "f3", x, _block(2, 1, "a") + encode_seal(3))  # the rest of x, then its real seal
         assert _values(c, 2) == [b"a2", b"b0"]
+
+
+
+class _Lagging:
+    """The durable read path, with some files seen only up to a length (a cache or a copy
+    destination that has a file's head while a newer file already arrived)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.store = inner.store
+        self.held: dict = {}  # rel -> the length seen
+
+    def lengths(self, rels):
+        got = self.inner.lengths(rels)
+        return {r: n if n is None or r not in self.held else min(n, self.held[r]) for r, n in got.items()}
+
+    def durable_length(self, rel):
+        return self.inner.durable_length(rel)
+
+    def read(self, rel, start, end, **kw):
+        return self.inner.read(rel, start, min(end, self.held.get(rel, end)))
+
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self):
+        self.inner.close()
+
+
+def test_restart_after_a_producer_message_ending_in_seal_bytes_reads_the_rest_of_its_file(root):
+    """F3 end to end with a real Producer and Consumer. A user's message ends in the bytes of a
+    valid seal; it is the last message of its block, so a position saved after it is right
+    after seal-shaped bytes. The old rule (parse the last 48 bytes) took the file for sealed
+    there: a Consumer restarted from the saved offsets that saw the next file before the rest
+    of this one (a lagging cache, a copy destination) went on to the next file and skipped
+    the rest of this one, and the planner's boundary cache reported the file sealed."""
+    from pyspark_acs.format.block import HEADER_SIZE, parse_header
+    from pyspark_acs.read.positions import BoundaryCache, ends_with_seal, latest_offset, seal_behind
+    from pyspark_acs.read.readpath import DurableReadPath
+
+    seal = encode_seal(7)
+    forged = b"user-bytes-" + seal
+    with Producer(root, "f3p") as p1:
+        for value in (b"a0", b"a1", forged):
+            p1.send(value)
+        p1.flush()
+        with Consumer(root, "f3p") as c:
+            assert _values(c, 3) == [b"a0", b"a1", forged]
+            saved = c.offsets()
+        x, at = saved["f3p"]["0"]["file"], saved["f3p"]["0"]["length"]
+        rel = f"{shard_dir('f3p', 0)}/{x}"
+        with open(os.path.join(root, rel), "rb") as f:
+            head = f.read()
+        assert len(head) == at  # the position is the end of the forged message's block ...
+        assert head.endswith(seal) and parse_header(head[-HEADER_SIZE:]).sealed  # ... and a "seal" to the old rule
+
+        path = DurableReadPath(DurableStore(root))
+        try:
+            assert seal_behind(path, rel, at) is None and not ends_with_seal(path, rel, at)
+            boundaries = BoundaryCache()  # the Spark planner's
+            assert boundaries.boundary(path, rel, at, at) == (at, False)
+            reads = path.stats()["durable_reads"]
+            assert boundaries.boundary(path, rel, at, at) == (at, False)
+            assert path.stats()["durable_reads"] == reads  # settled once: no walk from 0 at every trigger
+            assert latest_offset(path, "f3p", 0) == Offset(x, at)
+        finally:
+            path.close()
+
+        p1.send(b"a3")
+        p1.send(b"a4")
+    # p1 closed: x sealed after a4; the next file, with more messages:
+    with Producer(root, "f3p") as p2:
+        p2.send(b"b0")
+        p2.send(b"b1")
+        p2.flush()
+        y = p2.current_files()[0]
+    assert y > x
+    lagging = _Lagging(DurableReadPath(DurableStore(root)))
+    lagging.held[rel] = at  # this reader has x only up to the saved position, y already whole
+    with Consumer(root, "f3p", start=saved, read_path=lagging) as c:
+        _quiet(c, 0.3)  # old rule: [b"b0", b"b1"] here -- a3, a4 skipped
+        lagging.held.clear()  # the rest of x arrives
+        assert _values(c, 4) == [b"a3", b"a4", b"b0", b"b1"]
+        assert c.offsets()["f3p"]["0"]["file"] == y

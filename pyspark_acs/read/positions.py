@@ -213,13 +213,18 @@ class BoundaryCache:
         """The last block boundary at or below ``length`` in ``rel`` walking from ``start`` (a
         block boundary), and whether the file is sealed there."""
         with self._lock:
-            at, sealed = self._known.get(rel, (0, False))
+            known = self._known.get(rel)
+        at, sealed = known or (0, False)
         if sealed and at >= start:
             return at, True
+        # A boundary remembered here is settled: a walk reached it past a block that is no seal,
+        # or the seal check below said no. Only a start taken from elsewhere (a saved offset)
+        # is checked, once: the check walks headers from 0 (seal_behind), not at every trigger.
+        settled = known is not None and at == start
         if at > length or at < start:
             at = start
         end, _, _, sealed = walk_blocks(path, rel, at, length)
-        if not sealed and end == at and at > 0 and at == start:
+        if not sealed and end == at and at > 0 and at == start and not settled:
             sealed = ends_with_seal(path, rel, at)  # a position saved right after a seal
         with self._lock:
             self._known[rel] = (end, sealed)
