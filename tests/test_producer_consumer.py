@@ -807,3 +807,23 @@ def test_waits_at_the_start_of_two_files_are_not_added_up(root, monkeypatch, cap
             y.close()
     assert len(got) == 3
     assert not [r for r in caplog.records if "no complete block" in r.getMessage()], caplog.text
+
+
+def test_bytes_appended_after_a_seal_are_never_read(root):
+    """A tailer that read a file's seal and waits for the next file read a block appended after
+    the seal (a deposed writer's late bytes, never acknowledged). It stops at the seal now."""
+    from pyspark_acs.format.block import encode_seal
+
+    store = DurableStore(root)
+    store.create_stream("late", 1)
+    name = file_name(dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc), "w")
+    rel = f"{shard_dir('late', 0)}/{name}"
+    app = store.open_appender(rel)
+    app.write(encode_block([b"a0"], first_index=0) + encode_seal(1))
+    sealed_at = app.position
+    with Consumer(root, "late") as c:
+        assert [r["value"] for r in consume(c, 1)] == [b"a0"]
+        app.write(encode_block([b"late"], first_index=1))  # after the seal
+        app.close()
+        assert_quiet(c, 0.5)
+        assert c.offsets()["late"]["0"] == {"file": name, "length": sealed_at}

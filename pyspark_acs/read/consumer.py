@@ -160,7 +160,9 @@ class ShardTailer:
             limit = length
             if end is not None and self.file == end.file:
                 limit = min(limit, end.length)
-            progressed = self._read(limit, out) if limit > self.length else False
+            # Nothing is read past a seal: bytes after it are a deposed writer's, never
+            # acknowledged (docs/format.md); the tailer only waits for the next file.
+            progressed = self._read(limit, out) if limit > self.length and not self.sealed else False
             if not progressed and not self.sealed:
                 self._check_finished(limit)
             if self.sealed:
