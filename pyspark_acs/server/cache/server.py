@@ -217,7 +217,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             self.watchers.watch(w, req.add, req.remove)
 
         async for keys, entries in self._push(request_iterator, w, apply, "watch_streams",
-                                              lambda: w.take(self.store)):
+                                              lambda: w.take(self.store), self.watchers.drop_watch):
             values = [e[0] if e is not None else b"" for e in entries]
             yield acs_pb2.WatchEvent(
                 keys=keys, found=[e is not None for e in entries], data=b"".join(values),
@@ -236,14 +236,14 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             self.watchers.follow(f, req.follow, req.offsets, req.unfollow)
 
         async for runs, _ in self._push(request_iterator, f, apply, "follow_streams",
-                                        lambda: (f.take(self.store), None)):
+                                        lambda: (f.take(self.store), None), self.watchers.drop_follow):
             self.watchers.counts["pushed_bytes_total"] += sum(len(r[2]) for r in runs)
             yield acs_pb2.FileBytes(
                 files=[r[0] for r in runs], starts=[r[1] for r in runs], data=b"".join(r[2] for r in runs),
                 sizes=[len(r[2]) for r in runs],
             )
 
-    async def _push(self, request_iterator, stream, apply, gauge: str, take):
+    async def _push(self, request_iterator, stream, apply, gauge: str, take, drop):
         """The loop of one push stream: apply the reader's requests as they come, and yield
         ``take()`` whenever the stream has marks. Level-triggered: nothing is queued."""
         counts = self.watchers.counts
@@ -268,10 +268,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         finally:
             reader.cancel()
             counts[gauge] -= 1
-            if isinstance(stream, KeyWatch):
-                self.watchers.drop_watch(stream)
-            else:
-                self.watchers.drop_follow(stream)
+            drop(stream)
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
