@@ -469,6 +469,40 @@ def test_malformed_endpoints_are_refused_naming_the_item(root, bad, item):
         assert item in str(e.value)
 
 
+def test_cache_endpoints_from_the_environment_reach_producer_and_consumer(dep, root, monkeypatch):
+    """``acs up`` prints ``export ACS_DATA_CACHE=... ACS_METADATA_CACHE=...``: a Producer and a
+    Consumer given no endpoints use them; ``"none"`` turns a cache off; explicit values win."""
+    monkeypatch.setenv("ACS_DATA_CACHE", dep.data_endpoints)
+    monkeypatch.setenv("ACS_METADATA_CACHE", dep.metadata_endpoints)
+    with Producer(root, "envcarry", shards=1) as p:
+        for i in range(200):
+            p.send(msg(i))
+        p.flush(timeout=20)
+        assert p.stats()["cache_errors"] == 0
+    with Consumer(root, "envcarry") as c:
+        col = Collector(c)
+        col.until(lambda: len(col.values) >= 200, 20, "every message")
+        stats = c.stats()
+    assert_exact(col.values, 200)
+    assert stats["cache_bytes"] > 0 and stats["durable_bytes"] == 0, stats
+    # "none" wins over the environment: the store alone.
+    with Consumer(root, "envcarry", data_cache="none", metadata_cache="none") as c:
+        col = Collector(c)
+        col.until(lambda: len(col.values) >= 200, 20, "every message")
+        stats = c.stats()
+    assert_exact(col.values, 200)
+    assert stats.get("cache_bytes", 0) == 0 and stats["durable_bytes"] > 0, stats
+
+
+def test_a_bad_cache_environment_variable_is_named(root, monkeypatch):
+    monkeypatch.setenv("ACS_METADATA_CACHE", "localhost")
+    with pytest.raises(AcsOptionError, match=r"\$ACS_METADATA_CACHE: 'localhost' is not an endpoint"):
+        Producer(root, "badenv")
+    with pytest.raises(AcsOptionError, match=r"\$ACS_METADATA_CACHE"):
+        Consumer(root, "badenv")
+    Producer(root, "badenv", metadata_cache="none").close()  # an explicit choice wins
+
+
 # -- dueling writers (paper section 3, appendix A) ---------------------------------------------
 
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -12,6 +12,7 @@ import pytest
 from chispa import assert_df_equality
 
 from pyspark_acs import Producer
+from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.read.consumer import Consumer
 
 pytestmark = pytest.mark.spark
@@ -199,6 +200,23 @@ def test_bad_source_options_are_named(spark, root, opts, needle):
             read_acs_raw = read_acs_raw.option(k, v)
         read_acs_raw.load().count()
     assert needle in str(err.value)
+
+
+def test_cache_options_come_from_the_drivers_environment_unless_given(monkeypatch):
+    """Like the Producer and the Consumer, the source and the sink take ``acs up``'s exports when
+    their cache options are not given; resolved once on the driver (the parsed options are what
+    tasks receive); ``none`` turns a cache off; an explicit option wins."""
+    from pyspark_acs.datasource.options import parse_sink_options, parse_source_options
+
+    monkeypatch.setenv("ACS_DATA_CACHE", "127.0.0.1:7101,127.0.0.1:7102")
+    monkeypatch.setenv("ACS_METADATA_CACHE", " 127.0.0.1:7111 ")
+    src = parse_source_options({"root": "/r", "stream": "s"})
+    assert (src.data_cache, src.metadata_cache) == ("127.0.0.1:7101,127.0.0.1:7102", "127.0.0.1:7111")
+    sink = parse_sink_options({"root": "/r", "stream": "s", "dataCache": "none", "metadataCache": "127.0.0.1:9"})
+    assert (sink.data_cache, sink.metadata_cache) == (None, "127.0.0.1:9")
+    monkeypatch.setenv("ACS_DATA_CACHE", "nohost")
+    with pytest.raises(AcsOptionError, match=r"\$ACS_DATA_CACHE"):
+        parse_source_options({"root": "/r", "stream": "s"})
 
 
 @pytest.mark.parametrize(

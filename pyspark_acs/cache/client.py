@@ -51,9 +51,13 @@ __all__ = [
     "MAX_BATCH_BYTES",
     "MAX_BATCH_KEYS",
     "MAX_MESSAGE_BYTES",
+    "DATA_CACHE_ENV",
+    "METADATA_CACHE_ENV",
+    "NO_CACHE",
     "TOKEN_ENV",
     "CacheClient",
     "Entry",
+    "cache_endpoints",
     "client_for",
     "parse_endpoints",
 ]
@@ -61,6 +65,13 @@ __all__ = [
 DEFAULT_REPLICATION = 3
 #: Environment variable holding the shared token when none is passed (servers read it too).
 TOKEN_ENV = "ACS_CACHE_TOKEN"
+#: Environment variables naming the cache endpoints an entry point uses when it is given none
+#: (``acs up`` prints ``export`` lines for them): the CLI, the Producer, the Consumer and the Spark
+#: options all resolve them through :func:`cache_endpoints`.
+DATA_CACHE_ENV = "ACS_DATA_CACHE"
+METADATA_CACHE_ENV = "ACS_METADATA_CACHE"
+#: The value that turns a cache off even when its environment variable is set.
+NO_CACHE = "none"
 #: Deadline of every cache call (the paper's "strict sub-second deadlines").
 DEFAULT_DEADLINE_S = 0.5
 #: A relaxed read still unanswered after this long is also sent to a second replica.
@@ -144,6 +155,41 @@ def parse_endpoints(endpoints: Union[str, Sequence[str]], *, option: str = "endp
             f"{option}: no endpoints given; expected 'host:port,host:port'", option=option
         )
     return tuple(out)
+
+
+def cache_endpoints(value: Any, env: str) -> Any:
+    """The cache an entry point uses: the explicit value wins, else the environment's.
+
+    The one rule for cache settings that carry (``acs up``'s ``export`` lines reach every entry
+    point). Resolved where options are parsed -- on the Spark driver, never in a task -- so the
+    planner and its tasks read through the same caches.
+
+    Parameters
+    ----------
+    value : str, sequence of str, CacheClient or None
+        What the caller was given. ``None`` means "not given": ``$env`` is used when set.
+        ``""`` or ``"none"`` means "no cache", whatever the environment says.
+    env : str
+        :data:`DATA_CACHE_ENV` or :data:`METADATA_CACHE_ENV`.
+
+    Returns
+    -------
+    The value to use: a validated ``host:port,...`` string from the environment, the explicit
+    value unchanged, or None for no cache.
+
+    Raises
+    ------
+    AcsOptionError
+        If the environment variable holds something that is not an endpoint list (it is named).
+    """
+    if value is None:
+        text = os.environ.get(env, "").strip()
+        if not text or text.lower() == NO_CACHE:
+            return None
+        return ",".join(parse_endpoints(text, option=f"${env}"))
+    if isinstance(value, str) and value.strip().lower() in ("", NO_CACHE):
+        return None
+    return value
 
 
 def _majority(n: int) -> int:

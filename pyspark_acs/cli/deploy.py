@@ -21,6 +21,7 @@ import os
 import sys
 from typing import Any, Dict, Optional
 
+from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.cli.main import register_command
 from pyspark_acs.errors import AcsOptionError
 
@@ -28,9 +29,9 @@ __all__ = ["DEFAULT_DIR", "cmd_down", "cmd_status", "cmd_up", "status_report"]
 
 #: Where ``acs up`` keeps its deployment state unless told otherwise.
 DEFAULT_DIR = ".acs-local"
-#: Environment variables ``acs up`` tells the shell to set, and ``acs status`` reads.
-ENV_DATA = "ACS_DATA_CACHE"
-ENV_METADATA = "ACS_METADATA_CACHE"
+#: Environment variables ``acs up`` tells the shell to set; every entry point reads them.
+ENV_DATA = DATA_CACHE_ENV
+ENV_METADATA = METADATA_CACHE_ENV
 
 
 def _replicas(text: str) -> int:
@@ -227,7 +228,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     data, meta = args.data_cache, args.metadata_cache
     if data is None and meta is None:
         # No endpoints given: those of the environment, else of the local deployment in --dir.
-        data, meta = os.environ.get(ENV_DATA) or None, os.environ.get(ENV_METADATA) or None
+        data, meta = cache_endpoints(None, ENV_DATA), cache_endpoints(None, ENV_METADATA)
         if data is None and meta is None:
             from pyspark_acs.server.local.deploy import load_deployment
 

@@ -22,8 +22,8 @@ def _add_root(p: argparse.ArgumentParser) -> None:
 
 
 def _add_caches(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-cache", default=None, metavar="HOST:PORT,...", help="data-cache endpoints")
-    p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...", help="metadata-cache endpoints")
+    p.add_argument("--data-cache", default=None, metavar="HOST:PORT,...", help="data-cache endpoints, or none (default: $ACS_DATA_CACHE)")
+    p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...", help="metadata-cache endpoints, or none (default: $ACS_METADATA_CACHE)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,22 +81,21 @@ _EXTRA_COMMANDS: Dict[str, Callable[[argparse._SubParsersAction], None]] = {}
 def _read_path(args: argparse.Namespace, root: str):
     """The read path of ``acs tail`` (a tailing reader: bytes pushed): caches when given, else
     the durable store alone."""
+    from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
     from pyspark_acs.read.readpath import open_read_path
 
     return open_read_path(
-        root, data_cache=getattr(args, "data_cache", None), metadata_cache=getattr(args, "metadata_cache", None),
-        push=True,
+        root, data_cache=cache_endpoints(getattr(args, "data_cache", None), DATA_CACHE_ENV),
+        metadata_cache=cache_endpoints(getattr(args, "metadata_cache", None), METADATA_CACHE_ENV), push=True,
     )
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
     from pyspark_acs.write.producer import Producer
 
-    kwargs = {}
-    if args.data_cache or args.metadata_cache:
-        kwargs = {"data_cache": args.data_cache, "metadata_cache": args.metadata_cache}
     count = 0
-    with Producer(args.root, args.stream, shards=args.shards, **kwargs) as producer:
+    with Producer(args.root, args.stream, shards=args.shards, data_cache=args.data_cache,
+                  metadata_cache=args.metadata_cache) as producer:
         if args.file:
             for path in args.file:
                 with open(path, "rb") as f:

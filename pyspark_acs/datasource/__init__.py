@@ -29,7 +29,9 @@ class AcsDataSource(DataSource):
     dataCache, metadataCache : optional
         Cache endpoints ``host:port,host:port,...``. Lengths are polled from the metadata
         cache and bytes read from the data cache, with the durable store as the fallback;
-        without them everything comes from the durable store.
+        without them everything comes from the durable store. When not given, the driver's
+        ``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE`` are used (``acs up`` prints them);
+        ``none`` turns a cache off even then.
     cacheToken : optional
         Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
     startingOffsets : ``latest`` (streams) / ``earliest`` (batch) / JSON

@@ -8,9 +8,10 @@ unknown name is refused with the list of valid ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Tuple
 
+from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, NO_CACHE, cache_endpoints, parse_endpoints
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES
 from pyspark_acs.read.consumer import DEFAULT_POLL_INTERVAL_S
@@ -65,9 +66,22 @@ def _offsets_spec(*keywords: str):
 
 
 def _endpoints(value: Any, name: str) -> str:
-    from pyspark_acs.cache.client import parse_endpoints
+    """Endpoints ``host:port,...``; ``none`` (kept as ``""``) turns the cache off even when
+    ``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE`` is set."""
+    text = str(value).strip()
+    if text.lower() == NO_CACHE:
+        return ""
+    return ",".join(parse_endpoints(text, option=name))
 
-    return ",".join(parse_endpoints(str(value), option=name))
+
+def _with_env_caches(opts: Any) -> Any:
+    """Cache endpoints not given as options come from the driver's environment (``acs up``'s
+    exports), resolved here, once, so every task reads through the caches the planner used."""
+    return replace(
+        opts,
+        data_cache=cache_endpoints(opts.data_cache, DATA_CACHE_ENV),
+        metadata_cache=cache_endpoints(opts.metadata_cache, METADATA_CACHE_ENV),
+    )
 
 
 @dataclass(frozen=True)
@@ -76,9 +90,10 @@ class SourceOptions:
 
     root: str = option("root", parse=parse_str, required=True, doc="durable store root URI or path")
     streams: Tuple[str, ...] = option("stream", parse=_streams, required=True, doc="stream name or comma list")
-    data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="data-cache endpoints host:port,...")
+    data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="data-cache endpoints host:port,... or none (default $ACS_DATA_CACHE)")
     metadata_cache: Optional[str] = option(
-        "metadataCache", None, parse=_endpoints, doc="metadata-cache endpoints host:port,..."
+        "metadataCache", None, parse=_endpoints,
+        doc="metadata-cache endpoints host:port,... or none (default $ACS_METADATA_CACHE)",
     )
     cache_token: Optional[str] = option(
         "cacheToken", None, parse=parse_str, doc="token of token-protected cache servers ($ACS_CACHE_TOKEN)"
@@ -121,9 +136,10 @@ class SinkOptions:
     shards: Optional[int] = option(
         "shards", None, parse=parse_int(1, 99_999), doc="shard count (required if the stream does not exist)"
     )
-    data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="data-cache endpoints host:port,...")
+    data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="data-cache endpoints host:port,... or none (default $ACS_DATA_CACHE)")
     metadata_cache: Optional[str] = option(
-        "metadataCache", None, parse=_endpoints, doc="metadata-cache endpoints host:port,..."
+        "metadataCache", None, parse=_endpoints,
+        doc="metadata-cache endpoints host:port,... or none (default $ACS_METADATA_CACHE)",
     )
     cache_token: Optional[str] = option(
         "cacheToken", None, parse=parse_str, doc="token of token-protected cache servers ($ACS_CACHE_TOKEN)"
@@ -156,7 +172,7 @@ def _with_path(raw: Mapping[str, Any]) -> dict:
 
 def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
     """Parse and check the source options (raises AcsOptionError naming the option)."""
-    opts = parse_options(SourceOptions, _with_path(raw), component="acs source")
+    opts = _with_env_caches(parse_options(SourceOptions, _with_path(raw), component="acs source"))
     if opts.starting_offsets is not None and opts.starting_timestamp is not None:
         raise AcsOptionError(
             "acs source: give startingOffsets or startingTimestamp, not both", option="startingTimestamp"
@@ -173,4 +189,4 @@ def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
 
 def parse_sink_options(raw: Mapping[str, Any]) -> SinkOptions:
     """Parse and check the sink options (raises AcsOptionError naming the option)."""
-    return parse_options(SinkOptions, _with_path(raw), component="acs sink")
+    return _with_env_caches(parse_options(SinkOptions, _with_path(raw), component="acs sink"))

@@ -22,6 +22,7 @@ from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import pyarrow as pa
 
+from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError
 from pyspark_acs.format.block import BLOCK_SCHEMA, decode_block
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
@@ -355,7 +356,8 @@ class Consumer:
     data_cache, metadata_cache : str, optional
         Cache endpoints (``host:port,...``) of this cluster: lengths are polled from the
         metadata cache and bytes read from the data cache, with the durable store as the
-        fallback (see :class:`~pyspark_acs.read.cachepath.CachedReadPath`).
+        fallback (see :class:`~pyspark_acs.read.cachepath.CachedReadPath`). When not given,
+        ``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE`` are used; ``"none"`` turns a cache off.
     cache_token : str, optional
         Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
     read_path : ReadPath, optional
@@ -390,8 +392,9 @@ class Consumer:
         if max_bytes_per_second is not None and max_bytes_per_second <= 0:
             raise AcsOptionError("max_bytes_per_second: must be > 0 (or None for no cap)", option="max_bytes_per_second")
         if read_path is None:
-            read_path = open_read_path(root, data_cache=data_cache, metadata_cache=metadata_cache, token=cache_token,
-                                       push=True)
+            read_path = open_read_path(root, data_cache=cache_endpoints(data_cache, DATA_CACHE_ENV),
+                                       metadata_cache=cache_endpoints(metadata_cache, METADATA_CACHE_ENV),
+                                       token=cache_token, push=True)
         self.path: ReadPath = read_path
         self.store = read_path.store
         self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]

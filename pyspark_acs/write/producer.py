@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
+from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.errors import AcsError, AcsOptionError, AcsTimeoutError, ClosedError, LeaseError
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block
 from pyspark_acs.format.names import MAX_SHARDS, new_writer_id, validate_shard, validate_stream
@@ -146,6 +147,8 @@ class Producer:
         Metadata-cache endpoints: file lengths and shard heads are published there, and
         the shard lease lives there (a new Producer then takes over a shard by poisoning
         the old one's lease instead of being refused).
+        When not given, ``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE`` are used (what ``acs up``
+        prints); ``"none"`` turns a cache off even then.
     cache_token : str, optional
         Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
 
@@ -211,6 +214,8 @@ class Producer:
         self._stats = {"messages": 0, "blocks": 0, "bytes": 0, "cache_errors": 0}
         self._own_clients: list = []
         self._data = meta_client = None
+        data_cache = cache_endpoints(data_cache, DATA_CACHE_ENV)
+        metadata_cache = cache_endpoints(metadata_cache, METADATA_CACHE_ENV)
         if data_cache or metadata_cache:  # grpc is imported only when caches are used
             from pyspark_acs.cache.client import client_for
 
