@@ -40,8 +40,14 @@ class AcsDataSource(DataSource):
     startingTimestamp : optional
         Milliseconds since the epoch: per shard, start at the first block holding a message at
         or after it (offsets are block boundaries, so earlier messages of that block come too).
+    startingOffsetsByTimestamp : optional
+        Per shard, milliseconds since the epoch, as Kafka's: ``{"stream": {"0": 1700000000000}}``;
+        each named shard starts as with ``startingTimestamp``, the others by ``startingOffsets``.
     endingOffsets : ``latest`` (default) / JSON
-        Batch reads only.
+        Batch reads only (a streaming query refuses it: use ``trigger(availableNow=True)``).
+    endingTimestamp : optional
+        Batch reads only, milliseconds since the epoch: each shard is read up to the first block
+        whose first message is stamped at or after it, and rows stamped at or after it are dropped.
     maxBytesPerTrigger, maxRowsPerTrigger : optional
         Admission control through Spark's ``ReadLimit``: bytes (``"8MiB"``) or messages per
         micro-batch, split across shards in proportion to their backlog. Offsets are block
@@ -60,10 +66,17 @@ class AcsDataSource(DataSource):
     Schema: ``stream string, shard int, file string, position long, timestamp timestamp,
     key binary, value binary``. ``position`` is the message's index in its file.
 
+    A streaming query runs a micro-batch only when messages arrived: a file's seal alone (the
+    reader moving on to the next file) moves no offset.
+
     Sink options (``df.writeStream.format("acs")`` / ``df.write.format("acs")``)
     --------------------------------------------------------------------------
-    root, stream : required
-    shards : required when the stream does not exist yet; must match when it does.
+    root : required
+    stream : required unless the DataFrame has a ``stream`` column
+        The target stream of every row; it overrides a ``stream`` column (as Kafka's ``topic``
+        option overrides the ``topic`` column), so a source's rows can be written to another stream.
+    shards : required when a stream does not exist yet (also one a ``stream`` column names);
+        must match when it does.
     dataCache, metadataCache, cacheToken : optional
         Written like a Producer: durable store, then chunks, then lengths.
     maxBlockBytes : ``1MiB``;  rollBytes : ``64MiB``
@@ -71,9 +84,12 @@ class AcsDataSource(DataSource):
         Identity of the sink for exactly-once; defaults to the query's checkpointLocation.
 
     Columns: ``value`` (binary or string, required), ``key`` (binary or string: picks the
-    shard by crc32 hash), ``shard`` (int), ``timestamp`` (default now). Each committed
-    micro-batch lands exactly once per batch id, after all earlier batches in every shard
-    (see :mod:`pyspark_acs.datasource.sink`).
+    shard by crc32 hash), ``shard`` (int), ``timestamp`` (default now), ``stream`` (string:
+    without option ``stream``, routes each row to a stream, as Kafka's ``topic`` column does). The acs source's ``file``
+    and ``position`` are ignored (a message gets new ones where it lands); any other column is
+    refused by name -- Kafka's ``topic``, ``partition`` and ``headers`` with what to use instead --
+    rather than silently dropped. Each committed micro-batch lands exactly once per batch id
+    and stream, after all earlier batches in every shard (see :mod:`pyspark_acs.datasource.sink`).
     """
 
     @classmethod

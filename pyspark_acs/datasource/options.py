@@ -17,7 +17,7 @@ from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES
 from pyspark_acs.read.consumer import DEFAULT_POLL_INTERVAL_S
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES
 from pyspark_acs.format.names import validate_stream
-from pyspark_acs.format.offsets import parse_offsets
+from pyspark_acs.format.offsets import parse_offsets, parse_timestamps
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_bool, parse_int, parse_options, parse_str
 
 __all__ = ["SinkOptions", "SourceOptions", "parse_sink_options", "parse_source_options"]
@@ -44,7 +44,11 @@ def _streams(value: Any, name: str) -> Tuple[str, ...]:
 def _one_stream(value: Any, name: str) -> str:
     items = _streams(value, name)
     if len(items) != 1:
-        raise AcsOptionError(f"{name}: the sink writes exactly one stream, got {value!r}", option=name)
+        raise AcsOptionError(
+            f"{name}: option stream names one stream, got {value!r}; route rows to several streams with a "
+            f"'stream' column",
+            option=name,
+        )
     return items[0]
 
 
@@ -63,6 +67,11 @@ def _offsets_spec(*keywords: str):
         return text
 
     return parse
+
+
+def _timestamps_spec(value: Any, name: str) -> str:
+    parse_timestamps(str(value), option=name)  # validate now; kept as text (hashable, picklable)
+    return str(value)
 
 
 def _endpoints(value: Any, name: str) -> str:
@@ -105,8 +114,16 @@ class SourceOptions:
     starting_timestamp: Optional[int] = option(
         "startingTimestamp", None, parse=parse_int(0), doc="ms since the epoch: start at the first message at or after it"
     )
+    starting_by_timestamp: Optional[str] = option(
+        "startingOffsetsByTimestamp", None, parse=_timestamps_spec,
+        doc='per shard, ms since the epoch: {"stream": {"0": 1700000000000}} (other shards: startingOffsets)',
+    )
     ending_offsets: Optional[str] = option(
         "endingOffsets", None, parse=_offsets_spec("latest"), doc="batch reads only: latest | offsets JSON"
+    )
+    ending_timestamp: Optional[int] = option(
+        "endingTimestamp", None, parse=parse_int(0),
+        doc="batch reads only, ms since the epoch: stop before the first message at or after it",
     )
     max_bytes_per_trigger: Optional[int] = option(
         "maxBytesPerTrigger", None, parse=bytes_parser(1), doc="bytes per micro-batch, split over shards by backlog"
@@ -132,9 +149,13 @@ class SinkOptions:
     """Options of ``df.writeStream.format("acs")`` and ``df.write.format("acs")``."""
 
     root: str = option("root", parse=parse_str, required=True, doc="durable store root URI or path")
-    stream: str = option("stream", parse=_one_stream, required=True, doc="stream name")
+    stream: Optional[str] = option(
+        "stream", None, parse=_one_stream,
+        doc="target stream of every row, overriding a 'stream' column (required without one)",
+    )
     shards: Optional[int] = option(
-        "shards", None, parse=parse_int(1, 99_999), doc="shard count (required if the stream does not exist)"
+        "shards", None, parse=parse_int(1, 99_999),
+        doc="shard count (required to create a missing stream, also one a 'stream' column names)",
     )
     data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="data-cache endpoints host:port,... or none (default $ACS_DATA_CACHE)")
     metadata_cache: Optional[str] = option(
@@ -173,13 +194,18 @@ def _with_path(raw: Mapping[str, Any]) -> dict:
 def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
     """Parse and check the source options (raises AcsOptionError naming the option)."""
     opts = _with_env_caches(parse_options(SourceOptions, _with_path(raw), component="acs source"))
-    if opts.starting_offsets is not None and opts.starting_timestamp is not None:
+    if opts.starting_timestamp is not None and (opts.starting_offsets or opts.starting_by_timestamp):
+        other = "startingOffsets" if opts.starting_offsets else "startingOffsetsByTimestamp"
         raise AcsOptionError(
-            "acs source: give startingOffsets or startingTimestamp, not both", option="startingTimestamp"
+            f"acs source: give startingTimestamp or {other}, not both", option="startingTimestamp"
         )
-    for name, value in (("startingOffsets", opts.starting_offsets), ("endingOffsets", opts.ending_offsets)):
+    if opts.ending_offsets is not None and opts.ending_timestamp is not None:
+        raise AcsOptionError("acs source: give endingOffsets or endingTimestamp, not both", option="endingTimestamp")
+    for name, value in (("startingOffsets", opts.starting_offsets), ("endingOffsets", opts.ending_offsets),
+                        ("startingOffsetsByTimestamp", opts.starting_by_timestamp)):
         if value and value.startswith("{"):
-            unknown = {s for s, _ in parse_offsets(value, option=name)} - set(opts.streams)
+            parse = parse_timestamps if name == "startingOffsetsByTimestamp" else parse_offsets
+            unknown = {s for s, _ in parse(value, option=name)} - set(opts.streams)
             if unknown:
                 raise AcsOptionError(
                     f"{name}: streams {sorted(unknown)} are not in option stream={','.join(opts.streams)}", option=name

@@ -30,6 +30,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import pyarrow as pa
@@ -54,11 +55,21 @@ from pyspark.sql.types import (
 from pyspark_acs.datasource.options import SinkOptions
 from pyspark_acs.errors import AcsError, AcsOptionError
 from pyspark_acs.format.block import HEADER_SIZE, encode_block, encode_seal, rebase_blocks, scan_blocks
-from pyspark_acs.format.names import next_file_name, shard_dir
+from pyspark_acs.format.names import next_file_name, shard_dir, validate_stream
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.shard import OpenFile, ShardWriter, shard_for_key
 
-__all__ = ["AcsBatchWriter", "AcsCommitMessage", "AcsStreamWriter", "SinkCommitter", "check_sink_schema"]
+__all__ = [
+    "KAFKA_COLUMNS",
+    "SINK_COLUMNS",
+    "SOURCE_POSITION_COLUMNS",
+    "AcsBatchWriter",
+    "AcsCommitMessage",
+    "AcsStreamWriter",
+    "SinkCommitter",
+    "StagedStream",
+    "check_sink_schema",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,41 +77,78 @@ log = logging.getLogger(__name__)
 STAGING_SWEEP_AFTER_S = 3600.0
 
 
-def check_sink_schema(schema: StructType) -> None:
-    """Refuse a DataFrame the sink cannot write, naming the column and the allowed types.
+#: Columns the sink writes, with the types it takes.
+SINK_COLUMNS = {
+    "value": ((BinaryType, StringType), "binary or string"),
+    "key": ((BinaryType, StringType), "binary or string"),
+    "shard": ((IntegerType, LongType, ShortType, ByteType), "an integer type"),
+    "timestamp": ((TimestampType, TimestampNTZType), "timestamp"),
+    "stream": ((StringType,), "string"),
+}
+#: Columns of the acs source that the sink drops: a message gets a new file and position where
+#: it lands, so ``readStream.format("acs")`` can feed ``writeStream.format("acs")`` unchanged.
+SOURCE_POSITION_COLUMNS = ("file", "position")
+#: Kafka sink columns and what to use instead (refused: silently dropping them loses data).
+KAFKA_COLUMNS = {
+    "topic": "name the target stream in a 'stream' column (or option stream)",
+    "partition": "name the target shard in a 'shard' column",
+    "headers": "message headers are not carried by acs blocks; put them in the value",
+}
+
+
+def check_sink_schema(schema: StructType, opts: Optional[SinkOptions] = None) -> None:
+    """Refuse a DataFrame the sink cannot write, naming the column and what is allowed.
 
     Raises
     ------
     AcsOptionError
-        No ``value`` column, or a column of a wrong type.
+        No ``value`` column, a column of a wrong type, a column the sink would not write (Kafka's
+        ``topic``/``partition``/``headers`` or any other), or neither a ``stream`` column nor a
+        ``stream`` option.
     """
     fields = {f.name.lower(): f for f in schema.fields}
-    allowed = {
-        "value": ((BinaryType, StringType), "binary or string"),
-        "key": ((BinaryType, StringType), "binary or string"),
-        "shard": ((IntegerType, LongType, ShortType, ByteType), "an integer type"),
-        "timestamp": ((TimestampType, TimestampNTZType), "timestamp"),
-    }
     if "value" not in fields:
         raise AcsOptionError(
             f"acs sink: the DataFrame needs a 'value' column (binary or string); it has: "
             f"{', '.join(schema.fieldNames()) or 'no columns'}",
             option="value",
         )
-    for name, (types, text) in allowed.items():
+    for name, (types, text) in SINK_COLUMNS.items():
         f = fields.get(name)
         if f is not None and not isinstance(f.dataType, types):
             raise AcsOptionError(
                 f"acs sink: column {f.name!r} must be {text}, not {f.dataType.simpleString()}", option=name
             )
+    for name, f in fields.items():
+        if name in SINK_COLUMNS or name in SOURCE_POSITION_COLUMNS:
+            continue
+        why = KAFKA_COLUMNS.get(name, "the sink would drop it")
+        raise AcsOptionError(
+            f"acs sink: column {f.name!r} is not written ({why}); the sink writes columns "
+            f"{', '.join(SINK_COLUMNS)} (and ignores the acs source's {', '.join(SOURCE_POSITION_COLUMNS)}): "
+            f"select only those",
+            option=f.name,
+        )
+    if opts is not None and opts.stream is None and "stream" not in fields:
+        raise AcsOptionError(
+            "acs sink: give option 'stream' (the target stream), or a 'stream' column routing each row",
+            option="stream",
+        )
+
+
+class StagedStream(NamedTuple):
+    """What one task staged for one stream: ``[(shard, staged file path relative to the root,
+    bytes, rows)]`` in its staging folder."""
+
+    staged: List[Tuple[int, str, int, int]]
+    staging_dir: str
 
 
 class AcsCommitMessage(WriterCommitMessage):
-    """What one task staged: ``[(shard, staged file path relative to the root, bytes, rows)]``."""
+    """What one task staged, per stream (plain data): ``{stream: StagedStream}``."""
 
-    def __init__(self, staged: List[Tuple[int, str, int, int]], staging_dir: str) -> None:
-        self.staged = staged
-        self.staging_dir = staging_dir
+    def __init__(self, streams: Dict[str, StagedStream]) -> None:
+        self.streams = streams
 
 
 def _sink_id(opts: SinkOptions) -> str:
@@ -130,12 +178,13 @@ def _column(batch: pa.RecordBatch, name: str) -> Optional[pa.Array]:
 
 
 class _Stager:
-    """Task side: encode rows into blocks per shard and stage them in the durable store."""
+    """Task side: route rows to streams, encode them into blocks per shard and stage them in the
+    durable store."""
 
-    def __init__(self, opts: SinkOptions, sink_id: str, shards: int) -> None:
+    def __init__(self, opts: SinkOptions, sink_id: str, shards: Dict[str, int]) -> None:
         self.opts = opts
         self.sink_id = sink_id
-        self.shards = shards
+        self.shards = dict(shards)  # stream -> shard count; streams met in rows are added
 
     def write(self, batches: Iterator[pa.RecordBatch]) -> AcsCommitMessage:
         from pyspark import TaskContext
@@ -143,43 +192,98 @@ class _Stager:
         ctx = TaskContext.get()
         pid = ctx.partitionId() if ctx else 0
         store = open_store(self.opts.root)
-        staging = f"{self.opts.stream}/_sinks/{self.sink_id}/staging/{uuid.uuid4().hex}-{pid}"
-        appenders: Dict[int, Any] = {}
-        counts: Dict[int, List[int]] = {}
-        row = 0
+        attempt = f"{uuid.uuid4().hex}-{pid}"
+        appenders: Dict[Tuple[str, int], Any] = {}
+        counts: Dict[Tuple[str, int], List[int]] = {}
+        rows: Dict[str, int] = {}
         try:
             for batch in batches:
                 if batch.num_rows == 0:
                     continue
-                shard_ids = self._shards_of(batch, pid, row)
-                row += batch.num_rows
-                for shard, part in self._split(batch, shard_ids):
-                    app = appenders.get(shard)
-                    if app is None:
-                        app = appenders[shard] = store.open_appender(f"{staging}/{shard:05d}.blk")
-                        counts[shard] = [0, 0]
-                    for block, n in self._blocks(part):
-                        app.write(block)
-                        counts[shard][0] += len(block)
-                        counts[shard][1] += n
+                for stream, sub in self._route(batch, store):
+                    shard_ids = self._shards_of(sub, stream, pid, rows.get(stream, 0))
+                    rows[stream] = rows.get(stream, 0) + sub.num_rows
+                    for shard, part in self._split(sub, shard_ids, self.shards[stream]):
+                        app = appenders.get((stream, shard))
+                        if app is None:
+                            rel = f"{self._staging(stream, attempt)}/{shard:05d}.blk"
+                            app = appenders[(stream, shard)] = store.open_appender(rel)
+                            counts[(stream, shard)] = [0, 0]
+                        for block, n in self._blocks(part):
+                            app.write(block)
+                            counts[(stream, shard)][0] += len(block)
+                            counts[(stream, shard)][1] += n
         finally:
             for app in appenders.values():
                 app.close()
             store.close()
-        staged = [(s, f"{staging}/{s:05d}.blk", counts[s][0], counts[s][1]) for s in sorted(appenders)]
-        return AcsCommitMessage(staged, staging)
+        out: Dict[str, StagedStream] = {}
+        for stream, shard in sorted(appenders):
+            staging = self._staging(stream, attempt)
+            entry = out.setdefault(stream, StagedStream([], staging))
+            entry.staged.append((shard, f"{staging}/{shard:05d}.blk", *counts[(stream, shard)]))
+        return AcsCommitMessage(out)
 
-    def _shards_of(self, batch: pa.RecordBatch, pid: int, row: int) -> pa.Array:
+    def _staging(self, stream: str, attempt: str) -> str:
+        return f"{stream}/_sinks/{self.sink_id}/staging/{attempt}"
+
+    def _route(self, batch: pa.RecordBatch, store: DurableStore) -> Iterator[Tuple[str, pa.RecordBatch]]:
+        """``(stream, rows)`` pairs of a batch, row order kept within each stream: option
+        ``stream`` takes every row (it overrides a ``stream`` column, as Kafka's ``topic``
+        option does), else the ``stream`` column routes each row."""
+        if self.opts.stream is not None:
+            self._check_stream(self.opts.stream, store)
+            yield self.opts.stream, batch
+            return
+        column = _column(batch, "stream")
+        if column.null_count:
+            row = pc.index(pc.is_null(column), True).as_py()
+            raise AcsOptionError(
+                f"acs sink: column 'stream' is null in a row (number {row} of a batch of this task); every row "
+                f"needs a target stream, or give option 'stream' to write all rows to one",
+                option="stream",
+            )
+        names = sorted(pc.unique(column).to_pylist())
+        for name in names:
+            self._check_stream(name, store)
+        if len(names) == 1:
+            yield names[0], batch
+            return
+        for name in names:
+            yield name, batch.filter(pc.equal(column, name))
+
+    def _check_stream(self, stream: str, store: DurableStore) -> None:
+        """A stream met in a ``stream`` column: a safe name, and known (or created with option
+        ``shards``)."""
+        if stream in self.shards:
+            return
+        try:
+            validate_stream(stream)
+        except ValueError as exc:
+            raise AcsOptionError(f"acs sink: column 'stream': {exc}", option="stream") from None
+        existing = store.stream_shards(stream)
+        if existing is None:
+            if self.opts.shards is None:
+                raise AcsOptionError(
+                    f"acs sink: stream {stream!r} (column 'stream') does not exist in {self.opts.root}; give "
+                    f"option 'shards' to create streams the column names",
+                    option="shards",
+                )
+            existing = store.create_stream(stream, self.opts.shards)
+        self.shards[stream] = existing
+
+    def _shards_of(self, batch: pa.RecordBatch, stream: str, pid: int, row: int) -> pa.Array:
         n = batch.num_rows
+        count = self.shards[stream]
         shard = _column(batch, "shard")
         if shard is not None:
             shard = pc.cast(shard, pa.int64())
-            bad = pc.fill_null(pc.or_(pc.less(shard, 0), pc.greater_equal(shard, self.shards)), False)
+            bad = pc.fill_null(pc.or_(pc.less(shard, 0), pc.greater_equal(shard, count)), False)
             if pc.any(bad).as_py():
                 value = pc.filter(shard, bad)[0].as_py()
                 raise AcsOptionError(
-                    f"acs sink: shard {value} is out of range for stream {self.opts.stream!r} with "
-                    f"{self.shards} shards (allowed 0..{self.shards - 1})",
+                    f"acs sink: shard {value} is out of range for stream {stream!r} with "
+                    f"{count} shards (allowed 0..{count - 1})",
                     option="shard",
                 )
             if shard.null_count == 0:
@@ -188,22 +292,22 @@ class _Stager:
         if key is not None and key.null_count < n:
             if pa.types.is_string(key.type) or pa.types.is_large_string(key.type):
                 key = key.cast(pa.binary())
-            rr = (row + pid) % self.shards
+            rr = (row + pid) % count
             ids = [
-                shard_for_key(k, self.shards) if k is not None else (rr + i) % self.shards
+                shard_for_key(k, count) if k is not None else (rr + i) % count
                 for i, k in enumerate(key.to_pylist())
             ]
             base = pa.array(ids, pa.int64())
         else:
             # No key: spread rows round-robin, starting where this task left off.
             seq = pc.add(pc.cumulative_sum(pa.repeat(pa.scalar(1, pa.int64()), n)), row + pid - 1)
-            base = pc.subtract(seq, pc.multiply(pc.divide(seq, self.shards), self.shards))  # seq mod shards
+            base = pc.subtract(seq, pc.multiply(pc.divide(seq, count), count))  # seq mod shards
         if shard is not None:  # explicit shard where given, hash/round-robin for nulls
             return pc.if_else(pc.is_null(shard), base, shard)
         return base
 
-    def _split(self, batch: pa.RecordBatch, shard_ids: pa.Array) -> Iterator[Tuple[int, pa.RecordBatch]]:
-        if self.shards == 1:
+    def _split(self, batch: pa.RecordBatch, shard_ids: pa.Array, count: int) -> Iterator[Tuple[int, pa.RecordBatch]]:
+        if count == 1:
             yield 0, batch
             return
         order = pc.sort_indices(shard_ids)  # stable: keeps the row order within a shard
@@ -270,7 +374,7 @@ class SinkCommitter:
         except ValueError as exc:
             raise AcsError(f"{store.uri(self.dir + '/' + name)}: corrupt sink record: {exc}") from exc
 
-    def commit(self, messages: Sequence[Optional[AcsCommitMessage]], batch_id: Optional[int]) -> None:
+    def commit(self, messages: Sequence[Optional[StagedStream]], batch_id: Optional[int]) -> None:
         """Append a batch's staged blocks to its shards, exactly once per ``batch_id``."""
         store = open_store(self.opts.root)
         self._clients: List[Any] = []  # cache clients of this commit, one per cache
@@ -294,7 +398,7 @@ class SinkCommitter:
                 self._meta = MetadataCache(meta) if meta is not None else None
         return self._data, self._meta
 
-    def _commit(self, store: DurableStore, messages: Sequence[Optional[AcsCommitMessage]], batch_id: Optional[int]) -> None:
+    def _commit(self, store: DurableStore, messages: Sequence[Optional[StagedStream]], batch_id: Optional[int]) -> None:
         state = self._load(store, "state.json") or {"last_batch": None, "shards": {}}
         last = state.get("last_batch")
         if batch_id is not None and last is not None and batch_id < last:
@@ -331,7 +435,7 @@ class SinkCommitter:
             self._delete_dir(store, rel)
         self._sweep(store)
 
-    def _plan(self, store: DurableStore, state: Dict[str, Any], messages: Sequence[Optional[AcsCommitMessage]],
+    def _plan(self, store: DurableStore, state: Dict[str, Any], messages: Sequence[Optional[StagedStream]],
               batch_id: Optional[int]) -> Dict[str, Any]:
         """The intent: per shard, the file segments the staged pieces go to, in task order.
 
@@ -538,7 +642,7 @@ class SinkCommitter:
     def _cache_failed(self, what: str, exc: Exception) -> None:
         log.warning("acs sink %s: cache write of %s failed, readers use the durable store: %s", self.sink_id, what, exc)
 
-    def _discard(self, store: DurableStore, messages: Sequence[Optional[AcsCommitMessage]]) -> None:
+    def _discard(self, store: DurableStore, messages: Sequence[Optional[StagedStream]]) -> None:
         for m in messages:
             if m is not None:
                 self._delete_dir(store, m.staging_dir)
@@ -607,8 +711,11 @@ def _common_prefix(a: bytes, b: bytes) -> int:
     return lo
 
 
-def _prepare(opts: SinkOptions) -> int:
-    """Create the stream or check its shard count; return the shard count."""
+def _prepare(opts: SinkOptions) -> Dict[str, int]:
+    """Create the stream of option ``stream`` or check its shard count: ``{stream: shards}``
+    (empty without the option: every row names its stream)."""
+    if opts.stream is None:
+        return {}
     store = open_store(opts.root)
     try:
         existing = store.stream_shards(opts.stream)
@@ -618,12 +725,51 @@ def _prepare(opts: SinkOptions) -> int:
                     f"acs sink: stream {opts.stream!r} does not exist in {opts.root}; give option 'shards' to create it",
                     option="shards",
                 )
-            return store.create_stream(opts.stream, opts.shards)
+            return {opts.stream: store.create_stream(opts.stream, opts.shards)}
         if opts.shards is not None and opts.shards != existing:
             raise AcsOptionError(
                 f"shards: stream {opts.stream!r} has {existing} shards, but option shards={opts.shards}", option="shards"
             )
-        return existing
+        return {opts.stream: existing}
+    finally:
+        store.close()
+
+
+def _by_stream(opts: SinkOptions, messages: Sequence[Optional[WriterCommitMessage]]
+               ) -> List[Tuple[SinkOptions, List[Optional[StagedStream]]]]:
+    """Per stream of a batch (every stream a task staged rows for, and option ``stream``'s even
+    without rows), its options and its tasks' staged files in task order."""
+    names = {name for m in messages if isinstance(m, AcsCommitMessage) for name in m.streams}
+    if opts.stream is not None:
+        names.add(opts.stream)
+    return [
+        (replace(opts, stream=name),
+         [m.streams.get(name) if isinstance(m, AcsCommitMessage) else None for m in messages])
+        for name in sorted(names)
+    ]
+
+
+def _commit(opts: SinkOptions, sink_id: str, messages: Sequence[Optional[WriterCommitMessage]],
+            batch_id: Optional[int]) -> None:
+    """Commit a batch stream by stream, each exactly once per batch id (its own intent and
+    state): after a failure part way, the retry replays the streams done and completes the rest."""
+    for stream_opts, staged in _by_stream(opts, messages):
+        SinkCommitter(stream_opts, sink_id).commit(staged, batch_id)
+
+
+def _abort(opts: SinkOptions, sink_id: str, messages: Sequence[Optional[WriterCommitMessage]],
+           batch_id: Optional[int], why: str) -> None:
+    """Delete the staged files of a batch that will not be committed, except those of a stream
+    whose commit already wrote its intent (they are kept so the next attempt can finish it)."""
+    store = open_store(opts.root)
+    try:
+        for stream_opts, staged in _by_stream(opts, messages):
+            committer = SinkCommitter(stream_opts, sink_id)
+            if batch_id is not None and store.exists(f"{committer.dir}/intent-{batch_id}.json"):
+                log.warning("acs sink %s (stream %r): %s; its staged data is kept for the retry",
+                            sink_id, stream_opts.stream, why)
+                continue
+            committer._discard(store, staged)
     finally:
         store.close()
 
@@ -632,35 +778,26 @@ class AcsStreamWriter(DataSourceStreamArrowWriter):
     """Stream writer of ``df.writeStream.format("acs")`` (see the module docstring for the guarantee)."""
 
     def __init__(self, opts: SinkOptions, schema: StructType) -> None:
-        check_sink_schema(schema)
+        check_sink_schema(schema, opts)
         self.opts = opts
         self.sink_id = _sink_id(opts)
         self.shards = _prepare(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> AcsCommitMessage:
-        """Task side: stage this partition's rows as blocks per shard; return what was staged."""
+        """Task side: stage this partition's rows as blocks per stream and shard; return what was staged."""
         return _Stager(self.opts, self.sink_id, self.shards).write(iterator)
 
     def commit(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
         """Driver side: append the batch's staged blocks to its shards, exactly once per ``batchId``."""
-        SinkCommitter(self.opts, self.sink_id).commit(messages, batchId)
+        _commit(self.opts, self.sink_id, messages, batchId)
 
     def abort(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
         """Delete the staged files of a batch that will not be committed.
 
-        If a commit of this batch already wrote its intent (it failed part way), the staged
-        files belong to that intent: they are kept so the next attempt can finish the batch.
+        If a commit of this batch already wrote a stream's intent (it failed part way), that
+        stream's staged files belong to the intent: they are kept so the next attempt can finish.
         """
-        committer = SinkCommitter(self.opts, self.sink_id)
-        store = open_store(self.opts.root)
-        try:
-            if store.exists(f"{committer.dir}/intent-{batchId}.json"):
-                log.warning("acs sink %s: batch %d failed while committing; its staged data is kept for the retry",
-                            self.sink_id, batchId)
-                return
-            committer._discard(store, messages)
-        finally:
-            store.close()
+        _abort(self.opts, self.sink_id, messages, batchId, f"batch {batchId} failed while committing")
 
 
 class AcsBatchWriter(DataSourceArrowWriter):
@@ -680,7 +817,7 @@ class AcsBatchWriter(DataSourceArrowWriter):
     def __init__(self, opts: SinkOptions, schema: StructType, overwrite: bool) -> None:
         if overwrite:
             raise AcsOptionError("acs sink: streams are append-only; use mode('append')", option="mode")
-        check_sink_schema(schema)
+        check_sink_schema(schema, opts)
         self.opts = opts
         if opts.sink_id:
             self.sink_id = "batch" + hashlib.blake2b(opts.sink_id.encode(), digest_size=8).hexdigest()
@@ -691,23 +828,15 @@ class AcsBatchWriter(DataSourceArrowWriter):
         self.shards = _prepare(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> AcsCommitMessage:
-        """Task side: stage this partition's rows as blocks per shard; return what was staged."""
+        """Task side: stage this partition's rows as blocks per stream and shard; return what was staged."""
         return _Stager(self.opts, self.sink_id, self.shards).write(iterator)
 
     def commit(self, messages: List[Optional[WriterCommitMessage]]) -> None:
         """Driver side: append every task's staged blocks, in task order."""
-        SinkCommitter(self.opts, self.sink_id).commit(messages, self.batch_id)
+        _commit(self.opts, self.sink_id, messages, self.batch_id)
 
     def abort(self, messages: List[Optional[WriterCommitMessage]]) -> None:
         """Delete the staged files of a write that will not be committed (those an intent
         needs stay: a rerun with the same ``sinkId`` completes it)."""
-        committer = SinkCommitter(self.opts, self.sink_id)
-        store = open_store(self.opts.root)
-        try:
-            if self.batch_id is not None and store.exists(f"{committer.dir}/intent-{self.batch_id}.json"):
-                log.warning("acs sink %s: the write failed while committing; its staged data is kept for a rerun "
-                            "with the same sinkId", self.sink_id)
-                return
-            committer._discard(store, messages)
-        finally:
-            store.close()
+        _abort(self.opts, self.sink_id, messages, self.batch_id,
+               "the write failed while committing (rerun with the same sinkId to complete it)")

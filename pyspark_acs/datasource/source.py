@@ -19,6 +19,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -30,8 +31,15 @@ from pyspark.sql.streaming.datasource import (
 
 from pyspark_acs.read.consumer import ShardTailer, earliest_offset
 from pyspark_acs.errors import AcsError, AcsOptionError, DataLossError
-from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
-from pyspark_acs.read.positions import BoundaryCache, advance, latest_offset, offset_for_timestamp, shard_extent
+from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets, parse_timestamps
+from pyspark_acs.read.positions import (
+    BoundaryCache,
+    advance,
+    carries_messages,
+    latest_offset,
+    offset_for_timestamp,
+    shard_extent,
+)
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.datasource.options import SourceOptions
 
@@ -47,12 +55,14 @@ SCHEMA_DDL = (
 class AcsPartition(InputPartition):
     """One shard's byte range: plain, picklable data (no channels or files)."""
 
-    def __init__(self, stream: str, shard: int, start: Tuple[str, int], end: Tuple[str, int]) -> None:
+    def __init__(self, stream: str, shard: int, start: Tuple[str, int], end: Tuple[str, int],
+                 before_us: Optional[int] = None) -> None:
         super().__init__((stream, shard))
         self.stream = stream
         self.shard = shard
         self.start = tuple(start)
         self.end = tuple(end)
+        self.before_us = before_us  # endingTimestamp in µs: rows stamped at or after it are dropped
 
     def __repr__(self) -> str:
         return f"AcsPartition({self.stream}/{self.shard} {self.start} -> {self.end})"
@@ -74,6 +84,10 @@ def read_partition(opts: SourceOptions, partition: AcsPartition) -> Iterator[pa.
         When bytes in the range are gone (``failOnDataLoss=true``), or published bytes did
         not become readable within ``readTimeout``.
     """
+    if not isinstance(partition, AcsPartition):
+        # Spark hands a bare InputPartition to read() when partitions() planned none (an empty
+        # range: an empty stream, or startingOffsets=latest): nothing to read.
+        return
     path = source_read_path(opts)
     try:
         end = Offset(*partition.end)
@@ -90,6 +104,8 @@ def read_partition(opts: SourceOptions, partition: AcsPartition) -> Iterator[pa.
             batches = tailer.step(end=end)
             if batches:
                 waited_since = None
+                if partition.before_us is not None:
+                    batches = [_before(b, partition.before_us) for b in batches]
                 yield from batches
                 continue
             if tailer.offset >= end:
@@ -112,6 +128,12 @@ def read_partition(opts: SourceOptions, partition: AcsPartition) -> Iterator[pa.
         path.close()
 
 
+def _before(batch: pa.RecordBatch, before_us: int) -> pa.RecordBatch:
+    """The rows of ``batch`` stamped before ``before_us`` (µs since the epoch)."""
+    stamps = batch.column("timestamp").cast(pa.int64())
+    return batch.filter(pc.less(stamps, before_us))
+
+
 class _Planner:
     """Driver-side offset logic shared by the stream and batch readers."""
 
@@ -119,6 +141,7 @@ class _Planner:
         self.opts = opts
         self._path: Optional[ReadPath] = None
         self._boundaries = BoundaryCache()
+        self.extents: Dict[Tuple[str, int], Any] = {}  # of the last limited(): ShardExtent per shard
 
     # Spark pickles readers to ship read(); drop live clients and rebuild them lazily.
     def __getstate__(self) -> Dict[str, Any]:
@@ -144,18 +167,33 @@ class _Planner:
         return out
 
     def start_offsets(self, spec: Optional[str], default: str) -> OffsetMap:
+        """Where a query starts, per shard: ``startingTimestamp``, else ``startingOffsetsByTimestamp``
+        for the shards it names and ``startingOffsets`` (else ``default``) for the others."""
         opts = self.opts
         spec = spec or default
         shards = self.shards()
         if opts.starting_timestamp is not None:
             ts_us = opts.starting_timestamp * 1000
             return {s: offset_for_timestamp(self.path, s[0], s[1], ts_us) for s in shards}
+        by_time = parse_timestamps(opts.starting_by_timestamp, option="startingOffsetsByTimestamp") \
+            if opts.starting_by_timestamp else {}
+        missing = sorted(set(by_time) - set(shards))
+        if missing:
+            raise AcsOptionError(
+                f"startingOffsetsByTimestamp: {missing[0][0]}/{missing[0][1]} is not a shard of the stream",
+                option="startingOffsetsByTimestamp",
+            )
+        rest = [s for s in shards if s not in by_time]
         if spec == "earliest":
-            return {s: earliest_offset(self.path.store, *s) for s in shards}
-        if spec == "latest":
-            return self.latest(shards)
-        given = parse_offsets(spec, option="startingOffsets")
-        return {s: given.get(s) or earliest_offset(self.path.store, *s) for s in shards}
+            out = {s: earliest_offset(self.path.store, *s) for s in rest}
+        elif spec == "latest":
+            out = self.latest(rest)
+        else:
+            given = parse_offsets(spec, option="startingOffsets")
+            out = {s: given.get(s) or earliest_offset(self.path.store, *s) for s in rest}
+        for s, ms in by_time.items():
+            out[s] = offset_for_timestamp(self.path, s[0], s[1], ms * 1000)
+        return out
 
     def latest(self, shards: Sequence[Tuple[str, int]], start: Optional[OffsetMap] = None) -> OffsetMap:
         """How far each shard can be read now: from ``start`` through sealed files up to the last
@@ -186,7 +224,7 @@ class _Planner:
                     f"acs source: Spark asked for read limit {limit!r}; this source supports "
                     f"maxBytesPerTrigger (ReadMaxBytes) and maxRowsPerTrigger (ReadMaxRows)"
                 )
-        extents = {s: shard_extent(self.path, s[0], s[1], start[s]) for s in shards}
+        extents = self.extents = {s: shard_extent(self.path, s[0], s[1], start[s]) for s in shards}
         latest = {s: max(extents[s].latest(self._boundaries, self.path, start[s]), start[s]) for s in shards}
         if max_bytes is None and max_rows is None:
             return latest, latest
@@ -208,13 +246,13 @@ class _Planner:
             )
         return end, latest
 
-    def partitions(self, start: OffsetMap, end: OffsetMap) -> List[AcsPartition]:
+    def partitions(self, start: OffsetMap, end: OffsetMap, before_us: Optional[int] = None) -> List[AcsPartition]:
         parts = []
         for s in sorted(end):
             a = start.get(s, Offset())
             b = end[s]
             if b > a:
-                parts.append(AcsPartition(s[0], s[1], tuple(a), tuple(b)))
+                parts.append(AcsPartition(s[0], s[1], tuple(a), tuple(b), before_us))
         return parts
 
 
@@ -222,6 +260,13 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batch reader of ``spark.readStream.format("acs")`` (see :class:`~pyspark_acs.datasource.AcsDataSource`)."""
 
     def __init__(self, opts: SourceOptions) -> None:
+        for name, value in (("endingOffsets", opts.ending_offsets), ("endingTimestamp", opts.ending_timestamp)):
+            if value is not None:
+                raise AcsOptionError(
+                    f"{name}: batch reads only (spark.read); a streaming query runs until it is stopped -- to "
+                    f"stop at the data there is when it starts, use trigger(availableNow=True)",
+                    option=name,
+                )
         self.opts = opts
         self.planner = _Planner(opts)
         self._available_now: Optional[OffsetMap] = None
@@ -254,6 +299,11 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._available_now is not None:
             end = {s: min(o, self._available_now.get(s, begin[s])) if o > begin[s] else o for s, o in end.items()}
             end = {s: max(o, begin[s]) for s, o in end.items()}
+        for s, o in end.items():
+            # A range of nothing but a seal (and an empty next file) is no batch: the offset
+            # moves on with the next message, so no empty micro-batch runs after each file.
+            if o > begin[s] and not carries_messages(self.planner.path, self.planner.extents[s], begin[s], o):
+                end[s] = begin[s]
         return format_offsets(end)
 
     def reportLatestOffset(self) -> Optional[dict]:
@@ -302,7 +352,12 @@ class AcsBatchReader(DataSourceReader):
             end = {s: given.get(s, latest[s]) for s in start}
         else:
             end = self.planner.latest(sorted(start), start)
-        parts = self.planner.partitions(start, end)
+        before_us = None
+        if self.opts.ending_timestamp is not None:
+            before_us = self.opts.ending_timestamp * 1000
+            by_time = {s: offset_for_timestamp(self.planner.path, s[0], s[1], before_us, ending=True) for s in end}
+            end = {s: max(start[s], min(end[s], by_time[s])) for s in end}
+        parts = self.planner.partitions(start, end, before_us)
         if self.planner._path is not None:
             self.planner._path.close()
             self.planner._path = None

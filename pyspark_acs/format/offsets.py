@@ -12,12 +12,12 @@ boundaries. Positions compare by file name (names sort chronologically), then by
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Mapping, NamedTuple, Tuple, Union
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Tuple, Union
 
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.format.names import parse_file_name, validate_stream
 
-__all__ = ["Offset", "OffsetMap", "format_offsets", "parse_offsets"]
+__all__ = ["Offset", "OffsetMap", "format_offsets", "parse_offsets", "parse_timestamps"]
 
 
 class Offset(NamedTuple):
@@ -70,6 +70,33 @@ def _bad_file(name: str) -> bool:
 OffsetMap = Dict[Tuple[str, int], Offset]
 
 
+def _shard_entries(value: Union[str, Mapping[str, Any]], option: str, what: str) -> Iterator[Tuple[str, int, Any]]:
+    """``(stream, shard, entry)`` of a per-shard JSON object ``{stream: {shard: entry}}`` (or its
+    text), checking the stream names and shard numbers; ``what`` describes an entry."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise AcsOptionError(f"{option}: not valid JSON: {exc}", option=option) from exc
+    if not isinstance(value, Mapping):
+        raise AcsOptionError(f"{option}: expected a JSON object {{stream: {{shard: {what}}}}}", option=option)
+    for stream, shards in value.items():
+        try:
+            validate_stream(stream)
+        except ValueError as exc:
+            raise AcsOptionError(f"{option}: {exc}", option=option) from exc
+        if not isinstance(shards, Mapping):
+            raise AcsOptionError(f"{option}: stream {stream!r} must map shard numbers to {what}", option=option)
+        for shard, entry in shards.items():
+            try:
+                shard_i = int(shard)
+                if shard_i < 0:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise AcsOptionError(f"{option}: {stream}/{shard!r} is not a shard number", option=option) from None
+            yield stream, shard_i, entry
+
+
 def parse_offsets(value: Union[str, Mapping[str, Any]], *, option: str = "offsets") -> OffsetMap:
     """Parse an offsets dict (or its JSON text) into ``{(stream, shard): Offset}``.
 
@@ -78,34 +105,32 @@ def parse_offsets(value: Union[str, Mapping[str, Any]], *, option: str = "offset
     AcsOptionError
         Naming ``option`` and the bad entry.
     """
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise AcsOptionError(f"{option}: not valid JSON: {exc}", option=option) from exc
-    if not isinstance(value, Mapping):
-        raise AcsOptionError(
-            f"{option}: expected a JSON object {{stream: {{shard: {{\"file\": ..., \"length\": ...}}}}}}", option=option
-        )
     result: OffsetMap = {}
-    for stream, shards in value.items():
+    for stream, shard, off in _shard_entries(value, option, '{"file": ..., "length": ...}'):
         try:
-            validate_stream(stream)
-        except ValueError as exc:
-            raise AcsOptionError(f"{option}: {exc}", option=option) from exc
-        if not isinstance(shards, Mapping):
-            raise AcsOptionError(f"{option}: stream {stream!r} must map shard numbers to offsets", option=option)
-        for shard, off in shards.items():
-            try:
-                shard_i = int(shard)
-                if shard_i < 0:
-                    raise ValueError
-            except (TypeError, ValueError):
-                raise AcsOptionError(f"{option}: {stream}/{shard!r} is not a shard number", option=option) from None
-            try:
-                result[(stream, shard_i)] = Offset.from_json(off, f"{option}: {stream}/{shard}")
-            except AcsOptionError as exc:
-                raise AcsOptionError(str(exc), option=option) from None
+            result[(stream, shard)] = Offset.from_json(off, f"{option}: {stream}/{shard}")
+        except AcsOptionError as exc:
+            raise AcsOptionError(str(exc), option=option) from None
+    return result
+
+
+def parse_timestamps(value: Union[str, Mapping[str, Any]], *, option: str = "timestamps") -> Dict[Tuple[str, int], int]:
+    """Parse per-shard timestamps ``{stream: {shard: milliseconds since the epoch}}`` (or the
+    JSON text), as Kafka's ``startingOffsetsByTimestamp``, into ``{(stream, shard): ms}``.
+
+    Raises
+    ------
+    AcsOptionError
+        Naming ``option`` and the bad entry.
+    """
+    result: Dict[Tuple[str, int], int] = {}
+    for stream, shard, ms in _shard_entries(value, option, "milliseconds since the epoch"):
+        if isinstance(ms, bool) or not isinstance(ms, int) or ms < 0:
+            raise AcsOptionError(
+                f"{option}: {stream}/{shard}: {ms!r} is not a timestamp; give milliseconds since the epoch (>= 0)",
+                option=option,
+            )
+        result[(stream, shard)] = ms
     return result
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "BoundaryCache",
     "ShardExtent",
     "advance",
+    "carries_messages",
     "ends_with_seal",
     "latest_offset",
     "offset_for_timestamp",
@@ -314,10 +315,41 @@ def advance(
     return at
 
 
-def offset_for_timestamp(path: ReadPath, stream: str, shard: int, ts_us: int) -> Offset:
+def carries_messages(path: ReadPath, extent: ShardExtent, start: Offset, end: Offset) -> bool:
+    """Whether any message lies between two offsets of a shard.
+
+    A header walk that stops at the first block holding a message (usually the first header
+    read), so a range of nothing but seals, voided torn bytes and empty files -- what a reader
+    passes going from one file to the next -- is told apart from one with data.
+    """
+    if end <= start:
+        return False
+    for name, length in extent.files:
+        if name < start.file or name > end.file:
+            continue
+        rel = f"{shard_dir(extent.stream, extent.shard)}/{name}"
+        begin = start.length if name == start.file else 0
+        stop = end.length if name == end.file else length
+        found: List[BlockHeader] = []
+
+        def first_message(header: BlockHeader) -> bool:
+            if header.count:
+                found.append(header)
+            return bool(header.count)
+
+        walk_blocks(path, rel, begin, stop, stop_before=first_message)
+        if found:
+            return True
+    return False
+
+
+def offset_for_timestamp(path: ReadPath, stream: str, shard: int, ts_us: int, *, ending: bool = False) -> Offset:
     """The offset of the first block whose last message is at or after ``ts_us`` (µs).
 
     Messages of that block before ``ts_us`` are returned too (offsets are block boundaries).
+    With ``ending`` (an end of a range, ``endingTimestamp``), the first block whose *first*
+    message is at or after ``ts_us``: every message stamped before it lies before the offset
+    (the reader drops those of the last block stamped at or after it).
     The search follows the seal rule: it goes on to the next file only past a file's seal, so
     with no such block it stops after the last complete block of the first unsealed file (a
     reader starting there gets everything written later), or at the end of the shard.
@@ -328,7 +360,8 @@ def offset_for_timestamp(path: ReadPath, stream: str, shard: int, ts_us: int) ->
     last = Offset()
     for name, rel in zip(files, rels):
         end, _, _, sealed = walk_blocks(
-            path, rel, 0, lengths.get(rel) or 0, stop_before=lambda h: bool(h.count) and h.last_ts >= ts_us
+            path, rel, 0, lengths.get(rel) or 0,
+            stop_before=lambda h: bool(h.count) and (h.first_ts if ending else h.last_ts) >= ts_us,
         )
         last = Offset(name, end)
         if not sealed:

@@ -1,0 +1,194 @@
+"""What a Spark user who knows the Kafka connector expects of ``format("acs")`` (issue 11):
+empty ranges read as empty DataFrames, no empty micro-batch after each sealed file, stream-only
+options refused on streams, per-shard starting timestamps and an ending timestamp, a ``stream``
+column that routes rows, and Kafka's columns refused instead of silently dropped.
+
+Every test runs real Spark (the session's local SparkSession) on real files.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from chispa import assert_df_equality
+
+from pyspark_acs import Producer
+from pyspark_acs.read.consumer import Consumer
+
+pytestmark = pytest.mark.spark
+
+
+def read_acs(spark, root, stream, **opts):
+    reader = spark.read.format("acs").option("root", root).option("stream", stream)
+    for k, v in opts.items():
+        reader = reader.option(k, v)
+    return reader.load()
+
+
+def values_of(df):
+    return [r.value for r in df.orderBy("shard", "file", "position").select("value").collect()]
+
+
+def test_empty_ranges_read_as_empty_dataframes(spark, root):
+    Producer(root, "empty", shards=2).close()
+    assert read_acs(spark, root, "empty").count() == 0
+    with Producer(root, "some", shards=2) as p:
+        for i in range(10):
+            p.send(b"m%d" % i, shard=i % 2)
+    assert read_acs(spark, root, "some", startingOffsets="latest").count() == 0
+    assert read_acs(spark, root, "some").count() == 10
+
+
+def test_no_empty_micro_batch_after_sealed_files(spark, root, tmp_path):
+    """Each file's seal moves the reader to the next file, but carries no message: no batch."""
+    sizes = []
+
+    def record(df, batch_id):
+        sizes.append(df.count())
+
+    def wait_rows(n):
+        deadline = time.monotonic() + 120
+        while sum(sizes) < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    Producer(root, "rolls", shards=1).close()
+    q = (spark.readStream.format("acs").option("root", root).option("stream", "rolls")
+         .option("startingOffsets", "earliest").load()
+         .writeStream.foreachBatch(record).option("checkpointLocation", str(tmp_path / "ck"))
+         .trigger(processingTime="100 milliseconds").start())
+    try:
+        for i in range(4):
+            with Producer(root, "rolls", shards=1) as p:  # a new file each time; close seals it
+                p.send(b"m%d" % i)
+                p.flush()
+                wait_rows(i + 1)
+            time.sleep(1.0)  # several triggers see the seal (and nothing else)
+    finally:
+        q.stop()
+    assert sum(sizes) == 4, sizes
+    assert 0 not in sizes, f"empty micro-batches ran: {sizes}"
+
+
+@pytest.mark.parametrize("name, value", [
+    ("endingOffsets", "latest"),
+    ("endingTimestamp", "1700000000000"),
+])
+def test_ending_options_are_refused_on_streams_with_the_reason(spark, root, name, value):
+    Producer(root, "ends", shards=1).close()
+    df = (spark.readStream.format("acs").option("root", root).option("stream", "ends")
+          .option(name, value).load())
+    with pytest.raises(Exception) as err:
+        df.writeStream.format("memory").queryName(f"ends_{name}").start().awaitTermination(60)
+    text = str(err.value)
+    assert name in text and "batch reads only" in text and "availableNow" in text
+
+
+def test_starting_offsets_by_timestamp_per_shard_and_ending_timestamp(spark, root):
+    def send(tag, n):
+        with Producer(root, "times", shards=2) as p:
+            for i in range(n):
+                p.send(b"%s-%d" % (tag, i), shard=i % 2)
+
+    send(b"a", 20)
+    time.sleep(0.05)
+    t1 = int(time.time() * 1000)
+    time.sleep(0.05)
+    send(b"b", 20)
+    time.sleep(0.05)
+    t2 = int(time.time() * 1000)
+    time.sleep(0.05)
+    send(b"c", 20)
+
+    # Shard 0 from t1, shard 1 by startingOffsets (earliest).
+    df = read_acs(spark, root, "times", startingOffsetsByTimestamp=json.dumps({"times": {"0": t1}}))
+    got = {(r.shard, r.value) for r in df.collect()}
+    want = {(0, b"%s-%d" % (t, i)) for t in (b"b", b"c") for i in range(0, 20, 2)}
+    want |= {(1, b"%s-%d" % (t, i)) for t in (b"a", b"b", b"c") for i in range(1, 20, 2)}
+    assert got == want
+    # endingTimestamp: everything stamped before t2, nothing after.
+    df = read_acs(spark, root, "times", endingTimestamp=str(t2))
+    assert sorted(values_of(df)) == sorted(b"%s-%d" % (t, i) for t in (b"a", b"b") for i in range(20))
+    # Both ends by time.
+    df = read_acs(spark, root, "times", startingTimestamp=str(t1), endingTimestamp=str(t2))
+    assert sorted(values_of(df)) == sorted(b"b-%d" % i for i in range(20))
+
+
+@pytest.mark.parametrize("opts, needle", [
+    ({"startingOffsetsByTimestamp": '{"times": {"0": "soon"}}'}, "is not a timestamp"),
+    ({"startingOffsetsByTimestamp": '{"other": {"0": 5}}'}, "not in option stream"),
+    ({"startingOffsetsByTimestamp": '{"times": {"7": 5}}'}, "times/7 is not a shard"),
+    ({"startingOffsetsByTimestamp": '{"times": {"0": 5}}', "startingTimestamp": "5"}, "not both"),
+    ({"endingTimestamp": "5", "endingOffsets": "latest"}, "not both"),
+])
+def test_bad_timestamp_options_are_named(spark, root, opts, needle):
+    Producer(root, "times", shards=2).close()
+    with pytest.raises(Exception) as err:
+        read_acs(spark, root, "times", **opts).count()
+    assert needle in str(err.value)
+
+
+def test_a_stream_column_routes_rows_and_the_stream_option_overrides_it(spark, root):
+    rows = [(f"s{i % 3}", b"v%d" % i) for i in range(60)]
+    df = spark.createDataFrame(rows, "stream string, value binary").repartition(2)
+    df.write.format("acs").option("root", root).option("shards", 2).mode("append").save()
+    for s in range(3):
+        got = [r.value for r in read_acs(spark, root, f"s{s}").collect()]
+        assert sorted(got) == sorted(v for name, v in rows if name == f"s{s}")
+    # The option wins over the column (Kafka's topic option does the same): an acs source's
+    # rows, with their stream, file and position columns, land in another stream.
+    src = read_acs(spark, root, "s0")
+    src.write.format("acs").option("root", root).option("stream", "copy").option("shards", 2).mode("append").save()
+    assert sorted(values_of(read_acs(spark, root, "copy"))) == sorted(values_of(src))
+
+
+def test_a_streaming_query_routes_by_the_stream_column_exactly_once(spark, root, tmp_path):
+    with Producer(root, "mixed", shards=2) as p:
+        for i in range(200):
+            p.send(b"%d" % i, shard=i % 2)
+    q = (spark.readStream.format("acs").option("root", root).option("stream", "mixed")
+         .option("startingOffsets", "earliest").option("maxRowsPerTrigger", 60).load()
+         .selectExpr("concat('out', CAST(shard AS STRING)) AS stream", "value")
+         .writeStream.format("acs").option("root", root).option("shards", 1)
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    q.awaitTermination(180)
+    assert q.exception() is None
+    for shard in (0, 1):
+        c = Consumer(root, f"out{shard}")
+        got = [r["value"] for b in c.batches(timeout=0.3) for r in b.to_pylist()]
+        c.close()
+        assert got == [b"%d" % i for i in range(shard, 200, 2)]
+
+
+@pytest.mark.parametrize("ddl, opts, needle", [
+    ("topic string, value binary", {"stream": "x"}, "column 'topic' is not written (name the target stream"),
+    ("partition int, value binary", {"stream": "x"}, "column 'partition' is not written (name the target shard"),
+    ("headers array<struct<key:string,value:binary>>, value binary", {"stream": "x"}, "column 'headers'"),
+    ("colour string, value binary", {"stream": "x"}, "column 'colour' is not written"),
+    ("value binary", {}, "give option 'stream'"),
+    ("stream int, value binary", {}, "column 'stream' must be string"),
+])
+def test_columns_the_sink_would_drop_are_refused_by_name(spark, root, ddl, opts, needle):
+    df = spark.createDataFrame([], ddl)
+    writer = df.write.format("acs").option("root", root).option("shards", 1).mode("append")
+    for k, v in opts.items():
+        writer = writer.option(k, v)
+    with pytest.raises(Exception) as err:
+        writer.save()
+    assert needle in str(err.value)
+
+
+def test_rows_without_a_stream_or_naming_a_bad_one_are_refused(spark, root):
+    df = spark.createDataFrame([("a", b"1"), (None, b"2")], "stream string, value binary").repartition(1)
+    with pytest.raises(Exception) as err:
+        df.write.format("acs").option("root", root).option("shards", 1).mode("append").save()
+    assert "column 'stream' is null" in str(err.value)
+    df = spark.createDataFrame([("../etc", b"1")], "stream string, value binary")
+    with pytest.raises(Exception) as err:
+        df.write.format("acs").option("root", root).option("shards", 1).mode("append").save()
+    assert "column 'stream'" in str(err.value) and "../etc" in str(err.value)
+    df = spark.createDataFrame([("nosuch", b"1")], "stream string, value binary")
+    with pytest.raises(Exception) as err:
+        df.write.format("acs").option("root", root).mode("append").save()
+    assert "stream 'nosuch' (column 'stream') does not exist" in str(err.value)
