@@ -62,6 +62,7 @@ __all__ = [
     "TruncatedBlockError",
     "WriterConflictError",
     "__version__",
+    "register",
 ]
 
 # name -> module that defines it; imported on first attribute access (PEP 562).
@@ -69,12 +70,14 @@ _LAZY = {
     "Consumer": ".read.consumer",
     "DefaultSource": ".datasource",
     "Producer": ".write.producer",
+    "register": ".datasource.interpreter",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from pyspark_acs.read.consumer import Consumer
     from pyspark_acs.datasource import DefaultSource
     from pyspark_acs.write.producer import Producer
+    from pyspark_acs.datasource.interpreter import register
 
 
 def __getattr__(name: str) -> Any:

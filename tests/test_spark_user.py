@@ -9,6 +9,7 @@ Every test runs real Spark (the session's local SparkSession) on real files.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -192,3 +193,66 @@ def test_rows_without_a_stream_or_naming_a_bad_one_are_refused(spark, root):
     with pytest.raises(Exception) as err:
         df.write.format("acs").option("root", root).mode("append").save()
     assert "stream 'nosuch' (column 'stream') does not exist" in str(err.value)
+
+
+# -- the interpreter Spark's Python workers run ------------------------------------------------
+
+JOB = '''
+import os, sys
+{setup}
+from pyspark.sql import SparkSession
+import pyspark_acs
+
+spark = SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false").getOrCreate()
+try:
+    pyspark_acs.register(spark)
+    n = spark.read.format("acs").option("root", sys.argv[1]).option("stream", "interp").load().count()
+    print("ROWS", n)
+finally:
+    spark.stop()
+'''
+
+
+@pytest.fixture(scope="module")
+def bare_python_path(tmp_path_factory):
+    """A PATH whose ``python3`` is a real interpreter without pyspark_acs nor pyarrow (a bare
+    venv), as a machine's system Python is."""
+    import subprocess
+    import sys
+
+    bare = tmp_path_factory.mktemp("bare")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare / "venv")], check=True)
+    return f"{bare / 'venv' / 'bin'}:{os.environ['PATH']}"
+
+
+def _run_job(tmp_path, root, setup, path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(JOB.format(setup=setup))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+    env["PATH"] = path
+    return subprocess.run([sys.executable, str(script), root], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_workers_without_the_package_fail_naming_both_interpreters_and_the_fix(root, tmp_path, bare_python_path):
+    import sys
+
+    Producer(root, "interp", shards=1).close()
+    run = _run_job(tmp_path, root, "", bare_python_path)
+    assert run.returncode != 0
+    err = run.stderr
+    assert "Spark's Python workers run 'python3'" in err, err[-3000:]
+    assert "cannot import pyspark_acs" in err and f"this driver runs {sys.executable!r}" in err
+    assert f"PYSPARK_PYTHON={sys.executable}" in err
+
+
+def test_the_readme_job_runs_from_a_plain_venv_python(root, tmp_path, bare_python_path):
+    with Producer(root, "interp", shards=1) as p:
+        for i in range(7):
+            p.send(b"%d" % i)
+    run = _run_job(tmp_path, root, 'os.environ.setdefault("PYSPARK_PYTHON", sys.executable)', bare_python_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ROWS 7" in run.stdout
