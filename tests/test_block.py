@@ -243,3 +243,67 @@ def test_decode_shares_memory_and_handles_offsets_into_a_buffer():
     header, batch = decode_block(buf, 5 + starts[1], position=starts[1])
     assert batch.column("value").to_pylist() == [b"m1-%d" % j for j in range(4)]
     assert batch.column("position").to_pylist() == [4, 5, 6, 7]
+
+
+# -- headers (Kafka-style, optional section) ---------------------------------------------------
+
+#: A block written before headers existed (the encoder of format version 1, three messages).
+OLD_BLOCK = bytes.fromhex(
+    "414353420100300003000000540000004cc64a586e35a63f0500000000000000e803000000000000b80b000000000000"
+    "e803000000000000d007000000000000b80b0000000000000100000000000000050000000000000000000000010000000100"
+    "000001000000000000000300000003000000040000006b000000000000006f6c6476"
+)
+
+
+def test_blocks_without_headers_are_unchanged_and_old_blocks_decode():
+    from pyspark_acs.format.block import FLAG_HEADERS
+
+    again = encode_block([b"old", None, b"v"], [b"k", None, None], [1000, 2000, 3000], first_index=5)
+    assert again == OLD_BLOCK  # no headers: byte for byte the old format
+    header, batch = decode_block(OLD_BLOCK, headers=True)
+    assert not header.flags & FLAG_HEADERS
+    assert batch.column("value").to_pylist() == [b"old", None, b"v"]
+    assert batch.column("headers").to_pylist() == [None, None, None]
+
+
+def test_headers_round_trip_with_nulls_empties_and_sliced_arrays():
+    import pyarrow as pa
+    from pyspark_acs.format.block import HEADERS_TYPE
+
+    given = [[("a", b"1"), ("b", None)], None, [], {"c": "3"}]
+    block = encode_block([b"w", b"x", b"y", b"z"], headers=given)
+    _, batch = decode_block(block, headers=True)
+    assert batch.column("headers").to_pylist() == [
+        [{"key": "a", "value": b"1"}, {"key": "b", "value": None}], None, [], [{"key": "c", "value": b"3"}]
+    ]
+    assert decode_block(block)[1].schema.names == ["position", "timestamp", "key", "value"]
+    arr = pa.array([[{"key": "skip", "value": b"0"}], [{"key": "k", "value": b"v"}], None], HEADERS_TYPE).slice(1)
+    _, batch = decode_block(encode_block([b"1", b"2"], headers=arr), headers=True)
+    assert batch.column("headers").to_pylist() == [[{"key": "k", "value": b"v"}], None]
+
+
+@pytest.mark.parametrize("headers, error", [
+    ([[("k", b"v")]], "got 1 header lists for 2 messages"),
+    ([[(None, b"v")], None], "every header needs a key"),
+    ([[("k", 5)], None], "headers must be"),
+])
+def test_bad_headers_are_refused(headers, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        encode_block([b"a", b"b"], headers=headers)
+
+
+def test_a_corrupt_headers_section_names_file_and_position():
+    block = bytearray(encode_block([b"a"], headers=[[("k", b"v")]]))
+    body = block[48:]
+    # The header count (the headers offsets' last entry) claims 1000 pairs: the sections overrun
+    # the body. Checksums are fixed up so only the decoder's bounds can catch it.
+    idx = bytes(body).find(struct.pack("<ii", 0, 1))
+    assert idx > 0
+    body[idx + 4: idx + 8] = struct.pack("<i", 1000)
+    block[48:] = body
+    block[16:20] = struct.pack("<I", zlib.crc32(bytes(body)))
+    raw = bytearray(block[:48])
+    raw[20:24] = b"\x00\x00\x00\x00"
+    block[20:24] = struct.pack("<I", zlib.crc32(bytes(raw)))
+    with pytest.raises(CorruptFileError, match=r"f\.acs at byte 96: .*block"):
+        decode_block(bytes(block), path="f.acs", position=96, headers=True)

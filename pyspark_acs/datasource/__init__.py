@@ -6,12 +6,21 @@ because it looks for installed ``pyspark_*`` packages that export ``DefaultSourc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader
 from pyspark.sql.types import StructType
 
 from pyspark_acs.datasource.options import SinkOptions, SourceOptions, parse_sink_options, parse_source_options
+from pyspark_acs.options import option, parse_bool, parse_options
+
+
+@dataclass(frozen=True)
+class _HeadersOnly:
+    """The one source option the schema depends on (the rest is parsed by the readers)."""
+
+    include_headers: bool = option("includeHeaders", False, parse=parse_bool, doc="add the headers column")
 
 __all__ = ["AcsDataSource", "DefaultSource", "SinkOptions", "SourceOptions"]
 
@@ -53,6 +62,9 @@ class AcsDataSource(DataSource):
         micro-batch, split across shards in proportion to their backlog. Offsets are block
         boundaries, so a single block larger than a shard's share is still read whole.
         ``Trigger.AvailableNow`` honours them (several bounded batches); ``once`` reads all.
+    includeHeaders : ``false``
+        Add a ``headers`` column (``array<struct<key: string, value: binary>>``, null for
+        messages sent without headers), as Spark's Kafka source does.
     failOnDataLoss : ``true``
         When a file in the offsets is gone or shorter than the offset: fail naming stream,
         shard, file and bytes (true), or log and continue at the next available data (false).
@@ -64,7 +76,8 @@ class AcsDataSource(DataSource):
         Read-rate cap of one read task.
 
     Schema: ``stream string, shard int, file string, position long, timestamp timestamp,
-    key binary, value binary``. ``position`` is the message's index in its file.
+    key binary, value binary`` (and ``headers`` with ``includeHeaders``). ``position`` is the
+    message's index in its file.
 
     A streaming query runs a micro-batch only when messages arrived: a file's seal alone (the
     reader moving on to the next file) moves no offset.
@@ -84,10 +97,11 @@ class AcsDataSource(DataSource):
         Identity of the sink for exactly-once; defaults to the query's checkpointLocation.
 
     Columns: ``value`` (binary or string, required), ``key`` (binary or string: picks the
-    shard by crc32 hash), ``shard`` (int), ``timestamp`` (default now), ``stream`` (string:
+    shard by crc32 hash), ``shard`` (int), ``timestamp`` (default now), ``headers``
+    (``array<struct<key: string, value: binary>>``, Kafka's), ``stream`` (string:
     without option ``stream``, routes each row to a stream, as Kafka's ``topic`` column does). The acs source's ``file``
     and ``position`` are ignored (a message gets new ones where it lands); any other column is
-    refused by name -- Kafka's ``topic``, ``partition`` and ``headers`` with what to use instead --
+    refused by name -- Kafka's ``topic`` and ``partition`` with what to use instead --
     rather than silently dropped. Each committed micro-batch lands exactly once per batch id
     and stream, after all earlier batches in every shard (see :mod:`pyspark_acs.datasource.sink`).
     """
@@ -98,10 +112,13 @@ class AcsDataSource(DataSource):
         return "acs"
 
     def schema(self) -> str:
-        """The read schema as a DDL string (the fixed columns listed above)."""
-        from pyspark_acs.datasource.source import SCHEMA_DDL
+        """The read schema as a DDL string (the fixed columns listed above, and ``headers``
+        with option ``includeHeaders``)."""
+        from pyspark_acs.datasource.source import SCHEMA_DDL, SCHEMA_WITH_HEADERS_DDL
 
-        return SCHEMA_DDL
+        include = parse_options(_HeadersOnly, {k: v for k, v in self.options.items()
+                                               if k.lower() == "includeheaders"}, component="acs source")
+        return SCHEMA_WITH_HEADERS_DDL if include.include_headers else SCHEMA_DDL
 
     def reader(self, schema: StructType) -> DataSourceReader:
         """The batch reader of ``spark.read.format("acs")``; ``schema`` is not used.

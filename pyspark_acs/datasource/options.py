@@ -132,6 +132,9 @@ class SourceOptions:
         "maxRowsPerTrigger", None, parse=parse_int(1), doc="messages per micro-batch, split over shards by backlog"
     )
     fail_on_data_loss: bool = option("failOnDataLoss", True, parse=parse_bool, doc="fail when data is gone (true)")
+    include_headers: bool = option(
+        "includeHeaders", False, parse=parse_bool, doc="add the messages' headers column (false), as Kafka's"
+    )
     poll_interval: float = option(
         "pollInterval", DEFAULT_POLL_INTERVAL_S, parse=duration_parser(0.0), doc="read retry interval (10ms)"
     )

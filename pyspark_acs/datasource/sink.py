@@ -41,6 +41,7 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 from pyspark.sql.types import (
+    ArrayType,
     BinaryType,
     ByteType,
     IntegerType,
@@ -84,6 +85,7 @@ SINK_COLUMNS = {
     "shard": ((IntegerType, LongType, ShortType, ByteType), "an integer type"),
     "timestamp": ((TimestampType, TimestampNTZType), "timestamp"),
     "stream": ((StringType,), "string"),
+    "headers": ((ArrayType,), "array<struct<key: string, value: binary>> (Kafka's headers)"),
 }
 #: Columns of the acs source that the sink drops: a message gets a new file and position where
 #: it lands, so ``readStream.format("acs")`` can feed ``writeStream.format("acs")`` unchanged.
@@ -92,8 +94,15 @@ SOURCE_POSITION_COLUMNS = ("file", "position")
 KAFKA_COLUMNS = {
     "topic": "name the target stream in a 'stream' column (or option stream)",
     "partition": "name the target shard in a 'shard' column",
-    "headers": "message headers are not carried by acs blocks; put them in the value",
 }
+
+
+def _headers_type(dt: Any) -> bool:
+    """Kafka's headers type: ``array<struct<key: string, value: binary>>``."""
+    item = getattr(dt, "elementType", None)
+    if not isinstance(item, StructType) or [f.name.lower() for f in item.fields] != ["key", "value"]:
+        return False
+    return isinstance(item.fields[0].dataType, StringType) and isinstance(item.fields[1].dataType, BinaryType)
 
 
 def check_sink_schema(schema: StructType, opts: Optional[SinkOptions] = None) -> None:
@@ -115,7 +124,7 @@ def check_sink_schema(schema: StructType, opts: Optional[SinkOptions] = None) ->
         )
     for name, (types, text) in SINK_COLUMNS.items():
         f = fields.get(name)
-        if f is not None and not isinstance(f.dataType, types):
+        if f is not None and (not isinstance(f.dataType, types) or (name == "headers" and not _headers_type(f.dataType))):
             raise AcsOptionError(
                 f"acs sink: column {f.name!r} must be {text}, not {f.dataType.simpleString()}", option=name
             )
@@ -323,6 +332,7 @@ class _Stager:
         values = _column(part, "value")
         keys = _column(part, "key")
         stamps = _column(part, "timestamp")
+        headers = _column(part, "headers")
         sizes = pc.binary_length(values.cast(pa.binary()) if not pa.types.is_binary(values.type) else values)
         if keys is not None:
             ksizes = pc.binary_length(keys.cast(pa.binary()) if not pa.types.is_binary(keys.type) else keys)
@@ -345,6 +355,7 @@ class _Stager:
                     values.slice(start, end - start),
                     None if keys is None else keys.slice(start, end - start),
                     ts,
+                    headers=None if headers is None else headers.slice(start, end - start),
                 ),
                 end - start,
             )

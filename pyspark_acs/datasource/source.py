@@ -43,13 +43,15 @@ from pyspark_acs.read.positions import (
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.datasource.options import SourceOptions
 
-__all__ = ["SCHEMA_DDL", "AcsBatchReader", "AcsPartition", "AcsStreamReader", "source_read_path", "read_partition"]
+__all__ = ["SCHEMA_DDL", "SCHEMA_WITH_HEADERS_DDL", "AcsBatchReader", "AcsPartition", "AcsStreamReader", "source_read_path", "read_partition"]
 
 log = logging.getLogger(__name__)
 
 SCHEMA_DDL = (
     "stream string, shard int, file string, position long, timestamp timestamp, key binary, value binary"
 )
+#: The schema with option ``includeHeaders``: Kafka's ``headers`` column.
+SCHEMA_WITH_HEADERS_DDL = SCHEMA_DDL + ", headers array<struct<key: string, value: binary>>"
 
 
 class AcsPartition(InputPartition):
@@ -98,6 +100,7 @@ def read_partition(opts: SourceOptions, partition: AcsPartition) -> Iterator[pa.
             Offset(*partition.start),
             fail_on_data_loss=opts.fail_on_data_loss,
             limiter=RateLimiter(opts.max_bytes_per_second),
+            include_headers=opts.include_headers,
         )
         waited_since: Optional[float] = None
         while tailer.offset < end:

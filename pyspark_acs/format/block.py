@@ -9,7 +9,8 @@ offset  size  field        meaning
 ======  ====  ===========  ==================================================================
 0       4     magic        ``b"ACSB"``
 4       1     version      format version, currently 1
-5       1     flags        bit 0: END_OF_FILE (a seal: the writer will append nothing more)
+5       1     flags        bit 0: END_OF_FILE (a seal: the writer will append nothing more);
+                           bit 1: HEADERS (the body ends with a headers section)
 6       2     header_len   48; readers skip unknown trailing header bytes of later versions
 8       4     count        number of messages
 12      4     body_len     bytes of body following the header
@@ -28,7 +29,21 @@ Body, each section zero-padded to a multiple of 8 bytes::
     key offsets       (count + 1) x int32, Arrow binary offsets, starting at 0
     value offsets     (count + 1) x int32
     key bytes         offsets[count] bytes
-    value bytes       offsets[count] bytes (last section: not padded)
+    value bytes       offsets[count] bytes (last section unless HEADERS: not padded)
+
+With the HEADERS flag (Kafka-style message headers: a list of (string key, binary value)
+pairs per message, ``m`` pairs in the block), the value bytes are padded and followed by::
+
+    headers validity  ceil(count / 8) bytes (bit i clear = message i has no headers list)
+    headers offsets   (count + 1) x int32, message i's pairs are [o[i], o[i+1])
+    hkey offsets      (m + 1) x int32
+    hvalue validity   ceil(m / 8) bytes
+    hvalue offsets    (m + 1) x int32
+    hkey bytes        UTF-8
+    hvalue bytes      (last section: not padded)
+
+Blocks without headers are byte for byte what they were before headers existed, so files
+written before stay readable and files without headers stay readable by older readers.
 """
 
 from __future__ import annotations
@@ -37,7 +52,7 @@ import struct
 import sys
 import time
 import zlib
-from typing import Any, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -48,8 +63,11 @@ from pyspark_acs.errors import ChecksumMismatchError, CorruptFileError, Truncate
 __all__ = [
     "BLOCK_SCHEMA",
     "DEFAULT_MAX_BLOCK_BYTES",
+    "BLOCK_SCHEMA_WITH_HEADERS",
     "FLAG_END_OF_FILE",
+    "FLAG_HEADERS",
     "FORMAT_VERSION",
+    "HEADERS_TYPE",
     "HEADER_SIZE",
     "MAGIC",
     "BlockHeader",
@@ -70,7 +88,9 @@ HEADER_SIZE = 48
 #: message still gets a block of its own.
 DEFAULT_MAX_BLOCK_BYTES = 1024 * 1024
 FLAG_END_OF_FILE = 0x01
-_KNOWN_FLAGS = FLAG_END_OF_FILE
+#: The body ends with a headers section (see the module docstring).
+FLAG_HEADERS = 0x02
+_KNOWN_FLAGS = FLAG_END_OF_FILE | FLAG_HEADERS
 _HEADER = struct.Struct("<4sBBHIIIIQqq")
 _SEAL_BODY = struct.Struct("<Q")  # a recovery seal's body: void_from
 assert _HEADER.size == HEADER_SIZE
@@ -87,6 +107,13 @@ BLOCK_SCHEMA = pa.schema(
         ("value", pa.binary()),
     ]
 )
+
+
+#: Type of the ``headers`` column, as Spark's Kafka source has it (and as Spark names Arrow's
+#: list items, so batches match a DataSource's declared ``array<struct<...>>`` exactly).
+HEADERS_TYPE = pa.list_(pa.field("element", pa.struct([("key", pa.string()), ("value", pa.binary())])))
+#: :data:`BLOCK_SCHEMA` with the message headers (``decode_block(..., headers=True)``).
+BLOCK_SCHEMA_WITH_HEADERS = BLOCK_SCHEMA.append(pa.field("headers", HEADERS_TYPE))
 
 
 class BlockHeader(NamedTuple):
@@ -191,12 +218,65 @@ def _timestamps(timestamps: Any, count: int) -> bytes:
     return raw
 
 
+def _headers(headers: Any, count: int) -> Optional[pa.ListArray]:
+    """Normalise per-message headers to an offset-0 :data:`HEADERS_TYPE` array, or None when no
+    message has any (the block then has no headers section)."""
+    if headers is None:
+        return None
+    if isinstance(headers, pa.ChunkedArray):
+        headers = headers.combine_chunks()
+    if not isinstance(headers, pa.Array):
+        rows = []
+        for h in headers:
+            if h is None:
+                rows.append(None)
+                continue
+            pairs = h.items() if isinstance(h, Mapping) else h
+            rows.append([{"key": k, "value": v.encode() if isinstance(v, str) else v} for k, v in pairs])
+        try:
+            headers = pa.array(rows, type=HEADERS_TYPE)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+            raise TypeError(f"headers must be (str key, bytes value) pairs per message: {exc}") from exc
+    if len(headers) != count:
+        raise ValueError(f"got {len(headers)} header lists for {count} messages")
+    if headers.null_count == count:
+        return None
+    if not headers.type.equals(HEADERS_TYPE):
+        try:
+            headers = headers.cast(HEADERS_TYPE)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise TypeError(f"headers must be {HEADERS_TYPE}, got {headers.type}: {exc}") from exc
+    pairs = headers.values
+    if pairs.null_count or pairs.field("key").null_count:
+        raise ValueError("every header needs a key (a null header or header key was given)")
+    return pa.concat_arrays([headers])  # offset 0, offsets from 0, children sliced to fit
+
+
+def _headers_section(headers: pa.ListArray, count: int) -> List[Union[bytes, pa.Buffer]]:
+    list_offsets = headers.buffers()[1].slice(0, 4 * (count + 1)).to_pybytes()
+    first, last = struct.unpack_from("<i", list_offsets, 0)[0], struct.unpack_from("<i", list_offsets, 4 * count)[0]
+    if first:  # rebase (concat_arrays keeps the first offset at 0, but do not rely on it)
+        offs = np.frombuffer(list_offsets, dtype="<i4") - first
+        list_offsets = offs.astype("<i4").tobytes()
+    pairs = headers.values.slice(first, last - first)
+    hkeys = _binary(pairs.field("key"), "header keys")
+    hvals = _binary(pairs.field("value"), "header values")
+    m = len(hkeys)
+    hkey_offsets, hkey_data = _offsets_and_data(hkeys, m)
+    hval_offsets, hval_data = _offsets_and_data(hvals, m)
+    if hkey_data.size > _MAX_SECTION_BYTES or hval_data.size > _MAX_SECTION_BYTES:
+        raise ValueError("one block's header keys or values must stay below 2 GiB")
+    return [_bitmap(headers, count), list_offsets, hkey_offsets, _bitmap(hvals, m), hval_offsets, hkey_data,
+            hval_data]
+
+
 def encode_block(
     values: Any,
     keys: Any = None,
     timestamps: Any = None,
     *,
     first_index: int = 0,
+    headers: Any = None,
 ) -> bytes:
     """Encode messages into one block.
 
@@ -210,6 +290,9 @@ def encode_block(
         Producer timestamps; default now. Nulls become now.
     first_index : int
         The index in the file of the first message (its ``position``).
+    headers : sequence or pyarrow list array, optional
+        Per message, ``None`` or a list of ``(str key, bytes value)`` pairs (or a mapping), or an
+        array of :data:`HEADERS_TYPE`. Without any, the block has no headers section.
 
     Returns
     -------
@@ -225,21 +308,27 @@ def encode_block(
         if len(ks) != count:
             raise ValueError(f"got {len(ks)} keys for {count} values")
     ts = _timestamps(timestamps, count)
+    hs = _headers(headers, count)
     key_offsets, key_data = _offsets_and_data(ks, count)
     val_offsets, val_data = _offsets_and_data(vals, count)
     if key_data.size > _MAX_SECTION_BYTES or val_data.size > _MAX_SECTION_BYTES:
         raise ValueError("one block's keys or values must stay below 2 GiB")
+    sections: List[Union[bytes, pa.Buffer]] = [ts, _bitmap(ks, count), _bitmap(vals, count), key_offsets,
+                                               val_offsets, key_data, val_data]
+    if hs is not None:
+        sections += _headers_section(hs, count)
     parts: List[Union[bytes, pa.Buffer]] = []
-    for part in (ts, _bitmap(ks, count), _bitmap(vals, count), key_offsets, val_offsets, key_data):
+    for part in sections[:-1]:
         parts.append(part)
         size = part.size if isinstance(part, pa.Buffer) else len(part)
         if size % 8:
             parts.append(b"\x00" * (8 - size % 8))
-    parts.append(val_data)
+    parts.append(sections[-1])  # the last section is not padded
     body = b"".join(parts)
     first_ts = struct.unpack_from("<q", ts, 0)[0] if count else 0
     last_ts = struct.unpack_from("<q", ts, 8 * (count - 1))[0] if count else 0
-    return _header(0, count, body, first_index, first_ts, last_ts) + body
+    flags = FLAG_HEADERS if hs is not None else 0
+    return _header(flags, count, body, first_index, first_ts, last_ts) + body
 
 
 def encode_seal(first_index: int = 0, void_from: Optional[int] = None) -> bytes:
@@ -353,8 +442,10 @@ def decode_block(
     path: str = "",
     position: Optional[int] = None,
     verify: bool = True,
+    headers: bool = False,
 ) -> Tuple[BlockHeader, pa.RecordBatch]:
-    """Decode the block at ``data[offset:]`` into a RecordBatch of :data:`BLOCK_SCHEMA`.
+    """Decode the block at ``data[offset:]`` into a RecordBatch of :data:`BLOCK_SCHEMA`
+    (:data:`BLOCK_SCHEMA_WITH_HEADERS` with ``headers``: null lists for a block without any).
 
     The arrays share memory with ``data``: no copy and no per-message Python work.
 
@@ -384,13 +475,15 @@ def decode_block(
             path=path,
             position=pos,
         )
-    return header, _decode_body(buf, start, header, path, pos)
+    return header, _decode_body(buf, start, header, path, pos, headers)
 
 
-def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int) -> pa.RecordBatch:
+def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int,
+                 with_headers: bool = False) -> pa.RecordBatch:
     n = h.count
+    schema = BLOCK_SCHEMA_WITH_HEADERS if with_headers else BLOCK_SCHEMA
     if n == 0:  # a seal or an empty block: nothing to slice (a seal's body is empty)
-        return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in BLOCK_SCHEMA], schema=BLOCK_SCHEMA)
+        return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in schema], schema=schema)
     at = start
     end = start + h.body_len
 
@@ -412,20 +505,43 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
     key_len = struct.unpack_from("<i", key_offsets, 4 * n)[0] if n else 0
     val_len = struct.unpack_from("<i", val_offsets, 4 * n)[0] if n else 0
     key_data = take(key_len)
-    val_data = take(val_len, pad=False)
+    has_headers = bool(h.flags & FLAG_HEADERS)
+    val_data = take(val_len, pad=has_headers)
+    columns: List[pa.Array] = []
     try:
         keys = pa.Array.from_buffers(pa.binary(), n, [key_valid, key_offsets, key_data])
         values = pa.Array.from_buffers(pa.binary(), n, [val_valid, val_offsets, val_data])
         if n:
             keys.validate(full=True)
             values.validate(full=True)
-    except (pa.ArrowInvalid, ValueError) as exc:
+        if with_headers and has_headers:
+            list_valid = take((n + 7) // 8)
+            list_offsets = take(4 * (n + 1))
+            m = struct.unpack_from("<i", list_offsets, 4 * n)[0]
+            if m < 0:
+                raise ValueError(f"negative header count {m}")
+            hkey_offsets = take(4 * (m + 1))
+            hval_valid = take((m + 7) // 8)
+            hval_offsets = take(4 * (m + 1))
+            hkey_data = take(struct.unpack_from("<i", hkey_offsets, 4 * m)[0])
+            hval_data = take(struct.unpack_from("<i", hval_offsets, 4 * m)[0], pad=False)
+            pairs = pa.StructArray.from_arrays(
+                [pa.Array.from_buffers(pa.string(), m, [None, hkey_offsets, hkey_data]),
+                 pa.Array.from_buffers(pa.binary(), m, [hval_valid, hval_offsets, hval_data])],
+                fields=list(HEADERS_TYPE.value_type),
+            )
+            headers = pa.Array.from_buffers(HEADERS_TYPE, n, [list_valid, list_offsets], children=[pairs])
+            headers.validate(full=True)
+            columns.append(headers)
+        elif with_headers:
+            columns.append(pa.nulls(n, HEADERS_TYPE))
+    except (pa.ArrowInvalid, ValueError, struct.error) as exc:
         raise CorruptFileError(
             f"{path or '<buffer>'} at byte {pos}: inconsistent block body: {exc}", path=path, position=pos
         ) from exc
     timestamps = pa.Array.from_buffers(pa.timestamp("us", tz="UTC"), n, [None, ts])
     positions = _positions(h.first_index, n)
-    return pa.RecordBatch.from_arrays([positions, timestamps, keys, values], schema=BLOCK_SCHEMA)
+    return pa.RecordBatch.from_arrays([positions, timestamps, keys, values, *columns], schema=schema)
 
 
 def _positions(first: int, n: int) -> pa.Array:

@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError
-from pyspark_acs.format.block import BLOCK_SCHEMA, decode_block
+from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, decode_block
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
 from pyspark_acs.read.positions import ends_with_seal, latest_offset, read_blocks, seal_behind, skip_void
@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_MAX_READ_BYTES",
     "DEFAULT_POLL_INTERVAL_S",
     "OUTPUT_SCHEMA",
+    "OUTPUT_SCHEMA_WITH_HEADERS",
     "Consumer",
     "ShardTailer",
     "earliest_offset",
@@ -54,6 +55,8 @@ DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
 OUTPUT_SCHEMA = pa.schema(
     [("stream", pa.string()), ("shard", pa.int32()), ("file", pa.string())] + list(BLOCK_SCHEMA)
 )
+#: :data:`OUTPUT_SCHEMA` with the messages' ``headers`` (``include_headers=True``).
+OUTPUT_SCHEMA_WITH_HEADERS = OUTPUT_SCHEMA.append(BLOCK_SCHEMA_WITH_HEADERS.field("headers"))
 
 
 class ShardTailer:
@@ -71,6 +74,8 @@ class ShardTailer:
     fail_on_data_loss : bool
         Raise :class:`DataLossError` when the file of the position is gone or shorter than
         the position; otherwise log it and continue from the next available position.
+    include_headers : bool
+        Batches carry the messages' ``headers`` column (:data:`OUTPUT_SCHEMA_WITH_HEADERS`).
     """
 
     def __init__(
@@ -83,7 +88,10 @@ class ShardTailer:
         max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
         fail_on_data_loss: bool = True,
         limiter: Optional[RateLimiter] = None,
+        include_headers: bool = False,
     ) -> None:
+        self.include_headers = include_headers
+        self.schema = OUTPUT_SCHEMA_WITH_HEADERS if include_headers else OUTPUT_SCHEMA
         self.path = path
         self.store = path.store
         self.stream = stream
@@ -197,7 +205,8 @@ class ShardTailer:
         for at, header in blocks:
             if header.count:
                 try:
-                    _, batch = decode_block(buf, at, path=self.store.uri(self.rel), position=start + at)
+                    _, batch = decode_block(buf, at, path=self.store.uri(self.rel), position=start + at,
+                                            headers=self.include_headers)
                 except CorruptFileError:
                     if self.length == start + at and self._pass_void(limit):
                         return True
@@ -219,7 +228,7 @@ class ShardTailer:
                             pa.repeat(file_arr[2], n),
                             *batch.columns,
                         ],
-                        schema=OUTPUT_SCHEMA,
+                        schema=self.schema,
                     )
                 )
             self.length = start + at + header.size
@@ -363,6 +372,9 @@ class Consumer:
     read_path : ReadPath, optional
         Where lengths and bytes come from (default: the caches if given, else the durable
         store alone).
+    include_headers : bool
+        Batches carry a ``headers`` column (list of ``{key, value}``; null for messages sent
+        without headers), as Spark's Kafka source with ``includeHeaders``.
 
     Examples
     --------
@@ -386,6 +398,7 @@ class Consumer:
         metadata_cache: Any = None,
         cache_token: Optional[str] = None,
         read_path: Optional[ReadPath] = None,
+        include_headers: bool = False,
     ) -> None:
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or poll_interval < 0:
             raise AcsOptionError(f"poll_interval: {poll_interval!r} is not allowed; use seconds >= 0", option="poll_interval")
@@ -415,6 +428,7 @@ class Consumer:
                         max_read_bytes=max_read_bytes,
                         fail_on_data_loss=fail_on_data_loss,
                         limiter=limiter,
+                        include_headers=include_headers,
                     )
                 )
         self._closed = False

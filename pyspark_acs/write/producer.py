@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.errors import AcsError, AcsOptionError, AcsTimeoutError, ClosedError, LeaseError
@@ -56,6 +56,30 @@ def _as_bytes(value: Any, what: str) -> Optional[bytes]:
     if isinstance(value, (bytearray, memoryview)):
         return bytes(value)
     raise TypeError(f"{what} must be bytes, str or None, not {type(value).__name__}")
+
+
+def _as_headers(headers: Any) -> Optional[List[Tuple[str, Optional[bytes]]]]:
+    """Message headers as ``[(str key, bytes or None value)]`` (None: no headers), checked now
+    so a bad header fails ``send`` rather than the writer thread."""
+    if headers is None:
+        return None
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    out = []
+    try:
+        for key, value in pairs:
+            if not isinstance(key, str):
+                raise TypeError(f"header key {key!r} is not a str")
+            out.append((key, _as_bytes(value, f"header {key!r} value")))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"headers must be (str key, bytes value) pairs or a mapping: {exc}") from None
+    return out
+
+
+def _headers_size(headers: Optional[List[Tuple[str, Optional[bytes]]]]) -> int:
+    """Bytes ``headers`` add to a block (keys, values and 8 bytes of offsets per pair)."""
+    if not headers:
+        return 0
+    return sum(len(k) + (len(v) if v else 0) + 8 for k, v in headers)
 
 
 def _timestamp_us(timestamp: Any) -> int:
@@ -111,6 +135,7 @@ class _Shard:
         self.values: List[Optional[bytes]] = []  # (lock) pending messages
         self.keys: List[Optional[bytes]] = []  # (lock)
         self.timestamps: List[int] = []  # (lock)
+        self.headers: List[Optional[list]] = []  # (lock) per message: None or [(key, value)]
         self.pending_bytes = 0  # (lock)
         self.writer = writer  # writer thread (and the constructor before it starts)
 
@@ -257,6 +282,7 @@ class Producer:
         key: Union[bytes, str, None] = None,
         shard: Optional[int] = None,
         timestamp: Union[int, _dt.datetime, None] = None,
+        headers: Optional[Any] = None,
     ) -> int:
         """Queue one message; return the shard it goes to.
 
@@ -270,11 +296,15 @@ class Producer:
             Explicit shard; otherwise by key hash, else round-robin.
         timestamp : datetime or int (µs since the epoch), optional
             Producer timestamp; default now.
+        headers : list of (str, bytes) pairs or mapping, optional
+            Message headers, as Kafka's (read back with ``Consumer(include_headers=True)`` or
+            the Spark source's ``includeHeaders``).
         """
         value_b = _as_bytes(value, "value")
         key_b = _as_bytes(key, "key")
         ts = _timestamp_us(timestamp)
-        size = (len(value_b) if value_b else 0) + (len(key_b) if key_b else 0)
+        hdrs = _as_headers(headers)
+        size = (len(value_b) if value_b else 0) + (len(key_b) if key_b else 0) + _headers_size(hdrs)
         with self._cond:
             self._check_open()
             if shard is None:
@@ -292,6 +322,7 @@ class Producer:
             sh.values.append(value_b)
             sh.keys.append(key_b)
             sh.timestamps.append(ts)
+            sh.headers.append(hdrs)
             sh.pending_bytes += size + 16
             self._pending_bytes += size + 16
             self._sent += 1
@@ -340,6 +371,7 @@ class Producer:
                 sh.values.append(v)
                 sh.keys.append(k)
                 sh.timestamps.append(ts)
+                sh.headers.append(None)
                 sh.pending_bytes += size
                 added += size
             self._pending_bytes += added
@@ -491,11 +523,12 @@ class Producer:
                 with self._lock:
                     take, size = self._take_block(sh, budgets[i])
                     values, keys, stamps = sh.values[:take], sh.keys[:take], sh.timestamps[:take]
-                    del sh.values[:take], sh.keys[:take], sh.timestamps[:take]
+                    headers = sh.headers[:take]
+                    del sh.values[:take], sh.keys[:take], sh.timestamps[:take], sh.headers[:take]
                     sh.pending_bytes -= size
                     self._pending_bytes -= size
                 budgets[i] -= take
-                self._write_block(sh, values, keys, stamps)
+                self._write_block(sh, values, keys, stamps, headers)
                 written += take
                 with self._cond:
                     self._written += take
@@ -512,13 +545,13 @@ class Producer:
         total = 0
         for i in range(limit):
             v, k = sh.values[i], sh.keys[i]
-            size = (len(v) if v else 0) + (len(k) if k else 0) + 16
+            size = (len(v) if v else 0) + (len(k) if k else 0) + 16 + _headers_size(sh.headers[i])
             if i and total + size > self.options.max_block_bytes:
                 return i, total
             total += size
         return limit, total
 
-    def _write_block(self, sh: _Shard, values: list, keys: list, stamps: list) -> None:
+    def _write_block(self, sh: _Shard, values: list, keys: list, stamps: list, headers: list) -> None:
         """Write one block through the shard writer (verified against seals before it counts).
 
         Cache failures never fail the producer (the durable store has the bytes and readers
@@ -529,7 +562,9 @@ class Producer:
         if writer.writer is None:
             writer.open_new()
         any_key = any(k is not None for k in keys)
-        block = encode_block(values, keys if any_key else None, stamps, first_index=writer.next_index)
+        any_headers = any(h is not None for h in headers)
+        block = encode_block(values, keys if any_key else None, stamps, first_index=writer.next_index,
+                             headers=headers if any_headers else None)
         started = time.perf_counter()
         writer.append(block, len(values))
         latency = time.perf_counter() - started
