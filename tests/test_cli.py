@@ -204,3 +204,50 @@ def test_every_command_has_help(acs, acs_inproc):
     for cmd in ("produce", "tail", "ls"):
         _, out, _ = acs_inproc(cmd, "--help")
         assert b"--root" in out and b"--stream" in out
+
+
+def test_ls_and_tail_of_a_missing_root_name_it_and_create_nothing(acs_inproc, tmp_path):
+    typo = str(tmp_path / "typo")
+    code, out, err = acs_inproc("ls", "--root", typo)
+    assert code == 1 and f"no durable store at {typo!r}" in err and out == b""
+    assert not os.path.exists(typo)
+
+
+def test_produce_into_an_existing_stream_uses_its_shard_count(acs, root):
+    Producer(root, "wide", shards=3).close()
+    acs("produce", "--root", root, "--stream", "wide", input=b"a\nb\nc\n", check=0)
+    out = acs("tail", "--root", root, "--stream", "wide", "--timeout", "0.5", check=0).stdout
+    assert sorted(_lines(out)) == ["a", "b", "c"]
+    acs("produce", "--root", root, "--stream", "fresh", input=b"x\n", check=0)  # a new stream: 1 shard
+    from pyspark_acs.storage.store import open_store
+
+    assert open_store(root).stream_shards("fresh") == 1
+
+
+def test_tail_wait_follows_a_stream_created_later(python_exe, subprocess_env, root):
+    tail = subprocess.Popen(
+        [python_exe, "-m", "pyspark_acs.cli.main", "tail", "--root", os.path.join(root, "later"), "--stream", "s",
+         "--wait", "--max-messages", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env,
+    )
+    try:
+        import time
+
+        deadline = time.monotonic() + TIMEOUT
+        waited = b""
+        while b"waiting for stream s" not in waited and time.monotonic() < deadline:
+            waited += tail.stderr.read1(4096) if hasattr(tail.stderr, "read1") else b""
+        assert b"waiting for stream s" in waited
+        with Producer(os.path.join(root, "later"), "s") as p:
+            p.send(b"one")
+            p.send(b"two")
+        out, err = tail.communicate(timeout=TIMEOUT)
+    finally:
+        tail.kill()
+    assert tail.returncode == 0, err
+    assert _lines(out) == ["one", "two"]
+
+
+def test_tail_wait_with_a_timeout_names_what_never_came(acs_inproc, root):
+    code, _, err = acs_inproc("tail", "--root", root, "--stream", "never", "--wait", "--timeout", "0.3")
+    assert code == 1 and "--wait: stream never did not appear" in err

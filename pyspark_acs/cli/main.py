@@ -14,7 +14,12 @@ from typing import Callable, Dict, Optional, Sequence
 
 from pyspark_acs.errors import AcsError, AcsOptionError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["DEFAULT_NEW_SHARDS", "STREAM_WAIT_POLL_S", "build_parser", "main"]
+
+#: Shards of a stream ``acs produce`` creates without ``--shards``.
+DEFAULT_NEW_SHARDS = 1
+#: How often ``acs tail --wait`` looks for a stream that does not exist yet.
+STREAM_WAIT_POLL_S = 0.5
 
 
 def _add_root(p: argparse.ArgumentParser) -> None:
@@ -38,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Send each line of stdin as one message (or each --file as one message).")
     _add_root(p)
     p.add_argument("--stream", required=True, help="stream name")
-    p.add_argument("--shards", type=int, default=1, help="shard count when creating the stream (default 1)")
+    p.add_argument("--shards", type=int, default=None,
+                   help="shard count when creating the stream (default 1); an existing stream keeps its own")
     p.add_argument("--key-separator", default=None, metavar="SEP",
                    help="split each line at the first SEP into key and value (key picks the shard)")
     p.add_argument("--shard", type=int, default=None, help="send every message to this shard")
@@ -61,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offsets-out", default=None, metavar="FILE",
                    help="write the final offsets JSON here (resume later with --from @FILE)")
     p.add_argument("--shards", default=None, help="comma-separated shards to follow (default all)")
+    p.add_argument("--wait", action="store_true",
+                   help="wait for streams (and the root) that do not exist yet instead of failing")
     _add_caches(p)
     p.set_defaults(func=cmd_tail)
 
@@ -93,8 +101,15 @@ def _read_path(args: argparse.Namespace, root: str):
 def cmd_produce(args: argparse.Namespace) -> int:
     from pyspark_acs.write.producer import Producer
 
+    from pyspark_acs.storage.store import open_store
+
+    shards = args.shards
+    if shards is None:  # an existing stream's own count, else one shard
+        store = open_store(args.root)
+        shards = store.stream_shards(args.stream) or DEFAULT_NEW_SHARDS
+        store.close()
     count = 0
-    with Producer(args.root, args.stream, shards=args.shards, data_cache=args.data_cache,
+    with Producer(args.root, args.stream, shards=shards, data_cache=args.data_cache,
                   metadata_cache=args.metadata_cache) as producer:
         if args.file:
             for path in args.file:
@@ -124,6 +139,36 @@ def _start_spec(text: str):
     return text
 
 
+def _wait_for_streams(root: str, streams: Sequence[str], timeout: Optional[float]) -> None:
+    """Block until every stream exists (saying once on stderr what it waits for); with a
+    timeout, fail naming the streams still missing."""
+    import time
+
+    from pyspark_acs.storage.store import open_store
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            store = open_store(root, create=False)
+            try:
+                missing = [s for s in streams if store.stream_shards(s) is None]
+            finally:
+                store.close()
+        except AcsOptionError:  # the root itself is not there yet
+            missing = list(streams)
+        if not missing:
+            return
+        if not said:
+            print(f"acs tail: waiting for stream {', '.join(missing)} in {root} ...", file=sys.stderr, flush=True)
+            said = True
+        if deadline is not None and time.monotonic() >= deadline:
+            raise AcsOptionError(
+                f"--wait: stream {', '.join(missing)} did not appear in {root} within {timeout} s", option="--wait"
+            )
+        time.sleep(STREAM_WAIT_POLL_S)
+
+
 def _as_text(b: Optional[bytes]) -> Optional[str]:
     if b is None:
         return None
@@ -142,6 +187,8 @@ def cmd_tail(args: argparse.Namespace) -> int:
     except ValueError:
         raise AcsOptionError(f"--shards: {args.shards!r} is not a comma-separated list of shard numbers",
                              option="--shards") from None
+    if args.wait:
+        _wait_for_streams(args.root, streams, args.timeout)
     consumer = Consumer(
         args.root, streams, shards, start=_start_spec(args.start), read_path=_read_path(args, args.root)
     )
@@ -188,7 +235,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from pyspark_acs.format.names import shard_dir
     from pyspark_acs.storage.store import open_store
 
-    store = open_store(args.root)
+    store = open_store(args.root, create=False)
     streams = [args.stream] if args.stream else store.list_streams()
     for stream in streams:
         shards = store.stream_shards(stream)

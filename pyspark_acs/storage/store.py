@@ -82,9 +82,12 @@ class DurableStore:
     filesystem : pyarrow.fs.FileSystem, optional
         Use this filesystem with ``root`` as its base path instead of resolving the URI
         (for wrapping, e.g. a SubTreeFileSystem or a test filesystem).
+    create : bool
+        Create a missing local root folder (writers). Readers pass False: a missing root is
+        then an error naming it, not an empty store.
     """
 
-    def __init__(self, root: str, filesystem: Optional[pafs.FileSystem] = None) -> None:
+    def __init__(self, root: str, filesystem: Optional[pafs.FileSystem] = None, *, create: bool = True) -> None:
         if not isinstance(root, str) or not root.strip():
             raise AcsOptionError("root: the durable store root must be a non-empty URI or path", option="root")
         self.root = root
@@ -100,7 +103,13 @@ class DurableStore:
                 raise AcsOptionError(f"root: cannot open durable store {root!r}: {exc}", option="root") from exc
         self.base = base.rstrip("/") or "/"
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
-        if self.local:
+        if not create:
+            with _translate(f"stat {root}"):
+                kind = self.fs.get_file_info(self.base).type
+            if kind != pafs.FileType.Directory:
+                what = "does not exist" if kind == pafs.FileType.NotFound else "is not a folder"
+                raise AcsOptionError(f"root: no durable store at {root!r}: {self.base} {what}", option="root")
+        elif self.local:
             os.makedirs(self.base, exist_ok=True)
         # _files_lock guards _files (the LRU of open input files shared by reader threads).
         self._files_lock = threading.Lock()
@@ -282,6 +291,9 @@ class DurableStore:
             f.close()
 
 
-def open_store(root: "str | DurableStore") -> DurableStore:
-    """A :class:`DurableStore` for ``root`` (returned as is if it already is one)."""
-    return root if isinstance(root, DurableStore) else DurableStore(root)
+def open_store(root: "str | DurableStore", *, create: bool = True) -> DurableStore:
+    """A :class:`DurableStore` for ``root`` (returned as is if it already is one).
+
+    ``create=False`` (readers, ``acs ls``): a missing root raises :class:`AcsOptionError` naming it.
+    """
+    return root if isinstance(root, DurableStore) else DurableStore(root, create=create)
