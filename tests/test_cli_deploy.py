@@ -55,7 +55,7 @@ def test_up_produce_tail_status_down(tmp_path, root, env, python_exe):
     try:
         assert up.returncode == 0, up.stderr.decode()
         out = up.stdout.decode()
-        m = re.search(r"^export ACS_DATA_CACHE=(\S+) ACS_METADATA_CACHE=(\S+)$", out, re.M)
+        m = re.search(r"^export ACS_DATA_CACHE=(\S+) ACS_METADATA_CACHE=(\S+) ACS_DEPLOYMENT=\S+$", out, re.M)
         assert m, out
         data, meta = m.groups()
         assert len(data.split(",")) == 3 and len(meta.split(",")) == 3
@@ -142,7 +142,12 @@ def test_status_without_caches_shows_durable_lengths_only(root, env, python_exe,
     (["up", "--capacity", "12XB"], 1, "capacity"),
     (["up", "--data-ttl", "soon"], 1, "data_ttl"),
     (["status", "--root", "R", "--metadata-cache", "nohost"], 1, "nohost"),
-    (["status", "--root", "R", "--stream", "missing"], 1, "missing"),
+    (["status", "--root", "R", "--stream", "missing"], 1, "no durable store at"),
+    (["up", "--cluster", "A"], 1, "--cluster and --topology go together"),
+    (["up", "--cluster", "A", "--topology", "t.json"], 1, "--root: give the cluster's durable store root"),
+    (["up", "--cluster", "A", "--topology", "t.toml", "--root", "R"], 1, "acs up writes JSON topology files"),
+    (["up", "--link", "B:x"], 1, "--link: 'B:x' is not CLUSTER or CLUSTER:COST"),
+    (["up", "--base-port", "65530"], 1, "must lie in 1-65535"),
 ])
 def test_bad_arguments_are_refused(tmp_path, env, python_exe, args, code, needle):
     args = [str(tmp_path / "x") if a == "R" else a for a in args]
@@ -159,3 +164,95 @@ def test_help_lists_the_deployment_commands(env, python_exe):
     assert res.returncode == 0
     for name in ("up", "down", "status"):
         assert name in res.stdout.decode()
+
+
+def _free_base(count: int) -> int:
+    """A base port with ``count`` free loopback ports after it."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def _exports(out: str) -> dict:
+    line = next(l for l in out.splitlines() if l.startswith("export "))
+    return dict(item.split("=", 1) for item in line[len("export "):].split())
+
+
+def test_a_fresh_shell_with_only_the_printed_exports_uses_the_caches(tmp_path, env, python_exe):
+    """`acs up --base-port ... --cluster A --topology t.json` then, in a shell holding only what it
+    printed to export, produce and tail through the caches and see published lengths in `acs status`
+    from another folder; a second `acs up --cluster B --link A` completes the topology file."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pyspark_acs.server.copy.topology import load_topology
+
+    topo = tmp_path / "topology.json"
+    root_a, root_b = str(tmp_path / "A"), str(tmp_path / "B")
+    base = _free_base(4)
+    dir_a, dir_b = str(tmp_path / "dep-a"), str(tmp_path / "dep-b")
+    up = run(python_exe, env, "up", "--dir", dir_a, "--data-replicas", "1", "--metadata-replicas", "1",
+             "--capacity", "16MiB", "--base-port", str(base), "--cluster", "A", "--topology", str(topo),
+             "--root", root_a)
+    try:
+        assert up.returncode == 0, up.stderr.decode()
+        out = up.stdout.decode()
+        exports = _exports(out)
+        assert exports["ACS_DATA_CACHE"] == f"127.0.0.1:{base}"
+        assert exports["ACS_METADATA_CACHE"] == f"127.0.0.1:{base + 1}"
+        for port in (base + 2, base + 3):  # metrics after the gRPC ports, printed as URLs
+            url = f"http://127.0.0.1:{port}/metrics"
+            assert url in out
+            import urllib.request
+
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                assert list(text_string_to_metric_families(resp.read().decode()))
+        shell = dict(env, **exports)
+        other = tmp_path / "elsewhere"
+        other.mkdir()
+        prod = subprocess.run([python_exe, "-m", "pyspark_acs.cli.main", "produce", "--root", root_a, "--stream",
+                               "s"], input=b"one\ntwo\n", capture_output=True, env=shell, cwd=str(other),
+                              timeout=TIMEOUT)
+        assert prod.returncode == 0, prod.stderr.decode()
+        tail = subprocess.run([python_exe, "-m", "pyspark_acs.cli.main", "tail", "--root", root_a, "--stream", "s",
+                               "--timeout", "1", "--max-messages", "2"], capture_output=True, env=shell,
+                              cwd=str(other), timeout=TIMEOUT)
+        assert tail.stdout.splitlines() == [b"one", b"two"], tail.stderr.decode()
+        st = subprocess.run([python_exe, "-m", "pyspark_acs.cli.main", "status", "--root", root_a, "--json"],
+                            capture_output=True, env=shell, cwd=str(other), timeout=TIMEOUT)
+        assert st.returncode == 0, st.stderr.decode()
+        (row,) = json.loads(st.stdout)["streams"][0]["shards"][0]["files"]
+        assert row["published_cache"] == row["durable"] > 0  # the producer published through the caches
+        # The deployment is found from anywhere through $ACS_DEPLOYMENT; without it, status says why.
+        only_dep = dict(env, ACS_DEPLOYMENT=exports["ACS_DEPLOYMENT"])
+        st = run(python_exe, only_dep, "status", "--root", root_a, "--json")
+        assert all(s["healthy"] for s in json.loads(st.stdout)["servers"])
+        st = subprocess.run([python_exe, "-m", "pyspark_acs.cli.main", "status", "--root", root_a],
+                            capture_output=True, env=env, cwd=str(other), timeout=TIMEOUT)
+        assert b"no cache endpoints" in st.stderr and b"showing the durable store only" in st.stderr
+
+        up_b = run(python_exe, env, "up", "--dir", dir_b, "--data-replicas", "1", "--metadata-replicas", "1",
+                   "--capacity", "16MiB", "--cluster", "B", "--topology", str(topo), "--root", root_b,
+                   "--link", "A:2")
+        assert up_b.returncode == 0, up_b.stderr.decode()
+        topology = load_topology(topo)
+        assert sorted(topology.clusters) == ["A", "B"]
+        assert topology.clusters["A"].data_cache == (f"127.0.0.1:{base}",)
+        assert [(l.source, l.target, l.cost) for l in topology.links] == [("B", "A", 2)]
+    finally:
+        acs_down(dir_a)
+        acs_down(dir_b)

@@ -32,6 +32,12 @@ DEFAULT_DIR = ".acs-local"
 #: Environment variables ``acs up`` tells the shell to set; every entry point reads them.
 ENV_DATA = DATA_CACHE_ENV
 ENV_METADATA = METADATA_CACHE_ENV
+#: The deployment folder ``acs up`` used: ``acs status`` and ``acs down`` find it anywhere.
+ENV_DEPLOYMENT = "ACS_DEPLOYMENT"
+
+
+def _default_dir() -> str:
+    return os.environ.get(ENV_DEPLOYMENT) or DEFAULT_DIR
 
 
 def _replicas(text: str) -> int:
@@ -59,6 +65,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     """
     from pyspark_acs.server.local.deploy import acs_up
 
+    if (args.cluster is None) != (args.topology is None):
+        raise AcsOptionError("--cluster and --topology go together: name the cluster this deployment is and "
+                             "the topology file to record it in", option="--cluster")
+    if args.cluster is not None and args.root is None:
+        raise AcsOptionError("--root: give the cluster's durable store root to record in the topology file",
+                             option="--root")
+    links = [_link(text) for text in args.link]
+    if args.topology is not None:
+        from pyspark_acs.server.copy.topology import check_writable
+
+        check_writable(args.topology)  # before any server starts
     dep = acs_up(
         args.dir,
         data_replicas=args.data_replicas,
@@ -66,17 +83,53 @@ def cmd_up(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         data_ttl=args.data_ttl,
         host=args.host,
+        base_port=args.base_port,
     )
     data, meta = dep.data_endpoints, dep.metadata_endpoints
     for role in ("data", "metadata"):
         for s in dep.servers[role]:
-            print(f"{s.name}  {s.endpoint}  pid={s.pid}  log={s.log_path}")
+            print(f"{s.name}  {s.endpoint}  pid={s.pid}  metrics={s.metrics_url or '-'}  log={s.log_path}")
     print(f"data cache:     {data}")
     print(f"metadata cache: {meta}")
-    print(f"export {ENV_DATA}={data} {ENV_METADATA}={meta}")
+    if args.cluster is not None:
+        from pyspark_acs.server.copy.topology import set_cluster
+
+        copy_port = args.copy_port if args.copy_port is not None else _free_port(args.host)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        try:
+            set_cluster(args.topology, args.cluster, {
+                "root": args.root, "data_cache": data, "metadata_cache": meta, "copy_daemon": f"{host}:{copy_port}",
+            }, links)
+        except BaseException:
+            from pyspark_acs.server.local.deploy import acs_down
+
+            acs_down(args.dir)  # no servers left behind that no file records
+            raise
+        print(f"topology:       cluster {args.cluster} recorded in {args.topology} (copy daemon port {copy_port}); "
+              f"start it with: acs-copy-daemon --topology {args.topology} --cluster {args.cluster}")
+    print(f"export {ENV_DATA}={data} {ENV_METADATA}={meta} {ENV_DEPLOYMENT}={os.path.abspath(args.dir)}")
     print(f"stop with: acs down --dir {args.dir}", file=sys.stderr)
     sys.stdout.flush()
     return 0
+
+
+def _link(text: str):
+    """``CLUSTER`` or ``CLUSTER:COST`` of ``--link``."""
+    name, _, cost = text.partition(":")
+    try:
+        return name, int(cost) if cost else 1
+    except ValueError:
+        raise AcsOptionError(f"--link: {text!r} is not CLUSTER or CLUSTER:COST (a whole number)",
+                             option="--link") from None
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -121,9 +174,15 @@ def status_report(
     from pyspark_acs.storage.store import open_store
     from pyspark_acs.errors import CacheError
 
-    store = open_store(root)
     data = _client(data_cache, "data cache")
     meta_client = _client(metadata_cache, "metadata cache")
+    try:
+        store = open_store(root, create=False)
+    except BaseException:
+        for c in (data, meta_client):
+            if c is not None:
+                c.close()
+        raise
     meta = MetadataCache(meta_client) if meta_client else None
     report: Dict[str, Any] = {"root": store.root, "streams": [], "servers": [], "errors": []}
     try:
@@ -236,6 +295,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             if state is not None:
                 data = state.get("data_endpoints") or None
                 meta = state.get("metadata_endpoints") or None
+            else:
+                print(f"acs status: no cache endpoints: none given (--data-cache/--metadata-cache), ${ENV_DATA} / "
+                      f"${ENV_METADATA} unset, and no deployment in {os.path.abspath(args.dir)} (--dir, "
+                      f"${ENV_DEPLOYMENT}); showing the durable store only", file=sys.stderr)
     report = status_report(args.root, stream=args.stream, data_cache=data, metadata_cache=meta)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -257,12 +320,22 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity", default="256MiB", help="data-cache capacity per server (default 256MiB)")
     p.add_argument("--data-ttl", default="60s", help="time to live of data chunks (default 60s)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--base-port", type=int, default=None, metavar="N",
+                   help="fixed ports: gRPC from N (data servers, then metadata), then the metrics ports "
+                        "(default: free ports)")
+    p.add_argument("--cluster", default=None, help="record this deployment as cluster NAME in --topology")
+    p.add_argument("--topology", default=None, metavar="FILE.json",
+                   help="topology file to add or update the cluster's entry in (created if missing)")
+    p.add_argument("--root", default=None, help="the cluster's durable store root (with --cluster)")
+    p.add_argument("--copy-port", type=int, default=None, help="the cluster's copy daemon port (default: a free one)")
+    p.add_argument("--link", action="append", default=[], metavar="CLUSTER[:COST]",
+                   help="a link from this cluster to another (repeatable; cost 1 by default)")
     p.set_defaults(func=cmd_up)
 
 
 def _add_down(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("down", help="stop the local deployment started by 'acs up'")
-    p.add_argument("--dir", default=DEFAULT_DIR, help=f"deployment folder (default {DEFAULT_DIR})")
+    p.add_argument("--dir", default=_default_dir(), help=f"deployment folder (default ${ENV_DEPLOYMENT}, else {DEFAULT_DIR})")
     p.set_defaults(func=cmd_down)
 
 
@@ -276,7 +349,8 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", default=None, help="only this stream")
     p.add_argument("--data-cache", default=None, metavar="HOST:PORT,...", help="data-cache endpoints")
     p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...", help="metadata-cache endpoints")
-    p.add_argument("--dir", default=DEFAULT_DIR, help=f"local deployment to ask when no endpoints are given (default {DEFAULT_DIR})")
+    p.add_argument("--dir", default=_default_dir(),
+                   help=f"local deployment to ask when no endpoints are given (default ${ENV_DEPLOYMENT}, else {DEFAULT_DIR})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_status)
 

@@ -26,6 +26,7 @@ starts with the file name and the place in the file (``links[2].to``,
 from __future__ import annotations
 
 import json
+import os
 import math
 import re
 import tomllib
@@ -33,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from pyspark_acs.errors import TopologyError
 
@@ -47,7 +48,9 @@ __all__ = [
     "StreamSpec",
     "Topology",
     "load_topology",
+    "check_writable",
     "parse_topology",
+    "set_cluster",
 ]
 
 #: Most hops from the source cluster to any destination (the paper's "maximum of 4 hops").
@@ -615,3 +618,64 @@ class _Parser:
                     f"{parent!r} feeds {fanout[parent]} clusters, more than max_fanout={topology.max_fanout}",
                 )
         return tuple(sorted(parents.items()))
+
+
+def check_writable(path: Union[str, Path]) -> None:
+    """Refuse a topology file :func:`set_cluster` cannot edit: not JSON, or already broken.
+
+    Raises
+    ------
+    TopologyError
+        Naming the file and its problem.
+    """
+    path = Path(path)
+    if path.suffix.lower() != ".json":
+        raise TopologyError(f"{path}: acs up writes JSON topology files; give a .json file")
+    if path.exists():
+        load_topology(path)
+
+
+def set_cluster(path: Union[str, Path], name: str, cluster: Mapping[str, Any],
+                links: Sequence[Tuple[str, int]] = ()) -> Topology:
+    """Add or update one cluster's entry (and links from it) in a JSON topology file.
+
+    What ``acs up --cluster NAME --topology FILE`` does, so two clusters take two commands:
+    a missing file is created; other clusters, links and streams are kept; a link given again
+    gets its new cost. The result is validated before it replaces the file (atomically).
+
+    Parameters
+    ----------
+    path : str or pathlib.Path
+        A ``.json`` topology file (TOML is read, not written: its comments would be lost).
+    name : str
+        The cluster.
+    cluster : mapping
+        Its fields (``root``, ``data_cache``, ``metadata_cache``, ``copy_daemon``, ...).
+    links : sequence of (cluster, cost)
+        Links from ``name`` to other clusters.
+
+    Raises
+    ------
+    TopologyError
+        For a non-JSON file, a file that does not parse, or a result that is not valid.
+    """
+    path = Path(path)
+    check_writable(path)
+    data: Dict[str, Any] = {}
+    if path.exists():
+        data = json.loads(path.read_text(encoding="utf-8"))
+    clusters = data.setdefault("clusters", {})
+    clusters[name] = {**clusters.get(name, {}), **cluster}
+    entries = data.setdefault("links", []) if links else data.get("links", [])
+    for other, cost in links:
+        for entry in entries:
+            if {entry.get("from"), entry.get("to")} == {name, other}:
+                entry["cost"] = cost
+                break
+        else:
+            entries.append({"from": name, "to": other, "cost": cost})
+    topology = parse_topology(data, source=str(path))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return topology

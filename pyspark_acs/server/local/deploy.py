@@ -86,6 +86,14 @@ class ServerProcess:
         """``role-index``, also the stem of its log and pid files."""
         return f"{self.role}-{self.index}"
 
+    @property
+    def metrics_url(self) -> Optional[str]:
+        """``http://host:port/metrics`` of the server's Prometheus endpoint (None when off)."""
+        if not self.metrics_port:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.metrics_port}/metrics"
+
     def to_json(self) -> Dict[str, Any]:
         """The JSON-able fields (everything but the Popen handle)."""
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "popen"}
@@ -201,6 +209,9 @@ class LocalDeployment:
         Seconds :meth:`start` and :meth:`restart` wait for readiness.
     python : str, optional
         Interpreter for the servers; default ``sys.executable``.
+    base_port : int, optional
+        Fixed ports instead of free ones: the gRPC ports ``base_port``, ``base_port + 1``, ...
+        (data servers first, then metadata servers), then the metrics ports in the same order.
     """
 
     def __init__(
@@ -218,9 +229,15 @@ class LocalDeployment:
         die_with_parent: bool = True,
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         python: Optional[str] = None,
+        base_port: Optional[int] = None,
     ) -> None:
         if data_replicas < 0 or metadata_replicas < 0:
             raise ValueError("replica counts must be >= 0")
+        total = data_replicas + metadata_replicas
+        if base_port is not None and not 1 <= base_port <= 65535 - 2 * total:
+            raise DeploymentError(
+                f"base port {base_port}: the {2 * total} ports from it (gRPC, then metrics) must lie in 1-65535"
+            )
         self.base_dir = Path(base_dir)
         self.capacity = {
             "data": parse_bytes(capacity, option="capacity"),
@@ -251,6 +268,13 @@ class LocalDeployment:
             ]
             for role, count in (("data", data_replicas), ("metadata", metadata_replicas))
         }
+        # Fixed ports: gRPC from base_port, metrics after them (0 = a free port chosen at start).
+        self._metrics_ports: Dict[str, int] = {}
+        if base_port is not None:
+            everyone = [s for role in ("data", "metadata") for s in self.servers[role]]
+            for i, server in enumerate(everyone):
+                server.port = base_port + i
+                self._metrics_ports[server.name] = base_port + total + i
         # _lock serializes start/kill/restart/stop so the server table and deployment.json agree.
         self._lock = threading.RLock()
 
@@ -299,7 +323,7 @@ class LocalDeployment:
             "--port", str(port),
             "--capacity", str(self.capacity[server.role]),
             "--ttl", f"{self.ttl[server.role]!r}s",
-            "--metrics-port", "0",
+            "--metrics-port", str(self._metrics_ports.get(server.name, 0)),
         ]
         if self.die_with_parent:
             cmd += ["--parent-pid", str(os.getpid())]
