@@ -166,6 +166,15 @@ def test_scrape_a_cache_server_process(tmp_path):
         assert value["acs_cache_capacity_bytes"] == 1024 * 1024
         assert value["acs_cache_rss_bytes"] > 0 and value["acs_cache_uptime_seconds"] > 0
         assert value["process_resident_memory_bytes"] > 0  # the standard process metrics come along
+        assert value["acs_cache_default_ttl_seconds"] == 60.0  # durations in seconds, not milliseconds
+        # Per-call latency histograms: reads (Get) and writes (Put) each observed once per call.
+        from pyspark_acs.server.metrics import CACHE_CALL_METRICS
+
+        hist = families["acs_cache_request_seconds"]
+        assert hist.type == "histogram" and hist.documentation == CACHE_CALL_METRICS["request_seconds"].help
+        counts = {s.labels["method"]: s.value for s in hist.samples if s.name == "acs_cache_request_seconds_count"}
+        assert counts["Get"] >= 1 and counts["Put"] >= 1, counts
+        assert all(s.labels["role"] == "data" for s in hist.samples)
 
         code, ctype, body = get_json(f"http://127.0.0.1:{server.metrics_port}/healthz")
         assert (code, ctype, body["healthy"], body["role"]) == (200, "application/json", True, "data")

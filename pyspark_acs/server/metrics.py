@@ -44,6 +44,8 @@ from prometheus_client.exposition import choose_encoder, generate_latest, gzip_a
 from prometheus_client.registry import Collector
 
 __all__ = [
+    "CACHE_CALL_METRICS",
+    "CACHE_LATENCY_BUCKETS",
     "CACHE_METRICS",
     "COPY_DELAY_BUCKETS",
     "COPY_METRICS",
@@ -86,7 +88,8 @@ COPY_DELAY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 
 #: Cache-server metrics, ``acs_cache_<name>{role}``; read from the store at each scrape.
 #: Names are the keys of :meth:`pyspark_acs.server.cache.store.Store.stats`, so the gRPC ``Stats``
-#: call and ``/metrics`` agree, plus the server's ``uptime_seconds``.
+#: call and ``/metrics`` agree (durations in seconds here: its ``default_ttl_ms`` is exported as
+#: ``default_ttl_seconds``), plus the server's ``uptime_seconds``.
 CACHE_METRICS: Dict[str, MetricSpec] = {
     "entries": MetricSpec("gauge", "Entries held (expired ones not yet swept included)."),
     "used_bytes": MetricSpec("gauge", "Charged bytes held: key + value + per-entry overhead."),
@@ -95,7 +98,7 @@ CACHE_METRICS: Dict[str, MetricSpec] = {
     "gc_low_bytes": MetricSpec("gauge", "GC evicts down to this many charged bytes."),
     "max_entry_bytes": MetricSpec("gauge", "Largest charged size one entry may have."),
     "entry_overhead_bytes": MetricSpec("gauge", "Bytes charged per entry on top of key and value."),
-    "default_ttl_ms": MetricSpec("gauge", "TTL of puts that carry none, in milliseconds."),
+    "default_ttl_seconds": MetricSpec("gauge", "TTL of puts that carry none, in seconds."),
     "ttl_groups": MetricSpec("gauge", "Distinct TTLs in use."),
     "rss_bytes": MetricSpec("gauge", "Resident set size of the server process."),
     "uptime_seconds": MetricSpec("gauge", "Seconds since the server started."),
@@ -119,6 +122,18 @@ CACHE_METRICS: Dict[str, MetricSpec] = {
     "follow_streams": MetricSpec("gauge", "Follow push streams open now (data readers)."),
     "pushed_messages_total": MetricSpec("counter", "Messages sent on push streams."),
     "pushed_bytes_total": MetricSpec("counter", "File bytes sent on Follow streams."),
+}
+
+#: A cache call takes microseconds when the server is idle and tens of milliseconds when its
+#: loop is backed up; the buckets cover both (the client's deadline is 0.5 s).
+CACHE_LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                         0.25, 0.5, 1.0)
+
+#: Cache-server metrics updated per call, ``acs_cache_<name>{role, method}``.
+CACHE_CALL_METRICS: Dict[str, MetricSpec] = {
+    "request_seconds": MetricSpec(
+        "histogram", "Seconds the server spent handling one unary call, by method (Get: reads; Put, "
+        "CompareAndSet, Delete: writes).", ("method",), CACHE_LATENCY_BUCKETS),
 }
 
 #: Copy-daemon metrics, ``acs_copy_<name>{cluster, ...}`` (``cluster`` is the daemon's own).
@@ -209,6 +224,13 @@ class Metrics:
                              f"got {', '.join(sorted(labels)) or '(none)'}")
         metric = self._metrics[name]
         return metric.labels(**values) if values else metric
+
+    def series(self, name: str, **labels: object):
+        """The ``prometheus_client`` child of ``name{labels}``, for hot paths that update one series
+        many times (look it up once, then ``.observe``/``.inc`` it). Checked as :meth:`inc` is."""
+        spec = self.specs.get(name)
+        kinds = (spec.kind,) if spec is not None else ("counter",)
+        return self._child(name, labels, kinds)
 
     def register(self, collector: Collector) -> None:
         """Export ``collector`` (e.g. a :class:`StatsCollector`) from this registry too."""

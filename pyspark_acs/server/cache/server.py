@@ -40,7 +40,7 @@ from pyspark_acs.units import parse_bytes, parse_duration
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, PutResult, Store
 from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Watchers
-from pyspark_acs.server.metrics import CACHE_METRICS, Metrics, MetricsEndpoint, StatsCollector
+from pyspark_acs.server.metrics import CACHE_CALL_METRICS, CACHE_METRICS, Metrics, MetricsEndpoint, StatsCollector
 
 __all__ = [
     "CACHE_PREFIX",
@@ -113,19 +113,25 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
     streams that watch its keys without a lock or a thread hand-off.
     """
 
-    def __init__(self, store: Store, role: str) -> None:
+    def __init__(self, store: Store, role: str, metrics: Optional[Metrics] = None) -> None:
         self.store = store
         self.role = role
         self.started_at = time.monotonic()
         self.watchers = Watchers(store)
+        # The latency histogram's series per method, looked up once (observed on every call).
+        metrics = metrics or Metrics(CACHE_PREFIX, CACHE_CALL_METRICS, {"role": role})
+        self._latency = {m: metrics.series("request_seconds", method=m)
+                         for m in ("Get", "Put", "CompareAndSet", "Delete")}
 
     async def Get(self, request, context):  # noqa: N802 (gRPC method name)
         """Batched get: per key ``found``, ``versions`` and ``sizes``, the values concatenated in ``data``.
 
         Absent or expired keys answer ``found=False``, size 0 and version 0.
         """
+        started = time.perf_counter()
         entries = self.store.get_many(request.keys)
         values = [e.value if e is not None else b"" for e in entries]
+        self._latency["Get"].observe(time.perf_counter() - started)
         return acs_pb2.GetResponse(
             found=[e is not None for e in entries],
             data=b"".join(values),
@@ -141,6 +147,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         versions, or the sizes and the data length, disagree. Stored keys that a push stream
         watches or follows are marked for it.
         """
+        started = time.perf_counter()
         keys, sizes, versions = request.keys, list(request.sizes), request.versions
         data = request.data
         if not (len(keys) == len(sizes) == len(versions)) or sum(sizes) != len(data):
@@ -158,6 +165,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         results = self.store.put_many(zip(keys, values, versions), ttl_s=ttl_s)
         if not self.watchers.idle:
             self.watchers.stored(k for k, r in zip(keys, results) if r == PutResult.STORED)
+        self._latency["Put"].observe(time.perf_counter() - started)
         return acs_pb2.PutResponse(status=results)
 
     async def CompareAndSet(self, request, context):  # noqa: N802
@@ -166,6 +174,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         Answers whether it swapped and the entry stored after the call. Aborts with
         ``INVALID_ARGUMENT`` when the entry could never fit in the store.
         """
+        started = time.perf_counter()
         ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
         expected = None if request.expect_absent else request.expected
         try:
@@ -176,6 +185,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"compare_and_set: {exc}")
         if swapped and not self.watchers.idle:
             self.watchers.stored([request.key])
+        self._latency["CompareAndSet"].observe(time.perf_counter() - started)
         if entry is None:
             return acs_pb2.CompareAndSetResponse(swapped=swapped, found=False)
         return acs_pb2.CompareAndSetResponse(
@@ -184,7 +194,10 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
 
     async def Delete(self, request, context):  # noqa: N802
         """Delete keys; answers how many were present."""
-        return acs_pb2.DeleteResponse(deleted=self.store.delete_many(request.keys))
+        started = time.perf_counter()
+        deleted = self.store.delete_many(request.keys)
+        self._latency["Delete"].observe(time.perf_counter() - started)
+        return acs_pb2.DeleteResponse(deleted=deleted)
 
     def stats_values(self) -> Dict[str, int]:
         """The store's stats, the push streams' counters and this process's ``rss_bytes``."""
@@ -348,10 +361,12 @@ class CacheServer:
             capacity_bytes if capacity_bytes is not None else DEFAULT_CAPACITY_BYTES[role],
             ttl_s if ttl_s is not None else ROLE_DEFAULT_TTL_S[role],
         )
-        self.servicer = CacheServicer(self.store, role)
-        # A registry of this server's own (with the standard process_* metrics), fed at scrape time.
+        # A registry of this server's own (with the standard process_* metrics): store stats read
+        # at scrape time, and per-call latency histograms the handlers observe.
         self.registry = Metrics(CACHE_PREFIX, {}).registry
         StatsCollector(CACHE_PREFIX, CACHE_METRICS, self.metric_values, {"role": role}, registry=self.registry)
+        calls = Metrics(CACHE_PREFIX, CACHE_CALL_METRICS, {"role": role}, registry=self.registry)
+        self.servicer = CacheServicer(self.store, role, calls)
         self.metrics_port_requested = metrics_port
         self.token = token
         self.port = 0
@@ -376,8 +391,11 @@ class CacheServer:
         return f"http://{format_endpoint(self.host, self.metrics_port)}/metrics"
 
     def metric_values(self) -> Dict[str, float]:
-        """What ``/metrics`` exports: :meth:`CacheServicer.stats_values` and ``uptime_seconds``."""
+        """What ``/metrics`` exports: :meth:`CacheServicer.stats_values` (durations in seconds, as
+        Prometheus names them: the store's ``default_ttl_ms`` is ``default_ttl_seconds``) and
+        ``uptime_seconds``."""
         values: Dict[str, float] = dict(self.servicer.stats_values())
+        values["default_ttl_seconds"] = values.pop("default_ttl_ms") / 1000.0
         values["uptime_seconds"] = round(time.monotonic() - self.servicer.started_at, 3)
         return values
 
