@@ -24,17 +24,12 @@ try:
 except ImportError:  # run from a source checkout without installing the package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from pyspark_acs.server.cache.server import main
+from pyspark_acs.server.lifetime import spark_submit_argv
 
 
 def launch(argv):
     """Run the server with ``argv``; under ``spark-submit`` it also exits with the driver JVM."""
-    argv = list(argv)
-    # spark-submit runs this script as a child of its JVM; a SIGTERM to spark-submit ends the
-    # JVM but not its Python child. Tie the server to the JVM unless told otherwise.
-    launched_by_spark_submit = "PYSPARK_GATEWAY_PORT" in os.environ
-    if launched_by_spark_submit and not any(a == "--parent-pid" or a.startswith("--parent-pid=") for a in argv):
-        argv += ["--parent-pid", str(os.getppid())]
-    return main(argv)
+    return main(spark_submit_argv(argv))
 
 
 if __name__ == "__main__":

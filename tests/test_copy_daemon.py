@@ -288,7 +288,7 @@ def test_kill_a_metadata_cache_copy_continues_from_durable(make_env, caches):
 def test_stale_replica_dueling_writers_stay_byte_exact(make_env):
     env = make_env(CHAIN, dests=("B",))
     env.start_daemon("A")
-    env.start_daemon("A")  # a stale replica owning the same operations
+    env.start_daemon("A", "--port", "0")  # a stale replica owning the same operations (ports are never shared)
     env.start_daemon("B")
     with env.producer(roll_bytes=1_000_000) as p:  # long-lived files: both readers meet on them
         produce(p, 0, 300, pause=0.005)

@@ -97,6 +97,76 @@ def test_cache_server_launcher_help_and_bad_flag(env):
     assert bad.returncode == 2 and "--capacity" in bad.stdout, explain(bad)
 
 
+def _topology(tmp_path, port: int) -> str:
+    import json
+
+    path = tmp_path / "topology.json"
+    path.write_text(json.dumps({"clusters": {"A": {
+        "root": str(tmp_path / "A"), "data_cache": "127.0.0.1:9", "metadata_cache": "127.0.0.1:9",
+        "copy_daemon": f"127.0.0.1:{port}"}}}))
+    return str(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("launcher", ["cache_server.py", "copy_daemon.py"])
+def test_a_launcher_under_spark_submit_exits_with_the_jvm(env, tmp_path, launcher):
+    """Killing ``spark-submit`` (here: the launcher's parent, with spark-submit's environment)
+    stops the server too: no orphan holding its port."""
+    import os
+    import time
+
+    from conftest import free_port
+
+    args = (["--role", "data", "--port", "0", "--metrics-port", "-1"] if launcher == "cache_server.py"
+            else ["--topology", _topology(tmp_path, free_port()), "--cluster", "A", "--metrics-port", "-1"])
+    parent_code = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, {str(JARS_FREE / launcher)!r}, *{args!r}])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=dict(env, PYSPARK_GATEWAY_PORT="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(tmp_path))
+    try:
+        child = int(_first_line(parent, 30.0))
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.0)  # let it start serving
+        assert _alive(child)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), f"{launcher} (pid {child}) outlived its spark-submit parent"
+    finally:
+        parent.kill()
+
+
+def test_a_second_copy_daemon_for_the_same_address_does_not_start(env, tmp_path):
+    from conftest import free_port
+
+    topology = _topology(tmp_path, free_port())
+    cmd = [sys.executable, str(JARS_FREE / "copy_daemon.py"), "--topology", topology, "--cluster", "A",
+           "--metrics-port", "-1"]
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "listening on" in _first_line(first, 30.0)
+        second = run(cmd, env, 60)
+        assert second.returncode == 1 and "cannot bind the copy daemon port" in second.stdout, explain(second)
+    finally:
+        first.kill()
+        first.wait(10)
+
+
 # -- examples/producer_job.py + consumer_job.py -------------------------------------------------
 
 

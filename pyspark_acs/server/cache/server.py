@@ -40,6 +40,7 @@ from pyspark_acs.units import parse_bytes, parse_duration
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, PutResult, Store
 from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Watchers
+from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
 from pyspark_acs.server.metrics import CACHE_CALL_METRICS, CACHE_METRICS, Metrics, MetricsEndpoint, StatsCollector
 
 __all__ = [
@@ -77,8 +78,6 @@ MAX_MESSAGE_BYTES = 64 * 1024**2
 EXPIRY_SWEEP_INTERVAL_S = 1.0
 #: In-flight calls get this long to finish on SIGTERM/SIGINT.
 STOP_GRACE_S = 1.0
-_PARENT_POLL_S = 1.0
-
 _SERVER_OPTIONS = [
     # Two servers must never silently share a port (a restarted replica must own its port).
     ("grpc.so_reuseport", 0),
@@ -529,16 +528,6 @@ def _port(text: str, *, flag: str, allow_off: bool = False) -> int:
     return value
 
 
-def _pid(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise AcsOptionError(f"--parent-pid: {text!r} is not a process id", option="--parent-pid") from None
-    if value < 1:
-        raise AcsOptionError(f"--parent-pid: {value} is not a process id", option="--parent-pid")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``acs-cache-server`` argument parser."""
     parser = argparse.ArgumentParser(
@@ -576,21 +565,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $ACS_CACHE_TOKEN, else no check)",
     )
     parser.add_argument(
-        "--parent-pid", type=_flag_type("--parent-pid", _pid), default=None,
+        "--parent-pid", type=parent_pid_flag, default=None,
         help="stop when this process exits (used by test and local deployments)",
     )
     return parser
-
-
-def _watch_parent(pid: int, stop: threading.Event) -> None:
-    while not stop.wait(_PARENT_POLL_S):
-        if os.getppid() != pid:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                stop.set()
-            except PermissionError:
-                pass  # alive, owned by someone else
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -623,9 +601,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
         print(server.banner(), flush=True)
         if args.parent_pid is not None:
-            threading.Thread(
-                target=_watch_parent, args=(args.parent_pid, stop), name="acs-parent-watch", daemon=True
-            ).start()
+            watch_parent(args.parent_pid, stop)
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
             pass
         print(f"acs-cache-server role={server.role} {server.endpoint} stopping", file=sys.stderr, flush=True)

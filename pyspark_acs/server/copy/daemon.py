@@ -40,6 +40,7 @@ from pyspark_acs.server.copy.cluster import ClusterIO
 from pyspark_acs.server.copy.health import HealthMonitor
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
+from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
 from pyspark_acs.server.copy.scheduler import CopyScheduler
 from pyspark_acs.server.copy.writer import CopyServicer
 from pyspark_acs.server.metrics import MetricsEndpoint
@@ -60,7 +61,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
-_PARENT_POLL_S = 0.5
+#: The daemon's server: never share its port with another daemon (a second one for the same
+#: cluster must fail to start, not run beside the first).
+_SERVER_OPTIONS = _CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)]
 
 
 class CopyDaemon:
@@ -133,13 +136,17 @@ class CopyDaemon:
             When the copy-daemon or metrics port cannot be bound.
         """
         address = self.io.cluster.copy_daemon
-        port = int(address.rsplit(":", 1)[1])
+        port = self.options.port if self.options.port >= 0 else int(address.rsplit(":", 1)[1])
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(32, 4 * self.options.workers), thread_name_prefix="acs-copy-rpc"),
-            options=_CHANNEL_OPTIONS,
+            options=_SERVER_OPTIONS,
         )
         copy_pb2_grpc.add_CopyServicer_to_server(self.servicer, server)
-        bound = server.add_insecure_port(f"{self.options.host}:{port}")
+        try:
+            bound = server.add_insecure_port(f"{self.options.host}:{port}")
+        except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ..."): in use, or not ours
+            raise OSError(f"cannot bind the copy daemon port {self.options.host}:{port} (cluster {self.cluster}): "
+                          f"in use (another daemon?) or not a local address") from exc
         if not bound:
             raise OSError(f"cannot bind the copy daemon port {self.options.host}:{port} (cluster {self.cluster})")
         server.start()
@@ -199,9 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica", default=None, metavar="I/N", help="own hash range I of N of the operations (default 0/1)")
     p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     p.add_argument("--metrics-port", default=None, help="HTTP /metrics port; 0 = any free port (default), -1 = off")
+    p.add_argument("--port", default=None,
+                   help="gRPC port instead of the topology's (a second replica on the same host; 0 = any free port)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
                    help="any daemon setting, e.g. poll_interval=20ms, max_bytes_per_second=10MiB (repeatable)")
-    p.add_argument("--parent-pid", type=int, default=None, help="stop when this process exits (tests)")
+    p.add_argument("--parent-pid", type=parent_pid_flag, default=None,
+                   help="stop when this process exits (spark-submit launchers pass their JVM)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -213,21 +223,12 @@ def _options(args: argparse.Namespace) -> CopyDaemonOptions:
         if not sep:
             raise AcsOptionError(f"--set: {item!r} is not NAME=VALUE", option="--set")
         raw[name.strip()] = value.strip()
-    for flag, name in (("workers", "workers"), ("replica", "replica"), ("host", "host"), ("metrics_port", "metrics_port")):
+    for flag, name in (("workers", "workers"), ("replica", "replica"), ("host", "host"), ("metrics_port", "metrics_port"),
+                       ("port", "port")):
         value = getattr(args, flag)
         if value is not None:
             raw[name] = value
     return parse_options(CopyDaemonOptions, raw, component="acs-copy-daemon")
-
-
-def _watch_parent(pid: int, stop: threading.Event) -> None:
-    while not stop.wait(_PARENT_POLL_S):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            stop.set()
-        except PermissionError:
-            pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -252,7 +253,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
         print(daemon.banner(), flush=True)
         if args.parent_pid is not None:
-            threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
+            watch_parent(args.parent_pid, stop)
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
             pass
         log.info("stopping")

@@ -136,3 +136,8 @@ class CopyDaemonOptions:
     metrics_port: int = option(
         "metrics_port", 0, parse=parse_int(-1, 65535), doc="HTTP /metrics port (0 = any free port, -1 = off)"
     )
+    port: int = option(
+        "port", -1, parse=parse_int(-1, 65535),
+        doc="gRPC port to listen on instead of the topology's (-1: the topology's); for a second replica of "
+            "the cluster's daemon on the same host -- two daemons never share a port",
+    )
