@@ -17,15 +17,9 @@ from chispa import assert_df_equality
 
 from pyspark_acs import Producer
 from pyspark_acs.read.consumer import Consumer
+from test_spark_connector import read_acs
 
 pytestmark = pytest.mark.spark
-
-
-def read_acs(spark, root, stream, **opts):
-    reader = spark.read.format("acs").option("root", root).option("stream", stream)
-    for k, v in opts.items():
-        reader = reader.option(k, v)
-    return reader.load()
 
 
 def values_of(df):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from pyspark_acs.errors import CorruptFileError
 from pyspark_acs.format.block import HEADER_SIZE, BlockHeader, find_recovery_seal, parse_header, scan_blocks
@@ -259,6 +259,18 @@ class ShardExtent:
                 return at
         return at
 
+    def ranges(self, start: Offset, end: Offset) -> Iterator[Tuple[str, str, int, int]]:
+        """``(file, rel, begin, stop)`` of each file's bytes between two offsets, oldest first:
+        from ``start.length`` in the first file, up to ``end.length`` in the last, whole readable
+        lengths in between."""
+        for name, length in self.files:
+            if name < start.file or name > end.file:
+                continue
+            rel = f"{shard_dir(self.stream, self.shard)}/{name}"
+            begin = start.length if name == start.file else 0
+            stop = end.length if name == end.file else length
+            yield name, rel, begin, stop
+
     def backlog(self, start: Offset) -> int:
         """Bytes readable after ``start``."""
         total = 0
@@ -292,12 +304,7 @@ def advance(
         return latest
     at = start
     used_bytes = used_rows = 0
-    for name, length in extent.files:
-        if name < start.file or name > latest.file:
-            continue
-        rel = f"{shard_dir(extent.stream, extent.shard)}/{name}"
-        begin = start.length if name == start.file else 0
-        stop = latest.length if name == latest.file else length
+    for name, rel, begin, stop in extent.ranges(start, latest):
         end, rows, blocks, _ = walk_blocks(
             path, rel, begin, stop,
             max_bytes=None if max_bytes is None else max(max_bytes - used_bytes, 0),
@@ -324,12 +331,7 @@ def carries_messages(path: ReadPath, extent: ShardExtent, start: Offset, end: Of
     """
     if end <= start:
         return False
-    for name, length in extent.files:
-        if name < start.file or name > end.file:
-            continue
-        rel = f"{shard_dir(extent.stream, extent.shard)}/{name}"
-        begin = start.length if name == start.file else 0
-        stop = end.length if name == end.file else length
+    for _, rel, begin, stop in extent.ranges(start, end):
         found: List[BlockHeader] = []
 
         def first_message(header: BlockHeader) -> bool:
