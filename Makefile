@@ -1,4 +1,5 @@
 # The two commands of the README, and their helpers. Everything runs inside .venv.
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -17,9 +18,11 @@ check-java:
 	  { echo "Spark needs Java 17: apt-get update && apt-get install -y openjdk-17-jre-headless"; exit 1; }
 
 $(STAMP): setup.py | check-python
+	@echo "setting up $(VENV): pip installs pyspark (about 400 MB) and the test tools; one line per package follows"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --progress-bar off --config-settings editable_mode=compat -e '.[test]'
+	set -o pipefail; $(BIN)/pip install --progress-bar off --config-settings editable_mode=compat -e '.[test]' \
+	  | { grep --line-buffered -E '^(Collecting|Successfully installed)' || true; }
 	@touch $(STAMP)
 
 # 1. Set up and run the main job: the end-to-end demo on an embedded local deployment.
