@@ -12,7 +12,9 @@ redis-server is started here on a free loopback port (``--save '' --appendonly n
 stopped at the end. Without it (or without the ``redis`` Python client) only our figures are
 printed, with how to install the missing piece.
 
-Then the delivery delay p50/p99 of Producer -> Consumer through the caches at a fixed rate
+Then a Producer alone with ``send_many`` (through the caches, through the store alone, and
+redis-py XADD pipelined as the peer), and the delivery delay p50/p99 of Producer -> Consumer
+through the caches at a fixed rate
 (default 2000 msg/s of 1 KiB for 5 s), and of the same Producer -> Consumer through the
 durable store alone, in the same run.
 
@@ -255,6 +257,77 @@ def run_delivery_delay(args: argparse.Namespace) -> Optional[Dict[str, float]]:
     }
 
 
+def _produce_alone(root: str, mb: float, message_bytes: int, caches: Dict[str, str]) -> float:
+    """MB/s of one Producer writing ``mb`` MB with ``send_many`` (batches of 1000) and a final
+    flush, one shard: through the caches when given (durable store, chunks, lengths)."""
+    from pyspark_acs.write.producer import Producer
+
+    value = b"v" * message_bytes
+    count = int(mb * 1e6 / message_bytes)
+    with Producer(root, "alone", shards=1, **caches) as producer:
+        producer.send_many([value] * 1000)  # warm-up: files, leases, channels
+        producer.flush()
+        started = time.perf_counter()
+        for _ in range(count // 1000):
+            producer.send_many([value] * 1000)
+        producer.flush()
+        elapsed = time.perf_counter() - started
+        errors = producer.stats()["cache_errors"]
+    if errors:
+        print(f"  (producer cache errors: {errors})")
+    return (count // 1000) * 1000 * message_bytes / 1e6 / elapsed
+
+
+def _xadd_alone(mb: float, message_bytes: int) -> Optional[float]:
+    """MB/s of redis-py XADD of the same bytes, pipelined 1000 at a time (the peer)."""
+    binary = shutil.which("redis-server")
+    try:
+        import redis  # type: ignore
+    except ImportError:
+        redis = None
+    if binary is None or redis is None:
+        print("  redis: skipped (needs redis-server: apt-get install -y redis-server, and pip install redis)")
+        return None
+    server = RedisServer(binary)
+    try:
+        client = server.wait(redis)
+        value = b"v" * message_bytes
+        count = int(mb * 1e6 / message_bytes)
+        started = time.perf_counter()
+        for _ in range(count // 1000):
+            pipe = client.pipeline(transaction=False)
+            for _ in range(1000):
+                pipe.xadd("alone", {"v": value})
+            pipe.execute()
+        return (count // 1000) * 1000 * message_bytes / 1e6 / (time.perf_counter() - started)
+    finally:
+        server.stop()
+
+
+def run_producer_alone(args: argparse.Namespace) -> None:
+    """Producer throughput alone (issue 9's ">= 100 MB/s with send_many"): through 3 data + 3
+    metadata replicas, through the durable store alone, and redis-py XADD pipelined, one run."""
+    if args.produce_mb <= 0:
+        return
+    print(f"\nproducer alone: {args.produce_mb:.0f} MB of {args.message_bytes} B messages, send_many of 1000, "
+          f"one shard")
+    results: Dict[str, Optional[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="acs-bench-produce-") as tmp:
+        with LocalDeployment(os.path.join(tmp, "dep"), data_replicas=3, metadata_replicas=3,
+                             capacity="1GiB") as dep:
+            results["through the caches"] = _produce_alone(
+                os.path.join(tmp, "a"), args.produce_mb, args.message_bytes,
+                {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints})
+        results["durable store alone"] = _produce_alone(os.path.join(tmp, "b"), args.produce_mb,
+                                                        args.message_bytes, {})
+    results["redis XADD (pipelined)"] = _xadd_alone(args.produce_mb, args.message_bytes)
+    for name, value in results.items():
+        if value is not None:
+            print(f"  {name:24s} {value:8.1f} MB/s")
+    if results["redis XADD (pipelined)"]:
+        print(f"  ratio caches / redis: {results['through the caches'] / results['redis XADD (pipelined)']:.2f}")
+
+
 def fmt(r: Dict[str, float]) -> str:
     return f"{r['MB/s']:8.1f} MB/s {r['ops/s']:10.0f} chunk gets/s"
 
@@ -271,7 +344,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="delivery delay: measured seconds per set-up (0 skips it; default 5)")
     parser.add_argument("--warmup", type=float, default=1.0, help="delivery delay: seconds not measured first")
     parser.add_argument("--delay-only", action="store_true", help="skip the throughput part")
+    parser.add_argument("--produce-mb", type=float, default=100.0,
+                        help="producer alone: MB written (0 skips it; default 100)")
+    parser.add_argument("--produce-only", action="store_true", help="only the producer-alone part")
     args = parser.parse_args(argv)
+    if args.produce_only:
+        run_producer_alone(args)
+        return 0
     if args.delay_only:
         delay = run_delivery_delay(args)
         return 0 if delay is not None else 2
@@ -304,6 +383,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for label, idx in (("1 thread", 0), (f"{args.threads} threads", 1)):
                 ratio = results[name][idx]["MB/s"] / redis_results[idx]["MB/s"]
                 print(f"ratio {name} / redis, {label}: {ratio:.2f}")
+    run_producer_alone(args)
     delay = run_delivery_delay(args)
     if delay is not None:
         print()

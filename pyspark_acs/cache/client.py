@@ -239,12 +239,13 @@ class _TooLarge(Exception):
 class _Replica:
     """Per-endpoint connection and health state; fields guarded by ``CacheClient._lock``."""
 
-    __slots__ = ("endpoint", "channel", "stub", "down_until", "backoff")
+    __slots__ = ("endpoint", "channel", "stub", "raw", "down_until", "backoff")
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.channel = None
         self.stub = None
+        self.raw: Dict[str, Any] = {}  # method -> multicallable taking serialized requests
         self.down_until = 0.0  # 0: up; else monotonic time before which it is skipped
         self.backoff = DOWN_BACKOFF_INITIAL_S
 
@@ -330,6 +331,7 @@ class CacheClient:
             channels = [rep.channel for rep in self._replicas.values() if rep.channel is not None]
             for rep in self._replicas.values():
                 rep.channel = rep.stub = None
+                rep.raw = {}
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False)  # stragglers end by their deadline
@@ -362,6 +364,24 @@ class CacheClient:
                 rep.channel = grpc.insecure_channel(rep.endpoint, options=_CHANNEL_OPTIONS)
                 rep.stub = acs_pb2_grpc.CacheStub(rep.channel)
             return rep.stub
+
+    def _raw_call(self, rep: _Replica, method: str):
+        """``method`` on ``rep`` taking an already serialized request (bytes): a write sent to
+        several replicas is serialized once, not once per replica."""
+        call = rep.raw.get(method)
+        if call is None:
+            pb = self._pb2()
+            response_type = getattr(pb, f"{method}Response")
+            path = f"/{pb.DESCRIPTOR.services_by_name['Cache'].full_name}/{method}"
+            with self._lock:
+                if self._closed or rep.channel is None:
+                    raise ClosedError(f"{self.name}: client is closed")
+                call = rep.raw.get(method)
+                if call is None:
+                    call = rep.raw[method] = rep.channel.unary_unary(
+                        path, request_serializer=None,
+                        response_deserializer=response_type.FromString)
+        return call
 
     def _pb2(self):
         if self._pb is None:
@@ -424,7 +444,7 @@ class CacheClient:
         a straggler runs to its deadline and its outcome still marks the replica up or down.
         """
         stub = self._stub(rep)
-        call = getattr(stub, method)
+        call = self._raw_call(rep, method) if isinstance(request, bytes) else getattr(stub, method)
         timeout = max(0.001, end - time.monotonic())
         metadata = self._metadata
 
@@ -674,16 +694,23 @@ class CacheClient:
         errors: Dict[str, BaseException] = {}
         out: "queue.SimpleQueue" = queue.SimpleQueue()
         pending = 0
+        # Replicas that hold the same keys (all of them, with three replicas and r = 3) get the
+        # same requests: built and serialized once per group, not once per replica.
+        groups: Dict[Tuple[int, ...], List[_Replica]] = defaultdict(list)
         for ep, idxs in per_replica.items():
             rep = self._replicas[ep]
             if not self._usable(rep, start):
                 errors[ep] = _Down(self._retry_in(rep, start))
                 continue
-            for request, batch in build(idxs):
-                self._send(rep, method, request, end, out, batch)
-                pending += 1
-                for i in batch:
-                    inflight[i] += 1
+            groups[tuple(idxs)].append(rep)
+        for idxs, reps in groups.items():
+            for request, batch in build(list(idxs)):
+                payload = request.SerializeToString() if len(reps) > 1 else request
+                for rep in reps:
+                    self._send(rep, method, payload, end, out, batch)
+                    pending += 1
+                    for i in batch:
+                        inflight[i] += 1
         remaining = sum(1 for i in range(n) if acks[i] < need[i])
         hopeless = [i for i in range(n) if acks[i] + inflight[i] < need[i]]
         grace_until: Optional[float] = None
