@@ -75,6 +75,43 @@ def test_following_reader_is_pushed_lengths_and_bytes_without_asking(dep, root):
         assert c.stats()["pushed_bytes"] > 0 and c.stats()["durable_bytes"] == 0
 
 
+def test_a_caught_up_reader_waits_for_pushes_instead_of_polling(dep, root):
+    """With every followed length pushed, an idle consumer loop sleeps until a push wakes it (at
+    most PUSHED_WAIT_S) instead of polling every poll_interval; a new message still arrives at
+    once, and a shard waiting for its next file polls again."""
+    from pyspark_acs.read.consumer import PUSHED_WAIT_S
+
+    with Producer(root, "idle", shards=1, **endpoints(dep)) as p, Consumer(root, "idle", **endpoints(dep)) as c:
+        got = []
+        batches = c.batches()
+        for i in (0, 1):  # the second one arrives by push: the feed's stream has answered
+            p.send(msg(i))
+            p.flush()
+            got.extend(next(batches).column("value").to_pylist())
+        calls = []
+        real = c._fill
+        c._fill = lambda: (calls.append(1), real())[1]
+        deadline = time.monotonic() + 20
+        while not c._all_pushed() and time.monotonic() < deadline:  # the streams confirm the keys
+            time.sleep(0.05)
+        assert c._all_pushed()
+        sent_at = {}
+
+        def later():
+            time.sleep(2.0)
+            sent_at["t"] = time.monotonic()
+            p.send(msg(2))
+            p.flush()
+
+        threading.Thread(target=later, daemon=True).start()
+        got.extend(next(batches).column("value").to_pylist())
+        arrived = time.monotonic()
+        # 2 s idle at the 10 ms poll interval would be ~200 loop rounds; pushed, a handful.
+        assert len(calls) <= 2.0 / PUSHED_WAIT_S + 8, len(calls)
+        assert arrived - sent_at["t"] < PUSHED_WAIT_S  # woken by the push, not by the bound
+        assert got == [msg(0), msg(1), msg(2)]
+
+
 @pytest.mark.parametrize("role", ["data", "metadata", "both"])
 def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, role):
     """One data and/or one metadata replica is SIGKILLed mid-stream and restarted: the reader

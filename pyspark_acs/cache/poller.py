@@ -279,6 +279,11 @@ class LengthPoller:
         for ep in set(add) | set(remove):
             self._stream(ep).watch(add.get(ep, ()), remove.get(ep, ()))
 
+    def all_pushed(self, uris: Sequence[str]) -> bool:
+        """Whether push streams deliver every length change of ``uris`` (each is covered: see
+        :meth:`_covered`), so a reader of them may wait for a wake instead of polling."""
+        return bool(uris) and all(self._covered(u) for u in uris)
+
     def _covered(self, uri: str) -> bool:
         """Whether live push streams of a majority of the replicas of both length keys of
         ``uri`` have confirmed them, or a live feed pushes its bytes (then a poll round may

@@ -262,6 +262,13 @@ class CachedReadPath:
         else:
             time.sleep(timeout)
 
+    def pushed(self, rels: Sequence[str]) -> bool:
+        """Whether every change of these files' lengths reaches this process by push (live
+        streams or a feed), so its readers need not poll them (:meth:`wait` wakes them)."""
+        if self.poller is None or not rels:
+            return False
+        return self.poller.all_pushed([self.store.uri(r) for r in rels])
+
     def durable_length(self, rel: str) -> Optional[int]:
         """The durable store's length of ``rel`` in bytes (``None`` if missing), bypassing the caches."""
         return self.store.lengths([rel])[rel]

@@ -23,6 +23,7 @@ from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence
 import pyarrow as pa
 
 from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
+from pyspark_acs.cache.poller import PUSH_SAFETY_POLL_S
 from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError
 from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, decode_block
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
@@ -49,6 +50,9 @@ DEFAULT_POLL_INTERVAL_S = 0.01
 #: says so once: a writer or copy still at work, a crashed writer whose shard nobody took over
 #: yet, or a file damaged after the fact. It waits for a seal; it never skips the bytes.
 STUCK_WARN_AFTER_S = 30.0
+#: Longest wait of a consumer whose followed files all have their lengths pushed: pushes wake it
+#: at once; this bound is the same safety net as the poller's (Algorithm 1's maxDelay, 1 s).
+PUSHED_WAIT_S = PUSH_SAFETY_POLL_S
 #: Bytes read from one shard in one step: bounds memory when a consumer is far behind.
 DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
 
@@ -521,13 +525,30 @@ class Consumer:
                     yield self._hand_out()
                 idle_since = time.monotonic()
                 continue
-            if timeout is not None and time.monotonic() - idle_since >= timeout:
+            idle = time.monotonic() - idle_since
+            if timeout is not None and idle >= timeout:
                 return
             wait = getattr(self.path, "wait", None)  # the cached path wakes on new lengths
             if wait is not None:
-                wait(self.poll_interval)
+                seconds = PUSHED_WAIT_S if self._all_pushed() else self.poll_interval
+                wait(seconds if timeout is None else min(seconds, timeout - idle))
             else:
                 time.sleep(self.poll_interval)
+
+    def _all_pushed(self) -> bool:
+        """Whether every shard follows a file whose length changes are pushed to this process:
+        then the loop waits for a wake (at most :data:`PUSHED_WAIT_S`) instead of polling every
+        ``poll_interval``. A shard before its first file, or after a seal waiting for the next
+        file, needs a listing: it keeps the loop polling."""
+        pushed = getattr(self.path, "pushed", None)
+        if pushed is None:
+            return False
+        rels = []
+        for t in self._tailers:
+            if t.rel is None or t.sealed:
+                return False
+            rels.append(t.rel)
+        return pushed(rels)
 
     def stats(self) -> Dict[str, int]:
         """Counters: messages and batches returned, and the read path's byte counters."""
