@@ -68,6 +68,13 @@ class _PushStream:
 
     # -- plumbing ----------------------------------------------------------------------------
 
+    def _up(self) -> None:
+        """The replica accepted the stream: it is live (its subscription reaches the replica)."""
+        if not self.live.is_set():
+            self.live.set()
+            if self.on_state is not None:
+                self.on_state(self.endpoint, True)
+
     def _send(self, request: Any) -> None:
         """Queue ``request`` on the current stream. Caller holds _lock."""
         if self._requests is not None:
@@ -108,12 +115,12 @@ class _PushStream:
                 call = getattr(stub, self.method)(self._iterate(requests), metadata=self.client._metadata)
                 with self._lock:
                     self._call = call
+                call.initial_metadata()  # blocks until the replica accepted the stream, or it ended
+                if not call.done():
+                    self._up()
+                    wait = RECONNECT_INITIAL_S
                 for message in call:
-                    if not self.live.is_set():
-                        self.live.set()
-                        wait = RECONNECT_INITIAL_S
-                        if self.on_state is not None:
-                            self.on_state(self.endpoint, True)
+                    self._up()  # a replica that sends no headers first is up with its first message
                     self._handle(message)
             except grpc.RpcError as exc:
                 if not self._closed:

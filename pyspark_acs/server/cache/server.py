@@ -224,6 +224,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         (batched per message; added keys are sent at once, found or not). Ends when the
         reader closes its side."""
         w = KeyWatch()
+        await context.send_initial_metadata(())  # the stream is up: the reader may count on it
 
         def apply(req) -> None:
             self.watchers.watch(w, req.add, req.remove)
@@ -241,6 +242,9 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         (contiguous runs, at most :data:`~pyspark_acs.server.cache.watch.MAX_PUSH_BYTES` per
         message). Ends when the reader closes its side."""
         f = FileFollow()
+        # The stream is up: a reader following a file at its end, to which nothing is pushed
+        # yet, may count on the stream (and wait for pushes instead of polling).
+        await context.send_initial_metadata(())
 
         def apply(req) -> None:
             if len(req.follow) != len(req.offsets):
