@@ -112,6 +112,44 @@ def test_a_caught_up_reader_waits_for_pushes_instead_of_polling(dep, root):
         assert got == [msg(0), msg(1)]
 
 
+def test_a_push_landing_while_the_reader_reads_is_not_lost(dep, root):
+    """Review finding: a length pushed between the reader's look at lengths and its wait used to
+    be missed, and the message sat out the whole pushed wait (1 s). The wait now starts from a
+    token taken before the look."""
+    from pyspark_acs.read.consumer import PUSHED_WAIT_S
+
+    with Producer(root, "lostwake", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "lostwake", **endpoints(dep)) as c:
+        batches = c.batches()
+        p.send(msg(0))
+        p.flush()
+        next(batches)
+        deadline = time.monotonic() + 20
+        while not c._all_pushed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c._all_pushed()
+        poller, real, state = c.path.poller, c._all_pushed, {"armed": True}
+
+        def between_look_and_wait():  # runs after _fill looked, before the wait
+            result = real()
+            if state["armed"]:
+                state["armed"] = False
+                seen = poller.change_token()
+                state["sent"] = time.monotonic()
+                p.send(msg(1))
+                p.flush()
+                end = time.monotonic() + 10
+                while poller.change_token() == seen and time.monotonic() < end:
+                    time.sleep(0.001)  # the push has reached this process
+            return result
+
+        c._all_pushed = between_look_and_wait
+        got = next(batches).column("value").to_pylist()
+        waited = time.monotonic() - state["sent"]
+        assert got == [msg(1)]
+        assert waited < PUSHED_WAIT_S * 0.5, f"the pushed message waited {waited:.2f} s"
+
+
 @pytest.mark.parametrize("role", ["data", "metadata", "both"])
 def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, role):
     """One data and/or one metadata replica is SIGKILLed mid-stream and restarted: the reader

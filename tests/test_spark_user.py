@@ -66,6 +66,70 @@ def test_no_empty_micro_batch_after_sealed_files(spark, root, tmp_path):
     assert 0 not in sizes, f"empty micro-batches ran: {sizes}"
 
 
+def _file_with_a_voided_tail_then_a_second_file(root):
+    """Shard 0: file 1 = message ``a`` + a torn 300 KB block voided by its recovery seal; file 2 =
+    message ``b``. Returns (file 1, bytes of the first block)."""
+    from pyspark_acs.format.block import encode_block, encode_seal
+    from pyspark_acs.format.names import next_file_name, shard_dir
+    from pyspark_acs.storage.store import open_store
+
+    store = open_store(root)
+    store.create_stream("voided", 1)
+    first = encode_block([b"a"], timestamps=[1])
+    big = encode_block([b"x" * 600000], timestamps=[2], first_index=1)
+    f1 = next_file_name([], "w1")
+    store.write_small(f"{shard_dir('voided', 0)}/{f1}", first + big[:300000] + encode_seal(1, void_from=len(first)))
+    f2 = next_file_name([f1], "w2")
+    store.write_small(f"{shard_dir('voided', 0)}/{f2}", encode_block([b"b"], timestamps=[3]))
+    return f1, len(first)
+
+
+def test_a_byte_budget_ending_in_voided_bytes_still_moves_on(spark, root, tmp_path):
+    """Review finding (HIGH): with maxBytesPerTrigger cutting a range right after a seal or voided
+    bytes, the no-empty-batch rule held the shard at its offset for ever (an AvailableNow query
+    ended without 'b'). The range now takes the next message block too."""
+    _file_with_a_voided_tail_then_a_second_file(root)
+    q = (spark.readStream.format("acs").option("root", root).option("stream", "voided")
+         .option("startingOffsets", "earliest").option("maxBytesPerTrigger", "100000").load()
+         .selectExpr("CAST(value AS STRING) v")
+         .writeStream.format("memory").queryName("voided_budget")
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    q.awaitTermination(120)
+    assert q.exception() is None
+    assert [r.v for r in spark.sql("select v from voided_budget").collect()] == ["a", "b"]
+
+
+def test_a_tiny_budget_share_does_not_starve_a_shard_behind_a_seal(root):
+    """A shard whose share of maxBytesPerTrigger is smaller than a seal still passes the seal and
+    reads its next message in the same trigger, while another shard has a large backlog."""
+    from pyspark.sql.streaming.datasource import ReadMaxBytes
+
+    from pyspark_acs.datasource.options import parse_source_options
+    from pyspark_acs.datasource.source import AcsStreamReader
+    from pyspark_acs.format.offsets import parse_offsets
+
+    with Producer(root, "skew", shards=2) as p:
+        p.send(b"x", shard=1)
+    with Producer(root, "skew", shards=2) as p:  # shard 1: a sealed file, then a new one
+        p.send(b"y", shard=1)
+        for _ in range(2000):
+            p.send(b"z" * 1000, shard=0)
+    reader = AcsStreamReader(parse_source_options({"root": root, "stream": "skew", "maxBytesPerTrigger": "100000"}))
+    start = reader.initialOffset()  # latest by default: take the first message of each shard instead
+    first = parse_offsets(start)
+    from pyspark_acs.read.consumer import Consumer as _C
+
+    c = _C(root, "skew", shards=[1])
+    next(c.batches(timeout=1))  # past 'x' (its file is sealed behind it)
+    after_x = c.offsets()
+    c.close()
+    begin = {"skew": {"0": {"file": "", "length": 0}, "1": after_x["skew"]["1"]}}
+    end = parse_offsets(reader.latestOffset(begin, ReadMaxBytes(100000)))
+    shard1 = end[("skew", 1)]
+    assert shard1.file != after_x["skew"]["1"]["file"], "shard 1 stayed behind its seal"
+    assert shard1.length > 0 and first is not None
+
+
 @pytest.mark.parametrize("name, value", [
     ("endingOffsets", "latest"),
     ("endingTimestamp", "1700000000000"),

@@ -201,14 +201,21 @@ class LengthPoller:
         with self._lock:
             return {u: self._values.get(u, (None, None)) for u in uris}
 
-    def wait_for_change(self, timeout: float) -> None:
-        """Block until a poll sees a followed length move, or ``timeout`` seconds pass.
+    def change_token(self) -> int:
+        """A token for :meth:`wait_for_change`: take it *before* looking at lengths, so a change
+        that lands between the look and the wait still ends the wait at once."""
+        with self._lock:
+            return self._generation
+
+    def wait_for_change(self, timeout: float, since: Optional[int] = None) -> None:
+        """Block until a poll or push moves a followed length, or ``timeout`` seconds pass.
 
         Readers wait here instead of sleeping a fixed interval, so a new length reaches them
-        as soon as the poller reads it (the poll intervals do not add up).
+        as soon as the poller reads it (the poll intervals do not add up). ``since`` (a
+        :meth:`change_token`) makes it return at once if anything moved after the token.
         """
         with self._changed:
-            seen = self._generation
+            seen = self._generation if since is None else since
             self._changed.wait_for(lambda: self._generation != seen, timeout)
 
     def _ensure_thread(self) -> None:

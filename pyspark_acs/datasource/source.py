@@ -299,14 +299,23 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if s not in begin:
                 begin[s] = earliest_offset(self.planner.path.store, *s)
         end, self._reported = self.planner.limited(begin, limit)
+        latest_cap = dict(self._reported)  # how far each shard may go (AvailableNow: its bound)
         if self._available_now is not None:
+            latest_cap = {s: min(o, self._available_now.get(s, begin[s])) for s, o in latest_cap.items()}
             end = {s: min(o, self._available_now.get(s, begin[s])) if o > begin[s] else o for s, o in end.items()}
             end = {s: max(o, begin[s]) for s, o in end.items()}
         for s, o in end.items():
             # A range of nothing but a seal (and an empty next file) is no batch: the offset
             # moves on with the next message, so no empty micro-batch runs after each file.
-            if o > begin[s] and not carries_messages(self.planner.path, self.planner.extents[s], begin[s], o):
-                end[s] = begin[s]
+            # When a budget cut the range right after a seal or voided bytes while messages
+            # follow, it takes the next message block too: a seal never holds a shard back.
+            path, extent = self.planner.path, self.planner.extents[s]
+            if o > begin[s] and not carries_messages(path, extent, begin[s], o):
+                limit = latest_cap.get(s, o)
+                if limit > o and carries_messages(path, extent, o, limit):
+                    end[s] = advance(path, extent, begin[s], limit, max_rows=1)
+                else:
+                    end[s] = begin[s]
         return format_offsets(end)
 
     def reportLatestOffset(self) -> Optional[dict]:

@@ -254,11 +254,15 @@ class CachedReadPath:
                     out[r] = n
         return out
 
-    def wait(self, timeout: float) -> None:
-        """Wait until published lengths may have moved (the shared poller saw a change), at
-        most ``timeout`` seconds; without a poller, just sleep."""
+    def change_token(self) -> Optional[int]:
+        """Take before reading lengths; pass to :meth:`wait` (see :meth:`LengthPoller.change_token`)."""
+        return self.poller.change_token() if self.poller is not None else None
+
+    def wait(self, timeout: float, since: Optional[int] = None) -> None:
+        """Wait until published lengths may have moved (the shared poller saw a change since
+        the token ``since``, or since now), at most ``timeout`` seconds; without a poller, sleep."""
         if self.poller is not None:
-            self.poller.wait_for_change(timeout)
+            self.poller.wait_for_change(timeout, since)
         else:
             time.sleep(timeout)
 

@@ -515,9 +515,12 @@ class Consumer:
             one shard in order. :meth:`offsets` reflects each batch once it is yielded.
         """
         idle_since = time.monotonic()
+        token = getattr(self.path, "change_token", lambda: None)
         while True:
             if self._closed:
                 raise ClosedError("consumer is closed")
+            # Taken before looking: a length pushed while this round reads ends the wait below.
+            since = token()
             if not self._pending:
                 self._fill()
             if self._pending:
@@ -531,7 +534,11 @@ class Consumer:
             wait = getattr(self.path, "wait", None)  # the cached path wakes on new lengths
             if wait is not None:
                 seconds = PUSHED_WAIT_S if self._all_pushed() else self.poll_interval
-                wait(seconds if timeout is None else min(seconds, timeout - idle))
+                seconds = seconds if timeout is None else min(seconds, timeout - idle)
+                if since is None:
+                    wait(seconds)
+                else:
+                    wait(seconds, since=since)
             else:
                 time.sleep(self.poll_interval)
 
