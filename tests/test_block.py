@@ -307,3 +307,44 @@ def test_a_corrupt_headers_section_names_file_and_position():
     block[20:24] = struct.pack("<I", zlib.crc32(bytes(raw)))
     with pytest.raises(CorruptFileError, match=r"f\.acs at byte 96: .*block"):
         decode_block(bytes(block), path="f.acs", position=96, headers=True)
+
+
+def _forge_headers_section(mutate):
+    """A one-message block with a header whose headers section ``mutate(body, section_at)``
+    changes; checksums fixed up so only the decoder's own checks can catch it."""
+    block = bytearray(encode_block([b"v"], headers=[[("k", b"x")]]))
+    body = bytearray(block[48:])
+    # One message: timestamps, two validities, two offset arrays and the padded value take 48
+    # body bytes, the headers validity 8 more: the headers offsets (0, 1) start at byte 56, the
+    # header key offsets (0, 1) at 64.
+    at = 56
+    assert bytes(body[at:at + 16]) == struct.pack("<iiii", 0, 1, 0, 1)
+    mutate(body, at)
+    block[48:] = body
+    block[16:20] = struct.pack("<I", zlib.crc32(bytes(body)))
+    raw = bytearray(block[:48])
+    raw[20:24] = b"\x00\x00\x00\x00"
+    block[20:24] = struct.pack("<I", zlib.crc32(bytes(raw)))
+    return bytes(block)
+
+
+@pytest.mark.parametrize("what, mutate", [
+    ("negative header key length", lambda b, at: b.__setitem__(slice(at + 8 + 4, at + 8 + 8), struct.pack("<i", -5))),
+    ("list offsets not from 0", lambda b, at: b.__setitem__(slice(at, at + 4), struct.pack("<i", 1))),
+    ("huge header count", lambda b, at: b.__setitem__(slice(at + 4, at + 8), struct.pack("<i", 2**30))),
+])
+def test_forged_headers_sections_are_corrupt_files_naming_the_position(what, mutate):
+    """Review finding: negative section sizes raised pyarrow's ArrowIndexError; every forged
+    headers section is a CorruptFileError naming the file and the block's position."""
+    block = _forge_headers_section(mutate)
+    with pytest.raises(CorruptFileError, match=r"f\.acs at byte 4096") as err:
+        decode_block(block, path="f.acs", position=4096, headers=True)
+    assert err.value.position == 4096, what
+
+
+def test_a_slice_that_leaves_out_a_null_header_key_is_accepted():
+    from pyspark_acs.format.block import HEADERS_TYPE
+
+    arr = pa.array([[{"key": None, "value": b"0"}], [{"key": "k", "value": b"v"}]], HEADERS_TYPE).slice(1)
+    _, batch = decode_block(encode_block([b"x"], headers=arr), headers=True)
+    assert batch.column("headers").to_pylist() == [[{"key": "k", "value": b"v"}]]

@@ -827,3 +827,16 @@ def test_bytes_appended_after_a_seal_are_never_read(root):
         app.close()
         assert_quiet(c, 0.5)
         assert c.offsets()["late"]["0"] == {"file": name, "length": sealed_at}
+
+
+def test_a_header_key_that_is_not_utf8_is_refused_by_send_and_loses_nothing(root):
+    """Review finding: a surrogate in a header key passed send() and then killed the writer
+    thread, losing the messages already accepted."""
+    with Producer(root, "hk", shards=1) as p:
+        p.send(b"before")
+        with pytest.raises(TypeError, match="headers must be"):
+            p.send(b"bad", headers=[("\ud800", b"v")])
+        p.send(b"after")
+    c = Consumer(root, "hk")
+    assert [r["value"] for b in c.batches(timeout=0.3) for r in b.to_pylist()] == [b"before", b"after"]
+    c.close()

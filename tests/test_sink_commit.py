@@ -112,3 +112,95 @@ def test_a_large_batch_rolls_over_to_new_files_and_resumes_exactly(root, monkeyp
     files = [f for f in sorted(os.listdir(os.path.join(root, "out", "00000"))) if f.endswith(".acs")]
     assert len(files) >= 3  # ~7.5 KiB of blocks with 3 KiB files
     assert stream_values(root)[0] == [v for vals in tasks for v in vals]
+
+
+# -- a stream column: one batch, several streams (review findings) -------------------------------
+
+
+def _routed(root):
+    from pyspark_acs.datasource import sink as K
+
+    opts = parse_sink_options({"root": root, "shards": "1", "sinkId": "q1", "maxBlockBytes": "1KiB"})
+    sid = K._sink_id(opts)
+
+    def stage(rows):
+        b = pa.RecordBatch.from_pydict({"stream": [s for s, _ in rows], "value": [v for _, v in rows]})
+        return K._Stager(opts, sid, {}).write(iter([b]))
+
+    return K, opts, sid, stage
+
+
+def _values(root, stream):
+    c = Consumer(root, stream)
+    got = [r["value"] for b in c.batches(timeout=0.3) for r in b.to_pylist()]
+    c.close()
+    return got
+
+
+@pytest.mark.parametrize("lose_manifest", [False, True])
+def test_a_replay_that_routes_no_rows_to_a_stream_still_completes_it(root, monkeypatch, lose_manifest):
+    """Batch 1 commits stream a, then fails part way through stream b; its replay routes rows
+    only to a. b's batch is completed from its intent (the batch's manifest lists b), not left
+    half-written -- and without the manifest, b's next batch completes it first."""
+    from pyspark_acs.write import shard as W
+
+    K, opts, sid, stage = _routed(root)
+    rows = [("a" if i % 2 else "b", b"%04d" % i + b"." * 300) for i in range(40)]
+    K._commit(opts, sid, [stage(rows[:10])], 0)
+    real, calls = W.ShardWriter.append, {"b": 0}
+
+    def flaky(self, data, count):
+        if self.stream == "b":
+            calls["b"] += 1
+            if calls["b"] == 2:
+                raise OSError("disk gone")
+        return real(self, data, count)
+
+    monkeypatch.setattr(W.ShardWriter, "append", flaky)
+    first = [stage(rows[10:25]), stage(rows[25:40])]
+    with pytest.raises(OSError, match="disk gone"):
+        K._commit(opts, sid, first, 1)
+    K._abort(opts, sid, first, 1, "batch 1 failed")
+    monkeypatch.setattr(W.ShardWriter, "append", real)
+    if lose_manifest:
+        os.remove(os.path.join(root, K._manifest_rel(sid, 1)))
+    K._commit(opts, sid, [stage([r for r in rows[10:40] if r[0] == "a"])], 1)
+    K._commit(opts, sid, [stage([("a", b"late-a"), ("b", b"late-b")])], 2)
+    for s in "ab":
+        assert _values(root, s) == [v for name, v in rows if name == s] + [b"late-" + s.encode()], s
+    assert not os.path.exists(os.path.join(root, K._manifest_rel(sid, 2)))
+    assert [n for n in os.listdir(os.path.join(root, "b", "_sinks", sid)) if n.startswith("intent-")] == []
+
+
+def test_header_bytes_count_towards_the_sink_block_size(root):
+    """Review finding: the sink split blocks by value and key bytes only, so 2000 rows with 10 KB
+    headers made one 20 MB block at maxBlockBytes=64KiB (at scale: past 2 GiB, a failed task)."""
+    from pyspark_acs.datasource import sink as K
+    from pyspark_acs.format.block import HEADERS_TYPE, scan_blocks
+
+    opts = parse_sink_options({"root": root, "stream": "hdr", "shards": "1", "sinkId": "h", "maxBlockBytes": "64KiB"})
+    sid = K._sink_id(opts)
+    K._prepare(opts)
+    rows = 2000
+    batch = pa.RecordBatch.from_arrays(
+        [pa.array([b"v"] * rows, pa.binary()),
+         pa.array([[{"key": "big", "value": b"h" * 10_000}]] * rows, HEADERS_TYPE)], names=["value", "headers"])
+    message = K._Stager(opts, sid, {"hdr": 1}).write(iter([batch]))
+    (staged,) = message.streams["hdr"].staged
+    data = open(os.path.join(root, staged[1]), "rb").read()
+    sizes = [h.size for _, h in scan_blocks(data)]
+    assert sum(h.count for _, h in scan_blocks(data)) == rows
+    assert max(sizes) < 2 * 64 * 1024, max(sizes)
+
+
+def test_a_routed_stream_with_another_shard_count_is_refused(root):
+    from pyspark_acs.datasource import sink as K
+
+    Consumer  # noqa: B018 (imported above for the other tests)
+    from pyspark_acs.storage.store import open_store
+
+    open_store(root).create_stream("two", 2)
+    opts = parse_sink_options({"root": root, "shards": "3", "sinkId": "r"})
+    batch = pa.RecordBatch.from_pydict({"stream": ["two"], "value": [b"x"]})
+    with pytest.raises(AcsOptionError, match=r"stream 'two' \(column 'stream'\) has 2 shards, but option shards=3"):
+        K._Stager(opts, K._sink_id(opts), {}).write(iter([batch]))

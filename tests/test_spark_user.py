@@ -227,6 +227,7 @@ def test_a_streaming_query_routes_by_the_stream_column_exactly_once(spark, root,
     ("colour string, value binary", {"stream": "x"}, "column 'colour' is not written"),
     ("value binary", {}, "give option 'stream'"),
     ("stream int, value binary", {}, "column 'stream' must be string"),
+    ("stream string, file string, position bigint, value binary", {}, "would go back to the stream they were read"),
 ])
 def test_columns_the_sink_would_drop_are_refused_by_name(spark, root, ddl, opts, needle):
     df = spark.createDataFrame([], ddl)

@@ -74,6 +74,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: Folder (under the root, beside the streams) of the sink identities' batch manifests.
+SINKS_DIR = "_sinks"
 #: Staged files of failed task attempts older than this are swept at commit time.
 STAGING_SWEEP_AFTER_S = 3600.0
 
@@ -141,6 +143,15 @@ def check_sink_schema(schema: StructType, opts: Optional[SinkOptions] = None) ->
     if opts is not None and opts.stream is None and "stream" not in fields:
         raise AcsOptionError(
             "acs sink: give option 'stream' (the target stream), or a 'stream' column routing each row",
+            option="stream",
+        )
+    if opts is not None and opts.stream is None and all(c in fields for c in SOURCE_POSITION_COLUMNS):
+        # Rows of an acs source still carry the stream they were read from: routed by it, a
+        # query would write every row back into its own input and read it again, for ever.
+        raise AcsOptionError(
+            "acs sink: these rows come from an acs source (columns stream, file, position): routed by their "
+            "'stream' column they would go back to the stream they were read from. Give option 'stream', or "
+            "select a new 'stream' column",
             option="stream",
         )
 
@@ -279,6 +290,11 @@ class _Stager:
                     option="shards",
                 )
             existing = store.create_stream(stream, self.opts.shards)
+        elif self.opts.shards is not None and self.opts.shards != existing:
+            raise AcsOptionError(
+                f"shards: stream {stream!r} (column 'stream') has {existing} shards, but option shards="
+                f"{self.opts.shards}", option="shards",
+            )
         self.shards[stream] = existing
 
     def _shards_of(self, batch: pa.RecordBatch, stream: str, pid: int, row: int) -> pa.Array:
@@ -337,6 +353,19 @@ class _Stager:
         if keys is not None:
             ksizes = pc.binary_length(keys.cast(pa.binary()) if not pa.types.is_binary(keys.type) else keys)
             sizes = pc.add(pc.fill_null(sizes, 0), pc.fill_null(ksizes, 0))
+        if headers is not None:  # header keys and values count towards the block size too
+            pairs = headers.flatten()
+            pair_sizes = pc.add(pc.fill_null(pc.binary_length(pairs.field("key")), 0),
+                                pc.fill_null(pc.binary_length(pairs.field("value")), 0))
+            per_row = pc.fill_null(pc.list_value_length(headers), 0).cast(pa.int64())
+            offsets = pc.cumulative_sum(per_row).to_pylist()
+            csum = pc.cumulative_sum(pair_sizes).to_pylist() if len(pair_sizes) else []
+            row_bytes, prev = [], 0
+            for end_pair in offsets:  # bytes of each row's headers, from the running pair sums
+                total = csum[end_pair - 1] if end_pair else 0
+                row_bytes.append(total - prev)
+                prev = total
+            sizes = pc.add(pc.fill_null(sizes, 0), pa.array(row_bytes, pa.int64()))
         cum = pc.cumulative_sum(pc.add(pc.fill_null(sizes, 0), 16)).to_pylist()
         start, n, base = 0, part.num_rows, 0
         limit = self.opts.max_block_bytes
@@ -410,6 +439,8 @@ class SinkCommitter:
         return self._data, self._meta
 
     def _commit(self, store: DurableStore, messages: Sequence[Optional[StagedStream]], batch_id: Optional[int]) -> None:
+        if batch_id is not None:
+            self._finish_older_intents(store, batch_id)
         state = self._load(store, "state.json") or {"last_batch": None, "shards": {}}
         last = state.get("last_batch")
         if batch_id is not None and last is not None and batch_id < last:
@@ -445,6 +476,23 @@ class SinkCommitter:
         for rel in intent["staging_dirs"]:
             self._delete_dir(store, rel)
         self._sweep(store)
+
+    def _finish_older_intents(self, store: DurableStore, batch_id: int) -> None:
+        """Complete any batch before ``batch_id`` that began appending to this stream and never
+        finished (its replay routed no rows here): its bytes already there are a prefix of its
+        plan, so the rest lands before this batch's, never left half-written."""
+        state = self._load(store, "state.json") or {}
+        last = state.get("last_batch")
+        older = []
+        for name in store.list_dir(self.dir):
+            if name.startswith("intent-") and name.endswith(".json") and name[7:-5].isdigit():
+                j = int(name[7:-5])
+                if j < batch_id and (last is None or j > last):
+                    older.append(j)
+        for j in sorted(older):
+            log.warning("acs sink %s (stream %r): batch %d began appending here and never finished; completing "
+                        "it from its intent before batch %d", self.sink_id, self.opts.stream, j, batch_id)
+            self._commit(store, [], j)
 
     def _plan(self, store: DurableStore, state: Dict[str, Any], messages: Sequence[Optional[StagedStream]],
               batch_id: Optional[int]) -> Dict[str, Any]:
@@ -746,11 +794,12 @@ def _prepare(opts: SinkOptions) -> Dict[str, int]:
         store.close()
 
 
-def _by_stream(opts: SinkOptions, messages: Sequence[Optional[WriterCommitMessage]]
+def _by_stream(opts: SinkOptions, messages: Sequence[Optional[WriterCommitMessage]], also: Sequence[str] = ()
                ) -> List[Tuple[SinkOptions, List[Optional[StagedStream]]]]:
-    """Per stream of a batch (every stream a task staged rows for, and option ``stream``'s even
-    without rows), its options and its tasks' staged files in task order."""
+    """Per stream of a batch (every stream a task staged rows for, option ``stream``'s even
+    without rows, and ``also``), its options and its tasks' staged files in task order."""
     names = {name for m in messages if isinstance(m, AcsCommitMessage) for name in m.streams}
+    names.update(also)
     if opts.stream is not None:
         names.add(opts.stream)
     return [
@@ -760,12 +809,38 @@ def _by_stream(opts: SinkOptions, messages: Sequence[Optional[WriterCommitMessag
     ]
 
 
+def _manifest_rel(sink_id: str, batch_id: int) -> str:
+    """Where a batch's list of streams is kept while it commits (beside the streams: a sink
+    identity spans every stream it routes rows to)."""
+    return f"{SINKS_DIR}/{sink_id}/batch-{batch_id}.json"
+
+
 def _commit(opts: SinkOptions, sink_id: str, messages: Sequence[Optional[WriterCommitMessage]],
             batch_id: Optional[int]) -> None:
     """Commit a batch stream by stream, each exactly once per batch id (its own intent and
-    state): after a failure part way, the retry replays the streams done and completes the rest."""
-    for stream_opts, staged in _by_stream(opts, messages):
-        SinkCommitter(stream_opts, sink_id).commit(staged, batch_id)
+    state): after a failure part way, the retry replays the streams done and completes the rest.
+
+    Before the first stream, the batch's streams are recorded (a manifest); a retry commits the
+    recorded ones too, so a stream its replay routes no rows to is still completed from its
+    intent, never left half-written."""
+    if batch_id is None:  # a batch write without sinkId: no retry identity, nothing to record
+        for stream_opts, staged in _by_stream(opts, messages):
+            SinkCommitter(stream_opts, sink_id).commit(staged, batch_id)
+        return
+    store = open_store(opts.root)
+    try:
+        rel = _manifest_rel(sink_id, batch_id)
+        raw = store.read_small(rel)
+        recorded: List[str] = json.loads(raw)["streams"] if raw is not None else []
+        plan = _by_stream(opts, messages, recorded)
+        names = [stream_opts.stream for stream_opts, _ in plan]
+        if names != recorded:
+            store.write_small(rel, json.dumps({"streams": names}).encode())
+        for stream_opts, staged in plan:
+            SinkCommitter(stream_opts, sink_id).commit(staged, batch_id)
+        store.delete(rel)
+    finally:
+        store.close()
 
 
 def _abort(opts: SinkOptions, sink_id: str, messages: Sequence[Optional[WriterCommitMessage]],

@@ -246,10 +246,11 @@ def _headers(headers: Any, count: int) -> Optional[pa.ListArray]:
             headers = headers.cast(HEADERS_TYPE)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
             raise TypeError(f"headers must be {HEADERS_TYPE}, got {headers.type}: {exc}") from exc
-    pairs = headers.values
+    headers = pa.concat_arrays([headers])  # offset 0, offsets from 0, children sliced to fit
+    pairs = headers.flatten()  # the pairs the lists hold (not what a slice left out)
     if pairs.null_count or pairs.field("key").null_count:
         raise ValueError("every header needs a key (a null header or header key was given)")
-    return pa.concat_arrays([headers])  # offset 0, offsets from 0, children sliced to fit
+    return headers
 
 
 def _headers_section(headers: pa.ListArray, count: int) -> List[Union[bytes, pa.Buffer]]:
@@ -489,7 +490,7 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
 
     def take(size: int, pad: bool = True) -> pa.Buffer:
         nonlocal at
-        if at + size > end:
+        if size < 0 or at + size > end:
             raise CorruptFileError(
                 f"{path or '<buffer>'} at byte {pos}: block sections exceed its body length", path=path, position=pos
             )
@@ -523,6 +524,9 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
             hkey_offsets = take(4 * (m + 1))
             hval_valid = take((m + 7) // 8)
             hval_offsets = take(4 * (m + 1))
+            for name, offs in (("headers", list_offsets), ("header key", hkey_offsets), ("header value", hval_offsets)):
+                if struct.unpack_from("<i", offs, 0)[0] != 0:
+                    raise ValueError(f"{name} offsets do not start at 0")
             hkey_data = take(struct.unpack_from("<i", hkey_offsets, 4 * m)[0])
             hval_data = take(struct.unpack_from("<i", hval_offsets, 4 * m)[0], pad=False)
             pairs = pa.StructArray.from_arrays(
@@ -535,7 +539,7 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
             columns.append(headers)
         elif with_headers:
             columns.append(pa.nulls(n, HEADERS_TYPE))
-    except (pa.ArrowInvalid, ValueError, struct.error) as exc:
+    except (pa.ArrowException, ValueError, struct.error) as exc:
         raise CorruptFileError(
             f"{path or '<buffer>'} at byte {pos}: inconsistent block body: {exc}", path=path, position=pos
         ) from exc

@@ -69,8 +69,9 @@ def _as_headers(headers: Any) -> Optional[List[Tuple[str, Optional[bytes]]]]:
         for key, value in pairs:
             if not isinstance(key, str):
                 raise TypeError(f"header key {key!r} is not a str")
+            key.encode("utf-8")  # keys are stored as UTF-8: refuse now, not in the writer thread
             out.append((key, _as_bytes(value, f"header {key!r} value")))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
         raise TypeError(f"headers must be (str key, bytes value) pairs or a mapping: {exc}") from None
     return out
 
