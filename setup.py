@@ -20,6 +20,7 @@ setup(
         "numpy>=1.23",  # format/block.py builds message positions with numpy (optional in pyarrow since 16)
         "cachetools>=5",
         "prometheus-client>=0.20",  # /metrics of the cache server and copy daemon (pyspark_acs/server/metrics.py)
+        "rich>=13",  # acs status/copy-status/lag --watch redraw tables in place; progress bars of acs produce (pyspark_acs/cli/watch.py)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3"],
