@@ -12,6 +12,7 @@ import argparse
 import json
 
 from pyspark_acs.cli.main import register_command
+from pyspark_acs.cli.watch import add_watch_flags
 
 __all__ = ["cmd_copy_status", "cmd_tree"]
 
@@ -38,12 +39,44 @@ def cmd_copy_status(args: argparse.Namespace) -> int:
     from pyspark_acs.server.copy.status import copy_status, format_status
     from pyspark_acs.server.copy.topology import load_topology
 
-    rows = copy_status(load_topology(args.topology), args.stream)
+    topology = load_topology(args.topology)
+    if args.watch:
+        from pyspark_acs.cli.watch import watch
+
+        return watch(lambda: _copy_status_table(args.stream, copy_status(topology, args.stream)),
+                     interval=args.interval, iterations=args.iterations, command="copy-status")
+    rows = copy_status(topology, args.stream)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         print(format_status(rows), end="")
     return 0
+
+
+def _copy_status_table(stream: str, rows):
+    """``acs copy-status --watch``: the rows as a rich table, with a bar per cluster of how much
+    of the source's newest file it holds (the copy of that file in progress)."""
+    from rich.progress_bar import ProgressBar
+
+    from pyspark_acs.cli.watch import rich_table
+    from pyspark_acs.server.copy.status import format_delay
+
+    source = {r["shard"]: r for r in rows if r["parent"] is None}
+    cells = []
+    for r in rows:
+        src = source.get(r["shard"])
+        total = src["durable_length"] if src and src["file"] == r["file"] else None
+        bar = ProgressBar(total=float(total), completed=float(r["durable_length"] or 0), width=20) if total else "-"
+        cells.append([str(r["shard"]), ("  " * r["depth"]) + r["cluster"], r["parent"] or "-", r["file"] or "-",
+                      _n(r["durable_length"]), _n(r["cache_length"]), str(r["bytes_behind"]), bar,
+                      format_delay(r["durable_delay_s"]), format_delay(r["cache_delay_s"]), format_delay(r["hop_delay_s"])])
+    return rich_table(f"copy status of stream {stream}",
+                      ["shard", "cluster", "parent", "newest file", "durable", "cache", "behind", "newest file copied",
+                       "delay(durable)", "delay(cache)", "hop"], cells)
+
+
+def _n(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def _add_tree(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +95,7 @@ def _add_copy_status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", required=True, metavar="FILE", help="topology file (.json or .toml)")
     p.add_argument("--stream", required=True, help="stream name")
     p.add_argument("--json", action="store_true", help="print JSON rows")
+    add_watch_flags(p)
     p.set_defaults(func=cmd_copy_status)
 
 

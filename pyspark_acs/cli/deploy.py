@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional
 
 from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.cli.main import register_command
+from pyspark_acs.cli.watch import add_watch_flags
 from pyspark_acs.errors import AcsOptionError
 
 __all__ = ["DEFAULT_DIR", "cmd_down", "cmd_status", "cmd_up", "status_report"]
@@ -273,8 +274,41 @@ def _print_status(report: Dict[str, Any]) -> None:
         print(f"warning: {e}", file=sys.stderr)
 
 
+def _status_renderable(report: Dict[str, Any]):
+    """``acs status --watch``: one row per shard (its newest file, the bytes the cache is
+    behind over all its files) and one per cache server, as rich tables."""
+    from rich.console import Group
+    from rich.text import Text
+
+    from pyspark_acs.cli.watch import rich_table
+
+    rows = []
+    for entry in report["streams"]:
+        for sh in entry["shards"]:
+            newest = sh["files"][-1] if sh["files"] else None
+            behind = [r["behind"] for r in sh["files"] if r["behind"] is not None]
+            rows.append([entry["stream"], str(sh["shard"]), str(len(sh["files"])), _fmt(newest and newest["file"]),
+                         _fmt(newest and newest["durable"]), _fmt(newest and newest["published_cache"]),
+                         _fmt(newest and newest["published_durable"]), _fmt(sum(behind) if behind else None),
+                         _fmt(sh["head"])])
+    parts: list = [rich_table(f"root {report['root']}", ["stream", "shard", "files", "newest file", "durable",
+                                                        "published_cache", "published_durable", "behind", "head"], rows)]
+    if report["servers"]:
+        servers = []
+        for s in report["servers"]:
+            state = "healthy" if s["healthy"] else f"DOWN ({s['error'] or 'no answer'})"
+            used = f"{_fmt(s['used_bytes'])}/{_fmt(s['capacity_bytes'])}" if s["healthy"] else "-"
+            servers.append([s["role"], s["endpoint"], state, _fmt(s["entries"] if s["healthy"] else None), used,
+                            _fmt(s["uptime_s"])])
+        parts.append(rich_table("cache servers", ["role", "endpoint", "state", "entries", "used/capacity", "uptime_s"],
+                                servers))
+    parts += [Text(f"warning: {e}", style="yellow") for e in report["errors"]]
+    return Group(*parts)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    """``acs status``: print :func:`status_report` as text, or as JSON with ``--json``; returns 0.
+    """``acs status``: print :func:`status_report` as text, or as JSON with ``--json``, or refresh
+    a table in place with ``--watch``; returns 0.
 
     When neither ``--data-cache`` nor ``--metadata-cache`` is given, the endpoints come from
     ``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE``, else from the deployment in ``--dir``.
@@ -299,6 +333,14 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print(f"acs status: no cache endpoints: none given (--data-cache/--metadata-cache), ${ENV_DATA} / "
                       f"${ENV_METADATA} unset, and no deployment in {os.path.abspath(args.dir)} (--dir, "
                       f"${ENV_DEPLOYMENT}); showing the durable store only", file=sys.stderr)
+    if args.watch:
+        from pyspark_acs.cli.watch import watch
+
+        def render():
+            return _status_renderable(status_report(args.root, stream=args.stream, data_cache=data,
+                                                    metadata_cache=meta))
+
+        return watch(render, interval=args.interval, iterations=args.iterations, command="status")
     report = status_report(args.root, stream=args.stream, data_cache=data, metadata_cache=meta)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -352,6 +394,7 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", default=_default_dir(),
                    help=f"local deployment to ask when no endpoints are given (default ${ENV_DEPLOYMENT}, else {DEFAULT_DIR})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_watch_flags(p)
     p.set_defaults(func=cmd_status)
 
 

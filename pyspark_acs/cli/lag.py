@@ -93,8 +93,11 @@ def cmd_lag(args: argparse.Namespace) -> int:
 
     if args.watch:
         def render():
+            from rich.console import Group
+            from rich.text import Text
+
             rep = report()
-            return rich_table(f"lag of {args.checkpoint}", _HEAD, _cells(rep), caption=_summary(rep))
+            return Group(rich_table(f"lag of {args.checkpoint}", _HEAD, _cells(rep)), Text(_summary(rep)))
 
         return watch(render, interval=args.interval, iterations=args.iterations, command="lag")
     rep = report()

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=int, default=None, help="send every message to this shard")
     p.add_argument("--file", action="append", default=[], metavar="PATH",
                    help="send the content of PATH as one message (repeatable); stdin is then not read")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr: messages, bytes, rate (default: when stderr is a terminal)")
     _add_caches(p)
     p.set_defaults(func=cmd_produce)
 
@@ -108,14 +110,21 @@ def cmd_produce(args: argparse.Namespace) -> int:
         store = open_store(args.root)
         shards = store.stream_shards(args.stream) or DEFAULT_NEW_SHARDS
         store.close()
+    from pyspark_acs.cli.watch import progress
+
     count = 0
+    # A bar on stderr when it is a terminal (--progress/--no-progress to choose); stdin has
+    # no known total, --file has.
+    bar = progress(f"produce {args.stream}", total=len(args.file) if args.file else None, enabled=args.progress)
     with Producer(args.root, args.stream, shards=shards, data_cache=args.data_cache,
-                  metadata_cache=args.metadata_cache) as producer:
+                  metadata_cache=args.metadata_cache) as producer, bar:
         if args.file:
             for path in args.file:
                 with open(path, "rb") as f:
-                    producer.send(f.read(), shard=args.shard)
+                    data = f.read()
+                producer.send(data, shard=args.shard)
                 count += 1
+                bar.advance(1, len(data))
         else:
             sep = args.key_separator.encode() if args.key_separator else None
             for line in sys.stdin.buffer:
@@ -125,6 +134,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
                     key, line = line.split(sep, 1)
                 producer.send(line, key=key, shard=args.shard)
                 count += 1
+                bar.advance(1, len(line))
     print(f"sent {count} messages to stream {args.stream!r}", file=sys.stderr)
     return 0
 

@@ -48,11 +48,11 @@ def text_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table) + "\n"
 
 
-def rich_table(title: str, head: Sequence[str], rows: Sequence[Sequence[object]], caption: Optional[str] = None):
+def rich_table(title: str, head: Sequence[str], rows: Sequence[Sequence[object]]):
     """A ``rich.table.Table`` of string cells (or rich renderables such as progress bars)."""
     from rich.table import Table
 
-    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    table = Table(title=title, title_justify="left")
     for name in head:
         table.add_column(name, no_wrap=True)
     for row in rows:

@@ -21,7 +21,7 @@ from pyspark_acs.server.copy.cluster import CACHE, DURABLE, read_delay
 from pyspark_acs.server.copy.tree import build_copy_tree
 from pyspark_acs.server.copy.topology import Topology
 
-__all__ = ["STATUS_CACHE_DEADLINE_S", "copy_status", "format_status"]
+__all__ = ["STATUS_CACHE_DEADLINE_S", "copy_status", "format_delay", "format_status"]
 
 #: Cache calls of a status query give up after this long (a dead cache shows as unknown).
 STATUS_CACHE_DEADLINE_S = 0.5
@@ -113,6 +113,11 @@ def _fmt(value: Any, seconds: bool = False) -> str:
     if seconds:
         return f"{value * 1000:.1f}ms"
     return str(value)
+
+
+def format_delay(seconds: Optional[float]) -> str:
+    """A delay of :func:`copy_status` for people (``-`` when unknown)."""
+    return _fmt(seconds, True)
 
 
 def format_status(rows: List[Dict[str, Any]]) -> str:
