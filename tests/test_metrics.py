@@ -239,3 +239,67 @@ def test_scrape_copy_daemon_processes(tmp_path, caches):
                                        {"healthy": True, "cluster": "B", "unhealthy_clusters": []})
     finally:
         env.stop()
+
+
+# -- the Grafana dashboard -------------------------------------------------------------------
+
+#: Labels Prometheus itself adds to every scraped series.
+TARGET_LABELS = {"instance", "job"}
+
+
+def _declared():
+    """``{exported series name: label names}`` of every declared metric (histograms with their
+    ``_bucket``/``_count``/``_sum`` series), plus the standard process metrics."""
+    from pyspark_acs.server.metrics import CACHE_CALL_METRICS, CACHE_METRICS, COPY_METRICS
+
+    names = {}
+    for prefix, const, specs in (("acs_cache_", {"role"}, CACHE_METRICS), ("acs_cache_", {"role"}, CACHE_CALL_METRICS),
+                                 ("acs_copy_", {"cluster"}, COPY_METRICS)):
+        for short, spec in specs.items():
+            labels = const | set(spec.labels) | TARGET_LABELS
+            if spec.kind == "histogram":
+                names[prefix + short + "_bucket"] = labels | {"le"}
+                names[prefix + short + "_count"] = labels
+                names[prefix + short + "_sum"] = labels
+            else:
+                names[prefix + short] = labels
+    names["process_resident_memory_bytes"] = set(TARGET_LABELS)
+    return names
+
+
+def test_grafana_dashboard_uses_declared_metrics_and_labels():
+    """docs/grafana-dashboard.json: valid JSON, unique panel ids, and every query names only
+    metrics declared in pyspark_acs/server/metrics.py, grouped and filtered by their labels."""
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "grafana-dashboard.json")
+    with open(path, encoding="utf-8") as f:
+        dash = json.load(f)
+    declared = _declared()
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), ids
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
+    used = set()
+    for expr in exprs:
+        metrics = set(re.findall(r"\b((?:acs|process)_[a-z_]+)\b", expr))
+        assert metrics, expr
+        for name in metrics:
+            assert name in declared, f"{name} (in {expr!r}) is not declared in pyspark_acs/server/metrics.py"
+        used |= metrics
+        allowed = set.union(*(declared[m] for m in metrics))
+        labels = set()
+        for group in re.findall(r"\bby \(([^)]*)\)", expr):
+            labels |= {x.strip() for x in group.split(",") if x.strip()}
+        for selector in re.findall(r"\{([^{}]*)\}", expr):
+            labels |= set(re.findall(r"([a-z_]+)\s*(?:=~|!=|!~|=)", selector))
+        labels |= set(re.findall(r"label_values\([a-z_]+,\s*([a-z_]+)\)", expr))
+        assert labels <= allowed, f"{expr!r}: labels {labels - allowed} are not those of {sorted(metrics)}"
+    # Delivery delay, copy throughput and the cache latency histograms are on it.
+    for name in ("acs_copy_delay_seconds", "acs_copy_delivery_delay_seconds_bucket", "acs_copy_bytes_total",
+                 "acs_cache_request_seconds_bucket", "acs_cache_hits_total"):
+        assert name in used, name
+    for p in panels:  # each panel has a unit and a query per target, on the dashboard's data source
+        assert p["fieldConfig"]["defaults"]["unit"] and p["targets"], p["title"]
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
