@@ -42,6 +42,7 @@ from pyspark_acs.errors import AcsOptionError, CacheError, CacheTimeoutError, Ca
 from pyspark_acs.cache.ring import DEFAULT_VNODES, HashRing
 
 __all__ = [
+    "CONNECT_TIMEOUT_S",
     "DEFAULT_DEADLINE_S",
     "DEFAULT_HEDGE_AFTER_S",
     "DEFAULT_REPLICATION",
@@ -88,6 +89,12 @@ MAX_BATCH_KEYS = 1024
 #: Threads of a client's I/O pool: gRPC calls in flight at once (they wait on the network,
 #: not the CPU; a hung replica holds one for at most the deadline).
 IO_THREADS = 32
+#: A client's first call waits this long at most, once, for its channels to connect (or fail to:
+#: a refused connection ends the wait at once) before its deadline clock starts. Importing grpc
+#: and connecting are no call: on a loaded machine (Spark starting on 2 cores) they took 1.5-2.6 s
+#: and 0.03-0.46 s, and counted against the first call's 0.5 s deadline they made healthy
+#: replicas look down (the demo's "metadata cache unavailable ... DEADLINE_EXCEEDED" warnings).
+CONNECT_TIMEOUT_S = 1.0
 #: Largest gRPC message accepted or sent; equal to the server's.
 MAX_MESSAGE_BYTES = 64 * 1024**2
 
@@ -307,6 +314,9 @@ class CacheClient:
         self._closed = False
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pb: Any = None  # the acs_pb2 module, imported on first use (keeps import cheap)
+        # _connect_lock serialises the one-time connect of _connect; _connected is set under it.
+        self._connect_lock = threading.Lock()
+        self._connected = False
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -391,8 +401,38 @@ class CacheClient:
         return self._pb
 
     def _check_open(self) -> None:
+        """Raise after :meth:`close`; before the first call, connect (every call comes here
+        before it starts its deadline clock)."""
         if self._closed:
             raise ClosedError(f"{self.name}: client is closed")
+        if not self._connected:
+            self._connect()
+
+    def _connect(self) -> None:
+        """Once per client: import grpc, create every replica's channel and connect it with one
+        Health call per replica, in parallel, waiting at most :data:`CONNECT_TIMEOUT_S`.
+
+        A refused connection answers at once; a replica that does not answer in that time is
+        left to the call's deadline (which marks it down) as before. Outcomes mark nothing: this
+        only keeps set-up work out of the first call's deadline. (A Health call rather than
+        gRPC's connectivity API: a subscribed channel left grpc's exit hook waiting forever.)
+        """
+        with self._connect_lock:
+            if self._connected:
+                return
+            pb = self._pb2()
+            out: "queue.SimpleQueue" = queue.SimpleQueue()
+            for rep in self._replicas.values():
+                call = self._stub(rep).Health
+                self._pool().submit(lambda call=call: out.put(_try(call, pb.HealthRequest(), CONNECT_TIMEOUT_S,
+                                                                   self._metadata)))
+            end = time.monotonic() + CONNECT_TIMEOUT_S
+            for _ in self._replicas:
+                try:
+                    out.get(timeout=max(0.0, end - time.monotonic()))
+                except queue.Empty:
+                    break
+            self._connected = True
 
     def _usable(self, rep: _Replica, now: float) -> bool:
         """Whether to send to ``rep`` now; lets one probe through once a down replica's back-off ends."""
@@ -977,6 +1017,15 @@ class CacheClient:
             ep: exc is None and response is not None and bool(response.serving)
             for ep, (response, exc) in self._ask_all("Health", pb.HealthRequest()).items()
         }
+
+
+def _try(call: Callable[..., Any], request: Any, timeout: float, metadata: Any) -> Optional[BaseException]:
+    """Run one gRPC call; its error, or None (for :meth:`CacheClient._connect`)."""
+    try:
+        call(request, timeout=timeout, metadata=metadata)
+    except Exception as exc:  # grpc.RpcError mostly: the caller only waits for an outcome
+        return exc
+    return None
 
 
 def _ttl_ms(ttl: Optional[float]) -> int:
