@@ -23,7 +23,8 @@ setup(
         "rich>=13",  # acs status/copy-status/lag --watch redraw tables in place; progress bars of acs produce (pyspark_acs/cli/watch.py)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3"],
+        # matplotlib: the demo's delay plot (make demo installs .[test]) and tests/test_demo_plot.py
+        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3", "matplotlib"],
         "bench": ["redis", "matplotlib"],
     },
     entry_points={

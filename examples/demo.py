@@ -24,8 +24,9 @@ What it does, in order:
    * cluster B (when running) holds the same messages, byte-exact.
 6. Prints the delivery delay p50/p99: the time a row arrived in the source query's
    ``foreachBatch`` minus the message timestamp the sink wrote (and the same for cluster B,
-   read with a plain Consumer), and stops everything - queries, Spark, daemons, servers -
-   also on error or Ctrl-C.
+   read with a plain Consumer), writes a PNG of that delay over time per cluster (``--plot``;
+   skipped with a note when matplotlib is not installed), and stops everything - queries,
+   Spark, daemons, servers - also on error or Ctrl-C.
 
 Run::
 
@@ -171,6 +172,17 @@ class Collector:
                 out.extend((arrived * 1e6 - ts) / 1000.0 for ts in stamps if after_us is None or ts > after_us)
         return out
 
+    def points(self) -> List[Tuple[float, float]]:
+        """(message timestamp in s, delay in ms) of every row, for the plot."""
+        import pyarrow as pa
+
+        out: List[Tuple[float, float]] = []
+        with self.lock:
+            for arrived, table in self.tables:
+                stamps = table.column("timestamp").cast(pa.int64()).to_pylist()
+                out.extend((ts / 1e6, arrived * 1e3 - ts / 1e3) for ts in stamps)
+        return out
+
     def first_stamp_us(self) -> Optional[int]:
         import pyarrow.compute as pc
 
@@ -188,6 +200,7 @@ class ClusterBReader(threading.Thread):
         self.stop_event = threading.Event()
         self.rows: Dict[Tuple[int, str, int], Tuple[bytes, bytes]] = {}
         self.delays: List[float] = []
+        self.points: List[Tuple[float, float]] = []  # (message timestamp in s, delay in ms), for the plot
         self.error: Optional[BaseException] = None
 
     def run(self) -> None:
@@ -210,6 +223,7 @@ class ClusterBReader(threading.Thread):
                         cols = batch.to_pydict()
                         stamps = batch.column("timestamp").cast(pa.int64()).to_pylist()
                         self.delays.extend((now_us - ts) / 1000.0 for ts in stamps)
+                        self.points.extend((ts / 1e6, (now_us - ts) / 1000.0) for ts in stamps)
                         for shard, f, pos, key, value in zip(cols["shard"], cols["file"], cols["position"],
                                                              cols["key"], cols["value"]):
                             self.rows[(shard, f, pos)] = (key, value)
@@ -218,6 +232,52 @@ class ClusterBReader(threading.Thread):
                 consumer.close()
         except BaseException as exc:  # reported by the main thread
             self.error = exc
+
+
+# -- the plot -----------------------------------------------------------------------------------
+
+#: Width of the time bins the plot takes the median and p99 delay of.
+PLOT_BIN_S = 1.0
+
+
+def write_plot(path: str, series: Dict[str, List[Tuple[float, float]]]) -> str:
+    """Write a PNG of delivery delay over time, one median line (and a dashed p99) per cluster.
+
+    ``series`` maps a label to ``(message timestamp in s, delay in ms)`` points. Returns the
+    line the demo prints: where the plot is, or why there is none (matplotlib is in the bench
+    extra, not a dependency of the package).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ("delay plot: skipped, matplotlib is not installed "
+                "(.venv/bin/pip install matplotlib, or pip install -e '.[bench]')")
+    series = {label: pts for label, pts in series.items() if pts}
+    if not series:
+        return "delay plot: skipped, no messages arrived"
+    t0 = min(ts for pts in series.values() for ts, _ in pts)
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
+    for label, pts in series.items():
+        bins: Dict[int, List[float]] = {}
+        for ts, delay in pts:
+            bins.setdefault(int((ts - t0) // PLOT_BIN_S), []).append(delay)
+        xs = [(b + 0.5) * PLOT_BIN_S for b in sorted(bins)]
+        line = ax.plot(xs, [percentile(bins[b], 50) for b in sorted(bins)], label=f"{label} p50")[0]
+        ax.plot(xs, [percentile(bins[b], 99) for b in sorted(bins)], linestyle="--", color=line.get_color(),
+                alpha=0.6, label=f"{label} p99")
+    ax.set_xlabel("message timestamp, seconds since the first message")
+    ax.set_ylabel("delivery delay (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"pyspark_acs demo: delivery delay per cluster ({PLOT_BIN_S:g} s bins)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return f"delay plot: {path}"
 
 
 # -- the demo -----------------------------------------------------------------------------------
@@ -574,6 +634,11 @@ class Demo:
             d = self.b_reader.delays
             say(f"delivery delay in cluster B (Consumer arrival - message timestamp): p50 {percentile(d, 50):.0f} ms  "
                 f"p99 {percentile(d, 99):.0f} ms")
+        if self.args.plot != "none":
+            series = {"cluster A (Spark source query)": self.collector.points()}
+            if self.b_reader is not None:
+                series["cluster B (copy daemons, Consumer)"] = list(self.b_reader.points)
+            say(write_plot(self.args.plot, series))
 
     def close(self) -> None:
         """Stop everything that was started; never raises."""
@@ -616,6 +681,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds (default 300)")
     p.add_argument("--workdir", help="folder for stores, logs and checkpoints (default: a new temp folder)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "acs-demo-delay.png"), metavar="PNG",
+                   help="write a plot of delivery delay over time per cluster here, or none "
+                        "(default: acs-demo-delay.png in the temp folder; needs matplotlib)")
     args = p.parse_args(argv)
     if args.value_bytes < VALUE_HEAD:
         p.error(f"--value-bytes must be >= {VALUE_HEAD}")
