@@ -26,7 +26,6 @@ import json
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from pyspark_acs.errors import AcsOptionError
-from pyspark_acs.format.names import shard_dir
 from pyspark_acs.format.offsets import Offset, OffsetMap, parse_offsets
 from pyspark_acs.read.positions import BoundaryCache, shard_extent, walk_blocks
 from pyspark_acs.read.readpath import ReadPath
@@ -162,14 +161,9 @@ def shard_lag(path: ReadPath, stream: str, shard: int, committed: Offset,
     extent = shard_extent(path, stream, shard, committed)
     end = extent.latest(boundaries, path, committed)
     behind_bytes = behind_rows = 0
-    for name, length in extent.files:
-        if name < committed.file or name > end.file:
-            continue
-        begin = committed.length if name == committed.file else 0
-        stop = end.length if name == end.file else length
+    for _, rel, begin, stop in extent.ranges(committed, end):
         if stop <= begin:
             continue
-        rel = f"{shard_dir(stream, shard)}/{name}"
         reached, rows, _, _ = walk_blocks(path, rel, begin, stop)
         behind_bytes += reached - begin
         behind_rows += rows
