@@ -27,6 +27,8 @@ __all__ = [
 
 #: How often a watched table is refreshed unless ``--interval`` says otherwise.
 DEFAULT_WATCH_INTERVAL = "2s"
+#: A progress bar is redrawn at most this often (seconds).
+PROGRESS_UPDATE_S = 0.1
 #: Line width of a watched table written to a pipe or file (no terminal to fit: cut nothing).
 PIPE_WIDTH = 400
 
@@ -142,7 +144,8 @@ class _Progress:
 
         self._bytes = 0
         self._messages = 0
-        self._started = time.monotonic()
+        self._pending = 0  # messages counted but not yet shown
+        self._started = self._updated = time.monotonic()
         columns: List[object] = [TextColumn("{task.description}")]
         if total is not None:
             columns += [BarColumn(), MofNCompleteColumn()]
@@ -158,16 +161,27 @@ class _Progress:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._flush(time.monotonic())
         self._progress.stop()
 
     def advance(self, messages: int = 1, nbytes: int = 0) -> None:
-        from pyspark_acs.units import format_bytes
-
+        """Count ``messages`` and ``nbytes`` more; the bar is redrawn at most every
+        :data:`PROGRESS_UPDATE_S` (a per-message redraw cost more than the send)."""
         self._bytes += nbytes
         self._messages += messages
-        elapsed = max(time.monotonic() - self._started, 1e-9)
-        self._progress.update(self._task, advance=messages, size=format_bytes(self._bytes),
+        self._pending += messages
+        now = time.monotonic()
+        if now - self._updated >= PROGRESS_UPDATE_S:
+            self._flush(now)
+
+    def _flush(self, now: float) -> None:
+        from pyspark_acs.units import format_bytes
+
+        elapsed = max(now - self._started, 1e-9)
+        self._progress.update(self._task, advance=self._pending, size=format_bytes(self._bytes),
                               rate=f"{self._messages / elapsed:,.0f} {self._unit}/s {format_bytes(self._bytes / elapsed)}/s")
+        self._pending = 0
+        self._updated = now
 
 
 def progress(description: str, *, total: Optional[int] = None, unit: str = "messages",
