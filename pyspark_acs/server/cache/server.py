@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import os
 import signal
 import sys
@@ -36,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import grpc
 
 from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.security import SecuritySettings, check_bind, metadata_has_token, resolve_security
 from pyspark_acs.units import parse_bytes, parse_duration
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, PutResult, Store
@@ -288,10 +288,11 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls whose ``authorization`` metadata is not the shared token."""
+    """Refuses calls whose ``authorization`` metadata is not the shared token (the comparison
+    is :func:`pyspark_acs.security.metadata_has_token`: constant-time)."""
 
     def __init__(self, token: str) -> None:
-        self._accepted = (token.encode(), f"Bearer {token}".encode())
+        self._token = token
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cache token")
@@ -304,11 +305,8 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         self._deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
 
     async def intercept_service(self, continuation, handler_call_details):
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                if any(hmac.compare_digest(given, ok) for ok in self._accepted):
-                    return await continuation(handler_call_details)
+        if metadata_has_token(handler_call_details.invocation_metadata, self._token):
+            return await continuation(handler_call_details)
         method = handler_call_details.method.rsplit("/", 1)[-1]
         return self._deny_stream if method in _STREAM_METHODS else self._deny
 
@@ -337,7 +335,9 @@ class CacheServer:
     metrics_port : int or None
         HTTP metrics port; 0 picks a free one, ``None`` disables the endpoint.
     token : str, optional
-        Shared token every call must carry.
+        Shared token every call must carry (default: ``security``'s).
+    security : SecuritySettings, optional
+        Token and TLS of the gRPC and metrics endpoints; default: none (plain, no token).
 
     The gRPC server is grpc.aio on an event loop of its own thread (:meth:`start` returns
     once it listens): many long-lived push streams cost no worker thread each, and a put
@@ -354,6 +354,7 @@ class CacheServer:
         ttl_s: Optional[float] = None,
         metrics_port: Optional[int] = 0,
         token: Optional[str] = None,
+        security: Optional[SecuritySettings] = None,
     ) -> None:
         if role not in ROLES:
             raise AcsOptionError(f"role: {role!r} is not a role; use one of: {', '.join(ROLES)}", option="role")
@@ -371,7 +372,8 @@ class CacheServer:
         calls = Metrics(CACHE_PREFIX, CACHE_CALL_METRICS, {"role": role}, registry=self.registry)
         self.servicer = CacheServicer(self.store, role, calls)
         self.metrics_port_requested = metrics_port
-        self.token = token
+        self.security = (security or SecuritySettings()).with_token(token)
+        self.token = self.security.token
         self.port = 0
         self.metrics_port: Optional[int] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -391,7 +393,8 @@ class CacheServer:
         """URL of ``/metrics`` (after :meth:`start`), or ``None`` when disabled."""
         if self.metrics_port is None:
             return None
-        return f"http://{format_endpoint(self.host, self.metrics_port)}/metrics"
+        scheme = "https" if self.security.server_tls else "http"
+        return f"{scheme}://{format_endpoint(self.host, self.metrics_port)}/metrics"
 
     def metric_values(self) -> Dict[str, float]:
         """What ``/metrics`` exports: :meth:`CacheServicer.stats_values` (durations in seconds, as
@@ -430,7 +433,7 @@ class CacheServer:
         if self.metrics_port_requested is not None:
             try:
                 self._http = MetricsEndpoint(self.registry, self.healthz, self.host, self.metrics_port_requested,
-                                             name="acs-cache-metrics")
+                                             name="acs-cache-metrics", security=self.security)
             except OSError:  # the message names the metrics port
                 self.stop(0)
                 raise
@@ -454,7 +457,7 @@ class CacheServer:
         server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
         acs_pb2_grpc.add_CacheServicer_to_server(self.servicer, server)
         try:
-            port = server.add_insecure_port(address)
+            port = self.security.add_port(server, address)
         except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
             raise OSError(f"cannot bind the cache gRPC port {address}: {exc}") from exc
         if port == 0:  # older grpc releases report failure as port 0
@@ -564,10 +567,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP port of /metrics and /healthz; 0 (default) picks a free one, -1 disables it",
     )
     parser.add_argument(
-        "--token", default=os.environ.get("ACS_CACHE_TOKEN") or None,
-        help="shared token clients must send as 'authorization: Bearer TOKEN' "
-        "(default: $ACS_CACHE_TOKEN, else no check)",
+        "--token", default=None,
+        help="DEPRECATED (shows in ps): use --token-file or $ACS_TOKEN_FILE / $ACS_CACHE_TOKEN",
     )
+    parser.add_argument(
+        "--token-file", default=None, metavar="FILE",
+        help="file holding the shared token clients must send as 'authorization: Bearer TOKEN' "
+        "(default: $ACS_CACHE_TOKEN, else the file $ACS_TOKEN_FILE, else no check)",
+    )
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="server certificate chain (default $ACS_TLS_CERT)")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="its private key (default $ACS_TLS_KEY)")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM",
+                        help="CA bundle verifying client certificates with --mtls (default $ACS_TLS_CA)")
+    parser.add_argument("--mtls", action="store_true", default=None, help="require client certificates ($ACS_TLS_MTLS)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --host without TLS and a token (not recommended)")
     parser.add_argument(
         "--parent-pid", type=parent_pid_flag, default=None,
         help="stop when this process exits (used by test and local deployments)",
@@ -582,6 +596,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if token is not None and not token.strip():
         print("acs-cache-server: error: argument --token: must not be empty", file=sys.stderr)
         return 2
+    try:
+        security = resolve_security(token=token, token_file=args.token_file, tls_cert=args.tls_cert,
+                                    tls_key=args.tls_key, tls_ca=args.tls_ca, mtls=args.mtls)
+        check_bind(args.host, security, args.insecure, what="acs-cache-server")
+    except AcsOptionError as exc:
+        print(f"acs-cache-server: error: {exc}", file=sys.stderr)
+        return 2
     server = CacheServer(
         args.role,
         host=args.host,
@@ -589,7 +610,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         capacity_bytes=args.capacity,
         ttl_s=args.ttl,
         metrics_port=None if args.metrics_port == -1 else args.metrics_port,
-        token=token,
+        security=security,
     )
     stop = threading.Event()
 
