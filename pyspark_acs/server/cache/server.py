@@ -48,7 +48,9 @@ __all__ = [
     "DEFAULT_CAPACITY_BYTES",
     "DEFAULT_HOST",
     "EXPIRY_SWEEP_INTERVAL_S",
+    "MAX_KEYS_PER_CALL",
     "MAX_MESSAGE_BYTES",
+    "MAX_RESPONSE_BYTES",
     "MIN_CAPACITY_BYTES",
     "ROLES",
     "ROLE_DEFAULT_TTL_S",
@@ -74,7 +76,13 @@ DEFAULT_HOST = "127.0.0.1"
 #: Largest gRPC message either way: a batched put or get of several MiB of 4 KiB chunks
 #: (the client splits batches at 4 MiB; 64 MiB leaves room for callers that do not).
 MAX_MESSAGE_BYTES = 64 * 1024**2
-#: How often expired entries are swept when no put does it.
+#: Most keys one Get, Put or Delete may name (the client sends at most MAX_BATCH_KEYS = 1024):
+#: bounds how long one call holds the store's lock.
+MAX_KEYS_PER_CALL = 16_384
+#: Most value bytes one Get answer may hold, checked before it is assembled (the client splits
+#: batches at 4 MiB; below MAX_MESSAGE_BYTES so an answer is never built only to be refused).
+MAX_RESPONSE_BYTES = 32 * 1024**2
+#: How often expired entries are swept (in bounded slices, off the request path).
 EXPIRY_SWEEP_INTERVAL_S = 1.0
 #: In-flight calls get this long to finish on SIGTERM/SIGINT.
 STOP_GRACE_S = 1.0
@@ -128,8 +136,24 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         Absent or expired keys answer ``found=False``, size 0 and version 0.
         """
         started = time.perf_counter()
-        entries = self.store.get_many(request.keys)
+        keys = request.keys
+        if len(keys) > MAX_KEYS_PER_CALL:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"get: {len(keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
+        unique = dict.fromkeys(keys)
+        if len(unique) < len(keys):
+            # Each key is looked up once however often it is named.
+            found = dict(zip(unique, self.store.get_many(list(unique))))
+            entries = [found[k] for k in keys]
+        else:
+            entries = self.store.get_many(keys)
         values = [e.value if e is not None else b"" for e in entries]
+        # Bound the response before assembling it: a small request naming big values many
+        # times must not make the server build a huge message (issue 10, finding 4).
+        total = sum(map(len, values))
+        if total > MAX_RESPONSE_BYTES:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"get: the answer would hold {total} bytes; at most {MAX_RESPONSE_BYTES} per call")
         self._latency["Get"].observe(time.perf_counter() - started)
         return acs_pb2.GetResponse(
             found=[e is not None for e in entries],
@@ -147,6 +171,9 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         watches or follows are marked for it.
         """
         started = time.perf_counter()
+        if len(request.keys) > MAX_KEYS_PER_CALL:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"put: {len(request.keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
         keys, sizes, versions = request.keys, list(request.sizes), request.versions
         data = request.data
         if not (len(keys) == len(sizes) == len(versions)) or sum(sizes) != len(data):
@@ -194,6 +221,9 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
     async def Delete(self, request, context):  # noqa: N802
         """Delete keys; answers how many were present."""
         started = time.perf_counter()
+        if len(request.keys) > MAX_KEYS_PER_CALL:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"delete: {len(request.keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
         deleted = self.store.delete_many(request.keys)
         self._latency["Delete"].observe(time.perf_counter() - started)
         return acs_pb2.DeleteResponse(deleted=deleted)
