@@ -22,7 +22,10 @@ setup(
         "prometheus-client>=0.20",  # /metrics of the cache server and copy daemon (pyspark_acs/server/metrics.py)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3"],
+        # cryptography: `acs up --secure` makes a self-signed CA and certificates for a local deployment.
+        "secure": ["cryptography>=42"],
+        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3",
+                 "cryptography>=42"],
         "bench": ["redis", "matplotlib"],
     },
     entry_points={
