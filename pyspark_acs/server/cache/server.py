@@ -40,6 +40,7 @@ from pyspark_acs.units import parse_bytes, parse_duration
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, PutResult, Store
 from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Watchers
+from pyspark_acs.server.strict import add_servicer
 from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
 from pyspark_acs.server.metrics import CACHE_CALL_METRICS, CACHE_METRICS, Metrics, MetricsEndpoint, StatsCollector
 
@@ -485,7 +486,7 @@ class CacheServer:
     async def _main(self, address: str, listening: "futures.Future[int]") -> None:
         interceptors = [_TokenInterceptor(self.token)] if self.token else []
         server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
-        acs_pb2_grpc.add_CacheServicer_to_server(self.servicer, server)
+        add_servicer(acs_pb2_grpc.add_CacheServicer_to_server, self.servicer, server, aio=True)
         try:
             port = self.security.add_port(server, address)
         except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")

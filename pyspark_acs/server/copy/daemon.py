@@ -40,6 +40,7 @@ from pyspark_acs.server.copy.cluster import ClusterIO
 from pyspark_acs.server.copy.health import HealthMonitor
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
+from pyspark_acs.server.strict import add_servicer
 from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
 from pyspark_acs.server.copy.scheduler import CopyScheduler
 from pyspark_acs.server.copy.writer import CopyServicer
@@ -178,7 +179,7 @@ class CopyDaemon:
             futures.ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="acs-copy-rpc"),
             options=_SERVER_OPTIONS, interceptors=interceptors,
         )
-        copy_pb2_grpc.add_CopyServicer_to_server(self.servicer, server)
+        add_servicer(copy_pb2_grpc.add_CopyServicer_to_server, self.servicer, server, aio=False)
         try:
             bound = self.security.add_port(server, f"{self.options.host}:{port}")
         except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ..."): in use, or not ours
