@@ -47,7 +47,8 @@ from pyspark_acs.server.copy.writer import CopyServicer
 from pyspark_acs.server.metrics import MetricsEndpoint
 from pyspark_acs.server.copy.proto import copy_pb2_grpc
 from pyspark_acs.server.copy.topology import load_topology
-from pyspark_acs.security import SecuritySettings, TokenInterceptor, check_bind, resolve_security
+from pyspark_acs.security import (SecuritySettings, TokenInterceptor, check_bind, install_default,
+                                  resolve_security)
 from pyspark_acs.server.copy.writer import COPY_STREAMS_RESERVE
 from pyspark_acs.storage.store import DurableStore
 
@@ -99,7 +100,13 @@ class CopyDaemon:
         self.topology_path = str(topology_path)
         topology = load_topology(self.topology_path)
         self.cluster = topology.cluster(cluster).name
-        self.security = security if security is not None else resolve_security()
+        if security is None:  # the topology file's security table, else the environment
+            sec = topology.security
+            security = resolve_security(token_file=sec.get("token_file"), tls_cert=sec.get("tls_cert"),
+                                        tls_key=sec.get("tls_key"), tls_ca=sec.get("tls_ca"), mtls=sec.get("mtls"))
+        self.security = security
+        # Every cache client of this process (the poller's, the read path's) uses them too.
+        install_default(security)
         self.insecure = insecure
         self.io = ClusterIO(topology.cluster(cluster), security=self.security)
         self.metrics = CopyMetrics(self.cluster)
