@@ -206,3 +206,40 @@ def test_puts_do_not_sweep_and_the_sweeper_expires_in_slices():
     assert store.expire(slice_steps=7) == 1999
     assert store.stats()["expired_total"] == 2000
     assert store.stats()["ttl_groups"] == 1 and len(store) == 1
+
+
+# -- finding 7: the metrics endpoint's threads ----------------------------------------------------------
+
+
+def test_metrics_endpoint_threads_are_bounded_and_idle_connections_time_out():
+    import socket
+    import threading
+
+    from pyspark_acs.server.metrics import METRICS_REQUEST_TIMEOUT_S, METRICS_THREADS, Metrics, MetricsEndpoint
+
+    ep = MetricsEndpoint(Metrics("acs_test_", {}).registry, lambda: (True, {}), "127.0.0.1", 0,
+                         security=SecuritySettings(token="m")).start()
+    try:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", ep.port)) for _ in range(40)]
+        time.sleep(0.5)
+        assert threading.active_count() - before <= METRICS_THREADS  # was one thread per connection
+        # The server drops an idle connection after its timeout.
+        idle[0].settimeout(METRICS_REQUEST_TIMEOUT_S + 5)
+        started = time.monotonic()
+        assert idle[0].recv(1) == b""
+        assert time.monotonic() - started <= METRICS_REQUEST_TIMEOUT_S + 1
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{ep.port}/healthz",
+                                             headers={"Authorization": "Bearer m"})
+                assert urllib.request.urlopen(req, timeout=2).status == 200
+                break
+            except (OSError, urllib.error.URLError):
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        ep.stop()

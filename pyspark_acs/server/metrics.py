@@ -56,6 +56,7 @@ __all__ = [
     "COPY_DELAY_BUCKETS",
     "COPY_METRICS",
     "HealthCheck",
+    "METRICS_MAX_PENDING",
     "METRICS_REQUEST_TIMEOUT_S",
     "METRICS_THREADS",
     "MetricSpec",
@@ -358,7 +359,9 @@ HealthCheck = Callable[[], Tuple[bool, Mapping[str, object]]]
 #: listen backlog, bounded by the kernel).
 METRICS_THREADS = 4
 #: Socket timeout of one metrics connection (seconds): an idle client is dropped after it.
-METRICS_REQUEST_TIMEOUT_S = 5.0
+METRICS_REQUEST_TIMEOUT_S = 3.0
+#: Connections accepted and not yet served beyond which new ones are closed at once.
+METRICS_MAX_PENDING = 64
 
 
 class _HTTPServer(http.server.HTTPServer):
@@ -368,6 +371,9 @@ class _HTTPServer(http.server.HTTPServer):
         # Before binding: a failed bind calls server_close.
         self._pool = ThreadPoolExecutor(max_workers=METRICS_THREADS, thread_name_prefix="acs-metrics-req")
         self.ssl_context = None
+        # _pending_lock guards _pending (connections submitted to the pool and not finished).
+        self._pending_lock = threading.Lock()
+        self._pending = 0
         super().__init__(*args, **kwargs)
 
     def get_request(self):
@@ -379,6 +385,13 @@ class _HTTPServer(http.server.HTTPServer):
         return sock, addr
 
     def process_request(self, request, client_address) -> None:
+        with self._pending_lock:
+            full = self._pending >= METRICS_MAX_PENDING
+            if not full:
+                self._pending += 1
+        if full:  # shed load: a flood of connections must not queue without bound
+            self.shutdown_request(request)
+            return
         self._pool.submit(self._work, request, client_address)
 
     def _work(self, request, client_address) -> None:
@@ -390,6 +403,8 @@ class _HTTPServer(http.server.HTTPServer):
             self.handle_error(request, client_address)
         finally:
             self.shutdown_request(request)
+            with self._pending_lock:
+                self._pending -= 1
 
     def handle_error(self, request, client_address) -> None:  # a broken client is no server error
         log.debug("metrics request from %s failed", client_address, exc_info=True)
