@@ -250,3 +250,28 @@ def test_forged_heads_are_ignored(make_env):
     extra = [n for n in os.listdir(os.path.join(env.roots["B"], shard_dir(env.stream, 0))) if "evil" in n]
     assert extra == []
     assert metric(a, "errors_total", cluster="A", kind="head_not_in_store") >= 1
+
+
+def test_an_operation_that_cannot_progress_gives_up_its_worker(make_env):
+    """B's daemon is misconfigured (its topology names an empty folder as A's store), so it refuses
+    every hello from A: A's operations give up after MAX_FRUITLESS_SESSIONS instead of holding
+    their workers forever, and are tried again later."""
+    import json as _json
+
+    env = make_env()
+    with env.producer(roll_bytes=10_000_000) as p:
+        produce(p, 0, 20)
+    wrong = _json.loads(env.topology.read_text())
+    wrong["clusters"]["A"]["root"] = str(env.tmp / "not-A")
+    os.makedirs(env.tmp / "not-A")
+    bad_topology = env.tmp / "topology-B.json"
+    bad_topology.write_text(_json.dumps(wrong))
+    saved, env.topology = env.topology, bad_topology
+    env.start_daemon("B")
+    env.topology = saved
+    a = env.start_daemon("A")
+    deadline = time.monotonic() + 40
+    while metric(a, "errors_total", cluster="A", kind="gave_up") < 1:
+        assert time.monotonic() < deadline, env.logs()
+        time.sleep(0.5)
+    assert env.files("B") == {}  # every hello was refused before it created anything
