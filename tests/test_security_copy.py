@@ -149,12 +149,13 @@ def test_forged_deltas_refused_and_the_real_copy_unaffected(make_env):
             "a checksum mismatch": bytes(bad_crc),
             "past the source's length": real + encode_block([b"more"], first_index=10_000),
         }
-        for what, data in cases.items():
-            acks = _copy(stub, [_hello(env, name), copy_pb2.CopyRequest(start=0, data=data)])
-            assert acks[0].status == copy_pb2.OK and acks[0].length == 0, (what, acks)
-            assert acks[1].status == copy_pb2.FAILED, (what, acks[1])
-            assert "refused" in acks[1].message, (what, acks[1].message)
-        assert metric(b, "errors_total", cluster="B", kind="delta_refused") >= len(cases)
+        for storage in (copy_pb2.DURABLE, copy_pb2.CACHE):
+            for what, data in cases.items():
+                acks = _copy(stub, [_hello(env, name, storage=storage), copy_pb2.CopyRequest(start=0, data=data)])
+                assert acks[0].status == copy_pb2.OK and acks[0].length == 0, (storage, what, acks)
+                assert acks[1].status == copy_pb2.FAILED, (storage, what, acks[1])
+                assert "refused" in acks[1].message, (storage, what, acks[1].message)
+        assert metric(b, "errors_total", cluster="B", kind="delta_refused") >= 2 * len(cases)
         # The real copy: A's daemon feeds B; B ends byte-exact and its consumer reads every message.
         env.start_daemon("A")
         env.wait_same("B")

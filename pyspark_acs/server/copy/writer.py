@@ -396,6 +396,37 @@ class _CacheWriter(_OpWriter):
     def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
         super().__init__(servicer, hello)
         self.mirror: Optional[CacheMirror] = None
+        #: Whether ``position`` is known to be a block boundary (a copy from byte 0, or the end of
+        #: a checked delta) and the message index there: deltas from a known boundary are checked
+        #: like durable ones; after a jump or a resume inside the file they are not.
+        self.checked_from: Optional[int] = None
+        self.next_index: Optional[int] = None
+
+    def _check_delta(self, req: copy_pb2.CopyRequest) -> Optional[str]:
+        """Why a cache delta must not be written, or ``None``: from a known block boundary it must
+        be whole valid blocks continuing the file (:func:`validate_delta`), each header equal to the
+        source's where the source's store already holds it; elsewhere (after a jump, a resume
+        inside the file) it is not checked."""
+        if req.jump or self.checked_from is None or req.start != self.checked_from:
+            self.checked_from = None
+            return None
+        try:
+            sealed, next_index, blocks = validate_delta(b"", req.data, base=req.start, path=self.uri,
+                                                        next_index=self.next_index)
+        except CorruptFileError as exc:
+            return str(exc)
+        if self.s.source_store is not None:
+            store = self.s.source_store(self.source)
+            held = store.lengths([self.rel])[self.rel] or 0
+            for at in blocks:
+                position = req.start + at
+                if position + HEADER_SIZE <= held and \
+                        store.read(self.rel, position, position + HEADER_SIZE) != req.data[at:at + HEADER_SIZE]:
+                    return (f"{self.uri} at byte {position}: the block differs from the source {self.source}'s "
+                            f"block at that position")
+        self.checked_from = None if sealed else req.start + len(req.data)
+        self.next_index = next_index
+        return None
 
     def _mirror(self, position: int, prefix: Optional[bytes] = b"") -> CacheMirror:
         """The file's chunks from ``position``; ``prefix=None`` reads that chunk's first bytes
@@ -437,6 +468,8 @@ class _CacheWriter(_OpWriter):
             position = durable
         self.mirror = self._mirror(position, prefix)
         self.position = position
+        if position == 0:
+            self.checked_from, self.next_index = 0, 0
         if jumped and position > (cache_len or 0):
             # "... and the length in the metadata cache is updated accordingly" (paper
             # section 3): publish the jump now. Waiting for the next delta is not enough: when
@@ -462,6 +495,11 @@ class _CacheWriter(_OpWriter):
         elif req.start != self.position:
             self.s.metrics.inc("errors_total", kind="cache_restart")
             return _ack(copy_pb2.RESTART, self.position, f"delta starts at {req.start}, cache copy is at {self.position}")
+        refused = self._check_delta(req) if req.data else None
+        if refused is not None:
+            self.s.metrics.inc("errors_total", kind="delta_refused")
+            log.warning("%s: delta refused: %s", self.what(), refused)
+            return _ack(copy_pb2.FAILED, self.position, f"delta refused: {refused}")
         try:
             if req.data:
                 self.mirror.append(req.data)
@@ -472,6 +510,8 @@ class _CacheWriter(_OpWriter):
             self.s.metrics.inc("errors_total", kind="cache_write")
             return _ack(copy_pb2.FAILED, self.position, f"cache write failed: {exc}")
         self.position = self.mirror.position
+        if req.jump:
+            self.checked_from = None
         self.s.published(self.rel, cache_length=self.position, data=(req.start, req.data))
         self.note_delay(req, len(req.data))
         return _ack(copy_pb2.OK, self.position)
