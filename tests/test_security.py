@@ -243,3 +243,40 @@ def test_metrics_endpoint_threads_are_bounded_and_idle_connections_time_out():
                 time.sleep(0.2)
     finally:
         ep.stop()
+
+
+# -- TLS and mutual TLS on a cache server and its metrics endpoint ----------------------------------------
+
+
+def test_mutual_tls_cache_server_and_https_metrics(tmp_path):
+    import ssl
+
+    from pyspark_acs.server.cache.server import CacheServer
+    from pyspark_acs.server.local.tls import make_local_tls
+
+    files = make_local_tls(tmp_path / "tls")
+    token = open(files["token_file"]).read().strip()
+    server_side = resolve_security(token_file=files["token_file"], tls_cert=files["cert"], tls_key=files["key"],
+                                   tls_ca=files["ca"], mtls=True, env={})
+    server = CacheServer("data", security=server_side, capacity_bytes=16 * 1024**2)
+    server.start()
+    try:
+        # A client with the CA and the token but no certificate cannot connect.
+        with CacheClient(server.endpoint, security=SecuritySettings(token=token, tls_ca=files["ca"]),
+                         deadline=2.0) as anonymous:
+            with pytest.raises(Exception):
+                anonymous.put([(b"k", b"v", 1)])
+        client_side = resolve_security(token_file=files["token_file"], tls_cert=files["client_cert"],
+                                       tls_key=files["client_key"], tls_ca=files["ca"], mtls=True, env={})
+        with CacheClient(server.endpoint, security=client_side, deadline=2.0) as client:
+            client.put([(b"k", b"v", 1)])
+            assert client.get([b"k"])[0].value == b"v"
+        # /metrics over HTTPS with a client certificate and the token.
+        assert server.metrics_url.startswith("https://")
+        ctx = ssl.create_default_context(cafile=files["ca"])
+        ctx.load_cert_chain(files["client_cert"], files["client_key"])
+        req = urllib.request.Request(server.metrics_url, headers={"Authorization": f"Bearer {token}"})
+        body = urllib.request.urlopen(req, timeout=5, context=ctx).read().decode()
+        assert "acs_cache_puts_total" in body
+    finally:
+        server.stop()
