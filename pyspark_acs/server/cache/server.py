@@ -15,9 +15,12 @@ listen, it prints exactly one line on stdout, which a parent process parses for 
 
 It binds 127.0.0.1 unless ``--host`` says otherwise, stops gracefully on SIGTERM or SIGINT
 (in-flight calls get :data:`STOP_GRACE_S` to finish) and exits with status 2 and a message
-naming the flag when a flag is bad. With ``--token`` every call must carry the metadata
-``authorization: Bearer <token>`` (the bare token is accepted too), else it fails with
-``UNAUTHENTICATED``.
+naming the flag when a flag is bad. With a token (``--token-file``, ``$ACS_TOKEN_FILE`` or
+``$ACS_CACHE_TOKEN``; ``--token`` is deprecated: ``ps`` shows it) every call must carry the
+metadata ``authorization: Bearer <token>`` (the bare token is accepted too), else it fails with
+``UNAUTHENTICATED``; ``/metrics`` and ``/healthz`` answer 401 without it. With a certificate
+(``--tls-cert``/``--tls-key`` or ``$ACS_TLS_*``) both endpoints use TLS. A non-loopback
+``--host`` needs TLS and a token, or ``--insecure`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -627,6 +630,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if token is not None and not token.strip():
         print("acs-cache-server: error: argument --token: must not be empty", file=sys.stderr)
         return 2
+    if token is not None:
+        print("acs-cache-server: warning: --token shows in ps to every user of this machine; "
+              "use --token-file or $ACS_TOKEN_FILE", file=sys.stderr)
     try:
         security = resolve_security(token=token, token_file=args.token_file, tls_cert=args.tls_cert,
                                     tls_key=args.tls_key, tls_ca=args.tls_ca, mtls=args.mtls)
