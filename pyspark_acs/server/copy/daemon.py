@@ -16,6 +16,11 @@ Once listening it prints one line on stdout (parents parse it)::
 
     acs-copy-daemon cluster=B listening on 127.0.0.1:PORT metrics=http://127.0.0.1:MPORT/metrics
 
+Security (docs/security.md): the token and TLS files come from the topology file's ``security``
+table, else ``$ACS_TOKEN_FILE``/``$ACS_CACHE_TOKEN`` and ``$ACS_TLS_*``. With a token every RPC
+(``Copy`` included) must carry it and every call to another daemon sends it; with a certificate
+the service listens with TLS; a non-loopback ``--host`` needs both, or ``--insecure``.
+
 Bad flags, a bad topology file or a ``--cluster`` not in it exit with status 2 and a message.
 SIGTERM and SIGINT stop it gracefully (operations release their leases).
 """
