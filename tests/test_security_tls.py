@@ -42,7 +42,7 @@ def _exports(stdout: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def secure(tmp_path_factory):
+def secure(tmp_path_factory, spark):  # Spark first: its JVM starts before this module opens channels
     base = tmp_path_factory.mktemp("tls")
     env = {k: v for k, v in os.environ.items() if k not in SECURITY_ENV and not k.startswith("ACS_")}
     env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
