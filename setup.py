@@ -24,7 +24,10 @@ setup(
     ],
     extras_require={
         # matplotlib: the demo's delay plot (make demo installs .[test]) and tests/test_demo_plot.py
-        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3", "matplotlib"],
+        # cryptography: `acs up --secure` makes a self-signed CA and certificates for a local deployment.
+        "secure": ["cryptography>=42"],
+        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3",
+                 "matplotlib", "cryptography>=42"],
         "bench": ["redis", "matplotlib"],
     },
     entry_points={

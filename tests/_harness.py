@@ -289,7 +289,9 @@ def metric(proc: subprocess.Popen, name: str, **labels: str) -> float:
     import urllib.request
 
     url = proc.banner.split(" metrics=", 1)[1]
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    token = os.environ.get("ACS_CACHE_TOKEN")  # token-protected daemons want it on /metrics too
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    text = urllib.request.urlopen(req, timeout=5).read().decode()
     total = 0.0
     for line in text.splitlines():
         if line.startswith(f"acs_copy_{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):

@@ -38,6 +38,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+from pyspark_acs.security import SecuritySettings, resolve_security
 from pyspark_acs.errors import AcsOptionError, CacheError, CacheTimeoutError, CacheUnavailableError, ClosedError
 from pyspark_acs.cache.ring import DEFAULT_VNODES, HashRing
 
@@ -272,7 +273,11 @@ class CacheClient:
         Seconds after which a relaxed read still unanswered is also sent to another replica;
         ``0`` disables hedging.
     token : str, optional
-        Shared token sent as ``authorization: Bearer <token>``; default ``$ACS_CACHE_TOKEN``.
+        Shared token sent as ``authorization: Bearer <token>``; default ``security``'s, else
+        ``$ACS_CACHE_TOKEN`` / ``$ACS_TOKEN_FILE``.
+    security : SecuritySettings, optional
+        Token and TLS (CA bundle, client certificate with mTLS); default: the environment
+        (:func:`~pyspark_acs.security.resolve_security`).
     name : str, default "cache"
         Named in error messages (e.g. ``"data cache"``).
 
@@ -291,6 +296,7 @@ class CacheClient:
         hedge_after: float = DEFAULT_HEDGE_AFTER_S,
         token: Optional[str] = None,
         name: str = "cache",
+        security: Optional[SecuritySettings] = None,
     ) -> None:
         self.endpoints: Tuple[str, ...] = parse_endpoints(endpoints)
         if not isinstance(replication, int) or replication < 1:
@@ -303,9 +309,9 @@ class CacheClient:
         self.deadline = float(deadline)
         self.hedge_after = float(hedge_after)
         self.name = name
-        if token is None:  # the same variable the servers read, so one setting covers both
-            token = os.environ.get(TOKEN_ENV) or None
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        # The same variables the servers read, so one setting covers both.
+        self.security = (security if security is not None else resolve_security()).with_token(token)
+        self._metadata = self.security.call_metadata()
         self._ring = HashRing(self.endpoints, vnodes=DEFAULT_VNODES)
         # _lock guards _replicas' channel/stub creation, every _Replica's down state, _executor
         # creation and _closed.
@@ -371,7 +377,7 @@ class CacheClient:
                 raise ClosedError(f"{self.name}: client is closed")
             if rep.stub is None:
                 self._pb = acs_pb2
-                rep.channel = grpc.insecure_channel(rep.endpoint, options=_CHANNEL_OPTIONS)
+                rep.channel = self.security.channel(rep.endpoint, _CHANNEL_OPTIONS)
                 rep.stub = acs_pb2_grpc.CacheStub(rep.channel)
             return rep.stub
 

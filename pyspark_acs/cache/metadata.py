@@ -139,6 +139,8 @@ class MetadataLease:
     def __init__(self, meta: MetadataCache, uri: str, writer: str, what: str, seconds: float = DEFAULT_LEASE_SECONDS):
         self.meta = meta
         self.key = b"w:" + uri.encode()
+        #: Names the lease in errors: the metadata-cache key of ``uri``'s lease.
+        self._where = f"key w:{uri} of the metadata cache"
         self.writer = writer
         self.what = what
         self.seconds = seconds
@@ -196,7 +198,7 @@ class MetadataLease:
                 self._checked = time.monotonic()
                 return
             if now >= limit:
-                old = LeaseRecord.decode(cur.value) if cur else None
+                old = LeaseRecord.decode(cur.value, self._where) if cur else None
                 holder = old.describe() if old else "another writer"
                 raise WriterConflictError(f"{self.what}: could not take the lease from {holder}")
             # Jitter: two writers racing for a split key must not keep mirroring each other.
@@ -204,7 +206,7 @@ class MetadataLease:
 
     def _takeable(self, raw: Optional[bytes], poisoned_at: Dict[bytes, float], now: float) -> bool:
         """Whether a value a replica holds may be replaced by our record now."""
-        old = LeaseRecord.decode(raw)
+        old = LeaseRecord.decode(raw, self._where)
         if old is None or not old.live():
             return True  # absent, released or expired
         if old.get("poisoned"):  # ours too: someone wants the lease, we do not snatch it back
@@ -226,7 +228,7 @@ class MetadataLease:
                 write = raw
                 wrote_mine = True
             else:
-                old = LeaseRecord.decode(expected)
+                old = LeaseRecord.decode(expected, self._where)
                 if old.get("poisoned"):
                     break  # its holder still has time to stop
                 write = LeaseRecord(old, poisoned=True).encode()
@@ -279,7 +281,7 @@ class MetadataLease:
                 self._checked = time.monotonic()
                 return
             cur = self._current()  # someone else took it meanwhile
-        rec = LeaseRecord.decode(cur.value) if cur else None
+        rec = LeaseRecord.decode(cur.value, self._where) if cur else None
         if self.record is None or not self.record.same_holder(rec) or (rec and rec.get("poisoned")):
             if rec is not None and self.record is not None and self.record.same_holder(rec):
                 # Poisoned: hand the lease over at once by deleting our poisoned record.

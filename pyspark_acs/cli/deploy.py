@@ -73,6 +73,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise AcsOptionError("--root: give the cluster's durable store root to record in the topology file",
                              option="--root")
     links = [_link(text) for text in args.link]
+    security, exports = _security(args)
     if args.topology is not None:
         from pyspark_acs.server.copy.topology import check_writable
 
@@ -85,6 +86,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         data_ttl=args.data_ttl,
         host=args.host,
         base_port=args.base_port,
+        security=security,
+        insecure=args.insecure,
     )
     data, meta = dep.data_endpoints, dep.metadata_endpoints
     for role in ("data", "metadata"):
@@ -108,10 +111,49 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise
         print(f"topology:       cluster {args.cluster} recorded in {args.topology} (copy daemon port {copy_port}); "
               f"start it with: acs-copy-daemon --topology {args.topology} --cluster {args.cluster}")
-    print(f"export {ENV_DATA}={data} {ENV_METADATA}={meta} {ENV_DEPLOYMENT}={os.path.abspath(args.dir)}")
+    extra = "".join(f" {k}={v}" for k, v in exports.items())
+    print(f"export {ENV_DATA}={data} {ENV_METADATA}={meta} {ENV_DEPLOYMENT}={os.path.abspath(args.dir)}{extra}")
     print(f"stop with: acs down --dir {args.dir}", file=sys.stderr)
     sys.stdout.flush()
     return 0
+
+
+def _security(args: argparse.Namespace):
+    """The servers' security settings of ``acs up`` and the variables the export line adds.
+
+    ``--secure`` makes a self-signed CA, certificates and a token file under ``DIR/tls``
+    (kept across restarts); explicit ``--token-file``/``--tls-*`` flags win over it, and the
+    environment (``$ACS_CACHE_TOKEN``, ``$ACS_TOKEN_FILE``, ``$ACS_TLS_*``) fills the rest.
+
+    Raises
+    ------
+    AcsOptionError
+        For unreadable files, or a non-loopback ``--host`` without TLS and a token and without
+        ``--insecure``.
+    """
+    from pyspark_acs.security import (ENV_MTLS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, ENV_TOKEN_FILE,
+                                      check_bind, resolve_security)
+
+    made = {}
+    if args.secure:
+        from pyspark_acs.server.local.tls import make_local_tls
+
+        made = make_local_tls(os.path.join(args.dir, "tls"), [args.host])
+    token_file = args.token_file or (made.get("token_file") if not os.environ.get(ENV_TOKEN) else None)
+    security = resolve_security(token_file=token_file, tls_cert=args.tls_cert or made.get("cert"),
+                                tls_key=args.tls_key or made.get("key"), tls_ca=args.tls_ca or made.get("ca"),
+                                mtls=True if args.mtls else None)
+    check_bind(args.host, security, args.insecure, what="acs up")
+    exports = {}
+    if token_file:
+        exports[ENV_TOKEN_FILE] = os.path.abspath(token_file)
+    for name, value in ((ENV_TLS_CA, security.tls_ca), (ENV_TLS_CERT, security.tls_cert),
+                        (ENV_TLS_KEY, security.tls_key)):
+        if value and os.environ.get(name) != value:
+            exports[name] = os.path.abspath(value)
+    if security.mtls and not os.environ.get(ENV_MTLS):
+        exports[ENV_MTLS] = "1"  # clients present the same certificate (it allows client auth too)
+    return security, exports
 
 
 def _link(text: str):
@@ -372,6 +414,19 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--copy-port", type=int, default=None, help="the cluster's copy daemon port (default: a free one)")
     p.add_argument("--link", action="append", default=[], metavar="CLUSTER[:COST]",
                    help="a link from this cluster to another (repeatable; cost 1 by default)")
+    s = p.add_argument_group("security (docs/security.md)")
+    s.add_argument("--secure", action="store_true",
+                   help="make a self-signed CA, certificates and a token file under DIR/tls and serve TLS with "
+                        "a token; the export line names the files")
+    s.add_argument("--token-file", default=None, metavar="FILE",
+                   help="file holding the shared token (default: $ACS_CACHE_TOKEN, else $ACS_TOKEN_FILE)")
+    s.add_argument("--tls-cert", default=None, metavar="PEM", help="server certificate chain (default $ACS_TLS_CERT)")
+    s.add_argument("--tls-key", default=None, metavar="PEM", help="its private key (default $ACS_TLS_KEY)")
+    s.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle (default $ACS_TLS_CA)")
+    s.add_argument("--mtls", action="store_true", help="require client certificates")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without TLS and a token (anyone who reaches it can read "
+                        "and forge messages)")
     p.set_defaults(func=cmd_up)
 
 

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, NO_CACHE, cache_endpoints, parse_endpoints
 from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.security import SecuritySettings, install_default, resolve_security
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES
 from pyspark_acs.read.consumer import DEFAULT_POLL_INTERVAL_S
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES
@@ -85,16 +86,49 @@ def _endpoints(value: Any, name: str) -> str:
 
 def _with_env_caches(opts: Any) -> Any:
     """Cache endpoints not given as options come from the driver's environment (``acs up``'s
-    exports), resolved here, once, so every task reads through the caches the planner used."""
+    exports), resolved here, once, so every task reads through the caches the planner used.
+    So do the token and TLS files (:func:`pyspark_acs.security.resolve_security`): the token
+    is read from its file on the driver and travels in the options."""
+    sec = resolve_security(token=opts.cache_token, token_file=opts.token_file, tls_cert=opts.tls_cert,
+                           tls_key=opts.tls_key, tls_ca=opts.tls_ca, mtls=opts.mtls)
+    if sec.token or sec.client_tls:  # the driver's own clients (the planner's) use them too
+        install_default(sec)
     return replace(
         opts,
         data_cache=cache_endpoints(opts.data_cache, DATA_CACHE_ENV),
         metadata_cache=cache_endpoints(opts.metadata_cache, METADATA_CACHE_ENV),
+        cache_token=sec.token, token_file=None, tls_cert=sec.tls_cert, tls_key=sec.tls_key, tls_ca=sec.tls_ca,
+        mtls=sec.mtls,
     )
 
 
+class _Secured:
+    """Options carrying security settings: once unpickled in a Spark Python worker they become
+    that process's default (:func:`pyspark_acs.security.install_default`), so every client a
+    task opens uses the driver's token and TLS files."""
+
+    def security(self) -> SecuritySettings:
+        """The token and TLS settings these options carry."""
+        return SecuritySettings(token=self.cache_token, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                                tls_ca=self.tls_ca, mtls=bool(self.mtls))
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if state.get("cache_token") or state.get("tls_ca") or state.get("tls_cert"):
+            install_default(self.security())
+
+
+_SECURITY_DOCS = {
+    "tokenFile": "file holding the cache/copy token, read on the driver ($ACS_TOKEN_FILE)",
+    "tlsCa": "CA bundle: connect to the caches with TLS ($ACS_TLS_CA)",
+    "tlsCert": "client certificate chain for mutual TLS ($ACS_TLS_CERT)",
+    "tlsKey": "its private key ($ACS_TLS_KEY)",
+    "mtls": "present tlsCert/tlsKey to the servers ($ACS_TLS_MTLS)",
+}
+
+
 @dataclass(frozen=True)
-class SourceOptions:
+class SourceOptions(_Secured):
     """Options of ``spark.readStream.format("acs")`` and ``spark.read.format("acs")``."""
 
     root: str = option("root", parse=parse_str, required=True, doc="durable store root URI or path")
@@ -107,6 +141,11 @@ class SourceOptions:
     cache_token: Optional[str] = option(
         "cacheToken", None, parse=parse_str, doc="token of token-protected cache servers ($ACS_CACHE_TOKEN)"
     )
+    token_file: Optional[str] = option("tokenFile", None, parse=parse_str, doc=_SECURITY_DOCS["tokenFile"])
+    tls_ca: Optional[str] = option("tlsCa", None, parse=parse_str, doc=_SECURITY_DOCS["tlsCa"])
+    tls_cert: Optional[str] = option("tlsCert", None, parse=parse_str, doc=_SECURITY_DOCS["tlsCert"])
+    tls_key: Optional[str] = option("tlsKey", None, parse=parse_str, doc=_SECURITY_DOCS["tlsKey"])
+    mtls: Optional[bool] = option("mtls", None, parse=parse_bool, doc=_SECURITY_DOCS["mtls"])
     starting_offsets: Optional[str] = option(
         "startingOffsets", None, parse=_offsets_spec("earliest", "latest"),
         doc="earliest | latest | offsets JSON (default: latest for streams, earliest for batch)",
@@ -148,7 +187,7 @@ class SourceOptions:
 
 
 @dataclass(frozen=True)
-class SinkOptions:
+class SinkOptions(_Secured):
     """Options of ``df.writeStream.format("acs")`` and ``df.write.format("acs")``."""
 
     root: str = option("root", parse=parse_str, required=True, doc="durable store root URI or path")
@@ -168,6 +207,11 @@ class SinkOptions:
     cache_token: Optional[str] = option(
         "cacheToken", None, parse=parse_str, doc="token of token-protected cache servers ($ACS_CACHE_TOKEN)"
     )
+    token_file: Optional[str] = option("tokenFile", None, parse=parse_str, doc=_SECURITY_DOCS["tokenFile"])
+    tls_ca: Optional[str] = option("tlsCa", None, parse=parse_str, doc=_SECURITY_DOCS["tlsCa"])
+    tls_cert: Optional[str] = option("tlsCert", None, parse=parse_str, doc=_SECURITY_DOCS["tlsCert"])
+    tls_key: Optional[str] = option("tlsKey", None, parse=parse_str, doc=_SECURITY_DOCS["tlsKey"])
+    mtls: Optional[bool] = option("mtls", None, parse=parse_bool, doc=_SECURITY_DOCS["mtls"])
     max_block_bytes: int = option(
         "maxBlockBytes", DEFAULT_MAX_BLOCK_BYTES, parse=bytes_parser(1024), doc="block size (1MiB)"
     )

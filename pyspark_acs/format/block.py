@@ -70,6 +70,7 @@ __all__ = [
     "HEADERS_TYPE",
     "HEADER_SIZE",
     "MAGIC",
+    "MAX_MESSAGE_INDEX",
     "BlockHeader",
     "decode_block",
     "encode_block",
@@ -84,6 +85,8 @@ __all__ = [
 MAGIC = b"ACSB"
 FORMAT_VERSION = 1
 HEADER_SIZE = 48
+#: Largest message index (positions are int64): a block whose indexes would pass it is corrupt.
+MAX_MESSAGE_INDEX = 2**63 - 1
 #: Default upper bound on a block's body: Pravega's data frame size. A single larger
 #: message still gets a block of its own.
 DEFAULT_MAX_BLOCK_BYTES = 1024 * 1024
@@ -483,6 +486,11 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
                  with_headers: bool = False) -> pa.RecordBatch:
     n = h.count
     schema = BLOCK_SCHEMA_WITH_HEADERS if with_headers else BLOCK_SCHEMA
+    if not 0 <= h.first_index <= MAX_MESSAGE_INDEX - n:
+        # Positions are int64: an index past 2**63 - 1 would overflow or wrap negative.
+        raise CorruptFileError(
+            f"{path or '<buffer>'} at byte {pos}: block first_index {h.first_index} with {n} messages is out of "
+            f"range (0..{MAX_MESSAGE_INDEX})", path=path, position=pos)
     if n == 0:  # a seal or an empty block: nothing to slice (a seal's body is empty)
         return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in schema], schema=schema)
     at = start
@@ -492,7 +500,8 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
         nonlocal at
         if size < 0 or at + size > end:
             raise CorruptFileError(
-                f"{path or '<buffer>'} at byte {pos}: block sections exceed its body length", path=path, position=pos
+                f"{path or '<buffer>'} at byte {pos}: block sections exceed its body length"
+                + (f" (a section of {size} bytes)" if size < 0 else ""), path=path, position=pos
             )
         piece = buf.slice(at, size)
         at += _pad8(size) if pad else size
@@ -539,7 +548,8 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
             columns.append(headers)
         elif with_headers:
             columns.append(pa.nulls(n, HEADERS_TYPE))
-    except (pa.ArrowException, ValueError, struct.error) as exc:
+    except (pa.ArrowException, ValueError, IndexError, OverflowError, struct.error) as exc:
+        # Hostile offsets (negative, past the data) surface as Arrow errors: translate them here.
         raise CorruptFileError(
             f"{path or '<buffer>'} at byte {pos}: inconsistent block body: {exc}", path=path, position=pos
         ) from exc

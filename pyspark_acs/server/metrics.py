@@ -19,8 +19,11 @@ Two ways to feed a registry:
 - ``GET /healthz``: a JSON object ``{"healthy": true|false, ...details}`` from the server's health
   callable, status 200 when healthy, 503 when not (or when the callable fails).
 
-Neither path asks for a token: like before this module, the endpoint carries no secret and binds
-the server's interface (127.0.0.1 unless told otherwise).
+With a token in the server's :class:`~pyspark_acs.security.SecuritySettings` both paths require
+``Authorization: Bearer <token>`` (401 without it; Prometheus sends it with
+``authorization: {credentials_file: ...}``); with a certificate they are served over HTTPS.
+Requests are served by at most :data:`METRICS_THREADS` threads, each connection with a
+:data:`METRICS_REQUEST_TIMEOUT_S` socket timeout (a slow or idle client cannot pile up threads).
 
 Counters export no ``_created`` series (:func:`prometheus_client.disable_created_metrics` is called
 on import): nothing reads them, and they doubled every scrape.
@@ -34,10 +37,13 @@ import json
 import logging
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import prometheus_client
+
+from pyspark_acs.security import SecuritySettings, token_matches
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder, generate_latest, gzip_accepted
@@ -50,6 +56,9 @@ __all__ = [
     "COPY_DELAY_BUCKETS",
     "COPY_METRICS",
     "HealthCheck",
+    "METRICS_MAX_PENDING",
+    "METRICS_REQUEST_TIMEOUT_S",
+    "METRICS_THREADS",
     "MetricSpec",
     "Metrics",
     "MetricsEndpoint",
@@ -346,8 +355,63 @@ class StatsCollector(Collector):
 HealthCheck = Callable[[], Tuple[bool, Mapping[str, object]]]
 
 
-class _HTTPServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True  # a stuck scraper never holds up shutdown
+#: Threads serving ``/metrics`` and ``/healthz`` at once (connections beyond them wait in the
+#: listen backlog, bounded by the kernel).
+METRICS_THREADS = 4
+#: Socket timeout of one metrics connection (seconds): an idle client is dropped after it.
+METRICS_REQUEST_TIMEOUT_S = 3.0
+#: Connections accepted and not yet served beyond which new ones are closed at once.
+METRICS_MAX_PENDING = 64
+
+
+class _HTTPServer(http.server.HTTPServer):
+    """An HTTP server whose requests run on a fixed pool of :data:`METRICS_THREADS` threads."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        # Before binding: a failed bind calls server_close.
+        self._pool = ThreadPoolExecutor(max_workers=METRICS_THREADS, thread_name_prefix="acs-metrics-req")
+        self.ssl_context = None
+        # _pending_lock guards _pending (connections submitted to the pool and not finished).
+        self._pending_lock = threading.Lock()
+        self._pending = 0
+        super().__init__(*args, **kwargs)
+
+    def get_request(self):
+        sock, addr = super().get_request()
+        sock.settimeout(METRICS_REQUEST_TIMEOUT_S)
+        if self.ssl_context is not None:
+            # The handshake runs on the pool thread (do_handshake_on_connect=False), never here.
+            sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
+
+    def process_request(self, request, client_address) -> None:
+        with self._pending_lock:
+            full = self._pending >= METRICS_MAX_PENDING
+            if not full:
+                self._pending += 1
+        if full:  # shed load: a flood of connections must not queue without bound
+            self.shutdown_request(request)
+            return
+        self._pool.submit(self._work, request, client_address)
+
+    def _work(self, request, client_address) -> None:
+        try:
+            if hasattr(request, "do_handshake"):
+                request.do_handshake()
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            with self._pending_lock:
+                self._pending -= 1
+
+    def handle_error(self, request, client_address) -> None:  # a broken client is no server error
+        log.debug("metrics request from %s failed", client_address, exc_info=True)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._pool.shutdown(wait=False)
 
 
 class _HTTPServer6(_HTTPServer):
@@ -371,6 +435,8 @@ class MetricsEndpoint:
         0 picks a free port.
     name : str
         What the server is, for error messages and the thread's name (e.g. ``"acs-cache-metrics"``).
+    security : SecuritySettings, optional
+        With a token, both paths require it; with a certificate, HTTPS.
 
     Raises
     ------
@@ -379,8 +445,9 @@ class MetricsEndpoint:
     """
 
     def __init__(self, registry: CollectorRegistry, health: HealthCheck, host: str, port: int,
-                 name: str = "acs-metrics") -> None:
+                 name: str = "acs-metrics", security: Optional["SecuritySettings"] = None) -> None:
         self.registry = registry
+        self.token = security.token if security is not None else None
         self.health = health
         self.name = name
         bare = host.strip("[]")
@@ -390,15 +457,17 @@ class MetricsEndpoint:
         except OSError as exc:
             where = f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
             raise OSError(f"cannot bind the metrics port {where} ({name}): {exc}") from exc
+        self._http.ssl_context = security.ssl_context() if security is not None else None
         self.host = bare
         self.port: int = self._http.server_address[1]
         self._thread: Optional[threading.Thread] = None
 
     @property
     def url(self) -> str:
-        """``http://host:port/metrics``."""
+        """``http://host:port/metrics`` (``https`` with TLS)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        scheme = "https" if self._http.ssl_context is not None else "http"
+        return f"{scheme}://{host}:{self.port}/metrics"
 
     def start(self) -> "MetricsEndpoint":
         """Serve on a daemon thread; returns self."""
@@ -440,9 +509,14 @@ class MetricsEndpoint:
 
 def _handler(endpoint: MetricsEndpoint) -> type:
     class Handler(http.server.BaseHTTPRequestHandler):
+        timeout = METRICS_REQUEST_TIMEOUT_S
+
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
             path = self.path.split("?", 1)[0]
-            if path == "/metrics":
+            if endpoint.token and not token_matches(self.headers.get("Authorization"), endpoint.token):
+                status, body = 401, b"missing or wrong token (send 'Authorization: Bearer TOKEN')\n"
+                headers = [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", "Bearer")]
+            elif path == "/metrics":
                 try:
                     body, headers = endpoint.metrics_body(self.headers.get("Accept", ""),
                                                           self.headers.get("Accept-Encoding", ""))

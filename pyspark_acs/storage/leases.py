@@ -60,6 +60,29 @@ def exclusive(store: DurableStore, rel: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+#: Fields of a lease record and the JSON types each may hold.
+_FIELDS = {"writer": (str,), "nonce": (str,), "expires": (int, float), "poisoned": (bool,),
+           "host": (str,), "pid": (int,)}
+
+
+def _shape_problem(doc: object) -> Optional[str]:
+    """Why ``doc`` (parsed JSON) is not a lease record, or ``None``."""
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    for name in ("writer", "nonce", "expires"):
+        if name not in doc:
+            return f"no {name!r}"
+    for name, types in _FIELDS.items():
+        value = doc.get(name)
+        if value is None and name not in ("writer", "nonce", "expires"):
+            continue
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            return f"{name!r} is {type(value).__name__}"
+    if not -1e18 < float(doc["expires"]) < 1e18:
+        return "'expires' out of range"
+    return None
+
+
 class LeaseRecord(dict):
     """The lease value: a JSON object with ``writer``, ``nonce``, ``expires``, ``poisoned``."""
 
@@ -76,14 +99,29 @@ class LeaseRecord(dict):
         )
 
     @classmethod
-    def decode(cls, raw: Optional[bytes]) -> Optional["LeaseRecord"]:
-        """Parse a stored record; ``None`` for no content or invalid JSON (a torn write)."""
+    def decode(cls, raw: Optional[bytes], where: str = "") -> Optional["LeaseRecord"]:
+        """Parse a stored record; ``None`` for no content or invalid JSON (a torn write).
+
+        ``where`` (the lease file or key) only serves error messages.
+
+        Raises
+        ------
+        WriterConflictError
+            For valid JSON that is not a lease record (not an object, or ``writer``, ``nonce``,
+            ``expires``, ``poisoned`` of the wrong type): someone else wrote it, so no writer
+            may take it over blindly.
+        """
         if not raw:
             return None
         try:
-            return cls(json.loads(raw))
+            doc = json.loads(raw)
         except ValueError:
-            return None  # a torn or foreign lease file is treated as no lease
+            return None  # a torn lease file is treated as no lease
+        problem = _shape_problem(doc)
+        if problem is not None:
+            raise WriterConflictError(f"lease {where or '<record>'}: not a lease record ({problem}); "
+                                      f"remove it if no writer of this package wrote it")
+        return cls(doc)
 
     def encode(self) -> bytes:
         """The record as JSON bytes (sorted keys)."""
@@ -139,12 +177,12 @@ class StoreLease:
         metadata-cache lease; the old holder sees the change at its next check and stops).
         """
         with exclusive(self.store, self._lock):
-            current = LeaseRecord.decode(self.store.read_small(self.rel))
+            current = LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))
             if not force and current is not None and current.live() and current.get("writer") != self.writer:
                 raise WriterConflictError(f"{self.what} is held by {current.describe()}; stop that writer or wait")
             record = LeaseRecord.new(self.writer, self.seconds)
             self.store.write_small(self.rel, record.encode())
-            if not record.same_holder(LeaseRecord.decode(self.store.read_small(self.rel))):
+            if not record.same_holder(LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))):
                 raise WriterConflictError(f"{self.what}: another writer took the lease at the same moment")
         self.record = record
         self._renewed = time.monotonic()
@@ -156,7 +194,7 @@ class StoreLease:
     def renew(self) -> None:
         """Check the lease is still ours and extend it; raise LeasePoisonedError if not."""
         with exclusive(self.store, self._lock):
-            current = LeaseRecord.decode(self.store.read_small(self.rel))
+            current = LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))
             if self.record is None or not self.record.same_holder(current) or current.get("poisoned"):
                 holder = current.describe() if current else "nobody"
                 raise LeasePoisonedError(f"{self.what}: our lease was taken over (now held by {holder}); stopping")
@@ -171,7 +209,7 @@ class StoreLease:
         if self.record is None:
             return
         with exclusive(self.store, self._lock):
-            current = LeaseRecord.decode(self.store.read_small(self.rel))
+            current = LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))
             if self.record.same_holder(current):
                 self.store.delete(self.rel)
         self.record = None

@@ -15,16 +15,18 @@ listen, it prints exactly one line on stdout, which a parent process parses for 
 
 It binds 127.0.0.1 unless ``--host`` says otherwise, stops gracefully on SIGTERM or SIGINT
 (in-flight calls get :data:`STOP_GRACE_S` to finish) and exits with status 2 and a message
-naming the flag when a flag is bad. With ``--token`` every call must carry the metadata
-``authorization: Bearer <token>`` (the bare token is accepted too), else it fails with
-``UNAUTHENTICATED``.
+naming the flag when a flag is bad. With a token (``--token-file``, ``$ACS_TOKEN_FILE`` or
+``$ACS_CACHE_TOKEN``; ``--token`` is deprecated: ``ps`` shows it) every call must carry the
+metadata ``authorization: Bearer <token>`` (the bare token is accepted too), else it fails with
+``UNAUTHENTICATED``; ``/metrics`` and ``/healthz`` answer 401 without it. With a certificate
+(``--tls-cert``/``--tls-key`` or ``$ACS_TLS_*``) both endpoints use TLS. A non-loopback
+``--host`` needs TLS and a token, or ``--insecure`` (docs/security.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import os
 import signal
 import sys
@@ -36,10 +38,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 import grpc
 
 from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.security import SecuritySettings, check_bind, metadata_has_token, resolve_security
 from pyspark_acs.units import parse_bytes, parse_duration
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, PutResult, Store
 from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Watchers
+from pyspark_acs.server.strict import add_servicer
 from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
 from pyspark_acs.server.metrics import CACHE_CALL_METRICS, CACHE_METRICS, Metrics, MetricsEndpoint, StatsCollector
 
@@ -48,7 +52,9 @@ __all__ = [
     "DEFAULT_CAPACITY_BYTES",
     "DEFAULT_HOST",
     "EXPIRY_SWEEP_INTERVAL_S",
+    "MAX_KEYS_PER_CALL",
     "MAX_MESSAGE_BYTES",
+    "MAX_RESPONSE_BYTES",
     "MIN_CAPACITY_BYTES",
     "ROLES",
     "ROLE_DEFAULT_TTL_S",
@@ -74,7 +80,13 @@ DEFAULT_HOST = "127.0.0.1"
 #: Largest gRPC message either way: a batched put or get of several MiB of 4 KiB chunks
 #: (the client splits batches at 4 MiB; 64 MiB leaves room for callers that do not).
 MAX_MESSAGE_BYTES = 64 * 1024**2
-#: How often expired entries are swept when no put does it.
+#: Most keys one Get, Put or Delete may name (the client sends at most MAX_BATCH_KEYS = 1024):
+#: bounds how long one call holds the store's lock.
+MAX_KEYS_PER_CALL = 16_384
+#: Most value bytes one Get answer may hold, checked before it is assembled (the client splits
+#: batches at 4 MiB; below MAX_MESSAGE_BYTES so an answer is never built only to be refused).
+MAX_RESPONSE_BYTES = 32 * 1024**2
+#: How often expired entries are swept (in bounded slices, off the request path).
 EXPIRY_SWEEP_INTERVAL_S = 1.0
 #: In-flight calls get this long to finish on SIGTERM/SIGINT.
 STOP_GRACE_S = 1.0
@@ -128,8 +140,24 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         Absent or expired keys answer ``found=False``, size 0 and version 0.
         """
         started = time.perf_counter()
-        entries = self.store.get_many(request.keys)
+        keys = request.keys
+        if len(keys) > MAX_KEYS_PER_CALL:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"get: {len(keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
+        unique = dict.fromkeys(keys)
+        if len(unique) < len(keys):
+            # Each key is looked up once however often it is named.
+            found = dict(zip(unique, self.store.get_many(list(unique))))
+            entries = [found[k] for k in keys]
+        else:
+            entries = self.store.get_many(keys)
         values = [e.value if e is not None else b"" for e in entries]
+        # Bound the response before assembling it: a small request naming big values many
+        # times must not make the server build a huge message (issue 10, finding 4).
+        total = sum(map(len, values))
+        if total > MAX_RESPONSE_BYTES:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"get: the answer would hold {total} bytes; at most {MAX_RESPONSE_BYTES} per call")
         self._latency["Get"].observe(time.perf_counter() - started)
         return acs_pb2.GetResponse(
             found=[e is not None for e in entries],
@@ -147,6 +175,9 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         watches or follows are marked for it.
         """
         started = time.perf_counter()
+        if len(request.keys) > MAX_KEYS_PER_CALL:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"put: {len(request.keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
         keys, sizes, versions = request.keys, list(request.sizes), request.versions
         data = request.data
         if not (len(keys) == len(sizes) == len(versions)) or sum(sizes) != len(data):
@@ -194,6 +225,9 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
     async def Delete(self, request, context):  # noqa: N802
         """Delete keys; answers how many were present."""
         started = time.perf_counter()
+        if len(request.keys) > MAX_KEYS_PER_CALL:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"delete: {len(request.keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
         deleted = self.store.delete_many(request.keys)
         self._latency["Delete"].observe(time.perf_counter() - started)
         return acs_pb2.DeleteResponse(deleted=deleted)
@@ -288,10 +322,11 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls whose ``authorization`` metadata is not the shared token."""
+    """Refuses calls whose ``authorization`` metadata is not the shared token (the comparison
+    is :func:`pyspark_acs.security.metadata_has_token`: constant-time)."""
 
     def __init__(self, token: str) -> None:
-        self._accepted = (token.encode(), f"Bearer {token}".encode())
+        self._token = token
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cache token")
@@ -304,11 +339,8 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         self._deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
 
     async def intercept_service(self, continuation, handler_call_details):
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                if any(hmac.compare_digest(given, ok) for ok in self._accepted):
-                    return await continuation(handler_call_details)
+        if metadata_has_token(handler_call_details.invocation_metadata, self._token):
+            return await continuation(handler_call_details)
         method = handler_call_details.method.rsplit("/", 1)[-1]
         return self._deny_stream if method in _STREAM_METHODS else self._deny
 
@@ -337,7 +369,9 @@ class CacheServer:
     metrics_port : int or None
         HTTP metrics port; 0 picks a free one, ``None`` disables the endpoint.
     token : str, optional
-        Shared token every call must carry.
+        Shared token every call must carry (default: ``security``'s).
+    security : SecuritySettings, optional
+        Token and TLS of the gRPC and metrics endpoints; default: none (plain, no token).
 
     The gRPC server is grpc.aio on an event loop of its own thread (:meth:`start` returns
     once it listens): many long-lived push streams cost no worker thread each, and a put
@@ -354,6 +388,7 @@ class CacheServer:
         ttl_s: Optional[float] = None,
         metrics_port: Optional[int] = 0,
         token: Optional[str] = None,
+        security: Optional[SecuritySettings] = None,
     ) -> None:
         if role not in ROLES:
             raise AcsOptionError(f"role: {role!r} is not a role; use one of: {', '.join(ROLES)}", option="role")
@@ -371,7 +406,8 @@ class CacheServer:
         calls = Metrics(CACHE_PREFIX, CACHE_CALL_METRICS, {"role": role}, registry=self.registry)
         self.servicer = CacheServicer(self.store, role, calls)
         self.metrics_port_requested = metrics_port
-        self.token = token
+        self.security = (security or SecuritySettings()).with_token(token)
+        self.token = self.security.token
         self.port = 0
         self.metrics_port: Optional[int] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -391,7 +427,8 @@ class CacheServer:
         """URL of ``/metrics`` (after :meth:`start`), or ``None`` when disabled."""
         if self.metrics_port is None:
             return None
-        return f"http://{format_endpoint(self.host, self.metrics_port)}/metrics"
+        scheme = "https" if self.security.server_tls else "http"
+        return f"{scheme}://{format_endpoint(self.host, self.metrics_port)}/metrics"
 
     def metric_values(self) -> Dict[str, float]:
         """What ``/metrics`` exports: :meth:`CacheServicer.stats_values` (durations in seconds, as
@@ -430,7 +467,7 @@ class CacheServer:
         if self.metrics_port_requested is not None:
             try:
                 self._http = MetricsEndpoint(self.registry, self.healthz, self.host, self.metrics_port_requested,
-                                             name="acs-cache-metrics")
+                                             name="acs-cache-metrics", security=self.security)
             except OSError:  # the message names the metrics port
                 self.stop(0)
                 raise
@@ -452,9 +489,9 @@ class CacheServer:
     async def _main(self, address: str, listening: "futures.Future[int]") -> None:
         interceptors = [_TokenInterceptor(self.token)] if self.token else []
         server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
-        acs_pb2_grpc.add_CacheServicer_to_server(self.servicer, server)
+        add_servicer(acs_pb2_grpc.add_CacheServicer_to_server, self.servicer, server, aio=True)
         try:
-            port = server.add_insecure_port(address)
+            port = self.security.add_port(server, address)
         except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
             raise OSError(f"cannot bind the cache gRPC port {address}: {exc}") from exc
         if port == 0:  # older grpc releases report failure as port 0
@@ -564,10 +601,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP port of /metrics and /healthz; 0 (default) picks a free one, -1 disables it",
     )
     parser.add_argument(
-        "--token", default=os.environ.get("ACS_CACHE_TOKEN") or None,
-        help="shared token clients must send as 'authorization: Bearer TOKEN' "
-        "(default: $ACS_CACHE_TOKEN, else no check)",
+        "--token", default=None,
+        help="DEPRECATED (shows in ps): use --token-file or $ACS_TOKEN_FILE / $ACS_CACHE_TOKEN",
     )
+    parser.add_argument(
+        "--token-file", default=None, metavar="FILE",
+        help="file holding the shared token clients must send as 'authorization: Bearer TOKEN' "
+        "(default: $ACS_CACHE_TOKEN, else the file $ACS_TOKEN_FILE, else no check)",
+    )
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="server certificate chain (default $ACS_TLS_CERT)")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="its private key (default $ACS_TLS_KEY)")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM",
+                        help="CA bundle verifying client certificates with --mtls (default $ACS_TLS_CA)")
+    parser.add_argument("--mtls", action="store_true", default=None, help="require client certificates ($ACS_TLS_MTLS)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --host without TLS and a token (not recommended)")
     parser.add_argument(
         "--parent-pid", type=parent_pid_flag, default=None,
         help="stop when this process exits (used by test and local deployments)",
@@ -582,6 +630,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if token is not None and not token.strip():
         print("acs-cache-server: error: argument --token: must not be empty", file=sys.stderr)
         return 2
+    if token is not None:
+        print("acs-cache-server: warning: --token shows in ps to every user of this machine; "
+              "use --token-file or $ACS_TOKEN_FILE", file=sys.stderr)
+    try:
+        security = resolve_security(token=token, token_file=args.token_file, tls_cert=args.tls_cert,
+                                    tls_key=args.tls_key, tls_ca=args.tls_ca, mtls=args.mtls)
+        check_bind(args.host, security, args.insecure, what="acs-cache-server")
+    except AcsOptionError as exc:
+        print(f"acs-cache-server: error: {exc}", file=sys.stderr)
+        return 2
     server = CacheServer(
         args.role,
         host=args.host,
@@ -589,7 +647,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         capacity_bytes=args.capacity,
         ttl_s=args.ttl,
         metrics_port=None if args.metrics_port == -1 else args.metrics_port,
-        token=token,
+        security=security,
     )
     stop = threading.Event()
 

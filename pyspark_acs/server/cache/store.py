@@ -40,6 +40,11 @@ keys in modification order, which within one TTL is also expiry order. Sweeping 
 popping expired keys from the front of each group (cost proportional to what expires, plus one
 look per group), and an expired entry also reads as absent at once. There are normally one or
 two groups; a put with a new TTL creates a group, an empty group is dropped.
+
+Sweeps are off the request path (issue 10, finding 5: every put swept every group, so a client
+putting many distinct TTLs slowed every put): the server's sweeper thread calls :meth:`Store.expire`,
+which works in slices of at most :data:`SWEEP_SLICE_STEPS` steps (groups looked at plus entries
+dropped) per hold of the lock. A put sweeps only when the store is over its capacity or GC start.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequenc
 import cachetools
 
 __all__ = [
+    "SWEEP_SLICE_STEPS",
     "DATA_TTL_S",
     "ENTRY_OVERHEAD_BYTES",
     "GC_LOW_WATERMARK_FRACTION",
@@ -69,6 +75,9 @@ __all__ = [
 DATA_TTL_S = 60.0
 #: Default time to live of metadata-cache entries: much longer than a file's roll-over age.
 METADATA_TTL_S = 24 * 3600.0
+#: Steps (a TTL group looked at, or an entry dropped) of one slice of an expiry sweep: how long
+#: the sweeper holds the lock at a time (about a millisecond).
+SWEEP_SLICE_STEPS = 2048
 #: GC starts when the charged bytes cross this fraction of the capacity.
 GC_START_FRACTION = 0.8
 #: GC evicts least-recently-modified entries until the charged bytes are at most this fraction.
@@ -205,6 +214,8 @@ class Store:
         self._lock = threading.Lock()
         self._counts: Dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._entries = _Entries(self.capacity_bytes, self._counts)
+        #: TTL groups the current sweep has still to visit (guarded by _lock).
+        self._sweep_todo: List[int] = []
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -326,7 +337,7 @@ class Store:
             counts["puts_total"] += n
             counts["stored_total"] += stored
             counts["written_bytes_total"] += nbytes
-            self._expire_locked(now)
+            # No sweep here: the sweeper thread expires in slices (expired entries read as absent).
             if entries.currsize > self.gc_start_bytes:
                 self._gc_locked(now)
         return results
@@ -401,10 +412,46 @@ class Store:
             self._counts["deleted_total"] += deleted
         return deleted
 
-    def expire(self) -> int:
-        """Drop every expired entry now; returns how many. The server calls this periodically."""
+    def expire(self, slice_steps: Optional[int] = None) -> int:
+        """Drop every expired entry now; returns how many. The server's sweeper calls this
+        periodically.
+
+        The lock is held for at most ``slice_steps`` (default :data:`SWEEP_SLICE_STEPS`) steps
+        at a time -- a TTL group looked at or an entry dropped -- and released between slices,
+        so requests wait for one slice at most, however many groups or entries there are.
+        """
+        steps = SWEEP_SLICE_STEPS if slice_steps is None else max(1, int(slice_steps))
+        total = 0
         with self._lock:
-            return self._expire_locked(self._clock())
+            self._sweep_todo = list(self._entries.by_ttl)
+        while True:
+            with self._lock:
+                dropped, done = self._expire_slice(self._clock(), steps)
+                self._counts["expired_total"] += dropped
+            total += dropped
+            if done:
+                return total
+            time.sleep(0)  # let waiting requests take the lock
+
+    def _expire_slice(self, now: float, steps: int) -> Tuple[int, bool]:
+        """One slice of a sweep (caller holds _lock): (entries dropped, sweep finished)."""
+        by_ttl = self._entries.by_ttl
+        todo = self._sweep_todo
+        dropped = 0
+        while todo and steps > 0:
+            group = by_ttl.get(todo[-1])
+            steps -= 1
+            while group and steps > 0:
+                key, item = next(iter(group.items()))
+                if item.expires_at > now:
+                    group = None
+                    break
+                self._drop(key, item)
+                dropped += 1
+                steps -= 1
+            if not group:  # this group is done (live front entry, or emptied)
+                todo.pop()
+        return dropped, not todo
 
     def clear(self) -> None:
         """Drop every entry (counters are kept)."""

@@ -11,6 +11,7 @@ import time
 from typing import NamedTuple, Optional
 
 from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.security import SecuritySettings
 from pyspark_acs.errors import CacheError
 from pyspark_acs.cache.metadata import LENGTH_TTL_S, MetadataCache
 from pyspark_acs.format.names import shard_dir
@@ -61,15 +62,19 @@ class ClusterIO:
         The topology entry.
     cache_deadline : float
         Deadline of every cache call (seconds).
+    security : SecuritySettings, optional
+        Token and TLS of the cache clients (default: the environment).
     """
 
-    def __init__(self, cluster: Cluster, cache_deadline: float = 0.5) -> None:
+    def __init__(self, cluster: Cluster, cache_deadline: float = 0.5, security: Optional[SecuritySettings] = None) -> None:
         self.cluster = cluster
         self.name = cluster.name
         self.store = DurableStore(cluster.root)
-        self.data = CacheClient(cluster.data_cache, name=f"data cache of {cluster.name}", deadline=cache_deadline)
+        self.data = CacheClient(cluster.data_cache, name=f"data cache of {cluster.name}", deadline=cache_deadline,
+                                security=security)
         self.meta_client = CacheClient(
-            cluster.metadata_cache, name=f"metadata cache of {cluster.name}", deadline=cache_deadline
+            cluster.metadata_cache, name=f"metadata cache of {cluster.name}", deadline=cache_deadline,
+            security=security,
         )
         self.meta = MetadataCache(self.meta_client)
 

@@ -16,6 +16,11 @@ Once listening it prints one line on stdout (parents parse it)::
 
     acs-copy-daemon cluster=B listening on 127.0.0.1:PORT metrics=http://127.0.0.1:MPORT/metrics
 
+Security (docs/security.md): the token and TLS files come from the topology file's ``security``
+table, else ``$ACS_TOKEN_FILE``/``$ACS_CACHE_TOKEN`` and ``$ACS_TLS_*``. With a token every RPC
+(``Copy`` included) must carry it and every call to another daemon sends it; with a certificate
+the service listens with TLS; a non-loopback ``--host`` needs both, or ``--insecure``.
+
 Bad flags, a bad topology file or a ``--cluster`` not in it exit with status 2 and a message.
 SIGTERM and SIGINT stop it gracefully (operations release their leases).
 """
@@ -40,12 +45,17 @@ from pyspark_acs.server.copy.cluster import ClusterIO
 from pyspark_acs.server.copy.health import HealthMonitor
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
+from pyspark_acs.server.strict import add_servicer
 from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
 from pyspark_acs.server.copy.scheduler import CopyScheduler
 from pyspark_acs.server.copy.writer import CopyServicer
 from pyspark_acs.server.metrics import MetricsEndpoint
 from pyspark_acs.server.copy.proto import copy_pb2_grpc
 from pyspark_acs.server.copy.topology import load_topology
+from pyspark_acs.security import (SecuritySettings, TokenInterceptor, check_bind, install_default,
+                                  resolve_security)
+from pyspark_acs.server.copy.writer import COPY_STREAMS_RESERVE
+from pyspark_acs.storage.store import DurableStore
 
 __all__ = ["MAX_MESSAGE_BYTES", "STOP_GRACE_S", "CopyDaemon", "build_parser", "main"]
 
@@ -76,6 +86,12 @@ class CopyDaemon:
     cluster : str
         This daemon's cluster; must be in the file.
     options : CopyDaemonOptions, optional
+    security : SecuritySettings, optional
+        Token and TLS of this daemon's server, of its calls to other daemons and of its cache
+        clients; default: the topology file's ``security`` entry, else the environment
+        (:func:`~pyspark_acs.security.resolve_security`).
+    insecure : bool
+        Allow binding a non-loopback host without TLS and a token.
 
     Raises
     ------
@@ -83,25 +99,37 @@ class CopyDaemon:
         For a bad file or an unknown cluster.
     """
 
-    def __init__(self, topology_path: str, cluster: str, options: Optional[CopyDaemonOptions] = None) -> None:
+    def __init__(self, topology_path: str, cluster: str, options: Optional[CopyDaemonOptions] = None,
+                 security: Optional[SecuritySettings] = None, insecure: bool = False) -> None:
         self.options = options or CopyDaemonOptions()
         self.topology_path = str(topology_path)
         topology = load_topology(self.topology_path)
         self.cluster = topology.cluster(cluster).name
-        self.io = ClusterIO(topology.cluster(cluster))
+        if security is None:  # the topology file's security table, else the environment
+            sec = topology.security
+            security = resolve_security(token_file=sec.get("token_file"), tls_cert=sec.get("tls_cert"),
+                                        tls_key=sec.get("tls_key"), tls_ca=sec.get("tls_ca"), mtls=sec.get("mtls"))
+        self.security = security
+        # Every cache client of this process (the poller's, the read path's) uses them too.
+        install_default(security)
+        self.insecure = insecure
+        self.io = ClusterIO(topology.cluster(cluster), security=self.security)
         self.metrics = CopyMetrics(self.cluster)
         i, n = self.options.replica
         self.operation_prefix = f"{self.cluster}_r{i}of{n}_{secrets.token_hex(3)}"
         # _lock guards _channels (gRPC channels to other daemons, by address).
         self._lock = threading.Lock()
         self._channels: Dict[str, grpc.Channel] = {}
+        #: Durable stores of other clusters by root (they vouch for what their copies send).
+        self._stores: Dict[str, DurableStore] = {}
         self.scheduler = CopyScheduler(
             self.cluster, self.topology_path, topology, self.io, self.options, self.metrics,
             self.stub_for, self.operation_prefix,
         )
         # Lengths this daemon's writers publish wake its own readers of the next hop at once.
         self.servicer = CopyServicer(self.io, self.options, self.metrics, reading=self.scheduler.running,
-                                     on_published=self.scheduler.poller.notify)
+                                     on_published=self.scheduler.poller.notify, source_store=self.store_of,
+                                     max_streams=self._threads() - COPY_STREAMS_RESERVE)
         self.health = HealthMonitor(
             self.cluster, self.options.health_interval, self.options.unhealthy_after, self.stub_for,
             self.scheduler.set_unhealthy,
@@ -112,13 +140,33 @@ class CopyDaemon:
         self._http: Optional[MetricsEndpoint] = None
         self.port = 0
 
+    def _threads(self) -> int:
+        """Threads of the gRPC server (Copy streams may take all but COPY_STREAMS_RESERVE)."""
+        return max(32, 4 * self.options.workers) + COPY_STREAMS_RESERVE
+
+    def store_of(self, cluster: str) -> DurableStore:
+        """``cluster``'s durable store (the source of a copy vouches for its files).
+
+        Raises
+        ------
+        TopologyError
+            When ``cluster`` is not in the topology.
+        """
+        root = self.scheduler.topology.cluster(cluster).root
+        with self._lock:
+            store = self._stores.get(root)
+            if store is None:
+                store = self._stores[root] = DurableStore(root, create=False)
+        return store
+
     def stub_for(self, cluster: str) -> copy_pb2_grpc.CopyStub:
-        """A stub of ``cluster``'s copy daemon (channels are shared per address)."""
+        """A stub of ``cluster``'s copy daemon (channels are shared per address; every call
+        carries the token, over TLS when configured)."""
         address = self.scheduler.topology.cluster(cluster).copy_daemon
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                channel = self.security.channel(address, _CHANNEL_OPTIONS, with_token=True)
                 self._channels[address] = channel
         return copy_pb2_grpc.CopyStub(channel)
 
@@ -137,13 +185,15 @@ class CopyDaemon:
         """
         address = self.io.cluster.copy_daemon
         port = self.options.port if self.options.port >= 0 else int(address.rsplit(":", 1)[1])
+        check_bind(self.options.host, self.security, self.insecure, what=f"acs-copy-daemon (cluster {self.cluster})")
+        interceptors = [TokenInterceptor(self.security.token, stream_methods={"Copy"})] if self.security.token else []
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max(32, 4 * self.options.workers), thread_name_prefix="acs-copy-rpc"),
-            options=_SERVER_OPTIONS,
+            futures.ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="acs-copy-rpc"),
+            options=_SERVER_OPTIONS, interceptors=interceptors,
         )
-        copy_pb2_grpc.add_CopyServicer_to_server(self.servicer, server)
+        add_servicer(copy_pb2_grpc.add_CopyServicer_to_server, self.servicer, server, aio=False)
         try:
-            bound = server.add_insecure_port(f"{self.options.host}:{port}")
+            bound = self.security.add_port(server, f"{self.options.host}:{port}")
         except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ..."): in use, or not ours
             raise OSError(f"cannot bind the copy daemon port {self.options.host}:{port} (cluster {self.cluster}): "
                           f"in use (another daemon?) or not a local address") from exc
@@ -155,7 +205,8 @@ class CopyDaemon:
         if self.options.metrics_port >= 0:
             try:
                 self._http = MetricsEndpoint(self.metrics.registry, self.healthz, self.options.host,
-                                             self.options.metrics_port, name="acs-copy-metrics")
+                                             self.options.metrics_port, name="acs-copy-metrics",
+                                             security=self.security)
             except OSError:  # the message names the metrics port
                 server.stop(None)
                 raise
@@ -186,8 +237,11 @@ class CopyDaemon:
             self._http = None
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
+            stores, self._stores = list(self._stores.values()), {}
         for channel in channels:
             channel.close()
+        for store in stores:
+            store.close()
         self.io.close()
 
 
@@ -212,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="any daemon setting, e.g. poll_interval=20ms, max_bytes_per_second=10MiB (repeatable)")
     p.add_argument("--parent-pid", type=parent_pid_flag, default=None,
                    help="stop when this process exits (spark-submit launchers pass their JVM)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow binding a non-loopback --host without TLS and a token (not recommended)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -238,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         options = _options(args)
-        daemon = CopyDaemon(args.topology, args.cluster, options)
+        daemon = CopyDaemon(args.topology, args.cluster, options, insecure=args.insecure)
     except (TopologyError, AcsOptionError) as exc:
         print(f"acs-copy-daemon: error: {exc}", file=sys.stderr)
         return 2

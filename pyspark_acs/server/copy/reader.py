@@ -45,12 +45,15 @@ from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 
-__all__ = ["ACK_TIMEOUT_S", "CopyOperation", "OperationEnded", "SourceFiles"]
+__all__ = ["ACK_TIMEOUT_S", "MAX_FRUITLESS_SESSIONS", "CopyOperation", "OperationEnded", "SourceFiles"]
 
 log = logging.getLogger(__name__)
 
 #: How long a reader waits for any acknowledgement before it reconnects.
 ACK_TIMEOUT_S = 10.0
+#: Sessions in a row that fail without progress before an operation gives up (its worker is
+#: freed; the scheduler tries the file again after YIELD_S).
+MAX_FRUITLESS_SESSIONS = 30
 
 
 class OperationEnded(Exception):
@@ -237,6 +240,8 @@ class CopyOperation:
         self.stop_event = threading.Event()
         self.finished = False
         self.poisoned = False
+        #: Set when the operation gave up after MAX_FRUITLESS_SESSIONS failed sessions.
+        self.gave_up = False
         self.limiter = RateLimiter(options.max_bytes_per_second or None)
         #: The one read path of this cluster (shared by every operation of the daemon).
         self.path = poller.path
@@ -260,9 +265,14 @@ class CopyOperation:
     # -- thread body -----------------------------------------------------------------------
 
     def run(self) -> None:
-        """Copy until finished, poisoned or stopped; reconnect after errors."""
+        """Copy until finished, poisoned or stopped; reconnect after errors. After
+        :data:`MAX_FRUITLESS_SESSIONS` sessions in a row that failed without the destination
+        acknowledging a byte more, give up (:attr:`gave_up`): the scheduler frees the worker
+        slot and tries the file again later, so operations that cannot progress never hold
+        every worker."""
         self.poller.follow(self.rel, self._wake)
         self.metrics.inc("operations", 1, role="reader", storage=self.key.storage)
+        fruitless, best = 0, -1
         try:
             while not self.stop_event.is_set():
                 try:
@@ -272,6 +282,15 @@ class CopyOperation:
                     return
                 except (ConnectionError, AcsError, grpc.RpcError) as exc:
                     self.metrics.inc("errors_total", kind="reader")
+                    if self.acked > best:
+                        fruitless, best = 0, self.acked
+                    fruitless += 1
+                    if fruitless >= MAX_FRUITLESS_SESSIONS:
+                        self.gave_up = True
+                        self.metrics.inc("errors_total", kind="gave_up")
+                        log.warning("%s: %d attempts in a row made no progress (last: %s); giving up for now",
+                                    self.key, fruitless, exc)
+                        return
                     log.info("%s: %s; retrying in %.2f s", self.key, exc, self.options.retry)
                     self.stop_event.wait(self.options.retry)
         finally:

@@ -54,7 +54,7 @@ from pyspark_acs.server.copy.tree import CopyTree, build_copy_tree
 from pyspark_acs.server.copy.topology import Topology, load_topology
 from pyspark_acs.storage.store import DurableStore
 
-__all__ = ["SURVEY_TIMEOUT_S", "YIELD_S", "CopyScheduler", "owns"]
+__all__ = ["HEAD_RECHECK_S", "SURVEY_TIMEOUT_S", "YIELD_S", "CopyScheduler", "owns"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 YIELD_S = 10.0
 #: Bounded wait for operation threads at shutdown.
 _JOIN_S = 5.0
+#: A shard head naming a file the store does not hold is checked again after this long (seconds).
+HEAD_RECHECK_S = 1.0
 #: Deadline of one ``Files`` call to a child's daemon (seconds).
 SURVEY_TIMEOUT_S = 10.0
 
@@ -114,6 +116,10 @@ class CopyScheduler:
         self._trees: Dict[str, CopyTree] = {}
         self._children: Dict[str, Tuple[str, ...]] = {}
         self._files: Dict[Tuple[str, int], List[str]] = {}
+        #: Per shard, a head the store did not hold when listed, and when (listed again for it
+        #: at most every HEAD_RECHECK_S: a copy's cache operation may set the head of a file
+        #: just before its durable operation creates it).
+        self._rejected_heads: Dict[Tuple[str, int], Tuple[str, float]] = {}
         self._shards: Dict[str, int] = {}
         self._ops: Dict[OpKey, Tuple[CopyOperation, threading.Thread]] = {}
         self._done: Set[OpKey] = set()
@@ -268,7 +274,9 @@ class CopyScheduler:
                 if op.finished:
                     self._done.add(key)
                     self._unpark(key)
-                elif op.poisoned:
+                elif op.poisoned or op.gave_up:
+                    # A poisoned operation yields to the newer one; one that could not make
+                    # progress frees its worker and is tried again after YIELD_S.
                     self._yielded[key] = time.monotonic()
                     self._unpark(key)
         for key, op in ended:
@@ -290,6 +298,7 @@ class CopyScheduler:
                 self._shards[stream] = shards
             for shard in range(shards):
                 if listing:
+                    self._rejected_heads.pop((stream, shard), None)
                     self._add_files(stream, shard, self.io.store.list_files(stream, shard))
                 shard_uris.append((stream, shard, self.io.shard_uri(stream, shard)))
         if shard_uris:
@@ -299,11 +308,24 @@ class CopyScheduler:
                 heads = {}
             for stream, shard, uri in shard_uris:
                 head = heads.get(uri)
+                rejected = self._rejected_heads.get((stream, shard))
+                if rejected is not None and rejected[0] == head and time.monotonic() - rejected[1] < HEAD_RECHECK_S:
+                    continue
                 if head and not self._known(stream, shard, head):
                     # A head names a file the scheduler has not seen: list the shard now, so
                     # every older file of it is known before this one may be created at a child
                     # (files appear here in name order, so the listing has all older ones).
-                    self._add_files(stream, shard, self.io.store.list_files(stream, shard) + [head])
+                    # Only files the store holds are copied: the head is a hint anyone who can
+                    # write the metadata cache can set, the store is the truth. A head the
+                    # listing does not hold is not listed again until it changes or the next
+                    # full listing (a file created since is found then).
+                    names = self.io.store.list_files(stream, shard)
+                    self._add_files(stream, shard, names)
+                    if head not in names:
+                        self._rejected_heads[(stream, shard)] = (head, time.monotonic())
+                        self.metrics.inc("errors_total", kind="head_not_in_store")
+                        log.debug("%s/%d: the head names %r, which this cluster's store does not hold; ignored",
+                                    stream, shard, head)
         self._survey(feeding)
         self._schedule(feeding)
 

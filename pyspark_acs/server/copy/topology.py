@@ -31,7 +31,7 @@ import math
 import re
 import tomllib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -63,7 +63,10 @@ STREAM_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: Cluster names follow the same rule: they appear in folder names and log lines too.
 CLUSTER_NAME_RE = STREAM_NAME_RE
 
-_TOP_KEYS = ("clusters", "links", "settings", "streams")
+_TOP_KEYS = ("clusters", "links", "security", "settings", "streams")
+#: Keys of the optional ``security`` table: files the copy daemons (and ``acs`` commands given
+#: the topology) use for the token and TLS (docs/security.md). Never the token itself.
+_SECURITY_KEYS = ("token_file", "tls_cert", "tls_key", "tls_ca", "mtls")
 _CLUSTER_KEYS = ("copy_daemon", "data_cache", "healthy", "metadata_cache", "root")
 _CLUSTER_REQUIRED = ("root", "data_cache", "metadata_cache", "copy_daemon")
 _LINK_KEYS = ("cost", "directed", "from", "to")
@@ -179,6 +182,9 @@ class Topology:
         Most children any cluster may feed in a copy tree.
     origin : str
         Where the topology came from (a file path or ``"<name>"``); error messages name it.
+    security : Mapping[str, Any]
+        The ``security`` table: ``token_file``, ``tls_cert``, ``tls_key``, ``tls_ca`` (paths,
+        relative ones resolved against the file's folder) and ``mtls`` (bool); empty when absent.
     """
 
     clusters: Mapping[str, Cluster]
@@ -187,6 +193,7 @@ class Topology:
     max_depth: int = DEFAULT_MAX_DEPTH
     max_fanout: int = DEFAULT_MAX_FANOUT
     origin: str = "<topology>"
+    security: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def cluster(self, name: str) -> Cluster:
         """Return cluster ``name``; raise :class:`TopologyError` naming the known ones."""
@@ -350,6 +357,18 @@ def parse_topology(data: Mapping[str, Any], source: str = "<topology>") -> Topol
     for name, raw in raw_streams.items():
         streams[name] = p.stream(name, raw, topology_wo_streams)
 
+    raw_security = p.mapping(top.get("security", {}), "security", "a table")
+    p.known_keys(raw_security, _SECURITY_KEYS, "security")
+    security: Dict[str, Any] = {}
+    base = os.path.dirname(os.path.abspath(source)) if not source.startswith("<") else os.getcwd()
+    for key, value in raw_security.items():
+        if key.startswith("_"):
+            continue
+        if key == "mtls":
+            security[key] = p.boolean(value, "security.mtls")
+        else:
+            security[key] = os.path.join(base, p.string(value, f"security.{key}"))
+
     return Topology(
         clusters=MappingProxyType(clusters),
         links=links,
@@ -357,6 +376,7 @@ def parse_topology(data: Mapping[str, Any], source: str = "<topology>") -> Topol
         max_depth=max_depth,
         max_fanout=max_fanout,
         origin=source,
+        security=MappingProxyType(security),
     )
 
 

@@ -29,6 +29,22 @@ chunk boundary near the head.
 
 Both kinds set the shard's head key and make sure the stream's ``_stream.json`` exists, so
 consumers in the destination cluster find the stream.
+
+What a writer accepts (issue 10: the ``Copy`` RPC is the way into a cluster's store):
+
+* **The source vouches for the file.** Before the hello creates anything, the source
+  cluster's durable store (found through the topology) must hold the file; a durable delta
+  may not reach past the source file's length. A hello for a file the source does not hold
+  is answered FAILED and creates nothing.
+* **Every durable delta is whole, valid blocks** (:func:`validate_delta`): header and body
+  checksums, ``first_index`` continuing the blocks before it, nothing after a seal; a torn
+  block only together with the recovery seal that voids it. A delta that resumes inside a
+  block is checked together with the block's bytes the destination already holds. A refused
+  delta is answered FAILED and appends nothing.
+* **A bounded number of streams** (:data:`COPY_STREAMS_RESERVE`): ``Copy`` streams beyond the
+  server's threads minus a reserve are refused with RESOURCE_EXHAUSTED at once, so ``Files``
+  and ``Health`` always find a thread, and a stream that sends no hello within
+  :data:`HELLO_TIMEOUT_S` is cancelled.
 """
 
 from __future__ import annotations
@@ -36,24 +52,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterator, Optional, Tuple
+import zlib
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import grpc
 from cachetools import LRUCache
 
 from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader
-from pyspark_acs.errors import AcsError, CacheError, LeasePoisonedError, StoreError, WriterConflictError
+from pyspark_acs.errors import (AcsError, CacheError, CorruptFileError, LeasePoisonedError, StoreError,
+                                TruncatedBlockError, WriterConflictError)
+from pyspark_acs.format.block import HEADER_SIZE, find_recovery_seal, parse_header
 from pyspark_acs.cache.metadata import MetadataLease
 from pyspark_acs.format.names import parse_file_name, shard_dir, validate_shard, validate_stream
-from pyspark_acs.read.positions import ends_with_seal
+from pyspark_acs.read.positions import ends_with_seal, walk_blocks
 from pyspark_acs.read.readpath import DurableReadPath
 from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, publish_delay
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
+from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.write.file import AppendConflictError, CacheMirror, FileWriter
 
-__all__ = ["DELAY_PUBLISH_INTERVAL_S", "CopyServicer"]
+__all__ = ["COPY_STREAMS_RESERVE", "DELAY_PUBLISH_INTERVAL_S", "HELLO_TIMEOUT_S", "CopyServicer", "validate_delta"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +82,65 @@ DELAY_PUBLISH_INTERVAL_S = 0.5
 #: How many files found sealed the Files RPC remembers (files; each entry is a name and a length).
 SEALED_FILES_REMEMBERED = 100_000
 _STORAGE_NAMES = {copy_pb2.DURABLE: DURABLE, copy_pb2.CACHE: CACHE}
+#: Server threads kept free of ``Copy`` streams, so ``Files`` and ``Health`` always answer (threads).
+COPY_STREAMS_RESERVE = 8
+#: A ``Copy`` stream that sends no hello within this many seconds is cancelled (an idle
+#: stream would hold a server thread for nothing).
+HELLO_TIMEOUT_S = 10.0
+
+
+def validate_delta(prefix: bytes, data: bytes, *, base: int, path: str = "",
+                   next_index: Optional[int] = None) -> Tuple[bool, Optional[int], List[int]]:
+    """Check that ``prefix + data`` (file bytes from ``base``, a block boundary; ``prefix`` is
+    what the destination already holds of the block ``data`` resumes) is whole, valid blocks.
+
+    Each block needs valid header and body checksums and, where known, a ``first_index``
+    continuing the one before it; a torn block passes only together with the recovery seal
+    that voids it; nothing may follow a seal.
+
+    Returns
+    -------
+    (sealed, next_index, blocks) : whether the bytes end with a seal, the message index after
+    them (``None`` when unknown), and the offsets in ``prefix + data`` of the whole blocks.
+
+    Raises
+    ------
+    CorruptFileError
+        Naming ``path`` and the byte position of the first bad block.
+    """
+    buf = memoryview(prefix + data) if prefix else memoryview(data)
+    at = 0
+    blocks: List[int] = []
+    while at < len(buf):
+        try:
+            header = parse_header(buf, at, path=path, position=base + at)
+            if at + header.size > len(buf):
+                raise TruncatedBlockError(f"{path} at byte {base + at}: the delta ends inside a block of "
+                                          f"{header.size} bytes", path=path, position=base + at)
+            start = at + header.header_len
+            if zlib.crc32(buf[start:at + header.size]) != header.body_crc:
+                raise CorruptFileError(f"{path} at byte {base + at}: block body checksum mismatch",
+                                       path=path, position=base + at)
+        except CorruptFileError:
+            # A torn block: acceptable only up to the recovery seal that voids it, which must
+            # end the delta (nothing follows a seal).
+            found = find_recovery_seal(buf[at:], base + at, base=base + at, path=path)
+            if found is None or at + found[0] + found[1].size != len(buf):
+                raise
+            return True, None, blocks
+        if next_index is not None and header.first_index != next_index:
+            raise CorruptFileError(
+                f"{path} at byte {base + at}: block first_index {header.first_index} does not continue the "
+                f"file (expected {next_index})", path=path, position=base + at)
+        next_index = header.first_index + header.count
+        blocks.append(at)
+        at += header.size
+        if header.sealed:
+            if at != len(buf):
+                raise CorruptFileError(f"{path} at byte {base + at}: {len(buf) - at} bytes after the seal",
+                                       path=path, position=base + at)
+            return True, next_index, blocks
+    return False, next_index, blocks
 
 
 def _ack(status: int, length: int, message: str = "", durable_length: int = 0) -> copy_pb2.CopyAck:
@@ -114,6 +193,24 @@ class _OpWriter:
 
     def what(self) -> str:
         return f"copy of {self.uri} [{self.storage}] from {self.source}"
+
+    def vouch(self) -> Optional[int]:
+        """The source's durable length of the file: the source must hold it (before anything
+        is created here). ``None`` when this servicer has no way to ask (no topology).
+
+        Raises
+        ------
+        AcsError
+            When the source cluster is unknown or does not hold the file.
+        """
+        store_for = self.s.source_store
+        if store_for is None:
+            return None
+        store = store_for(self.source)
+        length = store.lengths([self.rel])[self.rel]
+        if length is None:
+            raise WriterConflictError(f"{self.what()}: the source cluster {self.source} does not hold this file")
+        return length
 
     def take_lease(self) -> None:
         """Poison and take over the lease of an older operation on the same target."""
@@ -185,6 +282,11 @@ class _DurableWriter(_OpWriter):
     def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
         super().__init__(servicer, hello)
         self.out: Optional[FileWriter] = None
+        #: The last block boundary of the destination file at or before ``position``, whether
+        #: the file is sealed there, and the message index after it (unknown: ``None``).
+        self.boundary = 0
+        self.sealed = False
+        self.next_index: Optional[int] = None
 
     def _publish_failed(self, what: str, exc: Exception) -> None:
         # Never fails the delta: readers of this cluster fall back to the store's length.
@@ -192,12 +294,19 @@ class _DurableWriter(_OpWriter):
         log.debug("%s: %s not published, metadata cache unavailable: %s", self.what(), what, exc)
 
     def open(self) -> copy_pb2.CopyAck:
+        self.vouch()
         self.take_lease()
         self.prepare_destination()
         # Reopen the destination file: the length on disk is the truth (a restarted writer
         # may have left a partial delta; its bytes are a correct prefix of the source's).
         self.out = FileWriter(self.io.store, self.rel, meta=self.io.meta, on_cache_error=self._publish_failed)
         self.position = self.out.position
+        if self.position:
+            # Where the blocks the destination holds end (a header walk): deltas are checked from there.
+            self.boundary, rows, _, self.sealed = walk_blocks(self.s.durable_path, self.rel, 0, self.position)
+            self.next_index = rows if self.boundary == self.position and not self.sealed else None
+        else:
+            self.next_index = 0  # a file's first block holds its message 0
         if self.position:
             # A writer killed between append and publish left the published length behind.
             self.out.publish()
@@ -217,6 +326,15 @@ class _DurableWriter(_OpWriter):
             if req.start != actual:
                 return self._restart(req.start, actual)
             return _ack(copy_pb2.OK, actual)
+        if req.start != self.position:
+            actual = self.position = self.io.store.length(self.rel)
+            if req.start != actual:
+                return self._restart(req.start, actual)
+        refused = self._check_delta(req)
+        if refused is not None:
+            self.s.metrics.inc("errors_total", kind="delta_refused")
+            log.warning("%s: delta refused: %s", self.what(), refused)
+            return _ack(copy_pb2.FAILED, self.position, f"delta refused: {refused}")
         # The delta must land exactly at the file's end: checked and appended under the
         # file's append lock, verified after, then the durable length is published
         # (FileWriter.append).
@@ -226,10 +344,41 @@ class _DurableWriter(_OpWriter):
         except AppendConflictError as exc:
             self.position = exc.actual_length
             return self._restart(req.start, exc.actual_length)
+        self.boundary, self.sealed, self.next_index = self.position, self._delta_sealed, self._delta_next
         # The store has the bytes: this daemon's readers of the next hop may send them now.
         self.s.published(self.rel, durable_length=self.position)
         self.note_delay(req, len(req.data))
         return _ack(copy_pb2.OK, self.position)
+
+    def _check_delta(self, req: copy_pb2.CopyRequest) -> Optional[str]:
+        """Why the delta at ``req.start`` (the file's end) must not be appended, or ``None``."""
+        if self.sealed:
+            return f"{self.uri} is sealed at byte {self.boundary}; nothing may follow the seal"
+        source_length = self.vouch()
+        end = req.start + len(req.data)
+        if source_length is not None and end > source_length:
+            return (f"the delta ends at byte {end} of {self.uri} but the source {self.source} holds "
+                    f"{source_length} bytes of it")
+        try:
+            prefix = self.io.store.read(self.rel, self.boundary, req.start) if req.start > self.boundary else b""
+            self._delta_sealed, self._delta_next, blocks = validate_delta(
+                prefix, req.data, base=self.boundary, path=self.uri,
+                next_index=self.next_index if req.start == self.boundary else None)
+        except CorruptFileError as exc:
+            return str(exc)
+        if source_length is not None:
+            # Each block's header (its lengths, index and both checksums) must be the source's
+            # at the same position: 48 bytes read per block, not the delta again.
+            store = self.s.source_store(self.source)
+            buf = prefix + req.data
+            for at in blocks:
+                position = self.boundary + at
+                if position < req.start:
+                    continue  # the block the destination already holds the start of
+                if store.read(self.rel, position, position + HEADER_SIZE) != buf[at:at + HEADER_SIZE]:
+                    return (f"{self.uri} at byte {position}: the block differs from the source {self.source}'s "
+                            f"block at that position")
+        return None
 
     def close(self) -> None:
         if self.out is not None:
@@ -247,6 +396,37 @@ class _CacheWriter(_OpWriter):
     def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
         super().__init__(servicer, hello)
         self.mirror: Optional[CacheMirror] = None
+        #: Whether ``position`` is known to be a block boundary (a copy from byte 0, or the end of
+        #: a checked delta) and the message index there: deltas from a known boundary are checked
+        #: like durable ones; after a jump or a resume inside the file they are not.
+        self.checked_from: Optional[int] = None
+        self.next_index: Optional[int] = None
+
+    def _check_delta(self, req: copy_pb2.CopyRequest) -> Optional[str]:
+        """Why a cache delta must not be written, or ``None``: from a known block boundary it must
+        be whole valid blocks continuing the file (:func:`validate_delta`), each header equal to the
+        source's where the source's store already holds it; elsewhere (after a jump, a resume
+        inside the file) it is not checked."""
+        if req.jump or self.checked_from is None or req.start != self.checked_from:
+            self.checked_from = None
+            return None
+        try:
+            sealed, next_index, blocks = validate_delta(b"", req.data, base=req.start, path=self.uri,
+                                                        next_index=self.next_index)
+        except CorruptFileError as exc:
+            return str(exc)
+        if self.s.source_store is not None:
+            store = self.s.source_store(self.source)
+            held = store.lengths([self.rel])[self.rel] or 0
+            for at in blocks:
+                position = req.start + at
+                if position + HEADER_SIZE <= held and \
+                        store.read(self.rel, position, position + HEADER_SIZE) != req.data[at:at + HEADER_SIZE]:
+                    return (f"{self.uri} at byte {position}: the block differs from the source {self.source}'s "
+                            f"block at that position")
+        self.checked_from = None if sealed else req.start + len(req.data)
+        self.next_index = next_index
+        return None
 
     def _mirror(self, position: int, prefix: Optional[bytes] = b"") -> CacheMirror:
         """The file's chunks from ``position``; ``prefix=None`` reads that chunk's first bytes
@@ -255,6 +435,7 @@ class _CacheWriter(_OpWriter):
                            ttl=self.s.options.chunk_ttl)
 
     def open(self) -> copy_pb2.CopyAck:
+        self.vouch()
         self.take_lease()
         self.prepare_destination()
         durable = self.io.store.lengths([self.rel])[self.rel] or 0
@@ -287,6 +468,8 @@ class _CacheWriter(_OpWriter):
             position = durable
         self.mirror = self._mirror(position, prefix)
         self.position = position
+        if position == 0:
+            self.checked_from, self.next_index = 0, 0
         if jumped and position > (cache_len or 0):
             # "... and the length in the metadata cache is updated accordingly" (paper
             # section 3): publish the jump now. Waiting for the next delta is not enough: when
@@ -312,6 +495,11 @@ class _CacheWriter(_OpWriter):
         elif req.start != self.position:
             self.s.metrics.inc("errors_total", kind="cache_restart")
             return _ack(copy_pb2.RESTART, self.position, f"delta starts at {req.start}, cache copy is at {self.position}")
+        refused = self._check_delta(req) if req.data else None
+        if refused is not None:
+            self.s.metrics.inc("errors_total", kind="delta_refused")
+            log.warning("%s: delta refused: %s", self.what(), refused)
+            return _ack(copy_pb2.FAILED, self.position, f"delta refused: {refused}")
         try:
             if req.data:
                 self.mirror.append(req.data)
@@ -322,6 +510,8 @@ class _CacheWriter(_OpWriter):
             self.s.metrics.inc("errors_total", kind="cache_write")
             return _ack(copy_pb2.FAILED, self.position, f"cache write failed: {exc}")
         self.position = self.mirror.position
+        if req.jump:
+            self.checked_from = None
         self.s.published(self.rel, cache_length=self.position, data=(req.start, req.data))
         self.note_delay(req, len(req.data))
         return _ack(copy_pb2.OK, self.position)
@@ -346,7 +536,14 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
     """
 
     def __init__(self, io: ClusterIO, options: CopyDaemonOptions, metrics: CopyMetrics, reading=lambda: 0,
-                 on_published: Optional[Callable[..., None]] = None) -> None:
+                 on_published: Optional[Callable[..., None]] = None,
+                 source_store: Optional[Callable[[str], DurableStore]] = None,
+                 max_streams: Optional[int] = None) -> None:
+        #: ``source_store(cluster)``: that cluster's durable store, which vouches for the files
+        #: and lengths its copies send (``None``: not checked).
+        self.source_store = source_store
+        #: Copy streams served at once at most (``None``: unbounded).
+        self.max_streams = max_streams
         self.io = io
         self.options = options
         self.metrics = metrics
@@ -359,8 +556,9 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         #: Files found sealed here, with their length (a sealed file never changes).
         self._sealed_files: LRUCache = LRUCache(maxsize=SEALED_FILES_REMEMBERED)
         #: This cluster's store alone, for the seal walks of :meth:`Files` (never closed: the store is io's).
-        self._durable_path = DurableReadPath(io.store)
+        self.durable_path = DurableReadPath(io.store)
         self._writing = 0
+        self._streams_open = 0
         self.serving = True
 
     def published(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None,
@@ -401,10 +599,35 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         the stream ends after POISONED or FAILED. Store and cache errors are reported as FAILED
         acknowledgements, not raised.
         """
+        with self._lock:
+            if self.max_streams is not None and self._streams_open >= self.max_streams:
+                full = True
+            else:
+                full = False
+                self._streams_open += 1
+        if full:
+            self.metrics.inc("errors_total", kind="streams_exhausted")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"copy daemon of {self.io.name}: {self.max_streams} copy streams open; try again later")
+        try:
+            yield from self._copy(request_iterator, context)
+        finally:
+            with self._lock:
+                self._streams_open -= 1
+
+    def _copy(self, request_iterator: Iterator[copy_pb2.CopyRequest], context: grpc.ServicerContext):
+        # An idle stream that never says hello would hold a server thread: cancel it.
+        timer = threading.Timer(HELLO_TIMEOUT_S, context.cancel) if context is not None else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
         try:
             hello = next(request_iterator)
-        except StopIteration:
+        except (StopIteration, grpc.RpcError):  # ended, or cancelled by the timer
             return
+        finally:
+            if timer is not None:
+                timer.cancel()
         if not hello.hello:
             yield _ack(copy_pb2.FAILED, 0, "the first message of an operation must be a hello")
             return
@@ -479,7 +702,7 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         with self._lock:
             if self._sealed_files.get(rel) == length:
                 return True
-        if length == 0 or not ends_with_seal(self._durable_path, rel, length):
+        if length == 0 or not ends_with_seal(self.durable_path, rel, length):
             return False
         with self._lock:
             self._sealed_files[rel] = length

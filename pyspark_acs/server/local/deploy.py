@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
+from pyspark_acs.security import (ENV_MTLS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, ENV_TOKEN_FILE,
+                                  SecuritySettings, resolve_security)
 from pyspark_acs.errors import DeploymentError
 from pyspark_acs.units import parse_bytes, parse_duration
 
@@ -202,7 +204,14 @@ class LocalDeployment:
     host : str
         Interface the servers bind; loopback by default.
     token : str, optional
-        Shared token the servers require (passed through the environment, not argv).
+        Shared token the servers require (passed through the environment, not argv); default
+        ``security``'s.
+    security : SecuritySettings, optional
+        Token and TLS of the servers; default: this process's environment
+        (:func:`~pyspark_acs.security.resolve_security`: ``$ACS_CACHE_TOKEN``,
+        ``$ACS_TOKEN_FILE``, ``$ACS_TLS_*``), so a token set in the shell reaches the servers.
+    insecure : bool, default False
+        Let the servers bind a non-loopback ``host`` without TLS and a token (``--insecure``).
     die_with_parent : bool, default True
         Servers exit when this process does (tests); :func:`acs_up` turns it off.
     start_timeout : float
@@ -226,6 +235,8 @@ class LocalDeployment:
         metadata_capacity: Union[str, int, None] = None,
         host: str = "127.0.0.1",
         token: Optional[str] = None,
+        security: Optional[SecuritySettings] = None,
+        insecure: bool = False,
         die_with_parent: bool = True,
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         python: Optional[str] = None,
@@ -251,7 +262,9 @@ class LocalDeployment:
             "metadata": parse_duration(metadata_ttl, option="metadata_ttl"),
         }
         self.host = host
-        self.token = token
+        self.security = (security if security is not None else resolve_security()).with_token(token)
+        self.token = self.security.token
+        self.insecure = insecure
         self.die_with_parent = die_with_parent
         self.start_timeout = start_timeout
         self.python = python or sys.executable
@@ -327,6 +340,8 @@ class LocalDeployment:
         ]
         if self.die_with_parent:
             cmd += ["--parent-pid", str(os.getpid())]
+        if self.insecure:
+            cmd += ["--insecure"]
         return cmd
 
     def _env(self) -> Dict[str, str]:
@@ -336,9 +351,9 @@ class LocalDeployment:
         if _PACKAGE_PARENT not in parts:
             env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_PARENT] + parts)
         env["PYTHONUNBUFFERED"] = "1"
-        env.pop("ACS_CACHE_TOKEN", None)
-        if self.token:
-            env["ACS_CACHE_TOKEN"] = self.token
+        for name in (ENV_TOKEN, ENV_TOKEN_FILE, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TLS_CA, ENV_MTLS):
+            env.pop(name, None)
+        env.update(self.security.to_env())  # the environment, never argv (ps shows argv to everyone)
         return env
 
     def _spawn(self, server: ServerProcess, port: int) -> int:

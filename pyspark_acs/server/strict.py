@@ -1,0 +1,110 @@
+"""Register a gRPC servicer so that a request body that is not its protobuf message is answered
+``INVALID_ARGUMENT`` naming the method, instead of the ``UNKNOWN``/``INTERNAL`` grpcio gives
+when its deserializer raises (issue 10: hostile bodies get the right status).
+
+Used by the cache server (grpc.aio) and the copy daemon (threaded grpc), with the ``add_*_to_server``
+function protoc generated, so the method table stays the generated one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+__all__ = ["add_servicer"]
+
+
+class _Malformed:
+    """What the safe deserializer returns for a body that does not parse."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class _Capture:
+    """Stands in for a server while the generated ``add_*_to_server`` registers its table."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: Dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: Dict[str, Any]) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def _strict(service: str, name: str, handler: Any, aio: bool) -> Any:
+    import grpc
+
+    decode = handler.request_deserializer
+    what = f"{service}/{name}"
+
+    def safe(raw: bytes):
+        try:
+            return decode(raw)
+        except Exception as exc:  # any parse failure of a hostile body
+            return _Malformed(f"{what}: the request is not a valid message: {type(exc).__name__}: {exc}")
+
+    if aio:
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return await inner(request, context)
+
+            return handler._replace(request_deserializer=safe, unary_unary=unary)
+        if handler.stream_stream is not None:
+            inner_s = handler.stream_stream
+
+            async def checked(requests, context):
+                async for request in requests:
+                    if isinstance(request, _Malformed):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                    yield request
+
+            async def stream(requests, context):
+                async for reply in inner_s(checked(requests, context), context):
+                    yield reply
+
+            return handler._replace(request_deserializer=safe, stream_stream=stream)
+        return handler
+    if handler.unary_unary is not None:
+        inner_u = handler.unary_unary
+
+        def unary_sync(request, context):
+            if isinstance(request, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return inner_u(request, context)
+
+        return handler._replace(request_deserializer=safe, unary_unary=unary_sync)
+    if handler.stream_stream is not None:
+        inner_ss = handler.stream_stream
+
+        def checked_sync(requests, context):
+            for request in requests:
+                if isinstance(request, _Malformed):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                yield request
+
+        def stream_sync(requests, context):
+            yield from inner_ss(checked_sync(requests, context), context)
+
+        return handler._replace(request_deserializer=safe, stream_stream=stream_sync)
+    return handler
+
+
+def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: Any, server: Any, *, aio: bool) -> None:
+    """``add_to_server(servicer, server)`` (the generated function), with malformed request
+    bodies answered ``INVALID_ARGUMENT``."""
+    import grpc
+
+    capture = _Capture()
+    add_to_server(servicer, capture)
+    handlers = {name: _strict(capture.service, name, h, aio) for name, h in capture.handlers.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
+    server.add_registered_method_handlers(capture.service, handlers)
