@@ -250,6 +250,10 @@ def test_forged_heads_are_ignored(make_env):
     check_order(consume_all(env, "B", 200), 200)
     extra = [n for n in os.listdir(os.path.join(env.roots["B"], shard_dir(env.stream, 0))) if "evil" in n]
     assert extra == []
+    # The scheduler meets the forged heads at its next discovery round: wait for it (bounded).
+    deadline = time.monotonic() + 60
+    while metric(a, "errors_total", cluster="A", kind="head_not_in_store") < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert metric(a, "errors_total", cluster="A", kind="head_not_in_store") >= 1
 
 
