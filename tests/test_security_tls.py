@@ -147,3 +147,20 @@ def test_producer_consumer_copy_daemon_and_spark_over_tls(secure, spark, monkeyp
         assert df.count() == N
     finally:
         install_default(None)
+
+    # Producer and Consumer arguments: the settings given explicitly, nothing in the environment.
+    explicit = resolve_security(token_file=tls["token_file"], tls_ca=tls["tls_ca"])
+    with Producer(secure["roots"]["A"], "tls-arg", shards=1, data_cache=a["ACS_DATA_CACHE"],
+                  metadata_cache=a["ACS_METADATA_CACHE"], security=explicit) as p:
+        p.send(b"by-argument")
+        p.flush(timeout=30)
+        assert p.stats()["cache_errors"] == 0
+    c = Consumer(secure["roots"]["A"], "tls-arg", data_cache=a["ACS_DATA_CACHE"],
+                 metadata_cache=a["ACS_METADATA_CACHE"], security=explicit)
+    try:
+        got = [r["value"] for batch in c.batches(timeout=5) for r in batch.to_pylist()]
+        stats = c.stats()
+    finally:
+        c.close()
+    assert got == [b"by-argument"]
+    assert stats["durable_bytes"] == 0, stats  # read through the TLS caches, not around them

@@ -1060,17 +1060,18 @@ def client_for(
     name: str,
     owned: List["CacheClient"],
     token: Optional[str] = None,
+    security: Optional[SecuritySettings] = None,
 ) -> Optional["CacheClient"]:
     """The client for an option that is an endpoint string or a ready :class:`CacheClient`.
 
-    ``None`` or ``""`` gives None. A client created here (with ``token``, default
-    ``$ACS_CACHE_TOKEN``) is appended to ``owned``: the caller closes those (and only those)
+    ``None`` or ``""`` gives None. A client created here (with ``token`` and ``security``,
+    default: the process's, :func:`~pyspark_acs.security.resolve_security`) is appended to ``owned``: the caller closes those (and only those)
     when it closes.
     """
     if value is None or value == "":
         return None
     if isinstance(value, CacheClient):
         return value
-    client = CacheClient(value, name=name, token=token)
+    client = CacheClient(value, name=name, token=token, security=security)
     owned.append(client)
     return client

@@ -20,7 +20,7 @@ that follower then reads from the cache.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.chunks import chunk_key, file_id
 from pyspark_acs.cache.client import CacheClient
@@ -57,11 +57,11 @@ class ChunkFeed:
     Use :meth:`shared`. Thread-safe.
     """
 
-    _registry: Dict[Tuple[Tuple[str, ...], Optional[str]], "ChunkFeed"] = {}
+    _registry: Dict[Tuple[Tuple[str, ...], Optional[str], Any], "ChunkFeed"] = {}
     _registry_lock = threading.Lock()  # guards _registry
 
-    def __init__(self, endpoints: Sequence[str], token: Optional[str] = None) -> None:
-        self.client = CacheClient(tuple(endpoints), name="data cache", token=token)
+    def __init__(self, endpoints: Sequence[str], token: Optional[str] = None, security: Any = None) -> None:
+        self.client = CacheClient(tuple(endpoints), name="data cache", token=token, security=security)
         # _lock guards _files, _by_fid and _streams.
         self._lock = threading.Lock()
         self._files: Dict[str, _File] = {}
@@ -72,13 +72,13 @@ class ChunkFeed:
         self.served = 0
 
     @classmethod
-    def shared(cls, endpoints: Sequence[str], token: Optional[str] = None) -> "ChunkFeed":
-        """The process-wide feed for these data-cache endpoints (and token)."""
-        key = (tuple(endpoints), token)
+    def shared(cls, endpoints: Sequence[str], token: Optional[str] = None, security: Any = None) -> "ChunkFeed":
+        """The process-wide feed for these data-cache endpoints (and token and TLS settings)."""
+        key = (tuple(endpoints), token, security)
         with cls._registry_lock:
             feed = cls._registry.get(key)
             if feed is None:
-                feed = cls._registry[key] = cls(tuple(endpoints), token)
+                feed = cls._registry[key] = cls(tuple(endpoints), token, security)
             return feed
 
     # -- readers ---------------------------------------------------------------------------

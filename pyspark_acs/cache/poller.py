@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.client import CacheClient, _majority
 from pyspark_acs.errors import CacheError, ClosedError
@@ -68,12 +68,12 @@ class LengthPoller:
 
     def __init__(
         self, endpoints: Tuple[str, ...], interval: float = DEFAULT_POLL_INTERVAL_S, token: Optional[str] = None,
-        push: bool = True,
+        push: bool = True, security: Any = None,
     ) -> None:
         self.endpoints = endpoints
         self.interval = interval
         self.push = push
-        self._client = CacheClient(endpoints, name="metadata cache", token=token)
+        self._client = CacheClient(endpoints, name="metadata cache", token=token, security=security)
         self.meta = MetadataCache(self._client)
         # The push streams, by endpoint, and the files whose keys they watch (poller thread only).
         self._streams: Dict[str, "WatchStream"] = {}
@@ -102,7 +102,8 @@ class LengthPoller:
 
     @classmethod
     def shared(
-        cls, endpoints: Sequence[str], token: Optional[str] = None, interval: Optional[float] = None
+        cls, endpoints: Sequence[str], token: Optional[str] = None, interval: Optional[float] = None,
+        security: Any = None,
     ) -> "LengthPoller":
         """The process-wide poller for these metadata-cache endpoints (and token).
 
@@ -110,12 +111,13 @@ class LengthPoller:
         when this call creates the poller; a later caller asking for a shorter one shortens it
         (every reader of the process then gets news at least as often as it asked for).
         """
-        key = (tuple(endpoints), token)
+        key = (tuple(endpoints), token, security)
         with cls._registry_lock:
             poller = cls._registry.get(key)
             if poller is None:
                 poller = cls._registry[key] = cls(
-                    tuple(endpoints), interval=DEFAULT_POLL_INTERVAL_S if interval is None else interval, token=token
+                    tuple(endpoints), interval=DEFAULT_POLL_INTERVAL_S if interval is None else interval, token=token,
+                    security=security,
                 )
             elif interval is not None and interval < poller.interval:
                 poller.interval = interval

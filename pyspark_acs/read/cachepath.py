@@ -27,6 +27,7 @@ from pyspark_acs.cache.feed import ChunkFeed
 from pyspark_acs.errors import CacheError
 from pyspark_acs.cache.metadata import MetadataCache
 from pyspark_acs.cache.poller import LengthPoller
+from pyspark_acs.security import SecuritySettings
 from pyspark_acs.storage.store import DurableStore
 
 __all__ = ["DEFAULT_DURABLE_POLL_INTERVAL_S", "DEFAULT_MAX_DELAY_S", "CachedReadPath", "DelayedDurableReads"]
@@ -103,6 +104,9 @@ class CachedReadPath:
         Algorithm 1's maxDelay (default 1 s).
     token : str, optional
         Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
+    security : SecuritySettings, optional
+        Token and TLS settings of the cache clients (default: the process's,
+        :func:`~pyspark_acs.security.resolve_security`).
     shared_poller : bool
         Take metadata lengths from the process's shared :class:`~pyspark_acs.cache.poller.LengthPoller`
         (one batched read per interval for every reader of the process; default) instead of
@@ -130,19 +134,21 @@ class CachedReadPath:
         token: Optional[str] = None,
         poller: Optional[LengthPoller] = None,
         push: bool = False,
+        security: Optional[SecuritySettings] = None,
     ) -> None:
         self.store = store
         self._own = []
-        self.data = client_for(data_cache, "data cache", self._own, token)
-        meta = client_for(metadata_cache, "metadata cache", self._own, token)
+        self.data = client_for(data_cache, "data cache", self._own, token, security)
+        meta = client_for(metadata_cache, "metadata cache", self._own, token, security)
         self.meta = MetadataCache(meta) if meta else None
         # Readers given endpoint strings share the process's poller; a caller-made client
         # (tests, the copy daemon's own poller) is read directly.
         self.poller: Optional[LengthPoller] = poller
         if poller is None and meta is not None and shared_poller and not isinstance(metadata_cache, CacheClient):
-            self.poller = LengthPoller.shared(meta.endpoints, token)
+            self.poller = LengthPoller.shared(meta.endpoints, token, security=security)
         self.chunks = ChunkReader(self.data) if self.data else None
-        self.feed: Optional[ChunkFeed] = ChunkFeed.shared(self.data.endpoints, token) if push and self.data else None
+        self.feed: Optional[ChunkFeed] = (ChunkFeed.shared(self.data.endpoints, token, security)
+                                          if push and self.data else None)
         # files this path follows in the feed (guarded by _lock)
         self._fed: Set[str] = set()
         self.max_delay = max_delay

@@ -376,6 +376,10 @@ class Consumer:
     read_path : ReadPath, optional
         Where lengths and bytes come from (default: the caches if given, else the durable
         store alone).
+    security : SecuritySettings, optional
+        Token and TLS settings of token- or TLS-protected caches
+        (:class:`~pyspark_acs.security.SecuritySettings`; default from the environment:
+        ``$ACS_CACHE_TOKEN``/``$ACS_TOKEN_FILE``, ``$ACS_TLS_CA`` ...; see docs/security.md).
     include_headers : bool
         Batches carry a ``headers`` column (list of ``{key, value}``; null for messages sent
         without headers), as Spark's Kafka source with ``includeHeaders``.
@@ -403,6 +407,7 @@ class Consumer:
         cache_token: Optional[str] = None,
         read_path: Optional[ReadPath] = None,
         include_headers: bool = False,
+        security: Any = None,
     ) -> None:
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or poll_interval < 0:
             raise AcsOptionError(f"poll_interval: {poll_interval!r} is not allowed; use seconds >= 0", option="poll_interval")
@@ -411,7 +416,7 @@ class Consumer:
         if read_path is None:
             read_path = open_read_path(root, data_cache=cache_endpoints(data_cache, DATA_CACHE_ENV),
                                        metadata_cache=cache_endpoints(metadata_cache, METADATA_CACHE_ENV),
-                                       token=cache_token, push=True)
+                                       token=cache_token, push=True, security=security)
         self.path: ReadPath = read_path
         self.store = read_path.store
         self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]

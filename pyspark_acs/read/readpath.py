@@ -84,6 +84,7 @@ def open_read_path(
     token: Optional[str] = None,
     poller: Any = None,
     push: bool = False,
+    security: Any = None,
 ) -> "ReadPath":
     """The one read-path factory: through the caches when any is given, else the durable store.
 
@@ -98,6 +99,8 @@ def open_read_path(
     poller : LengthPoller, optional
         The process's shared length poller to take published lengths from when
         ``metadata_cache`` is a ready client (the copy daemon); endpoint strings find it alone.
+    security : SecuritySettings, optional
+        Token and TLS settings of the cache clients (default: the process's).
     push : bool
         Tailing reader: have the data cache push the bytes of the files it reads
         (:class:`~pyspark_acs.cache.feed.ChunkFeed`). Lengths are pushed to every reader.
@@ -109,7 +112,7 @@ def open_read_path(
         from pyspark_acs.read.cachepath import CachedReadPath  # imports grpc: only when caches are used
 
         return CachedReadPath(store, data_cache=data_cache, metadata_cache=metadata_cache, token=token, poller=poller,
-                              push=push)
+                              push=push, security=security)
     return DurableReadPath(store)
 
 

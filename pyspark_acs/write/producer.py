@@ -177,6 +177,10 @@ class Producer:
         prints); ``"none"`` turns a cache off even then.
     cache_token : str, optional
         Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
+    security : SecuritySettings, optional
+        Token and TLS settings of token- or TLS-protected caches
+        (:class:`~pyspark_acs.security.SecuritySettings`; default from the environment, see
+        docs/security.md).
 
     Notes
     -----
@@ -215,6 +219,7 @@ class Producer:
         data_cache: Any = None,
         metadata_cache: Any = None,
         cache_token: Optional[str] = None,
+        security: Any = None,
     ) -> None:
         self.options = ProducerOptions(
             shards, max_block_bytes, roll_bytes, roll_seconds, max_batch_delay, max_pending_bytes, lease_seconds
@@ -245,8 +250,8 @@ class Producer:
         if data_cache or metadata_cache:  # grpc is imported only when caches are used
             from pyspark_acs.cache.client import client_for
 
-            self._data = client_for(data_cache, "data cache", self._own_clients, cache_token)
-            meta_client = client_for(metadata_cache, "metadata cache", self._own_clients, cache_token)
+            self._data = client_for(data_cache, "data cache", self._own_clients, cache_token, security)
+            meta_client = client_for(metadata_cache, "metadata cache", self._own_clients, cache_token, security)
         self._meta = None
         if meta_client is not None:
             from pyspark_acs.cache.metadata import MetadataCache
