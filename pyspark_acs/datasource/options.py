@@ -19,6 +19,7 @@ from pyspark_acs.read.consumer import DEFAULT_POLL_INTERVAL_S
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES
 from pyspark_acs.format.names import validate_stream
 from pyspark_acs.format.offsets import parse_offsets, parse_timestamps
+from pyspark_acs.storage.tier import parse_read_policy
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_bool, parse_int, parse_options, parse_str
 
 __all__ = ["SinkOptions", "SourceOptions", "parse_sink_options", "parse_source_options"]
@@ -173,6 +174,10 @@ class SourceOptions(_Secured):
     fail_on_data_loss: bool = option("failOnDataLoss", True, parse=parse_bool, doc="fail when data is gone (true)")
     include_headers: bool = option(
         "includeHeaders", False, parse=parse_bool, doc="add the messages' headers column (false), as Kafka's"
+    )
+    tier_read_policy: str = option(
+        "tierReadPolicy", "NOT_IN_DISK", parse=parse_read_policy,
+        doc="which tier tiered files are read from: NOT_IN_DISK | NOT_IN_MEM | FORCE (NOT_IN_DISK)",
     )
     poll_interval: float = option(
         "pollInterval", DEFAULT_POLL_INTERVAL_S, parse=duration_parser(0.0), doc="read retry interval (10ms)"

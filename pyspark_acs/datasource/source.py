@@ -73,7 +73,8 @@ class AcsPartition(InputPartition):
 def source_read_path(opts: SourceOptions) -> ReadPath:
     """The read path for the source options (caches when configured, else the durable store)."""
     return open_read_path(
-        opts.root, data_cache=opts.data_cache, metadata_cache=opts.metadata_cache, token=opts.cache_token
+        opts.root, data_cache=opts.data_cache, metadata_cache=opts.metadata_cache, token=opts.cache_token,
+        tier_read_policy=opts.tier_read_policy,
     )
 
 

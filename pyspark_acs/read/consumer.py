@@ -383,6 +383,9 @@ class Consumer:
     include_headers : bool
         Batches carry a ``headers`` column (list of ``{key, value}``; null for messages sent
         without headers), as Spark's Kafka source with ``includeHeaders``.
+    tier_read_policy : str, optional
+        Which tier a tiered file is read from (``NOT_IN_DISK`` default, ``NOT_IN_MEM``,
+        ``FORCE``; see :mod:`pyspark_acs.storage.tier`).
 
     Examples
     --------
@@ -408,6 +411,7 @@ class Consumer:
         read_path: Optional[ReadPath] = None,
         include_headers: bool = False,
         security: Any = None,
+        tier_read_policy: Optional[str] = None,
     ) -> None:
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or poll_interval < 0:
             raise AcsOptionError(f"poll_interval: {poll_interval!r} is not allowed; use seconds >= 0", option="poll_interval")
@@ -416,7 +420,8 @@ class Consumer:
         if read_path is None:
             read_path = open_read_path(root, data_cache=cache_endpoints(data_cache, DATA_CACHE_ENV),
                                        metadata_cache=cache_endpoints(metadata_cache, METADATA_CACHE_ENV),
-                                       token=cache_token, push=True, security=security)
+                                       token=cache_token, push=True, security=security,
+                                       tier_read_policy=tier_read_policy)
         self.path: ReadPath = read_path
         self.store = read_path.store
         self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]

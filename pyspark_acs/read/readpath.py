@@ -85,6 +85,8 @@ def open_read_path(
     poller: Any = None,
     push: bool = False,
     security: Any = None,
+    tier_read_policy: Optional[str] = None,
+    tier_preread: bool = True,
 ) -> "ReadPath":
     """The one read-path factory: through the caches when any is given, else the durable store.
 
@@ -104,10 +106,20 @@ def open_read_path(
     push : bool
         Tailing reader: have the data cache push the bytes of the files it reads
         (:class:`~pyspark_acs.cache.feed.ChunkFeed`). Lengths are pushed to every reader.
+    tier_read_policy : str, optional
+        Which tier a tiered file is read from: ``NOT_IN_DISK`` (default), ``NOT_IN_MEM`` or
+        ``FORCE`` (no caches at all), see :mod:`pyspark_acs.storage.tier`.
+    tier_preread : bool
+        Pre-read from the secondary store with an AIMD window (default on).
     """
     from pyspark_acs.storage.store import open_store
+    from pyspark_acs.storage.tier import DEFAULT_READ_POLICY, parse_read_policy, tiered_store
 
-    store = open_store(root)
+    policy = parse_read_policy(tier_read_policy or DEFAULT_READ_POLICY)
+    # Every reader sees files in either tier by the same names (storage/tier.py TieredStore).
+    store = tiered_store(open_store(root), policy, preread=tier_preread)
+    if policy == "FORCE":
+        return DurableReadPath(store)  # FORCE: tiered files from the secondary store, nothing from memory
     if data_cache or metadata_cache:
         from pyspark_acs.read.cachepath import CachedReadPath  # imports grpc: only when caches are used
 

@@ -1,0 +1,358 @@
+"""The tier mover: sealed files of tiered streams go to the secondary store, then retention.
+
+One pass over a stream (:meth:`TierMover.run_stream`), under the stream's tier lease:
+
+1. **Upload.** Per shard, the files not yet recorded, oldest first, up to the first file the
+   read side's seal rule does not prove sealed (:func:`~pyspark_acs.read.positions.ends_with_seal`;
+   an unsealed file and everything after it wait). Consecutive sealed files are packed into
+   one object up to ``batch_bytes`` (seed 003's batched uploads: fewer requests per byte);
+   pyarrow uploads large objects as multipart uploads, which S3 shows only once complete.
+2. **Verify.** The object is read back: its size, the whole-file crc32 of every file in it
+   against the crc32 of the hot bytes, and each block's body checksum
+   (:func:`~pyspark_acs.format.block.check_block_bodies`).
+3. **Record** (data before index): only a verified object gets tier records in the shard's
+   ``_tiered.json``. Readers never read an object no record names, so a partial object (a
+   mover killed mid-upload, an upload whose outcome is unknown) is never seen.
+4. **Non-stop-write** (seed 003 section 3.3): an upload that fails, whether or not its bytes
+   landed, or fails verification, is abandoned -- never retried over the same object -- and
+   the batch goes up at once under a new object name. Abandoned objects are swept once no
+   record names them and they are older than ``orphan_grace_s``.
+5. **Retention** (:class:`~pyspark_acs.storage.tier.TierSettings`): a hot copy is deleted
+   only when its file has a record (verified) whose length equals the hot file's, and it is
+   older than ``hot_retention_s`` or the stream's hot bytes exceed ``hot_retention_bytes``;
+   files older than ``secondary_retention_s`` leave both tiers (hot copy, then record, then
+   the object once unreferenced).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import pyarrow.fs as pafs
+
+from pyspark_acs.errors import AcsError, CorruptFileError, StoreError, StoreFileNotFoundError
+from pyspark_acs.format.block import check_block_bodies
+from pyspark_acs.format.names import new_writer_id, shard_dir
+from pyspark_acs.read.positions import ends_with_seal
+from pyspark_acs.read.readpath import DurableReadPath, RateLimiter
+from pyspark_acs.storage.leases import StoreLease
+from pyspark_acs.storage.store import DurableStore, open_store
+from pyspark_acs.storage.tier import (
+    TierRecord,
+    TierSettings,
+    TierStore,
+    TierUploadError,
+    read_manifest,
+    stream_tier_settings,
+    write_manifest,
+)
+
+__all__ = [
+    "DEFAULT_BATCH_BYTES",
+    "DEFAULT_ORPHAN_GRACE_S",
+    "DEFAULT_UPLOAD_ATTEMPTS",
+    "UPLOAD_PART_BYTES",
+    "PassReport",
+    "TierMover",
+    "TIER_LEASE_FILE",
+]
+
+log = logging.getLogger(__name__)
+
+#: Consecutive sealed files of a shard are packed into one object up to this many bytes.
+DEFAULT_BATCH_BYTES = 64 * 1024 * 1024
+#: Bytes read from the hot store and written to the upload at a time (pyarrow turns the
+#: stream into a multipart upload of 10 MiB parts on S3).
+UPLOAD_PART_BYTES = 8 * 1024 * 1024
+#: Uploads of one batch per pass (each under a new object name) before waiting for the next pass.
+DEFAULT_UPLOAD_ATTEMPTS = 3
+#: Objects no record names are deleted once older than this (seconds): longer than any
+#: upload in flight, so the sweep never takes an object whose record is about to be written.
+DEFAULT_ORPHAN_GRACE_S = 3600.0
+#: The stream's tier lease (one mover per stream), in the stream folder of the hot store.
+TIER_LEASE_FILE = "_tier.lease"
+
+
+@dataclass
+class PassReport:
+    """What one pass over a stream did (counts)."""
+
+    uploaded_files: int = 0
+    uploaded_bytes: int = 0
+    objects: int = 0
+    abandoned_objects: int = 0
+    hot_deleted: int = 0
+    secondary_deleted: int = 0
+    swept_objects: int = 0
+    waiting_unsealed: int = 0
+
+    def add(self, other: "PassReport") -> None:
+        """Add ``other``'s counts to this report."""
+        for k, v in vars(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+
+class TierMover:
+    """Moves sealed files of tiered streams to their secondary store, and applies retention.
+
+    Parameters
+    ----------
+    root : str or DurableStore
+        The hot store.
+    streams : list of str, optional
+        Streams to serve (default: every stream with a tier configured).
+    batch_bytes : int
+        Pack consecutive sealed files up to this many bytes per object.
+    upload_bytes_per_second : float, optional
+        Upload rate cap (default none).
+    orphan_grace_s : float
+        Age after which an object no record names is deleted.
+    upload_attempts : int
+        New-object uploads of one batch per pass.
+    tier_factory : callable, optional
+        ``uri -> TierStore`` (default :class:`TierStore`): how the secondary store is opened.
+    clock : callable
+        ``time.time`` (retention ages).
+    """
+
+    def __init__(
+        self,
+        root: "str | DurableStore",
+        streams: Optional[List[str]] = None,
+        *,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        upload_bytes_per_second: Optional[float] = None,
+        orphan_grace_s: float = DEFAULT_ORPHAN_GRACE_S,
+        upload_attempts: int = DEFAULT_UPLOAD_ATTEMPTS,
+        tier_factory: Optional[Callable[[str], TierStore]] = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = open_store(root, create=False)
+        self.path = DurableReadPath(self.store)  # the seal rule is proven on the hot store itself
+        self.streams = streams
+        self.batch_bytes = batch_bytes
+        self.limiter = RateLimiter(upload_bytes_per_second)
+        self.orphan_grace_s = orphan_grace_s
+        self.upload_attempts = max(1, upload_attempts)
+        self._tier_factory = tier_factory or TierStore
+        self._tiers: Dict[str, TierStore] = {}
+        self.clock = clock
+        self.writer = new_writer_id()
+        self._leases: Dict[str, StoreLease] = {}
+
+    # -- the daemon loop ------------------------------------------------------------------------
+
+    def run_once(self) -> PassReport:
+        """One pass over every served stream; a stream whose pass fails is logged and skipped
+        (the next pass retries it). Returns the summed counts."""
+        total = PassReport()
+        for stream in self.streams if self.streams is not None else self.store.list_streams():
+            try:
+                settings = stream_tier_settings(self.store, stream)
+                if not settings.enabled:
+                    continue
+                total.add(self.run_stream(stream, settings))
+            except AcsError as exc:
+                log.warning("tier pass of stream %r failed (retried next pass): %s", stream, exc)
+        return total
+
+    def close(self) -> None:
+        """Give up the tier leases this mover holds."""
+        for lease in self._leases.values():
+            try:
+                lease.release()
+            except AcsError as exc:
+                log.warning("releasing %s: %s", lease.what, exc)
+        self._leases.clear()
+
+    def _lease(self, stream: str) -> StoreLease:
+        lease = self._leases.get(stream)
+        if lease is None:
+            lease = StoreLease(self.store, f"{stream}/{TIER_LEASE_FILE}", self.writer, f"tier mover of stream {stream!r}",
+                               seconds=60.0)
+            lease.acquire()  # WriterConflictError: another mover serves it
+            self._leases[stream] = lease
+        elif lease.due():
+            lease.renew()
+        return lease
+
+    def _tier(self, uri: str) -> TierStore:
+        t = self._tiers.get(uri)
+        if t is None:
+            t = self._tiers[uri] = self._tier_factory(uri)
+        return t
+
+    # -- one stream ---------------------------------------------------------------------------------
+
+    def run_stream(self, stream: str, settings: Optional[TierSettings] = None) -> PassReport:
+        """Upload, verify and record the sealed files of ``stream``, then apply its retention."""
+        settings = settings or stream_tier_settings(self.store, stream)
+        report = PassReport()
+        if not settings.enabled:
+            return report
+        lease = self._lease(stream)
+        tier = self._tier(settings.uri)
+        shards = self.store.stream_shards(stream) or 0
+        manifests = {}
+        for shard in range(shards):
+            manifests[shard] = self._upload_shard(stream, shard, tier, lease, report)
+        self._retention(stream, settings, manifests, report)
+        self._sweep(stream, tier, manifests, report)
+        return report
+
+    def _upload_shard(self, stream: str, shard: int, tier: TierStore, lease: StoreLease,
+                      report: PassReport) -> Dict[str, TierRecord]:
+        records = read_manifest(self.store, stream, shard)
+        folder = shard_dir(stream, shard)
+        pending = [f for f in self.store.list_files(stream, shard) if f not in records]
+        lengths = self.store.lengths([f"{folder}/{f}" for f in pending])
+        sealed: List[Tuple[str, int]] = []
+        for name in pending:
+            n = lengths.get(f"{folder}/{name}")
+            if n is None:
+                continue  # gone meanwhile
+            if not ends_with_seal(self.path, f"{folder}/{name}", n):
+                report.waiting_unsealed += 1
+                break  # the seal rule: this file and every later one wait
+            sealed.append((name, n))
+        for batch in self._batches(sealed):
+            if lease.due():
+                lease.renew()
+            new = self._move_batch(stream, shard, tier, batch, report)
+            if new is None:
+                break  # keep order: later files wait for this batch
+            records.update(new)
+            write_manifest(self.store, stream, shard, records)  # the index, after the data
+            report.uploaded_files += len(new)
+            report.uploaded_bytes += sum(n for _, n in batch)
+            report.objects += 1
+        return records
+
+    def _batches(self, files: List[Tuple[str, int]]) -> Iterator[List[Tuple[str, int]]]:
+        batch: List[Tuple[str, int]] = []
+        size = 0
+        for name, n in files:
+            if batch and size + n > self.batch_bytes:
+                yield batch
+                batch, size = [], 0
+            batch.append((name, n))
+            size += n
+        if batch:
+            yield batch
+
+    def _move_batch(self, stream: str, shard: int, tier: TierStore, batch: List[Tuple[str, int]],
+                    report: PassReport) -> Optional[Dict[str, TierRecord]]:
+        """Upload and verify one batch, each attempt under a new object name (non-stop-write)."""
+        folder = shard_dir(stream, shard)
+        for attempt in range(self.upload_attempts):
+            key = f"{folder}/{batch[0][0]}.{secrets.token_hex(6)}.pack"  # a fresh name per attempt
+            crcs: List[int] = []
+            try:
+                tier.put(key, self._parts(folder, batch, crcs))
+                records = self._verify(folder, tier, key, batch, crcs)
+            except (TierUploadError, CorruptFileError) as exc:
+                report.abandoned_objects += 1
+                log.warning("tier upload of %s (%d files) to %s abandoned, uploading under a new name: %s",
+                            folder, len(batch), key, exc)
+                continue
+            return records
+        return None
+
+    def _parts(self, folder: str, batch: List[Tuple[str, int]], crcs: List[int]) -> Iterator[bytes]:
+        for name, n in batch:
+            crc = 0
+            at = 0
+            while at < n:
+                data = self.store.read(f"{folder}/{name}", at, min(n, at + UPLOAD_PART_BYTES))
+                if not data:
+                    raise StoreError(f"{self.store.uri(folder + '/' + name)}: shorter than its sealed length {n}")
+                self.limiter.acquire(len(data))
+                crc = zlib.crc32(data, crc)
+                at += len(data)
+                yield data
+            crcs.append(crc)
+
+    def _verify(self, folder: str, tier: TierStore, key: str, batch: List[Tuple[str, int]],
+                crcs: List[int]) -> Dict[str, TierRecord]:
+        """Read the object back: size, whole-file crc32 and block checksums; the records."""
+        total = sum(n for _, n in batch)
+        where = f"{tier.where()}/{key}"
+        size = tier.size(key)
+        if size != total or len(crcs) != len(batch):
+            raise CorruptFileError(f"{where}: {size} bytes uploaded, expected {total}", path=where)
+        infos = self.store.fs.get_file_info([self.store.path(f"{folder}/{name}") for name, _ in batch])
+        now = self.clock()
+        out: Dict[str, TierRecord] = {}
+        offset = 0
+        for (name, n), crc, info in zip(batch, crcs, infos):
+            data = tier.read(key, offset, offset + n)
+            if len(data) != n or zlib.crc32(data) != crc:
+                raise CorruptFileError(f"{where}: bytes of {name} at {offset} differ from the hot copy",
+                                       path=where, position=offset)
+            try:
+                blocks, _ = check_block_bodies(data, path=f"{where}[{name}]")
+            except CorruptFileError:
+                # Body checksums that fail in the hot copy too (a torn block voided by its
+                # recovery seal) are the file's own: the crc32 above proved the copy exact.
+                blocks, _ = check_block_bodies(self.store.read(f"{folder}/{name}", 0, n), path=name)
+            mtime = info.mtime.timestamp() if info.mtime is not None else now
+            out[name] = TierRecord(key, offset, n, crc, blocks, mtime, now)
+            offset += n
+        return out
+
+    # -- retention ----------------------------------------------------------------------------------
+
+    def _retention(self, stream: str, settings: TierSettings, manifests: Dict[int, Dict[str, TierRecord]],
+                   report: PassReport) -> None:
+        now = self.clock()
+        hot: List[Tuple[float, str, int, int]] = []  # (mtime, name, shard, size) of hot files
+        for shard in manifests:
+            sel = pafs.FileSelector(self.store.path(shard_dir(stream, shard)), allow_not_found=True)
+            for info in self.store.fs.get_file_info(sel):
+                if info.type == pafs.FileType.File and info.base_name.endswith(".acs"):
+                    mtime = info.mtime.timestamp() if info.mtime is not None else now
+                    hot.append((mtime, info.base_name, shard, int(info.size)))
+        hot.sort()
+        total = sum(h[3] for h in hot)
+        # Secondary retention: whole files older than secondary_retention_s leave both tiers.
+        if settings.secondary_retention_s is not None:
+            for shard, records in manifests.items():
+                old = [n for n, r in records.items() if now - r.mtime > settings.secondary_retention_s]
+                if not old:
+                    continue
+                for name in old:
+                    self.store.delete(f"{shard_dir(stream, shard)}/{name}")  # hot copy first
+                    report.hot_deleted += 1 if any(h[1] == name and h[2] == shard for h in hot) else 0
+                    del records[name]
+                    report.secondary_deleted += 1
+                hot = [h for h in hot if not (h[2] == shard and h[1] in old)]
+                write_manifest(self.store, stream, shard, records)
+            total = sum(h[3] for h in hot)
+        for mtime, name, shard, size in hot:
+            rec = manifests[shard].get(name)
+            if rec is None or rec.length != size:
+                continue  # never delete a hot file that is not verified in the secondary store
+            too_old = settings.hot_retention_s is not None and now - mtime > settings.hot_retention_s
+            too_big = settings.hot_retention_bytes is not None and total > settings.hot_retention_bytes
+            if too_old or too_big:
+                self.store.delete(f"{shard_dir(stream, shard)}/{name}")
+                total -= size
+                report.hot_deleted += 1
+
+    def _sweep(self, stream: str, tier: TierStore, manifests: Dict[int, Dict[str, TierRecord]],
+               report: PassReport) -> None:
+        """Delete objects of ``stream`` no record names, once older than the grace period."""
+        named = {r.object for records in manifests.values() for r in records.values()}
+        now = self.clock()
+        for key, _, mtime in tier.list(stream):
+            if key in named or not key.endswith(".pack"):
+                continue
+            if mtime is not None and now - mtime < self.orphan_grace_s:
+                continue
+            tier.delete(key)
+            report.swept_objects += 1
