@@ -160,12 +160,13 @@ class TierSettings:
         """A one-line summary for ``acs ls`` / ``acs status``."""
         if not self.enabled:
             return "tier: none"
+        uri = _public_uri(self.uri)
 
         def age(v: Optional[float]) -> str:
             return "forever" if v is None else f"{v:g}s"
 
         hot_bytes = "unbounded" if self.hot_retention_bytes is None else f"{self.hot_retention_bytes}B"
-        return (f"tier: {self.uri} hot: {age(self.hot_retention_s)}/{hot_bytes} "
+        return (f"tier: {uri} hot: {age(self.hot_retention_s)}/{hot_bytes} "
                 f"secondary: {age(self.secondary_retention_s)}")
 
 
@@ -290,6 +291,15 @@ def _translate(what: str, error: type = StoreError) -> Iterator[None]:
         raise error(f"{what}: {exc}") from exc
 
 
+def _public_uri(uri: str) -> str:
+    """``uri`` without its query and ``user:secret@`` part (credentials may sit in either)."""
+    uri = uri.split("?", 1)[0]
+    scheme, sep, rest = uri.partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:
+        rest = rest.split("@", 1)[1]
+    return f"{scheme}{sep}{rest}"
+
+
 class TierStore:
     """Objects in a secondary store (write once, read by range), through ``pyarrow.fs``.
 
@@ -322,8 +332,8 @@ class TierStore:
         return f"TierStore({self.where()!r})"
 
     def where(self) -> str:
-        """The URI without its query (credentials may sit there), for messages."""
-        return self.uri_root.split("?", 1)[0]
+        """The URI without credentials and query, for messages."""
+        return _public_uri(self.uri_root)
 
     def path(self, key: str) -> str:
         """Filesystem path of object ``key``."""

@@ -17,7 +17,7 @@ import threading
 from typing import Optional, Sequence
 
 from pyspark_acs.errors import AcsError, AcsOptionError
-from pyspark_acs.server.tier.mover import DEFAULT_BATCH_BYTES, DEFAULT_ORPHAN_GRACE_S, TierMover
+from pyspark_acs.server.tier.mover import DEFAULT_BATCH_BYTES, DEFAULT_ORPHAN_GRACE_S, DEFAULT_TIER_LEASE_S, TierMover
 from pyspark_acs.units import parse_bytes, parse_duration
 
 __all__ = ["DEFAULT_INTERVAL_S", "build_parser", "main"]
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upload-rate", default=None, help="upload bytes per second cap (default none)")
     p.add_argument("--orphan-grace", default=str(DEFAULT_ORPHAN_GRACE_S),
                    help="delete unrecorded objects older than this (default 3600s)")
+    p.add_argument("--lease", default=str(DEFAULT_TIER_LEASE_S),
+                   help="tier lease per stream; a dead mover holds it this long (default 30s)")
     p.add_argument("--once", action="store_true", help="run one pass and exit")
     p.add_argument("--parent-pid", type=int, default=None, help="stop when this process exits")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -70,6 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             upload_bytes_per_second=(parse_bytes(args.upload_rate, option="--upload-rate", minimum=1)
                                      if args.upload_rate else None),
             orphan_grace_s=parse_duration(args.orphan_grace, option="--orphan-grace"),
+            lease_seconds=parse_duration(args.lease, option="--lease", minimum=0.1),
         )
     except AcsOptionError as exc:
         print(f"acs-tier-mover: error: {exc}", file=sys.stderr)

@@ -55,6 +55,7 @@ from pyspark_acs.storage.tier import (
 __all__ = [
     "DEFAULT_BATCH_BYTES",
     "DEFAULT_ORPHAN_GRACE_S",
+    "DEFAULT_TIER_LEASE_S",
     "DEFAULT_UPLOAD_ATTEMPTS",
     "UPLOAD_PART_BYTES",
     "PassReport",
@@ -74,6 +75,8 @@ DEFAULT_UPLOAD_ATTEMPTS = 3
 #: Objects no record names are deleted once older than this (seconds): longer than any
 #: upload in flight, so the sweep never takes an object whose record is about to be written.
 DEFAULT_ORPHAN_GRACE_S = 3600.0
+#: How long a stream's tier lease lasts (seconds); renewed every third of it.
+DEFAULT_TIER_LEASE_S = 30.0
 #: The stream's tier lease (one mover per stream), in the stream folder of the hot store.
 TIER_LEASE_FILE = "_tier.lease"
 
@@ -118,6 +121,8 @@ class TierMover:
         ``uri -> TierStore`` (default :class:`TierStore`): how the secondary store is opened.
     clock : callable
         ``time.time`` (retention ages).
+    lease_seconds : float
+        The stream's tier lease: a mover that died holds it this long.
     """
 
     def __init__(
@@ -131,6 +136,7 @@ class TierMover:
         upload_attempts: int = DEFAULT_UPLOAD_ATTEMPTS,
         tier_factory: Optional[Callable[[str], TierStore]] = None,
         clock: Callable[[], float] = time.time,
+        lease_seconds: float = DEFAULT_TIER_LEASE_S,
     ) -> None:
         self.store = open_store(root, create=False)
         self.path = DurableReadPath(self.store)  # the seal rule is proven on the hot store itself
@@ -144,6 +150,7 @@ class TierMover:
         self.clock = clock
         self.writer = new_writer_id()
         self._leases: Dict[str, StoreLease] = {}
+        self.lease_seconds = lease_seconds
 
     # -- the daemon loop ------------------------------------------------------------------------
 
@@ -174,7 +181,7 @@ class TierMover:
         lease = self._leases.get(stream)
         if lease is None:
             lease = StoreLease(self.store, f"{stream}/{TIER_LEASE_FILE}", self.writer, f"tier mover of stream {stream!r}",
-                               seconds=60.0)
+                               seconds=self.lease_seconds)
             lease.acquire()  # WriterConflictError: another mover serves it
             self._leases[stream] = lease
         elif lease.due():

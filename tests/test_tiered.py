@@ -1,0 +1,386 @@
+"""Tiered storage against a real S3 endpoint: moto's server on loopback, reached through
+pyarrow.fs.S3FileSystem with an endpoint override (the client code a user runs against S3).
+
+Covers: files tier and leave the hot store only after a verified upload; a Consumer and Spark
+(batch and stream) read from earliest across caches -> hot -> S3 byte-exact and in order; the
+mover SIGKILLed mid-upload leaves no visible partial object and loses no file; an ambiguous
+upload failure follows the non-stop-write rule; retention never deletes an unverified hot file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from pyspark_acs import Consumer, Producer
+from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.format.names import shard_dir
+from pyspark_acs.read.positions import ends_with_seal
+from pyspark_acs.read.readpath import DurableReadPath, open_read_path
+from pyspark_acs.server.tier import TierMover
+from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.storage.tier import (
+    PREREAD_MIN_BYTES,
+    PrereadWindow,
+    TierStore,
+    TierUploadError,
+    configure_tier,
+    parse_read_policy,
+    read_manifest,
+    stream_tier_settings,
+)
+from tests.conftest import free_port
+
+BUCKET = "acs-tier"
+KEY, SECRET = "testing", "testing"
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on a free loopback port (one per module); yields its endpoint."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"moto server did not start on 127.0.0.1:{port}")
+            time.sleep(0.05)
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id=KEY,
+                          aws_secret_access_key=SECRET, region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    try:
+        yield {"port": port, "client": client}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def tier_uri(s3, prefix: str) -> str:
+    return (f"s3://{KEY}:{SECRET}@{BUCKET}/{prefix}?endpoint_override=127.0.0.1:{s3['port']}"
+            f"&scheme=http&region=us-east-1")
+
+
+def objects(s3, prefix: str) -> List[str]:
+    got = s3["client"].list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/")
+    return sorted(o["Key"] for o in got.get("Contents", []) if not o["Key"].endswith("/"))  # not folder markers
+
+
+def msg(i: int, size: int = 200) -> bytes:
+    return f"m{i:06d}-".encode() + bytes([i % 251]) * size
+
+
+def hot_files(root: str, stream: str, shard: int = 0) -> List[str]:
+    return DurableStore(root).list_files(stream, shard)
+
+
+def file_bytes(root: str, stream: str, shard: int = 0) -> Dict[str, bytes]:
+    store = DurableStore(root)
+    out = {}
+    for name in store.list_files(stream, shard):
+        rel = f"{shard_dir(stream, shard)}/{name}"
+        out[name] = store.read(rel, 0, store.length(rel))
+    return out
+
+
+def read_all(root: str, stream: str, n: int, **kw) -> List[bytes]:
+    values: List[bytes] = []
+    with Consumer(root, stream, start="earliest", **kw) as c:
+        deadline = time.monotonic() + WAIT_S
+        while len(values) < n and time.monotonic() < deadline:
+            for batch in c.poll():
+                values.extend(batch.column("value").to_pylist())
+            time.sleep(0.01)
+    return values
+
+
+def make_stream(root: str, stream: str, n: int, *, roll_bytes: int = 4000, keep_open: bool = False, **kw):
+    """``n`` messages in several sealed files of one shard (the last file stays unsealed while
+    the returned producer is open)."""
+    p = Producer(root, stream, roll_bytes=roll_bytes, max_block_bytes=1024, **kw)
+    for i in range(n):
+        p.send(msg(i))
+    p.flush(timeout=WAIT_S)
+    if not keep_open:
+        p.close()
+        return None
+    store = DurableStore(root)
+    rel = f"{shard_dir(stream, 0)}/{store.list_files(stream, 0)[-1]}"
+    assert not ends_with_seal(DurableReadPath(store), rel, store.length(rel)), \
+        "the newest file must stay unsealed: choose n so that the last file is not full"
+    return p
+
+
+def run_pass(root: str, **kw):
+    """One mover pass (its tier leases given up after)."""
+    mover = TierMover(root, **kw)
+    try:
+        return mover.run_once()
+    finally:
+        mover.close()
+
+
+# -- the tier mover -----------------------------------------------------------------------------
+
+
+def test_sealed_files_tier_and_leave_hot_store_only_after_verified_upload(root, s3):
+    p = make_stream(root, "orders", 110, keep_open=True)
+    try:
+        before = file_bytes(root, "orders")
+        names = sorted(before)
+        assert len(names) >= 4
+        configure_tier(root, "orders", tier_uri(s3, "t1"), hot_retention_s=0)
+        assert stream_tier_settings(DurableStore(root), "orders").hot_retention_s == 0
+        report = run_pass(root, batch_bytes=10_000)
+        # Every sealed file went up, the open one (unsealed) waits: the read side's seal rule.
+        assert report.uploaded_files == len(names) - 1 and report.waiting_unsealed == 1
+        assert report.objects >= 2  # batched: several files per object, several objects
+        records = read_manifest(DurableStore(root), "orders", 0)
+        assert sorted(records) == names[:-1]
+        assert {r.object for r in records.values()} == {k[len("t1/"):] for k in objects(s3, "t1")}
+        assert all(r.blocks > 0 for r in records.values())
+        # Verified -> hot copies deleted (hot retention 0 s); the unsealed file stays.
+        assert hot_files(root, "orders") == names[-1:]
+        assert report.hot_deleted == len(names) - 1
+        # The same offsets read the same bytes, from S3 now.
+        path = open_read_path(root)
+        for name, data in before.items():
+            rel = f"{shard_dir('orders', 0)}/{name}"
+            assert path.lengths([rel])[rel] == len(data)
+            assert path.read(rel, 0, len(data)) == data
+        assert path.store.tier_stats()["tier_requests"] > 0
+        path.close()
+        # A second pass has nothing to do.
+        again = run_pass(root)
+        assert again.uploaded_files == 0 and again.abandoned_objects == 0
+    finally:
+        p.close()
+
+
+class FlakyTier(TierStore):
+    """A real S3 tier whose uploads fail as told (a fault injection: S3 cannot be told to)."""
+
+    mode = "ok"  # "ambiguous": first put lands its bytes, then fails; "fail": every put fails
+    calls: List[str] = []
+
+    def put(self, key, parts):
+        FlakyTier.calls.append(key)
+        if FlakyTier.mode == "fail":
+            list(parts)
+            raise TierUploadError(f"upload {key}: injected connection reset")
+        n = super().put(key, parts)
+        if FlakyTier.mode == "ambiguous" and len(FlakyTier.calls) == 1:
+            raise TierUploadError(f"upload {key}: injected timeout after the bytes landed")
+        return n
+
+
+class CorruptingTier(TierStore):
+    """A tier that lands one flipped byte (what verification must catch)."""
+
+    def put(self, key, parts):
+        data = bytearray(b"".join(parts))
+        data[len(data) // 2] ^= 0xFF
+        return super().put(key, [bytes(data)])
+
+
+def test_ambiguous_upload_failure_uploads_a_new_object_never_over_the_old(root, s3):
+    make_stream(root, "amb", 60)
+    before = file_bytes(root, "amb")
+    configure_tier(root, "amb", tier_uri(s3, "t2"), hot_retention_s=0)
+    FlakyTier.mode, FlakyTier.calls = "ambiguous", []
+    report = run_pass(root, tier_factory=FlakyTier)
+    first, second = FlakyTier.calls[:2]
+    assert first != second  # non-stop-write: a new object name, no retry over the first
+    assert report.abandoned_objects == 1 and report.uploaded_files == len(before)
+    records = read_manifest(DurableStore(root), "amb", 0)
+    assert {r.object for r in records.values()} == {second}
+    # The first object landed whole but no record names it: readers never see it, and the
+    # sweep deletes it once past the grace period.
+    assert f"t2/{first}" in objects(s3, "t2")
+    assert read_all(root, "amb", 60) == [msg(i) for i in range(60)]
+    swept = run_pass(root, orphan_grace_s=0)
+    assert swept.swept_objects == 1 and objects(s3, "t2") == [f"t2/{second}"]
+    assert read_all(root, "amb", 60) == [msg(i) for i in range(60)]
+
+
+def test_retention_never_deletes_a_hot_file_not_verified_in_the_secondary_store(root, s3):
+    make_stream(root, "keep", 60)
+    before = file_bytes(root, "keep")
+    configure_tier(root, "keep", tier_uri(s3, "t3"), hot_retention_s=0, hot_retention_bytes=0)
+    FlakyTier.mode, FlakyTier.calls = "fail", []
+    report = run_pass(root, tier_factory=FlakyTier, upload_attempts=2)
+    assert report.uploaded_files == 0 and report.abandoned_objects == 2 and report.hot_deleted == 0
+    assert sorted(hot_files(root, "keep")) == sorted(before)
+    # A corrupted upload fails verification: abandoned too, nothing recorded, nothing deleted.
+    report = run_pass(root, tier_factory=CorruptingTier, upload_attempts=1)
+    assert report.uploaded_files == 0 and report.abandoned_objects == 1 and report.hot_deleted == 0
+    assert read_manifest(DurableStore(root), "keep", 0) == {}
+    assert file_bytes(root, "keep") == before
+    # A good pass then tiers and deletes them (over the byte budget of 0).
+    report = run_pass(root)
+    assert report.uploaded_files == len(before) and hot_files(root, "keep") == []
+    assert read_all(root, "keep", 60) == [msg(i) for i in range(60)]
+
+
+def test_secondary_retention_deletes_old_files_from_both_tiers(root, s3):
+    make_stream(root, "old", 60)
+    configure_tier(root, "old", tier_uri(s3, "t4"))
+    run_pass(root)
+    assert objects(s3, "t4") and hot_files(root, "old")
+    configure_tier(root, "old", tier_uri(s3, "t4"), secondary_retention_s=0)
+    report = run_pass(root, orphan_grace_s=0)
+    assert report.secondary_deleted > 0 and report.swept_objects > 0
+    assert hot_files(root, "old") == [] and objects(s3, "t4") == []
+    assert read_manifest(DurableStore(root), "old", 0) == {}
+
+
+def test_mover_sigkilled_mid_upload_leaves_no_partial_object_and_loses_no_file(root, s3, subprocess_env, tmp_path):
+    # One large sealed file (24 MiB): a multipart upload, throttled so the kill lands mid-way.
+    with Producer(root, "big", roll_bytes=1 << 30) as p:
+        for i in range(24 * 64):
+            p.send(bytes([i % 251]) * 16384)
+        p.flush(timeout=WAIT_S)
+    before = file_bytes(root, "big")
+    configure_tier(root, "big", tier_uri(s3, "t5"), hot_retention_s=0)
+    cmd = [sys.executable, "-m", "pyspark_acs.server.tier.daemon", "--root", root, "--interval", "60s",
+           "--upload-rate", "6MiB", "--lease", "1s", "--parent-pid", str(os.getpid())]
+    proc = subprocess.Popen(cmd, env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not s3["client"].list_multipart_uploads(Bucket=BUCKET, Prefix="t5/").get("Uploads"):
+            assert time.monotonic() < deadline, "the mover never started its multipart upload"
+            assert proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # No object is visible, nothing is recorded, the hot file is whole.
+    assert objects(s3, "t5") == []
+    assert read_manifest(DurableStore(root), "big", 0) == {}
+    assert file_bytes(root, "big") == before
+    time.sleep(1.2)  # the dead mover's 1 s lease runs out
+    done = subprocess.run(cmd[:5] + ["--once", "--orphan-grace", "0"], env=subprocess_env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    records = read_manifest(DurableStore(root), "big", 0)
+    assert sorted(records) == sorted(before) and hot_files(root, "big") == []
+    path = open_read_path(root)
+    for name, data in before.items():
+        rel = f"{shard_dir('big', 0)}/{name}"
+        assert path.read(rel, 0, len(data)) == data
+    path.close()
+
+
+# -- reads across tiers -------------------------------------------------------------------------
+
+
+def test_consumer_reads_across_caches_hot_and_s3_in_order(root, s3, tmp_path):
+    from tests._harness import start_caches
+
+    deps = start_caches(tmp_path / "caches", clusters=("A",))
+    try:
+        dep = deps["A"]
+        caches = dict(data_cache=dep.data_endpoints, metadata_cache=dep.metadata_endpoints)
+        p = make_stream(root, "mix", 150, keep_open=True, **caches)
+        try:
+            names = hot_files(root, "mix")
+            configure_tier(root, "mix", tier_uri(s3, "t6"), hot_retention_bytes=3 * 4000)
+            report = run_pass(root)
+            assert report.uploaded_files == len(names) - 1
+            left = hot_files(root, "mix")
+            # Oldest files only in S3, the next ones tiered and hot, the newest hot only.
+            assert 1 < len(left) < len(names)
+            for i in range(150, 200):
+                p.send(msg(i))
+            p.flush(timeout=WAIT_S)
+            want = [msg(i) for i in range(200)]
+            assert read_all(root, "mix", 200, **caches) == want
+            for policy in ("NOT_IN_MEM", "FORCE"):
+                assert read_all(root, "mix", 200, tier_read_policy=policy, **caches) == want
+        finally:
+            p.close()
+    finally:
+        for d in deps.values():
+            d.stop()
+
+
+def test_spark_batch_and_stream_read_history_from_s3(root, s3, spark, tmp_path):
+    make_stream(root, "hist", 150)
+    configure_tier(root, "hist", tier_uri(s3, "t7"), hot_retention_s=0)
+    run_pass(root)
+    assert hot_files(root, "hist") == []
+    want = [msg(i) for i in range(150)]
+    df = spark.read.format("acs").option("root", root).option("stream", "hist").load()
+    rows = df.orderBy("file", "position").select("value").collect()
+    assert [bytes(r.value) for r in rows] == want
+    query = (spark.readStream.format("acs").option("root", root).option("stream", "hist")
+             .option("startingOffsets", "earliest").option("tierReadPolicy", "not_in_mem").load()
+             .writeStream.format("memory").queryName("tiered_hist")
+             .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True).start())
+    query.awaitTermination(120)
+    got = spark.sql("select value from tiered_hist order by file, position").collect()
+    assert [bytes(r.value) for r in got] == want
+    with pytest.raises(Exception, match="tierReadPolicy"):
+        spark.read.format("acs").option("root", root).option("stream", "hist") \
+            .option("tierReadPolicy", "sometimes").load().collect()
+
+
+# -- read policy and pre-reading ----------------------------------------------------------------
+
+
+def test_read_policy_is_checked_and_named():
+    assert parse_read_policy("force") == "FORCE"
+    with pytest.raises(AcsOptionError, match="tierReadPolicy.*NOT_IN_DISK, NOT_IN_MEM, FORCE"):
+        parse_read_policy("DISK_FIRST")
+
+
+def test_preread_window_grows_additively_and_halves():
+    w = PrereadWindow(minimum=100, maximum=1000)
+    assert w.size == 100
+    w.grow(64)
+    w.grow(64)
+    assert w.size == 228
+    w.shrink()
+    assert w.size == 114
+    for _ in range(100):
+        w.grow(64)
+    assert w.size == 1000
+    for _ in range(10):
+        w.shrink()
+    assert w.size == 100
+
+
+def test_preread_cuts_requests_to_the_secondary_store(root, s3):
+    make_stream(root, "pre", 400, roll_bytes=200_000)
+    configure_tier(root, "pre", tier_uri(s3, "t8"), hot_retention_s=0)
+    run_pass(root)
+    name = read_manifest(DurableStore(root), "pre", 0)
+    rel, rec = next((f"{shard_dir('pre', 0)}/{n}", r) for n, r in sorted(name.items()))
+    requests = {}
+    for preread in (False, True):
+        path = open_read_path(root, tier_preread=preread)
+        data = b"".join(path.read(rel, at, min(rec.length, at + 4096)) for at in range(0, rec.length, 4096))
+        assert len(data) == rec.length
+        requests[preread] = path.store.tier_stats()["tier_requests"]
+        if preread:
+            assert path.store.window("pre", 0) > PREREAD_MIN_BYTES  # additive increase
+        path.close()
+    assert requests[True] * 5 < requests[False]
