@@ -384,3 +384,36 @@ def test_preread_cuts_requests_to_the_secondary_store(root, s3):
             assert path.store.window("pre", 0) > PREREAD_MIN_BYTES  # additive increase
         path.close()
     assert requests[True] * 5 < requests[False]
+
+
+def test_acs_ls_and_status_show_tier_settings(root, s3, tmp_path, capsys):
+    import json
+
+    from pyspark_acs.cli.main import main
+
+    make_stream(root, "shown", 60)
+    configure_tier(root, "shown", tier_uri(s3, "t9"), hot_retention_s=3600, hot_retention_bytes=0,
+                   secondary_retention_s=86400 * 30)
+    run_pass(root)
+    files = hot_files(root, "shown")
+    assert files == []  # over the 0-byte hot budget: all tiered, none hot
+    assert main(["ls", "--root", root, "--stream", "shown"]) == 0
+    out = capsys.readouterr().out
+    assert f"tier: s3://{BUCKET}/t9 hot: 3600s/0B secondary: 2.592e+06s" in out
+    assert SECRET + "@" not in out and "tiered_files=" in out and "secondary_only=" in out
+    assert len([line for line in out.splitlines() if line.strip().endswith(".acs") or ".acs " in line]) >= 1
+    assert main(["status", "--root", root, "--stream", "shown", "--json", "--dir", str(tmp_path / "none")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    tier = report["streams"][0]["tier"]
+    assert tier["uri"] == f"s3://{BUCKET}/t9" and tier["hot_retention_bytes"] == 0
+    assert tier["tiered_files"] == tier["secondary_only"] > 0 and tier["hot_bytes"] == 0
+
+
+def test_configure_tier_names_bad_settings(root):
+    make_stream(root, "cfg", 10)
+    with pytest.raises(AcsOptionError, match="hot_retention_s"):
+        configure_tier(root, "cfg", "/tmp/x", hot_retention_s=-1)
+    with pytest.raises(AcsOptionError, match="no stream 'nope'"):
+        configure_tier(root, "nope", "/tmp/x")
+    with pytest.raises(AcsOptionError, match="tier_read_policy|tierReadPolicy"):
+        Consumer(root, "cfg", tier_read_policy="sometimes")

@@ -215,6 +215,7 @@ def status_report(
     from pyspark_acs.cache.metadata import MetadataCache
     from pyspark_acs.format.names import shard_dir
     from pyspark_acs.storage.store import open_store
+    from pyspark_acs.storage.tier import tier_summary
     from pyspark_acs.errors import CacheError
 
     data = _client(data_cache, "data cache")
@@ -234,7 +235,7 @@ def status_report(
             shards = store.stream_shards(name)
             if shards is None:
                 raise AcsOptionError(f"stream: no stream {name!r} in {store.root}", option="stream")
-            entry: Dict[str, Any] = {"stream": name, "shards": []}
+            entry: Dict[str, Any] = {"stream": name, "shards": [], "tier": tier_summary(store, name)}
             for shard in range(shards):
                 folder = shard_dir(name, shard)
                 files = store.list_files(name, shard)
@@ -296,6 +297,8 @@ def _print_status(report: Dict[str, Any]) -> None:
     print(f"root {report['root']}")
     for entry in report["streams"]:
         print(f"stream {entry['stream']}  shards={len(entry['shards'])}")
+        if entry.get("tier"):
+            print(f"  {entry['tier']['line']}")
         for sh in entry["shards"]:
             print(f"  shard {sh['shard']}  files={len(sh['files'])}  head={_fmt(sh['head'])}")
             for row in sh["files"]:

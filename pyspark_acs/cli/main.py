@@ -244,14 +244,16 @@ def cmd_tail(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     from pyspark_acs.format.names import shard_dir
     from pyspark_acs.storage.store import open_store
+    from pyspark_acs.storage.tier import tier_summary, tiered_store
 
-    store = open_store(args.root, create=False)
+    store = tiered_store(open_store(args.root, create=False))  # files in either tier
     streams = [args.stream] if args.stream else store.list_streams()
     for stream in streams:
         shards = store.stream_shards(stream)
         if shards is None:
             raise AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
         print(f"{stream}  shards={shards}")
+        print(f"  {tier_summary(store.hot, stream)['line']}")
         for shard in range(shards):
             files = store.list_files(stream, shard)
             lengths = store.lengths([f"{shard_dir(stream, shard)}/{f}" for f in files])

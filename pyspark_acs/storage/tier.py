@@ -64,6 +64,7 @@ __all__ = [
     "parse_read_policy",
     "read_manifest",
     "stream_tier_settings",
+    "tier_summary",
     "tiered_store",
     "write_manifest",
 ]
@@ -686,3 +687,26 @@ def tiered_store(store: DurableStore, policy: str = DEFAULT_READ_POLICY, *, prer
     if isinstance(store, TieredStore):
         return store
     return TieredStore(store, policy, preread=preread)
+
+
+def tier_summary(store: DurableStore, stream: str) -> Dict[str, Any]:
+    """A stream's tier settings and state, for ``acs ls`` / ``acs status``: the settings
+    (``uri`` without credentials), ``tiered_files`` (recorded in the secondary store),
+    ``secondary_only`` (of those, no longer in the hot store), ``hot_files``, ``hot_bytes``
+    and ``line`` (a one-line text form)."""
+    settings = stream_tier_settings(store, stream)
+    out: Dict[str, Any] = settings.to_json()
+    out["uri"] = _public_uri(settings.uri) if settings.uri else None
+    tiered = secondary_only = hot_files = hot_bytes = 0
+    for shard in range(store.stream_shards(stream) or 0):
+        records = read_manifest(store, stream, shard)
+        hot = DurableStore.list_files(store, stream, shard)  # the hot store's own listing
+        lengths = store.lengths([f"{shard_dir(stream, shard)}/{f}" for f in hot]) if hot else {}
+        tiered += len(records)
+        secondary_only += len(set(records) - set(hot))
+        hot_files += len(hot)
+        hot_bytes += sum(n or 0 for n in lengths.values())
+    out.update(tiered_files=tiered, secondary_only=secondary_only, hot_files=hot_files, hot_bytes=hot_bytes)
+    out["line"] = (f"{settings.describe()}  tiered_files={tiered} secondary_only={secondary_only} "
+                   f"hot_files={hot_files} hot_bytes={hot_bytes}")
+    return out
