@@ -629,14 +629,17 @@ class TieredStore(DurableStore):
             data = tier.read(rec.object, rec.offset + at, rec.offset + fetch_end)
             if not data:
                 break
+            take = min(end - at, len(data))
+            parts.append(data[:take])  # served from the fetch itself, whatever happens to the buffer
             with self._tier_lock:
                 old = self._buffers.pop(rel, None)
                 if old is not None:
                     self._drop(old, window_key)
-                self._buffers[rel] = _Buffer(at, data, at)
+                self._buffers[rel] = _Buffer(at, data, at + take)
                 while len(self._buffers) > PREREAD_MAX_BUFFERS:
                     k, b = self._buffers.popitem(last=False)
                     self._drop(b, k.rsplit("/", 1)[0])
+            at += take
         return b"".join(parts)
 
     def _drop(self, buf: _Buffer, window_key: str) -> None:

@@ -19,7 +19,8 @@ One pass over a stream (:meth:`TierMover.run_stream`), under the stream's tier l
    record names them and they are older than ``orphan_grace_s``.
 5. **Retention** (:class:`~pyspark_acs.storage.tier.TierSettings`): a hot copy is deleted
    only when its file has a record (verified) whose length equals the hot file's, and it is
-   older than ``hot_retention_s`` or the stream's hot bytes exceed ``hot_retention_bytes``;
+   older than ``hot_retention_s`` or the stream's hot bytes exceed ``hot_retention_bytes``
+   (a shard's newest file always stays hot: writers name new files after it);
    files older than ``secondary_retention_s`` leave both tiers (hot copy, then record, then
    the object once unreferenced).
 """
@@ -326,10 +327,16 @@ class TierMover:
                     hot.append((mtime, info.base_name, shard, int(info.size)))
         hot.sort()
         total = sum(h[3] for h in hot)
+        # A shard's newest file stays hot: writers name their next file after the files they
+        # list in the hot store (write/shard.py), so the newest name must stay listed there.
+        newest: Dict[int, str] = {}
+        for _, name, shard, _ in hot:
+            newest[shard] = max(newest.get(shard, ""), name)
         # Secondary retention: whole files older than secondary_retention_s leave both tiers.
         if settings.secondary_retention_s is not None:
             for shard, records in manifests.items():
-                old = [n for n, r in records.items() if now - r.mtime > settings.secondary_retention_s]
+                old = [n for n, r in records.items()
+                       if now - r.mtime > settings.secondary_retention_s and n != newest.get(shard)]
                 if not old:
                     continue
                 for name in old:
@@ -344,6 +351,8 @@ class TierMover:
             rec = manifests[shard].get(name)
             if rec is None or rec.length != size:
                 continue  # never delete a hot file that is not verified in the secondary store
+            if name == newest.get(shard):
+                continue
             too_old = settings.hot_retention_s is not None and now - mtime > settings.hot_retention_s
             too_big = settings.hot_retention_bytes is not None and total > settings.hot_retention_bytes
             if too_old or too_big:

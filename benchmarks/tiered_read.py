@@ -1,0 +1,149 @@
+"""Read throughput of a stream's history from the S3 tier, with and without pre-reading.
+
+A stream of ``--mb`` MiB (1 KiB messages, files rolled at ``--roll``) is written to a local hot
+store, moved by the tier mover to an S3 endpoint (moto's server on loopback, reached through
+``pyarrow.fs.S3FileSystem`` with an endpoint override: the client code a user runs against S3)
+and deleted from the hot store. A Consumer then reads the whole history from ``earliest``:
+
+- from the hot store (before tiering: the peer every figure is compared with),
+- from S3 without the pre-reading window (one ranged GET per read),
+- from S3 with the pre-reading window (AIMD: grows by the reader's request size while
+  read-ahead is used, halves when it is dropped unread).
+
+Each S3 run is done for two reader request sizes (``--read-bytes``, the Consumer's
+``max_read_bytes``): the default, and a small one (a reader that asks for little at a time,
+as ``acs tail`` or a rate-capped task). Printed: MB/s, GET requests per MB, and ratios.
+
+    .venv/bin/python benchmarks/tiered_read.py [--mb 64] [--roll 8MiB] [--small-read 64KiB]
+
+moto keeps objects in memory and is a single Python process: absolute S3 figures are far
+below real S3; the request counts per MB are what carries over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Tuple
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from _common import free_port, progress, report  # noqa: E402
+
+from pyspark_acs import Consumer, Producer  # noqa: E402
+from pyspark_acs.read.consumer import DEFAULT_MAX_READ_BYTES  # noqa: E402
+from pyspark_acs.read.readpath import open_read_path  # noqa: E402
+from pyspark_acs.server.tier import TierMover  # noqa: E402
+from pyspark_acs.storage.tier import configure_tier  # noqa: E402
+from pyspark_acs.units import format_bytes, parse_bytes  # noqa: E402
+
+STREAM = "history"
+BUCKET = "acs-bench"
+MESSAGE_BYTES = 1024
+MB = 1024 * 1024
+
+
+def start_moto() -> Tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return proc, port
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit("moto server did not start")
+            time.sleep(0.05)
+
+
+def read_history(root: str, n: int, max_read_bytes: int, **path_kw) -> Dict[str, float]:
+    path = open_read_path(root, **path_kw)
+    got = 0
+    t0 = time.perf_counter()
+    with Consumer(root, STREAM, start="earliest", read_path=path, max_read_bytes=max_read_bytes) as c:
+        while got < n:
+            for batch in c.poll():
+                got += batch.num_rows
+    seconds = time.perf_counter() - t0
+    stats = path.store.tier_stats() if hasattr(path.store, "tier_stats") else {"tier_requests": 0, "tier_bytes": 0}
+    path.close()
+    mb = n * MESSAGE_BYTES / MB
+    return {"seconds": seconds, "mb_s": mb / seconds, "requests": stats["tier_requests"],
+            "req_per_mb": stats["tier_requests"] / mb, "fetched_mb": stats["tier_bytes"] / MB}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mb", type=int, default=64, help="history size in MiB (default 64)")
+    ap.add_argument("--roll", default="8MiB", help="file roll size (default 8MiB)")
+    ap.add_argument("--small-read", default="64KiB", help="the small reader request size (default 64KiB)")
+    args = ap.parse_args()
+    roll = parse_bytes(args.roll, option="--roll", minimum=4096)
+    small = parse_bytes(args.small_read, option="--small-read", minimum=4096)
+    base = tempfile.mkdtemp(prefix="acs-tier-bench-")
+    root = os.path.join(base, "hot")
+    proc, port = start_moto()
+    try:
+        import boto3
+
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="k",
+                     aws_secret_access_key="s", region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        n = args.mb * MB // MESSAGE_BYTES
+        progress(f"writing {args.mb} MiB ({n} messages, files of {format_bytes(roll)})")
+        with Producer(root, STREAM, roll_bytes=roll) as p:
+            for i in range(n):
+                p.send(i.to_bytes(8, "little") * (MESSAGE_BYTES // 8))
+            p.flush(timeout=120)
+        rows: Dict[str, str] = {}
+        results = {}
+        for size_name, size in (("default", DEFAULT_MAX_READ_BYTES), ("small", small)):
+            results[("hot", size_name)] = read_history(root, n, size)
+        configure_tier(root, STREAM, f"s3://k:s@{BUCKET}/bench?endpoint_override=127.0.0.1:{port}&scheme=http"
+                                     f"&region=us-east-1", hot_retention_s=0)
+        progress("tiering the history to S3")
+        t0 = time.perf_counter()
+        mover = TierMover(root)
+        moved = mover.run_once()
+        mover.close()
+        upload_s = time.perf_counter() - t0
+        rows["upload (mover)"] = (f"{moved.uploaded_files} files in {moved.objects} objects, "
+                                  f"{moved.uploaded_bytes / MB / upload_s:.1f} MB/s incl. read-back verify; "
+                                  f"hot copies deleted: {moved.hot_deleted}")
+        for size_name, size in (("default", DEFAULT_MAX_READ_BYTES), ("small", small)):
+            for preread in (False, True):
+                progress(f"reading from S3, reads of {format_bytes(size)}, preread={preread}")
+                results[("s3" + ("+preread" if preread else ""), size_name)] = read_history(
+                    root, n, size, tier_preread=preread)
+        for (where, size_name), r in results.items():
+            size = DEFAULT_MAX_READ_BYTES if size_name == "default" else small
+            peer = results[("hot", size_name)]
+            line = f"{r['mb_s']:7.1f} MB/s  ({r['mb_s'] / peer['mb_s']:.2f}x hot)"
+            if where != "hot":
+                line += f"  {r['req_per_mb']:6.2f} GET/MB  fetched {r['fetched_mb']:.1f} MB"
+                if where == "s3+preread":
+                    plain = results[("s3", size_name)]
+                    line += (f"  vs no preread: {r['mb_s'] / plain['mb_s']:.2f}x MB/s, "
+                             f"{plain['requests'] / max(r['requests'], 1):.1f}x fewer GETs")
+            rows[f"{where:<11} reads {format_bytes(size):>8}"] = line
+        report(f"tiered read of {args.mb} MiB history (Consumer from earliest)", rows)
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
