@@ -41,6 +41,7 @@ from _common import free_port, progress, report  # noqa: E402
 
 from pyspark_acs import Consumer, Producer  # noqa: E402
 from pyspark_acs.read.consumer import DEFAULT_MAX_READ_BYTES  # noqa: E402
+from pyspark_acs.read.positions import offset_for_timestamp  # noqa: E402
 from pyspark_acs.read.readpath import open_read_path  # noqa: E402
 from pyspark_acs.server.tier import TierMover  # noqa: E402
 from pyspark_acs.storage.tier import configure_tier  # noqa: E402
@@ -84,6 +85,18 @@ def read_history(root: str, n: int, max_read_bytes: int, **path_kw) -> Dict[str,
             "req_per_mb": stats["tier_requests"] / mb, "fetched_mb": stats["tier_bytes"] / MB}
 
 
+def walk_history(root: str, **path_kw) -> Dict[str, float]:
+    """The Spark planner's cost on history: a timestamp search that walks every block header
+    of every file (``startingTimestamp`` past the end), through the one read path."""
+    path = open_read_path(root, **path_kw)
+    t0 = time.perf_counter()
+    offset_for_timestamp(path, STREAM, 0, 2 ** 62)
+    seconds = time.perf_counter() - t0
+    stats = path.store.tier_stats()
+    path.close()
+    return {"seconds": seconds, "requests": stats["tier_requests"], "fetched_mb": stats["tier_bytes"] / MB}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=64, help="history size in MiB (default 64)")
@@ -110,6 +123,11 @@ def main() -> int:
         results = {}
         for size_name, size in (("default", DEFAULT_MAX_READ_BYTES), ("small", small)):
             results[("hot", size_name)] = read_history(root, n, size)
+        t0 = time.perf_counter()
+        hot_path = open_read_path(root)
+        offset_for_timestamp(hot_path, STREAM, 0, 2 ** 62)
+        hot_path.close()
+        hot_walk = time.perf_counter() - t0
         configure_tier(root, STREAM, f"s3://k:s@{BUCKET}/bench?endpoint_override=127.0.0.1:{port}&scheme=http"
                                      f"&region=us-east-1", hot_retention_s=0)
         progress("tiering the history to S3")
@@ -126,7 +144,7 @@ def main() -> int:
                 progress(f"reading from S3, reads of {format_bytes(size)}, preread={preread}")
                 results[("s3" + ("+preread" if preread else ""), size_name)] = read_history(
                     root, n, size, tier_preread=preread)
-        for (where, size_name), r in results.items():
+        for (where, size_name), r in results.items():  # noqa: B007
             size = DEFAULT_MAX_READ_BYTES if size_name == "default" else small
             peer = results[("hot", size_name)]
             line = f"{r['mb_s']:7.1f} MB/s  ({r['mb_s'] / peer['mb_s']:.2f}x hot)"
@@ -137,6 +155,14 @@ def main() -> int:
                     line += (f"  vs no preread: {r['mb_s'] / plain['mb_s']:.2f}x MB/s, "
                              f"{plain['requests'] / max(r['requests'], 1):.1f}x fewer GETs")
             rows[f"{where:<11} reads {format_bytes(size):>8}"] = line
+        walks = {pre: walk_history(root, tier_preread=pre) for pre in (False, True)}
+        for pre, w in walks.items():
+            line = f"{w['seconds'] * 1000:8.1f} ms  {w['requests']:5d} GETs  fetched {w['fetched_mb']:.1f} MB"
+            if pre:
+                line += (f"  vs no preread: {walks[False]['seconds'] / w['seconds']:.2f}x faster, "
+                         f"{walks[False]['requests'] / max(w['requests'], 1):.1f}x fewer GETs")
+            rows[f"header walk (planner) s3{'+preread' if pre else ''}"] = line
+        rows["header walk (planner) hot"] = f"{hot_walk * 1000:8.1f} ms"
         report(f"tiered read of {args.mb} MiB history (Consumer from earliest)", rows)
     finally:
         proc.kill()
