@@ -428,11 +428,24 @@ def test_acs_ls_and_status_show_tier_settings(root, s3, tmp_path, capsys):
     assert tier["tiered_files"] == tier["secondary_only"] + 1 and tier["hot_files"] == 1
 
 
-def test_configure_tier_names_bad_settings(root):
+def test_configure_tier_names_bad_settings(root, s3):
     make_stream(root, "cfg", 10)
     with pytest.raises(AcsOptionError, match="hot_retention_s"):
         configure_tier(root, "cfg", "/tmp/x", hot_retention_s=-1)
     with pytest.raises(AcsOptionError, match="no stream 'nope'"):
         configure_tier(root, "nope", "/tmp/x")
+    with pytest.raises(AcsOptionError, match="bucket 'no-such-bucket' of s3://no-such-bucket/x does not exist"):
+        configure_tier(root, "cfg", tier_uri(s3, "x").replace(BUCKET, "no-such-bucket"))
     with pytest.raises(AcsOptionError, match="tier_read_policy|tierReadPolicy"):
         Consumer(root, "cfg", tier_read_policy="sometimes")
+
+
+def test_local_folder_tier(root, tmp_path):
+    """Any pyarrow filesystem serves as the secondary store: here a local folder."""
+    make_stream(root, "local", 80)
+    before = file_bytes(root, "local")
+    configure_tier(root, "local", str(tmp_path / "cold"), hot_retention_s=0)
+    report = run_pass(root)
+    assert report.uploaded_files == len(before) and len(hot_files(root, "local")) == 1
+    assert list((tmp_path / "cold" / "local" / "00000").iterdir())
+    assert read_all(root, "local", 80, tier_read_policy="FORCE") == [msg(i) for i in range(80)]

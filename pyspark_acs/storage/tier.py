@@ -217,7 +217,7 @@ def configure_tier(
         if value is not None and value < 0:
             raise AcsOptionError(f"{name}: must be >= 0 or None (keep forever), got {value!r}", option=name)
     if uri is not None:
-        TierStore(uri)  # raises naming the URI when pyarrow cannot open it
+        TierStore(uri).check()  # raises naming the URI when it cannot be reached
     settings = TierSettings(uri, hot_retention_s, hot_retention_bytes, secondary_retention_s)
     meta = _stream_meta(store, stream)
     meta["tier"] = settings.to_json() if settings.enabled else None
@@ -335,6 +335,26 @@ class TierStore:
     def where(self) -> str:
         """The URI without credentials and query, for messages."""
         return _public_uri(self.uri_root)
+
+    def check(self) -> None:
+        """Reach the store once: a local folder is created; an object store's bucket must exist.
+
+        Raises
+        ------
+        AcsOptionError
+            The endpoint cannot be reached or the bucket does not exist (names the URI).
+        """
+        if self.local:
+            os.makedirs(self.base, exist_ok=True)
+            return
+        bucket = self.base.split("/", 1)[0]
+        try:
+            kind = self.fs.get_file_info(bucket).type
+        except (OSError, pa.ArrowException) as exc:
+            raise AcsOptionError(f"tier uri: cannot reach secondary store {self.where()}: {exc}", option="uri") from exc
+        if kind != pafs.FileType.Directory:
+            raise AcsOptionError(f"tier uri: bucket {bucket!r} of {self.where()} does not exist; create it first",
+                                 option="uri")
 
     def path(self, key: str) -> str:
         """Filesystem path of object ``key``."""
