@@ -82,6 +82,11 @@ def objects(s3, prefix: str) -> List[str]:
     return sorted(o["Key"] for o in got.get("Contents", []) if not o["Key"].endswith("/"))  # not folder markers
 
 
+def named(records) -> set:
+    """Object keys the tier records name (packs and their header indexes)."""
+    return {k for r in records.values() for k in (r.object, r.index) if k}
+
+
 def msg(i: int, size: int = 200) -> bytes:
     return f"m{i:06d}-".encode() + bytes([i % 251]) * size
 
@@ -153,7 +158,8 @@ def test_sealed_files_tier_and_leave_hot_store_only_after_verified_upload(root, 
         assert report.objects >= 2  # batched: several files per object, several objects
         records = read_manifest(DurableStore(root), "orders", 0)
         assert sorted(records) == names[:-1]
-        assert {r.object for r in records.values()} == {k[len("t1/"):] for k in objects(s3, "t1")}
+        assert named(records) == {k[len("t1/"):] for k in objects(s3, "t1")}  # packs + header indexes
+        assert all(r.index for r in records.values())
         assert all(r.blocks > 0 for r in records.values())
         # Verified -> hot copies deleted (hot retention 0 s); the unsealed file stays.
         assert hot_files(root, "orders") == names[-1:]
@@ -210,12 +216,13 @@ def test_ambiguous_upload_failure_uploads_a_new_object_never_over_the_old(root, 
     assert report.abandoned_objects == 1 and report.uploaded_files == len(before)
     records = read_manifest(DurableStore(root), "amb", 0)
     assert {r.object for r in records.values()} == {second}
+    assert named(records) == {second, second[: -len(".pack")] + ".idx"}
     # The first object landed whole but no record names it: readers never see it, and the
     # sweep deletes it once past the grace period.
     assert f"t2/{first}" in objects(s3, "t2")
     assert read_all(root, "amb", 60) == [msg(i) for i in range(60)]
     swept = run_pass(root, orphan_grace_s=0)
-    assert swept.swept_objects == 1 and objects(s3, "t2") == [f"t2/{second}"]
+    assert swept.swept_objects == 1 and set(objects(s3, "t2")) == {f"t2/{k}" for k in named(records)}
     assert read_all(root, "amb", 60) == [msg(i) for i in range(60)]
 
 
@@ -251,7 +258,7 @@ def test_secondary_retention_deletes_old_files_from_both_tiers(root, s3):
     newest = names[-1]
     assert hot_files(root, "old") == [newest]  # the newest file stays (writers name files after it)
     assert list(read_manifest(DurableStore(root), "old", 0)) == [newest]
-    remaining = {r.object for r in read_manifest(DurableStore(root), "old", 0).values()}
+    remaining = named(read_manifest(DurableStore(root), "old", 0))
     assert {k[len("t4/"):] for k in objects(s3, "t4")} == remaining
     # A reader from earliest starts at the first file left: the newest file's messages.
     left = read_all(root, "old", 60, timeout=2.0)
@@ -399,7 +406,7 @@ def test_preread_cuts_requests_to_the_secondary_store(root, s3, monkeypatch):
             path.store.read(rel2, 0, 4096)
             monkeypatch.setattr(tier_module, "PREREAD_TTL_S", 0.0)
             time.sleep(0.01)
-            path.store.read(rel, 0, 10)
+            path.store.read(rel, 100, 200)  # not a header: through the pre-read path
             assert path.store.tier_stats()["preread_dropped_bytes"] > 0
             assert path.store.window("pre", 0) == max(PREREAD_MIN_BYTES, grown // 2)
         path.close()
@@ -449,3 +456,69 @@ def test_local_folder_tier(root, tmp_path):
     assert report.uploaded_files == len(before) and len(hot_files(root, "local")) == 1
     assert list((tmp_path / "cold" / "local" / "00000").iterdir())
     assert read_all(root, "local", 80, tier_read_policy="FORCE") == [msg(i) for i in range(80)]
+
+
+def test_offsets_stay_valid_when_files_move_under_a_reader(root, s3):
+    """A Consumer part-way through hot files goes on by the same offsets after they moved to
+    S3 and left the hot store; a Consumer resumed from saved offsets does too."""
+    make_stream(root, "moving", 120)
+    configure_tier(root, "moving", tier_uri(s3, "t10"), hot_retention_s=0)
+    want = [msg(i) for i in range(120)]
+    got: List[bytes] = []
+    with Consumer(root, "moving", start="earliest", max_read_bytes=2048) as c:
+        while len(got) < 30:
+            for batch in c.poll():
+                got.extend(batch.column("value").to_pylist())
+        saved, at_save = c.offsets(), len(got)
+        report = run_pass(root)  # every file but the newest leaves the hot store meanwhile
+        assert report.hot_deleted >= 3
+        deadline = time.monotonic() + WAIT_S
+        while len(got) < 120 and time.monotonic() < deadline:
+            for batch in c.poll():
+                got.extend(batch.column("value").to_pylist())
+            time.sleep(0.01)
+    assert got == want
+    rest: List[bytes] = []
+    with Consumer(root, "moving", start=saved) as c:  # offsets saved before the files moved
+        deadline = time.monotonic() + WAIT_S
+        while len(rest) < 120 - at_save and time.monotonic() < deadline:
+            for batch in c.poll():
+                rest.extend(batch.column("value").to_pylist())
+            time.sleep(0.01)
+    assert rest == want[at_save:]
+
+
+def test_header_walks_over_tiered_files_use_the_header_index(root, s3):
+    """A planner's header walk (a timestamp search over the history) gives the same offsets
+    from S3 as from the hot store, with one request per object (its header index), not one
+    per block."""
+    from pyspark_acs.read.positions import latest_offset, offset_for_timestamp
+
+    with Producer(root, "walk", roll_bytes=2 << 20, max_block_bytes=256 * 1024) as p:
+        for i in range(64):
+            p.send(bytes([i]) * 100_000)
+            if i % 2:
+                p.flush(timeout=WAIT_S)  # two messages a block: ~200 KB blocks
+    hot = open_read_path(root)
+    mid_ts = None
+    with Consumer(root, "walk", start="earliest") as c:
+        rows = []
+        while len(rows) < 64:
+            for batch in c.poll():
+                rows.extend(batch.column("timestamp").to_pylist())
+    mid_ts = int(rows[40].timestamp() * 1_000_000) if hasattr(rows[40], "timestamp") else int(rows[40])
+    want_mid = offset_for_timestamp(hot, "walk", 0, mid_ts)
+    want_end = offset_for_timestamp(hot, "walk", 0, 2 ** 62)
+    hot.close()
+    configure_tier(root, "walk", tier_uri(s3, "t11"), hot_retention_s=0)
+    run_pass(root)
+    assert len(hot_files(root, "walk")) == 1
+    path = open_read_path(root)
+    assert offset_for_timestamp(path, "walk", 0, mid_ts) == want_mid
+    assert offset_for_timestamp(path, "walk", 0, 2 ** 62) == want_end
+    assert latest_offset(path, "walk", 0).file == want_end.file
+    stats = path.store.tier_stats()
+    objects_named = len({r.object for r in read_manifest(DurableStore(root), "walk", 0).values()})
+    assert stats["index_hits"] >= 20
+    assert stats["tier_requests"] <= 3 * objects_named, stats  # index + seal checks, not one per block
+    path.close()

@@ -41,10 +41,13 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
+import struct
+
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError
+from pyspark_acs.format.block import HEADER_SIZE
 from pyspark_acs.format.names import shard_dir, validate_stream
 from pyspark_acs.storage.store import STREAM_META_FILE, DurableStore
 
@@ -61,6 +64,8 @@ __all__ = [
     "TierUploadError",
     "TieredStore",
     "configure_tier",
+    "decode_header_index",
+    "encode_header_index",
     "parse_read_policy",
     "read_manifest",
     "stream_tier_settings",
@@ -90,6 +95,8 @@ MAX_OPEN_OBJECTS = 64
 #: How long a reader reuses a shard's tier records before reading them again (seconds);
 #: a file it cannot find in either tier makes it read them at once.
 MANIFEST_TTL_S = 1.0
+#: Header indexes a reader keeps in memory (one per object; 56 bytes per block).
+MAX_HEADER_INDEXES = 256
 #: How long a reader reuses a stream's tier settings (seconds).
 SETTINGS_TTL_S = 5.0
 
@@ -234,7 +241,9 @@ class TierRecord:
 
     ``crc32`` is zlib.crc32 of the whole file and ``blocks`` the number of blocks whose body
     checksums were verified in the object; ``mtime`` the hot file's last write (seconds since
-    the epoch: retention ages), ``tiered_at`` when the record was written.
+    the epoch: retention ages), ``tiered_at`` when the record was written. ``index``: the
+    object holding the block headers of the object's files (:func:`encode_header_index`), so
+    header walks (planning, timestamp searches) need one request per object, not per block.
     """
 
     object: str
@@ -244,12 +253,31 @@ class TierRecord:
     blocks: int
     mtime: float
     tiered_at: float
+    index: Optional[str] = None
 
     @classmethod
     def from_json(cls, raw: Dict[str, Any]) -> "TierRecord":
         """A record from its manifest entry."""
+        index = raw.get("index")
         return cls(str(raw["object"]), int(raw["offset"]), int(raw["length"]), int(raw["crc32"]),
-                   int(raw["blocks"]), float(raw["mtime"]), float(raw["tiered_at"]))
+                   int(raw["blocks"]), float(raw["mtime"]), float(raw["tiered_at"]),
+                   None if index is None else str(index))
+
+
+#: One entry of a header index: the header's offset in the object, then its bytes.
+_INDEX_ENTRY = struct.Struct("<Q%ds" % HEADER_SIZE)
+
+
+def encode_header_index(headers: Iterable[Tuple[int, bytes]]) -> bytes:
+    """The header index of an object: ``(offset in the object, HEADER_SIZE header bytes)`` each."""
+    return b"".join(_INDEX_ENTRY.pack(at, h) for at, h in headers)
+
+
+def decode_header_index(data: bytes, where: str = "") -> Dict[int, bytes]:
+    """Offset in the object -> header bytes, from :func:`encode_header_index`'s bytes."""
+    if len(data) % _INDEX_ENTRY.size:
+        raise StoreError(f"{where}: malformed header index ({len(data)} bytes)")
+    return {at: h for at, h in _INDEX_ENTRY.iter_unpack(data)}
 
 
 def manifest_rel(stream: str, shard: int) -> str:
@@ -502,7 +530,8 @@ class TieredStore(DurableStore):
         self._tiers: Dict[str, TierStore] = {}
         self._buffers: "OrderedDict[str, _Buffer]" = OrderedDict()
         self._windows: Dict[str, PrereadWindow] = {}
-        self._tier_stats = {"tier_reads": 0, "preread_hits": 0, "preread_dropped_bytes": 0}
+        self._indexes: "OrderedDict[str, Dict[int, bytes]]" = OrderedDict()
+        self._tier_stats = {"tier_reads": 0, "preread_hits": 0, "preread_dropped_bytes": 0, "index_hits": 0}
 
     def __repr__(self) -> str:
         return f"TieredStore({self.root!r}, {self.policy})"
@@ -623,6 +652,9 @@ class TieredStore(DurableStore):
         if tier is None:
             raise StoreFileNotFoundError(
                 f"read {self.uri(rel)}: tiered to {rec.object} but stream {stream!r} has no secondary store configured")
+        header = self._indexed_header(tier, rec, start, end)
+        if header is not None:
+            return header
         with self._tier_lock:
             self._tier_stats["tier_reads"] += 1
         if not self.preread:
@@ -662,6 +694,35 @@ class TieredStore(DurableStore):
             at += take
         return b"".join(parts)
 
+    def _indexed_header(self, tier: TierStore, rec: TierRecord, start: int, end: int) -> Optional[bytes]:
+        """A read within one block header, answered from the object's header index (loaded
+        with one request per object); ``None`` when the index does not hold it."""
+        if rec.index is None or end - start > HEADER_SIZE:
+            return None
+        with self._tier_lock:
+            index = self._indexes.get(rec.index)
+            if index is not None:
+                self._indexes.move_to_end(rec.index)
+        if index is None:
+            try:
+                raw = tier.read(rec.index, 0, tier.size(rec.index) or 0)
+                index = decode_header_index(raw, f"{tier.where()}/{rec.index}")
+            except StoreError as exc:
+                log.warning("header index %s unreadable, reading headers from the object: %s", rec.index, exc)
+                index = {}
+            with self._tier_lock:
+                self._indexes[rec.index] = index
+                while len(self._indexes) > MAX_HEADER_INDEXES:
+                    self._indexes.popitem(last=False)
+        # The header that holds [start, end): the block starting at or before start.
+        at = rec.offset + start
+        header = index.get(at)
+        if header is None:
+            return None
+        with self._tier_lock:
+            self._tier_stats["index_hits"] += 1
+        return header[: end - start]
+
     def _drop(self, buf: _Buffer, window_key: str) -> None:
         """A buffer leaves (under _tier_lock): unread read-ahead halves the window."""
         unread = buf.end - buf.used
@@ -686,7 +747,7 @@ class TieredStore(DurableStore):
     def tier_stats(self) -> Dict[str, int]:
         """``tier_reads`` (reads that went to the secondary store), ``tier_requests`` and
         ``tier_bytes`` (ranged requests and bytes fetched), ``preread_hits``,
-        ``preread_dropped_bytes``."""
+        ``preread_dropped_bytes``, ``index_hits`` (header reads answered by a header index)."""
         with self._tier_lock:
             out = dict(self._tier_stats)
             tiers = list(self._tiers.values())

@@ -31,13 +31,13 @@ import logging
 import secrets
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import pyarrow.fs as pafs
 
 from pyspark_acs.errors import AcsError, CorruptFileError, StoreError, StoreFileNotFoundError
-from pyspark_acs.format.block import check_block_bodies
+from pyspark_acs.format.block import HEADER_SIZE, check_block_bodies, scan_blocks
 from pyspark_acs.format.names import new_writer_id, shard_dir
 from pyspark_acs.read.positions import ends_with_seal
 from pyspark_acs.read.readpath import DurableReadPath, RateLimiter
@@ -48,6 +48,7 @@ from pyspark_acs.storage.tier import (
     TierSettings,
     TierStore,
     TierUploadError,
+    encode_header_index,
     read_manifest,
     stream_tier_settings,
     write_manifest,
@@ -262,7 +263,8 @@ class TierMover:
             crcs: List[int] = []
             try:
                 tier.put(key, self._parts(folder, batch, crcs))
-                records = self._verify(folder, tier, key, batch, crcs)
+                records, headers = self._verify(folder, tier, key, batch, crcs)
+                records = self._put_index(tier, key, headers, records)
             except (TierUploadError, CorruptFileError) as exc:
                 report.abandoned_objects += 1
                 log.warning("tier upload of %s (%d files) to %s abandoned, uploading under a new name: %s",
@@ -285,9 +287,26 @@ class TierMover:
                 yield data
             crcs.append(crc)
 
+    def _put_index(self, tier: TierStore, key: str, headers: List[Tuple[int, bytes]],
+                   records: Dict[str, TierRecord]) -> Dict[str, TierRecord]:
+        """Upload the object's header index (before any record names it). A failed index
+        upload is no failed move: the records go without it (headers are then read from the
+        object), and the abandoned index object is swept."""
+        index_key = key[: -len(".pack")] + ".idx"
+        data = encode_header_index(headers)
+        try:
+            tier.put(index_key, [data])
+            if tier.size(index_key) != len(data):
+                raise TierUploadError(f"{tier.where()}/{index_key}: size differs after upload")
+        except TierUploadError as exc:
+            log.warning("header index of %s not uploaded (headers will be read from the object): %s", key, exc)
+            return records
+        return {name: replace(rec, index=index_key) for name, rec in records.items()}
+
     def _verify(self, folder: str, tier: TierStore, key: str, batch: List[Tuple[str, int]],
-                crcs: List[int]) -> Dict[str, TierRecord]:
-        """Read the object back: size, whole-file crc32 and block checksums; the records."""
+                crcs: List[int]) -> Tuple[Dict[str, TierRecord], List[Tuple[int, bytes]]]:
+        """Read the object back: size, whole-file crc32 and block checksums. Returns the
+        records and the block headers found (offset in the object, header bytes)."""
         total = sum(n for _, n in batch)
         where = f"{tier.where()}/{key}"
         size = tier.size(key)
@@ -296,6 +315,7 @@ class TierMover:
         infos = self.store.fs.get_file_info([self.store.path(f"{folder}/{name}") for name, _ in batch])
         now = self.clock()
         out: Dict[str, TierRecord] = {}
+        headers: List[Tuple[int, bytes]] = []
         offset = 0
         for (name, n), crc, info in zip(batch, crcs, infos):
             data = tier.read(key, offset, offset + n)
@@ -308,9 +328,21 @@ class TierMover:
                 # Body checksums that fail in the hot copy too (a torn block voided by its
                 # recovery seal) are the file's own: the crc32 above proved the copy exact.
                 blocks, _ = check_block_bodies(self.store.read(f"{folder}/{name}", 0, n), path=name)
+            headers.extend(self._headers(data, offset))
             mtime = info.mtime.timestamp() if info.mtime is not None else now
             out[name] = TierRecord(key, offset, n, crc, blocks, mtime, now)
             offset += n
+        return out, headers
+
+    @staticmethod
+    def _headers(data: bytes, offset: int) -> List[Tuple[int, bytes]]:
+        """Block headers of one file's verified bytes, by their offset in the object."""
+        out = []
+        try:
+            for at, _ in scan_blocks(data):
+                out.append((offset + at, bytes(data[at: at + HEADER_SIZE])))
+        except CorruptFileError:
+            pass  # past a torn block: those headers are read from the object
         return out
 
     # -- retention ----------------------------------------------------------------------------------
@@ -363,10 +395,10 @@ class TierMover:
     def _sweep(self, stream: str, tier: TierStore, manifests: Dict[int, Dict[str, TierRecord]],
                report: PassReport) -> None:
         """Delete objects of ``stream`` no record names, once older than the grace period."""
-        named = {r.object for records in manifests.values() for r in records.values()}
+        named = {k for records in manifests.values() for r in records.values() for k in (r.object, r.index) if k}
         now = self.clock()
         for key, _, mtime in tier.list(stream):
-            if key in named or not key.endswith(".pack"):
+            if key in named or not key.endswith((".pack", ".idx")):
                 continue
             if mtime is not None and now - mtime < self.orphan_grace_s:
                 continue
