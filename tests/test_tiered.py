@@ -338,11 +338,31 @@ def test_consumer_reads_across_caches_hot_and_s3_in_order(root, s3, tmp_path):
 
 
 def test_spark_batch_and_stream_read_history_from_s3(root, s3, spark, tmp_path):
-    make_stream(root, "hist", 150)
+    with Producer(root, "hist", roll_bytes=4000, max_block_bytes=1024) as p:
+        for i in range(150):
+            if i == 100:
+                p.flush(timeout=WAIT_S)
+                time.sleep(0.02)  # messages from 100 on are stamped later: a timestamp to prune by
+            p.send(msg(i))
+    want = [msg(i) for i in range(150)]
+    with Consumer(root, "hist", start="earliest") as c:
+        stamps: List = []
+        while len(stamps) < 150:
+            for batch in c.poll():
+                stamps.extend(batch.column("timestamp").to_pylist())
+    from_ms = int(stamps[100].timestamp() * 1000)
+
+    def backfill():  # a batch read pruned by timestamp
+        df = (spark.read.format("acs").option("root", root).option("stream", "hist")
+              .option("startingTimestamp", str(from_ms)).load())
+        return [bytes(r.value) for r in df.orderBy("file", "position").select("value").collect()]
+
+    pruned = backfill()
+    assert pruned == want[100:]
     configure_tier(root, "hist", tier_uri(s3, "t7"), hot_retention_s=0)
     run_pass(root, batch_bytes=3000)
     assert len(hot_files(root, "hist")) == 1  # the newest file only; the rest from S3
-    want = [msg(i) for i in range(150)]
+    assert backfill() == pruned  # same offsets, same rows
     df = spark.read.format("acs").option("root", root).option("stream", "hist").load()
     rows = df.orderBy("file", "position").select("value").collect()
     assert [bytes(r.value) for r in rows] == want

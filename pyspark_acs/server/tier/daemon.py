@@ -2,8 +2,9 @@
 
     acs-tier-mover --root /data/acs [--stream orders ...] [--interval 10s] [--once]
 
-Exit status: 0 after SIGTERM/SIGINT or ``--once``; 2 for a bad flag or root; 1 when
-``--once`` could not finish a pass.
+Exit status: 0 after SIGTERM/SIGINT or a clean ``--once`` pass; 2 for a bad flag or root;
+1 when a ``--once`` pass failed for some stream (logged on stderr, e.g. another mover holds
+its tier lease, or its secondary store is unreachable).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finally:
             mover.close()
         print(f"acs-tier-mover: {vars(report)}", flush=True)
-        return 0
+        return 1 if report.failed_streams else 0
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda s, f: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -95,6 +95,7 @@ class PassReport:
     secondary_deleted: int = 0
     swept_objects: int = 0
     waiting_unsealed: int = 0
+    failed_streams: int = 0
 
     def add(self, other: "PassReport") -> None:
         """Add ``other``'s counts to this report."""
@@ -167,6 +168,7 @@ class TierMover:
                     continue
                 total.add(self.run_stream(stream, settings))
             except AcsError as exc:
+                total.failed_streams += 1
                 log.warning("tier pass of stream %r failed (retried next pass): %s", stream, exc)
         return total
 
