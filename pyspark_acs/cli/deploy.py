@@ -297,7 +297,7 @@ def _print_status(report: Dict[str, Any]) -> None:
     print(f"root {report['root']}")
     for entry in report["streams"]:
         print(f"stream {entry['stream']}  shards={len(entry['shards'])}")
-        if entry.get("tier"):
+        if (entry.get("tier") or {}).get("uri"):
             print(f"  {entry['tier']['line']}")
         for sh in entry["shards"]:
             print(f"  shard {sh['shard']}  files={len(sh['files'])}  head={_fmt(sh['head'])}")

@@ -253,7 +253,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if shards is None:
             raise AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
         print(f"{stream}  shards={shards}")
-        print(f"  {tier_summary(store.hot, stream)['line']}")
+        summary = tier_summary(store.hot, stream)
+        if summary["uri"]:  # only tiered streams get the line (untiered output stays as it was)
+            print(f"  {summary['line']}")
         for shard in range(shards):
             files = store.list_files(stream, shard)
             lengths = store.lengths([f"{shard_dir(stream, shard)}/{f}" for f in files])
