@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import pytest

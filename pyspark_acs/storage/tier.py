@@ -35,13 +35,12 @@ import contextlib
 import json
 import logging
 import os
+import struct
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
-
-import struct
 
 import pyarrow as pa
 import pyarrow.fs as pafs

@@ -36,13 +36,13 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import pyarrow.fs as pafs
 
-from pyspark_acs.errors import AcsError, CorruptFileError, StoreError, StoreFileNotFoundError
+from pyspark_acs.errors import AcsError, CorruptFileError, StoreError
 from pyspark_acs.format.block import HEADER_SIZE, check_block_bodies, scan_blocks
 from pyspark_acs.format.names import new_writer_id, shard_dir
 from pyspark_acs.read.positions import ends_with_seal
 from pyspark_acs.read.readpath import DurableReadPath, RateLimiter
 from pyspark_acs.storage.leases import StoreLease
-from pyspark_acs.storage.store import DurableStore, open_store
+from pyspark_acs.storage.store import DurableStore, _translate, open_store  # noqa: F401 (DurableStore: annotations)
 from pyspark_acs.storage.tier import (
     TierRecord,
     TierSettings,
@@ -314,7 +314,8 @@ class TierMover:
         size = tier.size(key)
         if size != total or len(crcs) != len(batch):
             raise CorruptFileError(f"{where}: {size} bytes uploaded, expected {total}", path=where)
-        infos = self.store.fs.get_file_info([self.store.path(f"{folder}/{name}") for name, _ in batch])
+        with _translate(f"stat files of {self.store.uri(folder)}"):
+            infos = self.store.fs.get_file_info([self.store.path(f"{folder}/{name}") for name, _ in batch])
         now = self.clock()
         out: Dict[str, TierRecord] = {}
         headers: List[Tuple[int, bytes]] = []
@@ -355,7 +356,9 @@ class TierMover:
         hot: List[Tuple[float, str, int, int]] = []  # (mtime, name, shard, size) of hot files
         for shard in manifests:
             sel = pafs.FileSelector(self.store.path(shard_dir(stream, shard)), allow_not_found=True)
-            for info in self.store.fs.get_file_info(sel):
+            with _translate(f"list {self.store.uri(shard_dir(stream, shard))}"):
+                infos = self.store.fs.get_file_info(sel)
+            for info in infos:
                 if info.type == pafs.FileType.File and info.base_name.endswith(".acs"):
                     mtime = info.mtime.timestamp() if info.mtime is not None else now
                     hot.append((mtime, info.base_name, shard, int(info.size)))
