@@ -541,3 +541,48 @@ def test_header_walks_over_tiered_files_use_the_header_index(root, s3):
     assert stats["index_hits"] >= 20
     assert stats["tier_requests"] <= 3 * objects_named, stats  # index + seal checks, not one per block
     path.close()
+
+
+def test_live_tail_while_the_mover_tiers_and_deletes_underneath(root, s3, subprocess_env):
+    """A Consumer tails a stream being written while the mover daemon keeps tiering sealed
+    files and deleting their hot copies: every message arrives once, in order."""
+    configure_stream = Producer(root, "live", roll_bytes=3000, max_block_bytes=1024)
+    configure_tier(root, "live", tier_uri(s3, "t12"), hot_retention_s=0)
+    mover = subprocess.Popen(
+        [sys.executable, "-m", "pyspark_acs.server.tier.daemon", "--root", root, "--interval", "50ms",
+         "--lease", "2s", "--parent-pid", str(os.getpid())],
+        env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    got: List[bytes] = []
+    n = 400
+    try:
+        with configure_stream as p, Consumer(root, "live", start="earliest", poll_interval=0.005) as c:
+            for i in range(n):
+                p.send(msg(i))
+                if i % 10 == 9:
+                    p.flush(timeout=WAIT_S)
+                    time.sleep(0.01)
+                if i == 99:  # the reader has read nothing yet: its first file leaves the hot store
+                    first = DurableStore(root).list_files("live", 0)[0]
+                    deadline = time.monotonic() + WAIT_S
+                    while first in hot_files(root, "live"):
+                        assert time.monotonic() < deadline, "the mover did not tier the first file"
+                        time.sleep(0.02)
+                if i % 100 == 99:  # the reader lags: files it has not read yet move meanwhile
+                    time.sleep(0.1)
+                    for batch in c.poll():
+                        got.extend(batch.column("value").to_pylist())
+            p.flush(timeout=WAIT_S)
+            deadline = time.monotonic() + WAIT_S
+            while len(got) < n and time.monotonic() < deadline:
+                for batch in c.poll():
+                    got.extend(batch.column("value").to_pylist())
+                time.sleep(0.01)
+            from_s3 = c.path.store.tier_stats()["tier_bytes"]
+        tiered = read_manifest(DurableStore(root), "live", 0)
+    finally:
+        mover.terminate()
+        err = mover.communicate(timeout=WAIT_S)[1].decode()
+    assert mover.returncode == 0, err
+    assert got == [msg(i) for i in range(n)]
+    assert len(tiered) >= 5  # files moved while the consumer read
+    assert from_s3 > 0  # and some it read only from S3
