@@ -586,3 +586,21 @@ def test_live_tail_while_the_mover_tiers_and_deletes_underneath(root, s3, subpro
     assert got == [msg(i) for i in range(n)]
     assert len(tiered) >= 5  # files moved while the consumer read
     assert from_s3 > 0  # and some it read only from S3
+
+
+def test_jars_free_launcher_and_bad_flags(root, s3, subprocess_env):
+    from tests.conftest import ROOT
+
+    make_stream(root, "launch", 60)
+    configure_tier(root, "launch", tier_uri(s3, "t13"))
+    script = os.path.join(ROOT, "jars-free", "tier_mover.py")
+    done = subprocess.run([sys.executable, script, "--root", root, "--once"], env=subprocess_env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "'uploaded_files': " in done.stdout and read_manifest(DurableStore(root), "launch", 0)
+    bad = subprocess.run([sys.executable, script, "--root", root, "--interval", "soon"], env=subprocess_env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--interval" in bad.stderr
+    missing = subprocess.run([sys.executable, script, "--root", root + "-missing", "--once"], env=subprocess_env,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no durable store" in missing.stderr
