@@ -604,3 +604,29 @@ def test_jars_free_launcher_and_bad_flags(root, s3, subprocess_env):
     missing = subprocess.run([sys.executable, script, "--root", root + "-missing", "--once"], env=subprocess_env,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "no durable store" in missing.stderr
+
+
+def test_a_file_with_a_torn_block_voided_by_its_recovery_seal_tiers_and_reads_the_same(root, s3):
+    """A crashed writer's torn block, voided by the next writer's recovery seal: the file is
+    sealed (the read side's rule), its copy verifies (crc32 of the whole file; the torn
+    block's own checksum fails in the hot copy too) and readers pass it the same way."""
+    import datetime as dt
+
+    from pyspark_acs.format.block import encode_block, encode_seal
+    from pyspark_acs.format.names import file_name
+
+    store = DurableStore(root)
+    store.create_stream("torn", 1)
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    f1, f2 = file_name(t0, "w1"), file_name(t0 + dt.timedelta(seconds=1), "w2")
+    good = encode_block([b"a0", b"a1"], None, [1, 2], first_index=0)
+    torn = encode_block([b"x%d" % i for i in range(50)], None, list(range(50)), first_index=2)[:300]
+    with open(os.path.join(root, shard_dir("torn", 0), f1), "wb") as f:
+        f.write(good + torn + encode_seal(2, void_from=len(good)))
+    with open(os.path.join(root, shard_dir("torn", 0), f2), "wb") as f:
+        f.write(encode_block([b"b0"], None, [3], first_index=0))
+    configure_tier(root, "torn", tier_uri(s3, "t14"), hot_retention_s=0)
+    report = run_pass(root)
+    assert report.uploaded_files == 1 and report.abandoned_objects == 0 and report.waiting_unsealed == 1
+    assert hot_files(root, "torn") == [f2]
+    assert read_all(root, "torn", 3, tier_read_policy="FORCE") == [b"a0", b"a1", b"b0"]
