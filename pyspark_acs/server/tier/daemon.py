@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
 from typing import Optional, Sequence
 
 from pyspark_acs.errors import AcsError, AcsOptionError
+from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
 from pyspark_acs.server.tier.mover import DEFAULT_BATCH_BYTES, DEFAULT_ORPHAN_GRACE_S, DEFAULT_TIER_LEASE_S, TierMover
 from pyspark_acs.units import parse_bytes, parse_duration
 
@@ -27,8 +27,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds between passes.
 DEFAULT_INTERVAL_S = 10.0
-#: How often the parent process is checked with --parent-pid (seconds).
-_PARENT_POLL_S = 0.5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,19 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease", default=str(DEFAULT_TIER_LEASE_S),
                    help="tier lease per stream; a dead mover holds it this long (default 30s)")
     p.add_argument("--once", action="store_true", help="run one pass and exit")
-    p.add_argument("--parent-pid", type=int, default=None, help="stop when this process exits")
+    p.add_argument("--parent-pid", type=parent_pid_flag, default=None,
+                   help="stop when this process exits (spark-submit launchers pass their JVM)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
-
-
-def _watch_parent(pid: int, stop: threading.Event) -> None:
-    while not stop.wait(_PARENT_POLL_S):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            stop.set()
-        except PermissionError:
-            pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -93,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         print(f"acs-tier-mover root={args.root} interval={interval:g}s", flush=True)
         if args.parent_pid is not None:
-            threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
+            watch_parent(args.parent_pid, stop)
         while not stop.is_set():
             report = mover.run_once()
             if report.uploaded_files or report.hot_deleted or report.swept_objects:
