@@ -1,7 +1,7 @@
 """How long a server process lives: until told to stop, or until the process it serves exits.
 
-One rule for every server (``acs-cache-server``, ``acs-copy-daemon``, ``acs-tier-mover``) and every ``spark-submit``
-launcher in ``jars-free/``: with ``--parent-pid PID`` a server stops when ``PID`` exits, and a
+One rule for every server (``acs-cache-server``, ``acs-copy-daemon``, ``acs-tier-mover``) and
+every ``spark-submit`` launcher in ``jars-free/``: with ``--parent-pid PID`` a server stops when ``PID`` exits, and a
 launcher run by ``spark-submit`` passes the ``spark-submit`` JVM as that parent, because a
 SIGTERM to ``spark-submit`` ends the JVM but not its Python child (the server would be orphaned,
 still holding its port).
