@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="append", default=None, help="serve only this stream (repeatable; "
                    "default every stream with a tier configured)")
     p.add_argument("--interval", default=str(DEFAULT_INTERVAL_S), help="time between passes (default 10s)")
-    p.add_argument("--batch-bytes", default=str(DEFAULT_BATCH_BYTES), help="pack sealed files per object up to this (64MiB)")
+    p.add_argument("--batch-bytes", default=str(DEFAULT_BATCH_BYTES),
+                   help="pack sealed files per object up to this (64MiB)")
     p.add_argument("--upload-rate", default=None, help="upload bytes per second cap (default none)")
     p.add_argument("--orphan-grace", default=str(DEFAULT_ORPHAN_GRACE_S),
                    help="delete unrecorded objects older than this (default 3600s)")

@@ -184,8 +184,8 @@ class TierMover:
     def _lease(self, stream: str) -> StoreLease:
         lease = self._leases.get(stream)
         if lease is None:
-            lease = StoreLease(self.store, f"{stream}/{TIER_LEASE_FILE}", self.writer, f"tier mover of stream {stream!r}",
-                               seconds=self.lease_seconds)
+            lease = StoreLease(self.store, f"{stream}/{TIER_LEASE_FILE}", self.writer,
+                               f"tier mover of stream {stream!r}", seconds=self.lease_seconds)
             lease.acquire()  # WriterConflictError: another mover serves it
             self._leases[stream] = lease
         elif lease.due():
