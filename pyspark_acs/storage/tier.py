@@ -96,6 +96,8 @@ MAX_OPEN_OBJECTS = 64
 MANIFEST_TTL_S = 1.0
 #: Header indexes a reader keeps in memory (one per object; 56 bytes per block).
 MAX_HEADER_INDEXES = 256
+#: Files a reader remembers as gone from the hot store (forgotten all at once past it).
+MAX_GONE_FILES = 100_000
 #: How long a reader reuses a stream's tier settings (seconds).
 SETTINGS_TTL_S = 5.0
 
@@ -522,7 +524,8 @@ class TieredStore(DurableStore):
         self.hot = hot
         self.policy = parse_read_policy(policy)
         self.preread = preread
-        # _tier_lock guards _manifests, _settings, _tiers, _buffers, _windows and _tier_stats.
+        # _tier_lock guards _manifests, _settings, _tiers, _buffers, _windows, _indexes, _gone
+        # and _tier_stats.
         self._tier_lock = threading.Lock()
         self._manifests: Dict[Tuple[str, int], Tuple[float, Dict[str, TierRecord]]] = {}
         self._settings: Dict[str, Tuple[float, TierSettings]] = {}
@@ -530,6 +533,7 @@ class TieredStore(DurableStore):
         self._buffers: "OrderedDict[str, _Buffer]" = OrderedDict()
         self._windows: Dict[str, PrereadWindow] = {}
         self._indexes: "OrderedDict[str, Dict[int, bytes]]" = OrderedDict()
+        self._gone: set = set()  # files whose hot copy is known deleted
         self._tier_stats = {"tier_reads": 0, "preread_hits": 0, "preread_dropped_bytes": 0, "index_hits": 0}
 
     def __repr__(self) -> str:
@@ -559,15 +563,25 @@ class TieredStore(DurableStore):
         return records
 
     def record(self, rel: str, *, fresh: bool = False) -> Optional[TierRecord]:
-        """The tier record of ``rel`` (``None``: not tiered). ``fresh`` reads the records again."""
+        """The tier record of ``rel`` (``None``: not tiered), from records read at most
+        :data:`MANIFEST_TTL_S` ago; ``fresh`` reads them again."""
         split = self._split(rel)
         if split is None:
             return None
         stream, shard, name = split
-        rec = self._records(stream, shard, fresh).get(name)
-        if rec is None and not fresh:
-            rec = self._records(stream, shard, True).get(name)
-        return rec
+        return self._records(stream, shard, fresh).get(name)
+
+    def _gone_from_hot(self, rel: str) -> bool:
+        with self._tier_lock:
+            return rel in self._gone
+
+    def _mark_gone(self, rel: str) -> None:
+        """``rel`` is tiered and its hot copy deleted (a hot copy never comes back: file names
+        are never reused), so its reads and lengths skip the hot store from now on."""
+        with self._tier_lock:
+            if len(self._gone) >= MAX_GONE_FILES:
+                self._gone.clear()
+            self._gone.add(rel)
 
     def tier(self, stream: str) -> Optional[TierStore]:
         """The secondary store of ``stream`` (``None`` when it is not tiered)."""
@@ -610,13 +624,34 @@ class TieredStore(DurableStore):
         return sorted(set(hot) | set(records))
 
     def lengths(self, rels: Sequence[str]) -> Dict[str, Optional[int]]:
-        """Lengths in either tier; ``None`` for a file in neither."""
-        out = self.hot.lengths(list(rels)) if rels else {}
+        """Lengths in either tier; ``None`` for a file in neither. The records of a shard are
+        read again at most once per call, and only when a file is missing from the hot store."""
+        rels = list(rels)
+        gone = {r for r in rels if self._gone_from_hot(r)}
+        ask = [r for r in rels if r not in gone]
+        out: Dict[str, Optional[int]] = self.hot.lengths(ask) if ask else {}
+        refreshed = set()
         for r in rels:
-            if out.get(r) is None or self.policy != "NOT_IN_DISK":
-                rec = self.record(r, fresh=out.get(r) is None)
-                if rec is not None:
-                    out[r] = rec.length
+            missing = r not in out or out[r] is None
+            if not missing and self.policy == "NOT_IN_DISK":
+                continue
+            split = self._split(r)
+            if split is None:
+                continue
+            key = split[:2]
+            fresh = missing and r not in gone and key not in refreshed
+            if fresh:
+                refreshed.add(key)
+            rec = self._records(split[0], split[1], fresh).get(split[2])
+            if rec is None and missing and not fresh and key not in refreshed:
+                refreshed.add(key)
+                rec = self._records(split[0], split[1], True).get(split[2])
+            if rec is not None:
+                out[r] = rec.length
+                if missing:
+                    self._mark_gone(r)
+            elif missing:
+                out[r] = None
         return out
 
     def length(self, rel: str) -> int:
@@ -628,7 +663,7 @@ class TieredStore(DurableStore):
 
     def exists(self, rel: str) -> bool:
         """Whether ``rel`` exists in the hot store or is a tiered file."""
-        return self.hot.exists(rel) or self.record(rel) is not None
+        return self.hot.exists(rel) or self.record(rel, fresh=True) is not None
 
     def read(self, rel: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a file from the tier the policy picks (fewer only if the
@@ -636,6 +671,8 @@ class TieredStore(DurableStore):
         if end <= start:
             return b""
         rec = self._tier_first(rel)
+        if rec is None and self._gone_from_hot(rel):
+            rec = self.record(rel) or self.record(rel, fresh=True)
         if rec is None:
             try:
                 return self.hot.read(rel, start, end)
@@ -643,6 +680,7 @@ class TieredStore(DurableStore):
                 rec = self.record(rel, fresh=True)
                 if rec is None:
                     raise
+                self._mark_gone(rel)
         return self._read_tier(rel, rec, start, min(end, rec.length))
 
     def _read_tier(self, rel: str, rec: TierRecord, start: int, end: int) -> bytes:
