@@ -630,3 +630,20 @@ def test_a_file_with_a_torn_block_voided_by_its_recovery_seal_tiers_and_reads_th
     assert report.uploaded_files == 1 and report.abandoned_objects == 0 and report.waiting_unsealed == 1
     assert hot_files(root, "torn") == [f2]
     assert read_all(root, "torn", 3, tier_read_policy="FORCE") == [b"a0", b"a1", b"b0"]
+
+
+def test_two_clusters_on_one_bucket_prefix_never_sweep_each_others_objects(tmp_path, s3):
+    roots = []
+    for name in ("a", "b"):
+        root = str(tmp_path / name)
+        make_stream(root, "shared", 60)
+        configure_tier(root, "shared", tier_uri(s3, "t15"), hot_retention_s=0)
+        roots.append(root)
+    for root in roots:
+        run_pass(root)
+    for root in roots:  # each sweep, with no grace at all, takes only its own unnamed objects
+        assert run_pass(root, orphan_grace_s=0).swept_objects == 0
+    owners = {stream_tier_settings(DurableStore(r), "shared").owner for r in roots}
+    assert len(owners) == 2
+    for root in roots:
+        assert read_all(root, "shared", 60, tier_read_policy="FORCE") == [msg(i) for i in range(60)]

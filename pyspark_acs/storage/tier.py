@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
@@ -139,12 +140,17 @@ class TierSettings:
         hot store may exceed it while uploads lag.
     secondary_retention_s : float, optional
         Files older than this are deleted from both tiers. ``None``: kept forever.
+    owner : str, optional
+        A random id of this stream in this hot store, part of every object name the mover
+        writes: the mover sweeps only its own objects, so two clusters (or streams) pointed at
+        the same bucket prefix never delete each other's objects.
     """
 
     uri: Optional[str] = None
     hot_retention_s: Optional[float] = None
     hot_retention_bytes: Optional[int] = None
     secondary_retention_s: Optional[float] = None
+    owner: Optional[str] = None
 
     @property
     def enabled(self) -> bool:
@@ -162,7 +168,8 @@ class TierSettings:
             return cls()
         if not isinstance(raw, dict):
             raise StoreError(f"{where}: malformed tier settings {raw!r}")
-        known = {k: raw.get(k) for k in ("uri", "hot_retention_s", "hot_retention_bytes", "secondary_retention_s")}
+        known = {k: raw.get(k) for k in ("uri", "hot_retention_s", "hot_retention_bytes", "secondary_retention_s",
+                                          "owner")}
         return cls(**known)
 
     def describe(self) -> str:
@@ -226,8 +233,10 @@ def configure_tier(
             raise AcsOptionError(f"{name}: must be >= 0 or None (keep forever), got {value!r}", option=name)
     if uri is not None:
         TierStore(uri).check()  # raises naming the URI when it cannot be reached
-    settings = TierSettings(uri, hot_retention_s, hot_retention_bytes, secondary_retention_s)
     meta = _stream_meta(store, stream)
+    # The owner id outlives reconfiguration: objects written under it stay this stream's.
+    owner = TierSettings.from_json(meta.get("tier")).owner or secrets.token_hex(4)
+    settings = TierSettings(uri, hot_retention_s, hot_retention_bytes, secondary_retention_s, owner)
     meta["tier"] = settings.to_json() if settings.enabled else None
     store.write_small(f"{stream}/{STREAM_META_FILE}", json.dumps(meta).encode())
     return settings

@@ -208,16 +208,17 @@ class TierMover:
             return report
         lease = self._lease(stream)
         tier = self._tier(settings.uri)
+        owner = settings.owner or "x"  # settings written before owner ids: sweeps stay within "x"
         shards = self.store.stream_shards(stream) or 0
         manifests = {}
         for shard in range(shards):
-            manifests[shard] = self._upload_shard(stream, shard, tier, lease, report)
+            manifests[shard] = self._upload_shard(stream, shard, tier, lease, report, owner)
         self._retention(stream, settings, manifests, report)
-        self._sweep(stream, tier, manifests, report)
+        self._sweep(stream, tier, manifests, report, owner)
         return report
 
     def _upload_shard(self, stream: str, shard: int, tier: TierStore, lease: StoreLease,
-                      report: PassReport) -> Dict[str, TierRecord]:
+                      report: PassReport, owner: str) -> Dict[str, TierRecord]:
         records = read_manifest(self.store, stream, shard)
         folder = shard_dir(stream, shard)
         pending = [f for f in self.store.list_files(stream, shard) if f not in records]
@@ -234,7 +235,7 @@ class TierMover:
         for batch in self._batches(sealed):
             if lease.due():
                 lease.renew()
-            new = self._move_batch(stream, shard, tier, batch, report)
+            new = self._move_batch(stream, shard, tier, batch, report, owner)
             if new is None:
                 break  # keep order: later files wait for this batch
             records.update(new)
@@ -257,11 +258,12 @@ class TierMover:
             yield batch
 
     def _move_batch(self, stream: str, shard: int, tier: TierStore, batch: List[Tuple[str, int]],
-                    report: PassReport) -> Optional[Dict[str, TierRecord]]:
+                    report: PassReport, owner: str) -> Optional[Dict[str, TierRecord]]:
         """Upload and verify one batch, each attempt under a new object name (non-stop-write)."""
         folder = shard_dir(stream, shard)
         for attempt in range(self.upload_attempts):
-            key = f"{folder}/{batch[0][0]}.{secrets.token_hex(6)}.pack"  # a fresh name per attempt
+            # A fresh name per attempt, carrying the stream's owner id (the sweep takes only its own).
+            key = f"{folder}/{batch[0][0]}.{owner}.{secrets.token_hex(6)}.pack"
             crcs: List[int] = []
             try:
                 tier.put(key, self._parts(folder, batch, crcs))
@@ -398,12 +400,14 @@ class TierMover:
                 report.hot_deleted += 1
 
     def _sweep(self, stream: str, tier: TierStore, manifests: Dict[int, Dict[str, TierRecord]],
-               report: PassReport) -> None:
-        """Delete objects of ``stream`` no record names, once older than the grace period."""
+               report: PassReport, owner: str) -> None:
+        """Delete this stream's objects (named with its ``owner`` id) no record names, once
+        older than the grace period; objects of other owners under the prefix are left alone."""
         named = {k for records in manifests.values() for r in records.values() for k in (r.object, r.index) if k}
         now = self.clock()
         for key, _, mtime in tier.list(stream):
-            if key in named or not key.endswith((".pack", ".idx")):
+            ours = key.endswith((".pack", ".idx")) and f".{owner}." in key.rsplit("/", 1)[-1]
+            if key in named or not ours:
                 continue
             if mtime is not None and now - mtime < self.orphan_grace_s:
                 continue
