@@ -337,44 +337,60 @@ def test_consumer_reads_across_caches_hot_and_s3_in_order(root, s3, tmp_path):
 
 
 def test_spark_batch_and_stream_read_history_from_s3(root, s3, spark, tmp_path):
-    with Producer(root, "hist", roll_bytes=4000, max_block_bytes=1024) as p:
-        for i in range(150):
-            if i == 100:
-                p.flush(timeout=WAIT_S)
-                time.sleep(0.02)  # messages from 100 on are stamped later: a timestamp to prune by
-            p.send(msg(i))
-    want = [msg(i) for i in range(150)]
-    with Consumer(root, "hist", start="earliest") as c:
-        stamps: List = []
-        while len(stamps) < 150:
-            for batch in c.poll():
-                stamps.extend(batch.column("timestamp").to_pylist())
-    from_ms = int(stamps[100].timestamp() * 1000)
+    """Spark reads a stream whose oldest files are only in S3, the next ones in S3 and hot, the
+    newest hot with its chunks in the data cache: batch (whole and pruned by timestamp) and a
+    stream from earliest, byte-exact and in order, the same rows as before tiering."""
+    from tests._harness import start_caches
 
-    def backfill():  # a batch read pruned by timestamp
-        df = (spark.read.format("acs").option("root", root).option("stream", "hist")
-              .option("startingTimestamp", str(from_ms)).load())
-        return [bytes(r.value) for r in df.orderBy("file", "position").select("value").collect()]
+    deps = start_caches(tmp_path / "caches", clusters=("A",))
+    try:
+        caches = {"dataCache": deps["A"].data_endpoints, "metadataCache": deps["A"].metadata_endpoints}
+        with Producer(root, "hist", roll_bytes=4000, max_block_bytes=1024, data_cache=caches["dataCache"],
+                      metadata_cache=caches["metadataCache"]) as p:
+            for i in range(150):
+                if i == 100:
+                    p.flush(timeout=WAIT_S)
+                    time.sleep(0.02)  # messages from 100 on are stamped later: a timestamp to prune by
+                p.send(msg(i))
+        want = [msg(i) for i in range(150)]
+        with Consumer(root, "hist", start="earliest") as c:
+            stamps: List = []
+            while len(stamps) < 150:
+                for batch in c.poll():
+                    stamps.extend(batch.column("timestamp").to_pylist())
+        from_ms = int(stamps[100].timestamp() * 1000)
 
-    pruned = backfill()
-    assert pruned == want[100:]
-    configure_tier(root, "hist", tier_uri(s3, "t7"), hot_retention_s=0)
-    run_pass(root, batch_bytes=3000)
-    assert len(hot_files(root, "hist")) == 1  # the newest file only; the rest from S3
-    assert backfill() == pruned  # same offsets, same rows
-    df = spark.read.format("acs").option("root", root).option("stream", "hist").load()
-    rows = df.orderBy("file", "position").select("value").collect()
-    assert [bytes(r.value) for r in rows] == want
-    query = (spark.readStream.format("acs").option("root", root).option("stream", "hist")
-             .option("startingOffsets", "earliest").option("tierReadPolicy", "not_in_mem").load()
-             .writeStream.format("memory").queryName("tiered_hist")
-             .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True).start())
-    query.awaitTermination(120)
-    got = spark.sql("select value from tiered_hist order by file, position").collect()
-    assert [bytes(r.value) for r in got] == want
-    with pytest.raises(Exception, match="tierReadPolicy"):
-        spark.read.format("acs").option("root", root).option("stream", "hist") \
-            .option("tierReadPolicy", "sometimes").load().collect()
+        def backfill():  # a batch read pruned by timestamp
+            df = (spark.read.format("acs").option("root", root).option("stream", "hist")
+                  .option("startingTimestamp", str(from_ms)).load())
+            return [bytes(r.value) for r in df.orderBy("file", "position").select("value").collect()]
+
+        pruned = backfill()
+        assert pruned == want[100:]
+        names = hot_files(root, "hist")
+        configure_tier(root, "hist", tier_uri(s3, "t7"), hot_retention_bytes=3 * 4000)
+        run_pass(root, batch_bytes=3000)
+        left = hot_files(root, "hist")
+        assert 1 < len(left) < len(names) - 1  # S3 only, S3 and hot, and the newest (hot, cached)
+        assert backfill() == pruned  # same offsets, same rows
+        df = spark.read.format("acs").option("root", root).option("stream", "hist").load()
+        rows = df.orderBy("file", "position").select("value").collect()
+        assert [bytes(r.value) for r in rows] == want
+        for policy in ("not_in_disk", "not_in_mem"):
+            query = (spark.readStream.format("acs").option("root", root).option("stream", "hist")
+                     .options(**caches).option("startingOffsets", "earliest").option("tierReadPolicy", policy)
+                     .load().writeStream.format("memory").queryName(f"tiered_hist_{policy}")
+                     .option("checkpointLocation", str(tmp_path / f"ckpt-{policy}")).trigger(availableNow=True)
+                     .start())
+            query.awaitTermination(120)
+            got = spark.sql(f"select value from tiered_hist_{policy} order by file, position").collect()
+            assert [bytes(r.value) for r in got] == want
+        with pytest.raises(Exception, match="tierReadPolicy"):
+            spark.read.format("acs").option("root", root).option("stream", "hist") \
+                .option("tierReadPolicy", "sometimes").load().collect()
+    finally:
+        for d in deps.values():
+            d.stop()
 
 
 # -- read policy and pre-reading ----------------------------------------------------------------
