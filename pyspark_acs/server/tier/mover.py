@@ -3,7 +3,8 @@
 One pass over a stream (:meth:`TierMover.run_stream`), under the stream's tier lease:
 
 1. **Upload.** Per shard, the files not yet recorded, oldest first, up to the first file the
-   read side's seal rule does not prove sealed (:func:`~pyspark_acs.read.positions.ends_with_seal`;
+   read side's seal rule does not prove sealed at its end
+   (:class:`~pyspark_acs.read.positions.BoundaryCache`, the walk ``ShardExtent.latest`` uses;
    an unsealed file and everything after it wait). Consecutive sealed files are packed into
    one object up to ``batch_bytes`` (seed 003's batched uploads: fewer requests per byte);
    pyarrow uploads large objects as multipart uploads, which S3 shows only once complete.
@@ -39,7 +40,7 @@ import pyarrow.fs as pafs
 from pyspark_acs.errors import AcsError, CorruptFileError, StoreError
 from pyspark_acs.format.block import HEADER_SIZE, check_block_bodies, scan_blocks
 from pyspark_acs.format.names import new_writer_id, shard_dir
-from pyspark_acs.read.positions import ends_with_seal
+from pyspark_acs.read.positions import BoundaryCache
 from pyspark_acs.read.readpath import DurableReadPath, RateLimiter
 from pyspark_acs.storage.leases import StoreLease
 from pyspark_acs.storage.store import DurableStore, _translate, open_store  # noqa: F401 (DurableStore: annotations)
@@ -143,6 +144,7 @@ class TierMover:
     ) -> None:
         self.store = open_store(root, create=False)
         self.path = DurableReadPath(self.store)  # the seal rule is proven on the hot store itself
+        self._boundaries = BoundaryCache()  # per file: the last block boundary walked to, sealed or not
         self.streams = streams
         self.batch_bytes = batch_bytes
         self.limiter = RateLimiter(upload_bytes_per_second)
@@ -223,16 +225,18 @@ class TierMover:
         folder = shard_dir(stream, shard)
         pending = [f for f in self.store.list_files(stream, shard) if f not in records]
         lengths = self.store.lengths([f"{folder}/{f}" for f in pending])
-        sealed: List[Tuple[str, int]] = []
+        ready: List[Tuple[str, int]] = []
         for name in pending:
             n = lengths.get(f"{folder}/{name}")
             if n is None:
                 continue  # gone meanwhile
-            if not ends_with_seal(self.path, f"{folder}/{name}", n):
+            # The read side's seal rule; the walk resumes where the last pass left the file.
+            end, sealed = self._boundaries.boundary(self.path, f"{folder}/{name}", n)
+            if not (sealed and end == n):
                 report.waiting_unsealed += 1
                 break  # the seal rule: this file and every later one wait
-            sealed.append((name, n))
-        for batch in self._batches(sealed):
+            ready.append((name, n))
+        for batch in self._batches(ready):
             if lease.due():
                 lease.renew()
             new = self._move_batch(stream, shard, tier, batch, report, owner)
