@@ -38,7 +38,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import pyarrow.fs as pafs
 
 from pyspark_acs.errors import AcsError, CorruptFileError, StoreError
-from pyspark_acs.format.block import HEADER_SIZE, check_block_bodies, scan_blocks
+from pyspark_acs.format.block import HEADER_SIZE, check_block_bodies, parse_header, scan_blocks
 from pyspark_acs.format.names import new_writer_id, shard_dir
 from pyspark_acs.read.positions import BoundaryCache
 from pyspark_acs.read.readpath import DurableReadPath, RateLimiter
@@ -327,32 +327,61 @@ class TierMover:
         headers: List[Tuple[int, bytes]] = []
         offset = 0
         for (name, n), crc, info in zip(batch, crcs, infos):
-            data = tier.read(key, offset, offset + n)
-            if len(data) != n or zlib.crc32(data) != crc:
-                raise CorruptFileError(f"{where}: bytes of {name} at {offset} differ from the hot copy",
-                                       path=where, position=offset)
-            try:
-                blocks, _ = check_block_bodies(data, path=f"{where}[{name}]")
-            except CorruptFileError:
-                # Body checksums that fail in the hot copy too (a torn block voided by its
-                # recovery seal) are the file's own: the crc32 above proved the copy exact.
-                blocks, _ = check_block_bodies(self.store.read(f"{folder}/{name}", 0, n), path=name)
-            headers.extend(self._headers(data, offset))
+            blocks = self._verify_file(tier, key, where, name, offset, n, crc, headers)
             mtime = info.mtime.timestamp() if info.mtime is not None else now
             out[name] = TierRecord(key, offset, n, crc, blocks, mtime, now)
             offset += n
         return out, headers
 
     @staticmethod
-    def _headers(data: bytes, offset: int) -> List[Tuple[int, bytes]]:
-        """Block headers of one file's verified bytes, by their offset in the object."""
-        out = []
-        try:
-            for at, _ in scan_blocks(data):
-                out.append((offset + at, bytes(data[at: at + HEADER_SIZE])))
-        except CorruptFileError:
-            pass  # past a torn block: those headers are read from the object
-        return out
+    def _verify_file(tier: TierStore, key: str, where: str, name: str, offset: int, n: int, crc: int,
+                     headers: List[Tuple[int, bytes]]) -> int:
+        """Read one file back from the object in parts (memory: one part plus one block):
+        its crc32 must equal the hot bytes', and every complete block's body its header's
+        checksum (:func:`~pyspark_acs.format.block.check_block_bodies`). Appends the block
+        headers found to ``headers``; returns the number of blocks verified.
+
+        A block whose checksum fails in a copy whose crc32 equals the hot copy's fails in the
+        hot copy too: the file's own (a torn block its writer never finished, voided by the
+        next writer's recovery seal); block checks stop there, the crc32 covers the rest.
+        """
+        got_crc = 0
+        blocks = 0
+        buf, buf_at = b"", 0  # unchecked bytes and the file position of buf[0]
+        checking = True
+        mismatch: Optional[CorruptFileError] = None
+        at = 0
+        while at < n:
+            piece = tier.read(key, offset + at, offset + min(n, at + UPLOAD_PART_BYTES))
+            if not piece:
+                break
+            got_crc = zlib.crc32(piece, got_crc)
+            at += len(piece)
+            if not checking:
+                continue
+            buf += piece
+            try:
+                count, end = check_block_bodies(buf, path=f"{where}[{name}]", base=buf_at)
+            except CorruptFileError as exc:  # a body checksum mismatch
+                mismatch, checking = exc, False
+                continue
+            for pos, _ in scan_blocks(memoryview(buf)[:end]):
+                headers.append((offset + buf_at + pos, bytes(buf[pos: pos + HEADER_SIZE])))
+            blocks += count
+            if end == 0 and len(buf) >= HEADER_SIZE:
+                try:
+                    parse_header(buf, 0)
+                except CorruptFileError:
+                    checking = False  # no block header here: past a torn block
+                    continue
+            buf, buf_at = buf[end:], buf_at + end
+        if at != n or got_crc != crc:
+            raise CorruptFileError(f"{where}: bytes of {name} at {offset} differ from the hot copy "
+                                   f"({at} of {n} bytes read back)", path=where, position=offset)
+        if mismatch is not None:
+            log.warning("%s: a block fails its checksum in the hot copy too (a voided torn block); "
+                        "tiered as is: %s", name, mismatch)
+        return blocks
 
     # -- retention ----------------------------------------------------------------------------------
 
