@@ -23,15 +23,12 @@ setup(
         "rich>=13",  # acs status/copy-status/lag --watch redraw tables in place; progress bars of acs produce (pyspark_acs/cli/watch.py)
     ],
     extras_require={
-<<<<<<< HEAD
         # matplotlib: the demo's delay plot (make demo installs .[test]) and tests/test_demo_plot.py
         # cryptography: `acs up --secure` makes a self-signed CA and certificates for a local deployment.
+        # moto[server]: a real S3 endpoint on loopback for the tiered-storage tests (tests/test_tiered.py).
         "secure": ["cryptography>=42"],
         "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3",
-                 "matplotlib", "cryptography>=42"],
-=======
-        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3", "moto[server]"],
->>>>>>> 9d0ff58 (Tiered storage: tier store, per-shard tier records, TieredStore read view (policy NOT_IN_DISK/NOT_IN_MEM/FORCE, AIMD pre-read), tier mover daemon + launcher; moto[server] in test extra for a loopback S3 endpoint in tests)
+                 "matplotlib", "cryptography>=42", "moto[server]"],
         "bench": ["redis", "matplotlib"],
     },
     entry_points={
