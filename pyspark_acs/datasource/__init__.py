@@ -74,6 +74,13 @@ class AcsDataSource(DataSource):
         How long a task waits for such bytes before failing with a data-loss error.
     maxBytesPerSecond : optional
         Read-rate cap of one read task.
+    minPartitions : optional
+        At least this many read tasks per batch read or micro-batch, as Kafka's: shard ranges
+        are split at block boundaries in proportion to their bytes (default: one task per shard).
+
+    Batch reads prune with ``spark.sql.python.filterPushdown.enabled=true``: filters on
+    ``stream``, ``shard`` and ``file`` skip whole shards and files, filters on ``timestamp``
+    skip blocks none of whose messages can match, before anything is read.
 
     Schema: ``stream string, shard int, file string, position long, timestamp timestamp,
     key binary, value binary`` (and ``headers`` with ``includeHeaders``). ``position`` is the
@@ -128,9 +135,12 @@ class AcsDataSource(DataSource):
         AcsOptionError
             When an option is missing or invalid (the message names it).
         """
-        from pyspark_acs.datasource.source import AcsBatchReader
+        from pyspark_acs.datasource.source import AcsBatchReader, AcsPruningBatchReader, pushdown_enabled
 
-        return AcsBatchReader(parse_source_options(self.options))
+        # The pruning reader implements pushFilters, which Spark refuses unless filter pushdown
+        # is enabled; it is handed out only when Spark pushes filters (see pushdown_enabled).
+        reader = AcsPruningBatchReader if pushdown_enabled() else AcsBatchReader
+        return reader(parse_source_options(self.options))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         """The micro-batch reader of ``spark.readStream.format("acs")``; ``schema`` is not used.

@@ -189,6 +189,10 @@ class SourceOptions(_Secured):
         "readTimeout", DEFAULT_READ_TIMEOUT_S, parse=duration_parser(0.001),
         doc="how long a task waits for published bytes to become readable (60s)",
     )
+    min_partitions: Optional[int] = option(
+        "minPartitions", None, parse=parse_int(1),
+        doc="at least this many read tasks per batch: large shard ranges split at block boundaries (as Kafka's)",
+    )
 
 
 @dataclass(frozen=True)

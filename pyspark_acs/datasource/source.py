@@ -14,13 +14,33 @@ returns Arrow record batches.
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
+import sys
+import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.datasource import (
+    DataSourceReader,
+    DataSourceStreamReader,
+    EqualNullSafe,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    InputPartition,
+    IsNotNull,
+    LessThan,
+    LessThanOrEqual,
+    StringContains,
+    StringEndsWith,
+    StringStartsWith,
+)
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
@@ -31,19 +51,37 @@ from pyspark.sql.streaming.datasource import (
 
 from pyspark_acs.read.consumer import ShardTailer, earliest_offset
 from pyspark_acs.errors import AcsError, AcsOptionError, DataLossError
+from pyspark_acs.format.block import BlockHeader, timestamp_bounds, timestamps_section
+from pyspark_acs.format.names import shard_dir
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets, parse_timestamps
 from pyspark_acs.read.positions import (
     BoundaryCache,
+    ShardExtent,
+    _read_now,
     advance,
     carries_messages,
     latest_offset,
     offset_for_timestamp,
     shard_extent,
+    walk_blocks,
 )
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.datasource.options import SourceOptions
 
-__all__ = ["SCHEMA_DDL", "SCHEMA_WITH_HEADERS_DDL", "AcsBatchReader", "AcsPartition", "AcsStreamReader", "source_read_path", "read_partition"]
+__all__ = [
+    "READ_BATCH_BYTES",
+    "SCHEMA_DDL",
+    "SCHEMA_WITH_HEADERS_DDL",
+    "AcsBatchReader",
+    "AcsPartition",
+    "AcsPruningBatchReader",
+    "AcsStreamReader",
+    "Pruning",
+    "coalesce_batches",
+    "pushdown_enabled",
+    "read_partition",
+    "source_read_path",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +90,11 @@ SCHEMA_DDL = (
 )
 #: The schema with option ``includeHeaders``: Kafka's ``headers`` column.
 SCHEMA_WITH_HEADERS_DDL = SCHEMA_DDL + ", headers array<struct<key: string, value: binary>>"
+#: Bytes of one Arrow batch handed to Spark, at most (a single larger block is a batch of its
+#: own). Consecutive blocks are coalesced up to it: the JVM pays per batch, and producers'
+#: blocks are often small (a linger flush of ~90 messages); batches of ~90 rows ran at about
+#: half the rate of batches of 1000 rows (benchmarks/spark_source.py's ceiling probe).
+READ_BATCH_BYTES = 4 * 1024 * 1024
 
 
 class AcsPartition(InputPartition):
@@ -59,7 +102,7 @@ class AcsPartition(InputPartition):
 
     def __init__(self, stream: str, shard: int, start: Tuple[str, int], end: Tuple[str, int],
                  before_us: Optional[int] = None) -> None:
-        super().__init__((stream, shard))
+        super().__init__((stream, shard, tuple(start)))
         self.stream = stream
         self.shard = shard
         self.start = tuple(start)
@@ -78,8 +121,51 @@ def source_read_path(opts: SourceOptions) -> ReadPath:
     )
 
 
-def read_partition(opts: SourceOptions, partition: AcsPartition) -> Iterator[pa.RecordBatch]:
+# Read paths of this Python worker process, one per (root, caches, token), kept open for the
+# process's life: Spark reuses a worker for task after task (spark.python.worker.reuse), so a
+# micro-batch's tasks find their cache channels connected instead of setting them up and
+# tearing them down every time. _task_paths_lock guards _task_paths.
+_task_paths_lock = threading.Lock()
+_task_paths: Dict[Tuple[Any, ...], ReadPath] = {}
+
+
+def _task_read_path(opts: SourceOptions) -> ReadPath:
+    key = (os.getpid(), opts.root, opts.data_cache, opts.metadata_cache, opts.cache_token)
+    with _task_paths_lock:
+        path = _task_paths.get(key)
+        if path is None:
+            path = _task_paths[key] = source_read_path(opts)
+        return path
+
+
+def coalesce_batches(batches: Iterable[pa.RecordBatch], max_bytes: int = READ_BATCH_BYTES) -> Iterator[pa.RecordBatch]:
+    """Concatenate consecutive batches (one per block) into batches of up to ``max_bytes``.
+
+    Empty batches are dropped; a batch larger than ``max_bytes`` passes alone. The copy is
+    Arrow's (``pa.concat_batches``): no per-row Python.
+    """
+    pending: List[pa.RecordBatch] = []
+    size = 0
+    for batch in batches:
+        if not batch.num_rows:
+            continue
+        nbytes = batch.nbytes
+        if pending and size + nbytes > max_bytes:
+            yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
+            pending, size = [], 0
+        pending.append(batch)
+        size += nbytes
+    if pending:
+        yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
+
+
+def read_partition(opts: SourceOptions, partition: AcsPartition,
+                   path: Optional[ReadPath] = None) -> Iterator[pa.RecordBatch]:
     """Read one partition's range, in order, as Arrow record batches (runs in a Spark task).
+
+    Blocks are decoded without copying and coalesced into batches of up to
+    :data:`READ_BATCH_BYTES`. ``path`` is the read path to use (default: this process's
+    shared one for the options, see :func:`_task_read_path`).
 
     Raises
     ------
@@ -91,18 +177,21 @@ def read_partition(opts: SourceOptions, partition: AcsPartition) -> Iterator[pa.
         # Spark hands a bare InputPartition to read() when partitions() planned none (an empty
         # range: an empty stream, or startingOffsets=latest): nothing to read.
         return
-    path = source_read_path(opts)
+    yield from coalesce_batches(_read_range(opts, partition, path or _task_read_path(opts)))
+
+
+def _read_range(opts: SourceOptions, partition: AcsPartition, path: ReadPath) -> Iterator[pa.RecordBatch]:
+    end = Offset(*partition.end)
+    tailer = ShardTailer(
+        path,
+        partition.stream,
+        partition.shard,
+        Offset(*partition.start),
+        fail_on_data_loss=opts.fail_on_data_loss,
+        limiter=RateLimiter(opts.max_bytes_per_second),
+        include_headers=opts.include_headers,
+    )
     try:
-        end = Offset(*partition.end)
-        tailer = ShardTailer(
-            path,
-            partition.stream,
-            partition.shard,
-            Offset(*partition.start),
-            fail_on_data_loss=opts.fail_on_data_loss,
-            limiter=RateLimiter(opts.max_bytes_per_second),
-            include_headers=opts.include_headers,
-        )
         waited_since: Optional[float] = None
         while tailer.offset < end:
             batches = tailer.step(end=end)
@@ -129,13 +218,137 @@ def read_partition(opts: SourceOptions, partition: AcsPartition) -> Iterator[pa.
                 )
             time.sleep(opts.poll_interval)
     finally:
-        path.close()
+        # The path outlives the task: drop the per-file state of the file the task ended in.
+        if tailer.rel and hasattr(path, "forget"):
+            path.forget(tailer.rel)
 
 
 def _before(batch: pa.RecordBatch, before_us: int) -> pa.RecordBatch:
     """The rows of ``batch`` stamped before ``before_us`` (µs since the epoch)."""
     stamps = batch.column("timestamp").cast(pa.int64())
     return batch.filter(pc.less(stamps, before_us))
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+_COMPARISONS = {EqualTo: "=", EqualNullSafe: "=", GreaterThan: ">", GreaterThanOrEqual: ">=", LessThan: "<",
+                LessThanOrEqual: "<="}
+_STRING_TESTS = {StringStartsWith: str.startswith, StringEndsWith: str.endswith, StringContains: str.__contains__}
+
+
+def _micros(value: Any) -> Optional[int]:
+    """A pushed timestamp filter value in µs since the epoch (naive datetimes are UTC)."""
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=datetime.timezone.utc)
+        return (value - _EPOCH) // datetime.timedelta(microseconds=1)
+    if isinstance(value, datetime.date):
+        return _micros(datetime.datetime(value.year, value.month, value.day))
+    return None
+
+
+class Pruning:
+    """What a batch read's pushed filters let it skip before reading: plain data (it crosses
+    Spark pickled, with the reader).
+
+    Filters on ``stream``, ``shard`` and ``file`` (comparisons, ``IN``, string prefix / suffix /
+    contains on the string columns) are applied exactly, to whole shards and files: Spark does
+    not evaluate them again. Filters on ``timestamp`` (comparisons, ``IN``) only narrow the
+    time range of the blocks read -- a block is skipped when none of its messages can match --
+    and stay with Spark for the rows. Anything else (``OR``, ``NOT``, other columns) stays with
+    Spark untouched.
+    """
+
+    def __init__(self) -> None:
+        self.exact: List[Tuple[str, str, Any]] = []  # (column, test, value) on stream / shard / file
+        self.ts_min: Optional[int] = None  # µs: messages stamped before it are not wanted
+        self.ts_max: Optional[int] = None  # µs: messages stamped after it are not wanted
+
+    def push(self, f: Filter) -> bool:
+        """Take ``f`` into the pruning; True when it is applied exactly (Spark may drop it)."""
+        column = f.attribute[0] if len(getattr(f, "attribute", ())) == 1 else None
+        if column in ("stream", "shard", "file"):
+            want = int if column == "shard" else str
+            if isinstance(f, IsNotNull):
+                return True  # these columns are never null
+            if type(f) in _COMPARISONS and isinstance(f.value, want) and not isinstance(f.value, bool):
+                self.exact.append((column, _COMPARISONS[type(f)], f.value))
+                return True
+            if isinstance(f, In) and all(isinstance(v, want) and not isinstance(v, bool) for v in f.value):
+                self.exact.append((column, "in", tuple(f.value)))
+                return True
+            if type(f) in _STRING_TESTS and want is str and isinstance(f.value, str):
+                self.exact.append((column, type(f).__name__, f.value))
+                return True
+            return False
+        if column == "timestamp":
+            values = [f.value] if type(f) in _COMPARISONS else list(f.value) if isinstance(f, In) else []
+            stamps = [_micros(v) for v in values]
+            if not stamps or None in stamps:
+                return False
+            op = "in" if isinstance(f, In) else _COMPARISONS[type(f)]
+            lo = min(stamps) + (1 if op == ">" else 0) if op in ("=", "in", ">", ">=") else None
+            hi = max(stamps) - (1 if op == "<" else 0) if op in ("=", "in", "<", "<=") else None
+            if lo is not None:
+                self.ts_min = lo if self.ts_min is None else max(self.ts_min, lo)
+            if hi is not None:
+                self.ts_max = hi if self.ts_max is None else min(self.ts_max, hi)
+        return False
+
+    @property
+    def by_block(self) -> bool:
+        """Whether files or blocks are pruned (not only whole shards)."""
+        return self.by_time or any(column == "file" for column, _, _ in self.exact)
+
+    @property
+    def by_time(self) -> bool:
+        return self.ts_min is not None or self.ts_max is not None
+
+    def _holds(self, column: str, value: Any) -> bool:
+        for col, test, want in self.exact:
+            if col != column:
+                continue
+            if test == "in":
+                ok = value in want
+            elif test in ("StringStartsWith", "StringEndsWith", "StringContains"):
+                ok = _STRING_TESTS[{"StringStartsWith": StringStartsWith, "StringEndsWith": StringEndsWith,
+                                    "StringContains": StringContains}[test]](value, want)
+            else:
+                ok = {"=": value == want, ">": value > want, ">=": value >= want, "<": value < want,
+                      "<=": value <= want}[test]
+            if not ok:
+                return False
+        return True
+
+    def wants_shard(self, stream: str, shard: int) -> bool:
+        """Whether rows of this shard can match."""
+        return self._holds("stream", stream) and self._holds("shard", shard)
+
+    def wants_file(self, name: str) -> bool:
+        """Whether rows of this file (a name in the ``file`` column) can match."""
+        return self._holds("file", name)
+
+    def wants_time(self, lo: int, hi: int) -> bool:
+        """Whether a message stamped within ``[lo, hi]`` (µs) can match."""
+        return (self.ts_min is None or hi >= self.ts_min) and (self.ts_max is None or lo <= self.ts_max)
+
+    def __repr__(self) -> str:
+        return f"Pruning(exact={self.exact}, timestamp=[{self.ts_min}, {self.ts_max}] µs)"
+
+
+def pushdown_enabled() -> bool:
+    """Whether Spark is asking for a reader to push filters into (it does so in a planner
+    worker of its own, run only with ``spark.sql.python.filterPushdown.enabled=true``).
+
+    A reader that implements ``pushFilters`` is refused by Spark when that setting is false
+    (``DATA_SOURCE_PUSHDOWN_DISABLED``), and the setting cannot be read from the worker; so the
+    source hands out its pruning reader only when the pushdown worker asks for one.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if os.path.basename(frame.f_code.co_filename) == "data_source_pushdown_filters.py":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Planner:
@@ -250,14 +463,115 @@ class _Planner:
             )
         return end, latest
 
-    def partitions(self, start: OffsetMap, end: OffsetMap, before_us: Optional[int] = None) -> List[AcsPartition]:
-        parts = []
+    def partitions(self, start: OffsetMap, end: OffsetMap, before_us: Optional[int] = None,
+                   pruning: Optional["Pruning"] = None) -> List[AcsPartition]:
+        """The read tasks of ``start`` .. ``end``: one per shard with data in between, fewer
+        when ``pruning`` drops shards, files or blocks (then one per run of blocks kept), more
+        with ``minPartitions`` (ranges split at block boundaries in proportion to their bytes,
+        as Kafka's ``minPartitions``)."""
+        ranges: List[Tuple[Tuple[str, int], Offset, Offset]] = []
         for s in sorted(end):
             a = start.get(s, Offset())
             b = end[s]
-            if b > a:
-                parts.append(AcsPartition(s[0], s[1], tuple(a), tuple(b), before_us))
-        return parts
+            if b > a and (pruning is None or pruning.wants_shard(*s)):
+                ranges.append((s, a, b))
+        extents: Dict[Tuple[str, int], ShardExtent] = {}
+        if pruning is not None and pruning.by_block:
+            ranges = [r for s, a, b in ranges for r in self._kept_runs(s, a, b, pruning, extents)]
+        want = self.opts.min_partitions
+        if want and 0 < len(ranges) < want:
+            ranges = self._split(ranges, want, extents)
+        return [AcsPartition(s[0], s[1], tuple(a), tuple(b), before_us) for s, a, b in ranges]
+
+    def _extent(self, s: Tuple[str, int], a: Offset, extents: Dict[Tuple[str, int], ShardExtent]) -> ShardExtent:
+        known = extents.get(s)
+        if known is None or not known.files or known.files[0][0] > a.file:
+            known = extents[s] = shard_extent(self.path, s[0], s[1], a)
+        return known
+
+    def _spans(self, extent: ShardExtent, a: Offset, b: Offset) -> Iterator[Tuple[str, int, int, int]]:
+        """``(file, begin, stop, readable length)`` of each file of a shard between two offsets."""
+        for name, length in extent.files:
+            if name < a.file or name > b.file:
+                continue
+            begin = a.length if name == a.file else 0
+            stop = b.length if name == b.file else length
+            if stop > begin:
+                yield name, begin, stop, length
+
+    def _kept_runs(self, s: Tuple[str, int], a: Offset, b: Offset, pruning: "Pruning",
+                   extents: Dict[Tuple[str, int], ShardExtent]) -> List[Tuple[Tuple[str, int], Offset, Offset]]:
+        """The runs of consecutive blocks between ``a`` and ``b`` that the filters may want:
+        files they exclude are skipped whole; with a time filter, blocks whose messages all lie
+        outside it too (a header walk, and for blocks whose first and last stamps miss the
+        filter, a read of the block's timestamps alone)."""
+        runs: List[Tuple[Tuple[str, int], Offset, Offset]] = []
+        for name, begin, stop, _ in self._spans(self._extent(s, a, extents), a, b):
+            if not pruning.wants_file(name):
+                continue
+            if not pruning.by_time:
+                runs.append((s, Offset(name, begin), Offset(name, stop)))
+                continue
+            rel = f"{shard_dir(s[0], s[1])}/{name}"
+            headers: List[BlockHeader] = []
+            walk_blocks(self.path, rel, begin, stop, stop_before=lambda h: (headers.append(h), False)[1])
+            at = begin
+            run: Optional[List[int]] = None  # [start, end) of the run being built
+            for h in headers:
+                if h.count and self._block_wanted(rel, at, h, pruning):
+                    if run is not None and run[1] == at:
+                        run[1] = at + h.size
+                    else:
+                        if run is not None:
+                            runs.append((s, Offset(name, run[0]), Offset(name, run[1])))
+                        run = [at, at + h.size]
+                at += h.size
+            if run is not None:
+                runs.append((s, Offset(name, run[0]), Offset(name, run[1])))
+        return runs
+
+    def _block_wanted(self, rel: str, at: int, h: BlockHeader, pruning: "Pruning") -> bool:
+        # Keeping a block is always safe (Spark filters its rows again): read the stamps only
+        # when the header's first and last stamps say nothing wanted.
+        if pruning.wants_time(min(h.first_ts, h.last_ts), max(h.first_ts, h.last_ts)):
+            return True
+        offset, size = timestamps_section(h)
+        section = _read_now(self.path, rel, at + offset, at + offset + size)
+        lo, hi = timestamp_bounds(section, h, path=self.path.store.uri(rel), position=at)
+        return pruning.wants_time(lo, hi)
+
+    def _split(self, ranges: List[Tuple[Tuple[str, int], Offset, Offset]], want: int,
+               extents: Dict[Tuple[str, int], ShardExtent]) -> List[Tuple[Tuple[str, int], Offset, Offset]]:
+        sized = []
+        for s, a, b in ranges:
+            extent = self._extent(s, a, extents)
+            sized.append((s, a, b, extent, sum(stop - begin for _, begin, stop, _ in self._spans(extent, a, b))))
+        total = sum(size for *_, size in sized) or 1
+        out: List[Tuple[Tuple[str, int], Offset, Offset]] = []
+        for s, a, b, extent, size in sized:
+            parts = max(1, round(size * want / total))
+            piece = -(-size // parts)
+            at = a
+            for _ in range(parts - 1):
+                cut = self._next_file_start(extent, advance(self.path, extent, at, b, max_bytes=piece), b)
+                if cut <= at or cut >= b:
+                    break
+                out.append((s, at, cut))
+                at = cut
+            out.append((s, at, b))
+        return out
+
+    @staticmethod
+    def _next_file_start(extent: ShardExtent, cut: Offset, b: Offset) -> Offset:
+        """A cut at the readable end of a file the range goes past (so: its seal) is the start
+        of the next file, so the next task need not prove that seal again by a header walk."""
+        names = [name for name, _ in extent.files]
+        lengths = dict(extent.files)
+        if cut.file < b.file and cut.length == lengths.get(cut.file):
+            later = [n for n in names if n > cut.file]
+            if later:
+                return Offset(later[0], 0)
+        return cut
 
 
 class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -348,6 +662,7 @@ class AcsBatchReader(DataSourceReader):
     def __init__(self, opts: SourceOptions) -> None:
         self.opts = opts
         self.planner = _Planner(opts)
+        self.pruning: Optional[Pruning] = None  # set by AcsPruningBatchReader.pushFilters
 
     def partitions(self) -> Sequence[InputPartition]:
         """One partition per shard between ``startingOffsets`` and ``endingOffsets``."""
@@ -370,7 +685,7 @@ class AcsBatchReader(DataSourceReader):
             before_us = self.opts.ending_timestamp * 1000
             by_time = {s: offset_for_timestamp(self.planner.path, s[0], s[1], before_us, ending=True) for s in end}
             end = {s: max(start[s], min(end[s], by_time[s])) for s in end}
-        parts = self.planner.partitions(start, end, before_us)
+        parts = self.planner.partitions(start, end, before_us, self.pruning)
         if self.planner._path is not None:
             self.planner._path.close()
             self.planner._path = None
@@ -379,3 +694,17 @@ class AcsBatchReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Read one shard's range in order as Arrow record batches (runs in a Spark task)."""
         return read_partition(self.opts, partition)
+
+
+class AcsPruningBatchReader(AcsBatchReader):
+    """:class:`AcsBatchReader` with filter pushdown (``spark.sql.python.filterPushdown.enabled=true``):
+    filters on ``stream``, ``shard``, ``file`` and ``timestamp`` prune whole shards, files and
+    blocks before they are read (see :class:`Pruning`)."""
+
+    def pushFilters(self, filters: List[Filter]) -> Iterable[Filter]:
+        """Keep the filters the read can prune by; return those Spark must still evaluate
+        (every filter on ``timestamp`` among them: blocks are pruned, rows are not)."""
+        pruning = Pruning()
+        rest = [f for f in filters if not pruning.push(f)]
+        self.pruning = pruning if (pruning.exact or pruning.by_time) else None
+        return rest

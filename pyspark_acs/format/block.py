@@ -81,6 +81,8 @@ __all__ = [
     "rebase_blocks",
     "scan_blocks",
     "seal_void_from",
+    "timestamp_bounds",
+    "timestamps_section",
 ]
 
 MAGIC = b"ACSB"
@@ -564,6 +566,37 @@ def _positions(first: int, n: int) -> pa.Array:
     # more per block, and both it and pa.array(ndarray) import pandas on first use (half a
     # second of every consumer process's CPU).
     return pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(np.arange(first, first + n, dtype=np.int64))])
+
+
+def timestamps_section(header: BlockHeader) -> Tuple[int, int]:
+    """Where a block's message timestamps lie: ``(start, length)`` in bytes from the block's
+    first byte (the first body section: ``count`` x int64 µs). A reader that prunes blocks by
+    time reads these bytes alone, not the block's keys and values."""
+    return header.header_len, 8 * header.count
+
+
+def timestamp_bounds(section: Union[bytes, memoryview, pa.Buffer], header: BlockHeader, *, path: str = "",
+                     position: int = 0) -> Tuple[int, int]:
+    """The smallest and largest message timestamp (µs) of a block, from its timestamps section
+    (see :func:`timestamps_section`). The header's ``first_ts`` / ``last_ts`` are the first and
+    last messages' stamps, not bounds: a writer may stamp messages out of order.
+
+    Raises
+    ------
+    TruncatedBlockError
+        When ``section`` is shorter than the block's ``count`` timestamps.
+    """
+    _, size = timestamps_section(header)
+    if len(section) < size:
+        raise TruncatedBlockError(
+            f"{path or '<buffer>'} at byte {position}: timestamps section of {size} bytes, got {len(section)}",
+            path=path,
+            position=position,
+        )
+    if not header.count:
+        return 0, 0
+    stamps = np.frombuffer(section, dtype="<i8", count=header.count)
+    return int(stamps.min()), int(stamps.max())
 
 
 def scan_blocks(

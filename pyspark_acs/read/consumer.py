@@ -145,7 +145,8 @@ class ShardTailer:
         known : bool
             True when ``length`` comes from a poll (``None`` then means the file is missing).
         end : Offset, optional
-            Stop at this position (bounded reads); the tailer never reads past it.
+            Stop at this position (bounded reads); the tailer never reads past it. A bounded
+            step returns after each read that found messages: call it until ``offset >= end``.
         """
         out: List[pa.RecordBatch] = []
         self.batch_ends = []
@@ -184,7 +185,9 @@ class ShardTailer:
                 continue
             if progressed:
                 self._check_behind = False
-                if end is None:
+                # A bounded read hands out what one read found (at most max_read_bytes) before
+                # reading on, so a task reading a large range holds one read's batches at a time.
+                if end is None or out:
                     return out
                 continue
             return out
