@@ -549,7 +549,7 @@ class _Planner:
         total = sum(size for *_, size in sized) or 1
         out: List[Tuple[Tuple[str, int], Offset, Offset]] = []
         for s, a, b, extent, size in sized:
-            parts = max(1, round(size * want / total))
+            parts = max(1, -(-size * want // total))  # rounded up: at least `want` in all
             piece = -(-size // parts)
             at = a
             for _ in range(parts - 1):
