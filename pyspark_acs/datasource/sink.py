@@ -28,8 +28,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -78,6 +81,19 @@ log = logging.getLogger(__name__)
 SINKS_DIR = "_sinks"
 #: Staged files of failed task attempts older than this are swept at commit time.
 STAGING_SWEEP_AFTER_S = 3600.0
+#: Staged pieces of one segment are appended together up to this many bytes (one durable
+#: append, one chunk write, one length publication for all the tasks' pieces of a shard,
+#: instead of one each); a single larger piece is appended alone.
+COMMIT_APPEND_BYTES = 8 * 1024 * 1024
+#: Shards of a batch appended at once by the driver: each shard is its own writer, lease and
+#: file, so their appends (durable write, chunks, lengths: mostly waiting on I/O) overlap.
+COMMIT_THREADS = 8
+
+# Cache clients of the commits of this process, one per (process, endpoints, token), kept
+# open between micro-batches: Spark reuses the Python process that commits a query's batches,
+# so each commit finds its channels connected. _commit_clients_lock guards _commit_clients.
+_commit_clients_lock = threading.Lock()
+_commit_clients: Dict[Tuple[Any, ...], Tuple[Any, Any]] = {}
 
 
 #: Columns the sink writes, with the types it takes.
@@ -417,26 +433,29 @@ class SinkCommitter:
     def commit(self, messages: Sequence[Optional[StagedStream]], batch_id: Optional[int]) -> None:
         """Append a batch's staged blocks to its shards, exactly once per ``batch_id``."""
         store = open_store(self.opts.root)
-        self._clients: List[Any] = []  # cache clients of this commit, one per cache
+        self._intent_lock = threading.Lock()  # guards self._intent and its file while shards append
         try:
             self._commit(store, messages, batch_id)
         finally:
-            for client in self._clients:
-                client.close()
             store.close()
 
     def _cache_clients(self) -> Tuple[Any, Any]:
-        """(data client, metadata cache) of this commit, created on first use."""
-        if not hasattr(self, "_data"):
-            self._data = self._meta = None
-            if self.opts.data_cache or self.opts.metadata_cache:
+        """(data client, metadata cache) of this process's commits to these caches (created on
+        first use, kept open for the next micro-batch)."""
+        if not (self.opts.data_cache or self.opts.metadata_cache):
+            return None, None
+        key = (os.getpid(), self.opts.data_cache, self.opts.metadata_cache, self.opts.cache_token)
+        with _commit_clients_lock:
+            clients = _commit_clients.get(key)
+            if clients is None:
                 from pyspark_acs.cache.client import client_for
                 from pyspark_acs.cache.metadata import MetadataCache
 
-                self._data = client_for(self.opts.data_cache, "data cache", self._clients, self.opts.cache_token)
-                meta = client_for(self.opts.metadata_cache, "metadata cache", self._clients, self.opts.cache_token)
-                self._meta = MetadataCache(meta) if meta is not None else None
-        return self._data, self._meta
+                owned: List[Any] = []  # never closed: they live as long as the process
+                data = client_for(self.opts.data_cache, "data cache", owned, self.opts.cache_token)
+                meta = client_for(self.opts.metadata_cache, "metadata cache", owned, self.opts.cache_token)
+                clients = _commit_clients[key] = (data, MetadataCache(meta) if meta is not None else None)
+            return clients
 
     def _commit(self, store: DurableStore, messages: Sequence[Optional[StagedStream]], batch_id: Optional[int]) -> None:
         if batch_id is not None:
@@ -467,8 +486,18 @@ class SinkCommitter:
             self._discard(store, messages)  # this attempt's staging is not used: the intent's is
         self._intent = intent
         shards_state = dict(state.get("shards", {}))
-        for shard_s in sorted(intent["shards"], key=int):
-            shards_state[shard_s] = self._append_shard(store, int(shard_s), intent["shards"][shard_s])
+        order = sorted(intent["shards"], key=int)
+        plans = {shard_s: intent["shards"][shard_s] for shard_s in order}
+        self._cache_clients()  # before the threads: they share the clients
+        if len(order) == 1:
+            shards_state[order[0]] = self._append_shard(store, int(order[0]), plans[order[0]])
+        else:
+            # Shards are independent (own writer, lease, file): append them at once. Every shard is
+            # tried even when one fails; the intent makes a retry complete the ones that did not land.
+            with ThreadPoolExecutor(min(COMMIT_THREADS, len(order)), thread_name_prefix="acs-sink-commit") as pool:
+                futures = {s_: pool.submit(self._append_shard, store, int(s_), plans[s_]) for s_ in order}
+            for shard_s in order:
+                shards_state[shard_s] = futures[shard_s].result()
         new_state = {"last_batch": batch_id if batch_id is not None else last, "shards": shards_state,
                      "updated": time.time()}
         store.write_small(f"{self.dir}/state.json", json.dumps(new_state).encode())
@@ -565,9 +594,10 @@ class SinkCommitter:
                 outcome = self._append_segment(store, shard, segments[i], writer)
                 if isinstance(outcome, _Redirect):
                     segments = segments[:i] + self._redirect(store, shard, writer, outcome, segments[i + 1:])
-                    self._intent["shards"][str(shard)] = segments
-                    # Recorded before the first byte goes to the new file: a retry finds it.
-                    store.write_small(self._intent_rel, json.dumps(self._intent).encode())
+                    with self._intent_lock:
+                        self._intent["shards"][str(shard)] = segments
+                        # Recorded before the first byte goes to the new file: a retry finds it.
+                        store.write_small(self._intent_rel, json.dumps(self._intent).encode())
                     continue
                 result = outcome
                 i += 1
@@ -667,11 +697,22 @@ class SinkCommitter:
         if writer.current() is None or writer.file != seg["file"]:
             return _Redirect(self._remaining(store, seg, cut), f"{uri} changed while this sink took the shard")
         offset = 0
-        for number, (data, count) in enumerate(self._pieces(store, seg, uri)):
+        pending: List[bytes] = []  # pieces not appended yet, appended together (COMMIT_APPEND_BYTES)
+        pending_bytes = pending_rows = 0
+        for data, count in self._pieces(store, seg, uri):
             if offset + len(data) > done:
-                writer.append(data[max(0, done - offset):], count)
-                writer.check_leases()  # a long append keeps its shard
+                if pending and pending_bytes + len(data) > COMMIT_APPEND_BYTES:
+                    writer.append(b"".join(pending), pending_rows)
+                    writer.check_leases()  # a long append keeps its shard
+                    pending, pending_bytes, pending_rows = [], 0, 0
+                piece = data[max(0, done - offset):]
+                pending.append(piece)
+                pending_bytes += len(piece)
+                pending_rows += count
             offset += len(data)
+        if pending:
+            writer.append(b"".join(pending), pending_rows)
+            writer.check_leases()
         if seg["seal"]:
             writer.close_file()  # the planned seal was the last piece
         return end_state
