@@ -374,6 +374,13 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
         steady = [d for t, d in samples if t >= first + warmup]
     reports = sink.recentProgress if sink is not None else []
     durations = [r["durationMs"].get("triggerExecution", 0) for r in reports]
+
+    def phases(progress: list) -> str:
+        # p50 of each phase of the micro-batches with rows (Spark's durationMs)
+        busy = [r["durationMs"] for r in progress if r["numInputRows"]]
+        keys = ("triggerExecution", "latestOffset", "queryPlanning", "addBatch", "walCommit", "commitOffsets")
+        return ", ".join(f"{k} {percentile([d.get(k, 0) for d in busy], 50):.0f}" for k in keys) if busy else "n/a"
+
     rows = {
         "messages arrived": f"{len(samples)} ({len(steady)} after warm-up)",
         "delay p50": f"{percentile(steady, 50):.0f} ms",
@@ -382,6 +389,9 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
     }
     if durations:
         rows["sink micro-batch p50"] = f"{percentile(durations, 50):.0f} ms"
+    rows["sink phases p50 (ms)"] = phases(reports)
+    rows["source phases p50 (ms)"] = phases(source.recentProgress)
+    rows["load average"] = load_average()
     report(f"End-to-end delay, sink write -> source row (processingTime=0, caches, {rate} msg/s)", rows)
 
 

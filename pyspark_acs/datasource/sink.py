@@ -489,8 +489,9 @@ class SinkCommitter:
         order = sorted(intent["shards"], key=int)
         plans = {shard_s: intent["shards"][shard_s] for shard_s in order}
         self._cache_clients()  # before the threads: they share the clients
-        if len(order) == 1:
-            shards_state[order[0]] = self._append_shard(store, int(order[0]), plans[order[0]])
+        if len(order) <= 1:
+            for shard_s in order:
+                shards_state[shard_s] = self._append_shard(store, int(shard_s), plans[shard_s])
         else:
             # Shards are independent (own writer, lease, file): append them at once. Every shard is
             # tried even when one fails; the intent makes a retry complete the ones that did not land.
