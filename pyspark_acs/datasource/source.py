@@ -52,7 +52,6 @@ from pyspark.sql.streaming.datasource import (
 from pyspark_acs.read.consumer import ShardTailer, earliest_offset
 from pyspark_acs.errors import AcsError, AcsOptionError, DataLossError
 from pyspark_acs.format.block import BlockHeader, timestamp_bounds, timestamps_section
-from pyspark_acs.format.names import shard_dir
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets, parse_timestamps
 from pyspark_acs.read.positions import (
     BoundaryCache,
@@ -489,16 +488,6 @@ class _Planner:
             known = extents[s] = shard_extent(self.path, s[0], s[1], a)
         return known
 
-    def _spans(self, extent: ShardExtent, a: Offset, b: Offset) -> Iterator[Tuple[str, int, int, int]]:
-        """``(file, begin, stop, readable length)`` of each file of a shard between two offsets."""
-        for name, length in extent.files:
-            if name < a.file or name > b.file:
-                continue
-            begin = a.length if name == a.file else 0
-            stop = b.length if name == b.file else length
-            if stop > begin:
-                yield name, begin, stop, length
-
     def _kept_runs(self, s: Tuple[str, int], a: Offset, b: Offset, pruning: "Pruning",
                    extents: Dict[Tuple[str, int], ShardExtent]) -> List[Tuple[Tuple[str, int], Offset, Offset]]:
         """The runs of consecutive blocks between ``a`` and ``b`` that the filters may want:
@@ -506,13 +495,12 @@ class _Planner:
         outside it too (a header walk, and for blocks whose first and last stamps miss the
         filter, a read of the block's timestamps alone)."""
         runs: List[Tuple[Tuple[str, int], Offset, Offset]] = []
-        for name, begin, stop, _ in self._spans(self._extent(s, a, extents), a, b):
-            if not pruning.wants_file(name):
+        for name, rel, begin, stop in self._extent(s, a, extents).ranges(a, b):
+            if stop <= begin or not pruning.wants_file(name):
                 continue
             if not pruning.by_time:
                 runs.append((s, Offset(name, begin), Offset(name, stop)))
                 continue
-            rel = f"{shard_dir(s[0], s[1])}/{name}"
             headers: List[BlockHeader] = []
             walk_blocks(self.path, rel, begin, stop, stop_before=lambda h: (headers.append(h), False)[1])
             at = begin
@@ -545,7 +533,7 @@ class _Planner:
         sized = []
         for s, a, b in ranges:
             extent = self._extent(s, a, extents)
-            sized.append((s, a, b, extent, sum(stop - begin for _, begin, stop, _ in self._spans(extent, a, b))))
+            sized.append((s, a, b, extent, sum(max(0, stop - begin) for _, _, begin, stop in extent.ranges(a, b))))
         total = sum(size for *_, size in sized) or 1
         out: List[Tuple[Tuple[str, int], Offset, Offset]] = []
         for s, a, b, extent, size in sized:
