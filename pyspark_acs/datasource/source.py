@@ -68,6 +68,7 @@ from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.datasource.options import SourceOptions
 
 __all__ = [
+    "IDLE_WAIT_S",
     "READ_BATCH_BYTES",
     "SCHEMA_DDL",
     "SCHEMA_WITH_HEADERS_DDL",
@@ -94,6 +95,12 @@ SCHEMA_WITH_HEADERS_DDL = SCHEMA_DDL + ", headers array<struct<key: string, valu
 #: blocks are often small (a linger flush of ~90 messages); batches of ~90 rows ran at about
 #: half the rate of batches of 1000 rows (benchmarks/spark_source.py's ceiling probe).
 READ_BATCH_BYTES = 4 * 1024 * 1024
+#: How long ``latestOffset`` of an idle stream (nothing new) waits for a published length to
+#: move before answering (it answers at once when one moves). Spark asks again every 10 ms
+#: (spark.sql.streaming.pollingDelay) while a query has no data: an idle query cost about half
+#: a core of this 2-core machine doing so. A change that lands between the look and the wait
+#: is seen after at most this long.
+IDLE_WAIT_S = 0.1
 
 
 class AcsPartition(InputPartition):
@@ -595,8 +602,13 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         shards = self.planner.shards()
         self._available_now = self.planner.latest(shards)
 
-    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
-        """End offsets of the next micro-batch from ``start`` under ``limit`` (block boundaries per shard)."""
+    def latestOffset(self, start: dict, limit: ReadLimit, idle_waited: bool = False) -> dict:
+        """End offsets of the next micro-batch from ``start`` under ``limit`` (block boundaries per shard).
+
+        With caches, when nothing new is readable it first waits up to :data:`IDLE_WAIT_S` for
+        a published length to move (woken at once when one does), then looks again."""
+        token = self._idle_token(idle_waited)  # before looking: see _idle_token
+        read_limit = limit
         begin = parse_offsets(start, option="start offset")
         for s in self.planner.shards():  # shards a stream gained since the checkpoint
             if s not in begin:
@@ -619,7 +631,22 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     end[s] = advance(path, extent, begin[s], limit, max_rows=1)
                 else:
                     end[s] = begin[s]
+        if end == begin and token is not None:
+            # Nothing new: wait for the caches to push a length change before answering, so an
+            # idle query (processingTime=0 asks again every 10 ms) costs a call per change or per
+            # IDLE_WAIT_S rather than a hundred a second -- the CPU its writers need. The token
+            # was taken before looking: a change since then ends the wait at once.
+            self.planner.path.wait(IDLE_WAIT_S, since=token)
+            return self.latestOffset(start, read_limit, idle_waited=True)
         return format_offsets(end)
+
+    def _idle_token(self, idle_waited: bool) -> Optional[int]:
+        """A change token of the metadata cache's lengths when an idle answer may wait for a
+        change (with the metadata cache, once per call); None: answer at once."""
+        if idle_waited or self._available_now is not None or self.opts.metadata_cache is None:
+            return None
+        take = getattr(self.planner.path, "change_token", None)
+        return take() if take is not None else None
 
     def reportLatestOffset(self) -> Optional[dict]:
         """The newest readable offsets seen by the last ``latestOffset`` (for query progress)."""
