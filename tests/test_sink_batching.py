@@ -1,0 +1,104 @@
+"""How the sink's driver commit appends: all tasks' pieces of a shard in one append, shards at
+once, cache clients kept between micro-batches -- with the exactly-once protocol unchanged
+(failure and replay cases: test_sink_commit.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+import pytest
+from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
+
+from pyspark_acs.datasource import sink as sink_module
+from pyspark_acs.datasource.options import parse_sink_options
+from pyspark_acs.datasource.sink import AcsCommitMessage, AcsStreamWriter
+from pyspark_acs.read.consumer import Consumer
+from pyspark_acs.server.local.deploy import LocalDeployment
+from pyspark_acs.write.shard import ShardWriter
+
+SCHEMA = StructType([StructField("shard", IntegerType()), StructField("value", BinaryType())])
+
+
+def writer(root, **extra):
+    opts = parse_sink_options({"root": root, "stream": "out", "shards": "2", "checkpointLocation": "/ck/batching",
+                               **extra})
+    return AcsStreamWriter(opts, SCHEMA)
+
+
+def rows(values, shards):
+    return pa.RecordBatch.from_arrays([pa.array(shards, pa.int32()), pa.array(values, pa.binary())],
+                                      names=["shard", "value"])
+
+
+def stream_values(root, **caches):
+    with Consumer(root, "out", **caches) as c:
+        got = [r for b in c.batches(timeout=0.5) for r in b.to_pylist()]
+    return {s: [r["value"] for r in got if r["shard"] == s] for s in (0, 1)}
+
+
+def task_messages(w, batch_id, tasks=3):
+    return [w.write(iter([rows([b"b%d-t%d-%d" % (batch_id, t, i) for i in range(4)], [0, 1, 0, 1])]))
+            for t in range(tasks)]
+
+
+@pytest.fixture
+def appends(monkeypatch):
+    """(shard, messages) of every ShardWriter.append, and the threads they ran in."""
+    calls, threads = [], set()
+    real = ShardWriter.append
+
+    def counting(self, data, messages):
+        calls.append((self.shard, messages))
+        threads.add(threading.current_thread().name)
+        return real(self, data, messages)
+
+    monkeypatch.setattr(ShardWriter, "append", counting)
+    return calls, threads
+
+
+def expected(batches, tasks=3):
+    return {s: [b"b%d-t%d-%d" % (b, t, i) for b in batches for t in range(tasks) for i in (s, s + 2)] for s in (0, 1)}
+
+
+def test_one_append_per_shard_in_task_order(root, appends):
+    calls, threads = appends
+    w = writer(root)
+    for batch_id in range(2):
+        w.commit(task_messages(w, batch_id), batch_id)
+    assert sorted(calls) == [(0, 6), (0, 6), (1, 6), (1, 6)]  # 3 tasks' pieces, one append per shard
+    assert all(name.startswith("acs-sink-commit") for name in threads)  # the two shards at once
+    assert stream_values(root) == expected(range(2))
+    w.commit(task_messages(w, 1), 1)  # a replay writes nothing
+    assert stream_values(root) == expected(range(2))
+
+
+def test_pieces_beyond_the_append_size_go_in_several_appends(root, appends, monkeypatch):
+    calls, _ = appends
+    monkeypatch.setattr(sink_module, "COMMIT_APPEND_BYTES", 1)  # every piece its own append
+    w = writer(root)
+    w.commit(task_messages(w, 0), 0)
+    assert sorted(calls) == [(0, 2)] * 3 + [(1, 2)] * 3
+    assert stream_values(root) == expected([0])
+
+
+def test_a_batch_without_rows_commits(root):
+    w = writer(root)
+    w.commit([AcsCommitMessage({}), None], 0)
+    w.commit(task_messages(w, 1), 1)
+    assert stream_values(root) == expected([1])
+
+
+def test_cache_clients_are_kept_between_micro_batches(root, tmp_path):
+    dep = LocalDeployment(tmp_path / "caches", data_replicas=1, metadata_replicas=1, capacity="32MiB").start()
+    try:
+        caches = {"dataCache": dep.data_endpoints, "metadataCache": dep.metadata_endpoints}
+        w = writer(root, **caches)
+        w.commit(task_messages(w, 0), 0)
+        kept = dict(sink_module._commit_clients)
+        w.commit(task_messages(w, 1), 1)
+        assert sink_module._commit_clients == kept and len(kept) >= 1  # the same clients, not new ones
+        assert stream_values(root, data_cache=dep.data_endpoints, metadata_cache=dep.metadata_endpoints) \
+            == expected(range(2))
+    finally:
+        dep.stop()
