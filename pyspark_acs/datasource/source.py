@@ -98,8 +98,8 @@ READ_BATCH_BYTES = 4 * 1024 * 1024
 #: How long ``latestOffset`` of an idle stream (nothing new) waits for a published length to
 #: move before answering (it answers at once when one moves). Spark asks again every 10 ms
 #: (spark.sql.streaming.pollingDelay) while a query has no data: an idle query cost about half
-#: a core of this 2-core machine doing so. A change that lands between the look and the wait
-#: is seen after at most this long.
+#: a core of this 2-core machine doing so, a quarter with the wait. It bounds how late a change
+#: that reaches the driver by no push (a new file's first length) is seen.
 IDLE_WAIT_S = 0.1
 
 
