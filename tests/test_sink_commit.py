@@ -157,6 +157,9 @@ def test_a_replay_that_routes_no_rows_to_a_stream_still_completes_it(root, monke
         return real(self, data, count)
 
     monkeypatch.setattr(W.ShardWriter, "append", flaky)
+    # one append per staged piece (the commit joins a shard's pieces up to COMMIT_APPEND_BYTES),
+    # so the second one fails part way through stream b
+    monkeypatch.setattr("pyspark_acs.datasource.sink.COMMIT_APPEND_BYTES", 1)
     first = [stage(rows[10:25]), stage(rows[25:40])]
     with pytest.raises(OSError, match="disk gone"):
         K._commit(opts, sid, first, 1)
