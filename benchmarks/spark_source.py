@@ -8,7 +8,16 @@
    * streaming: ``readStream.format("acs")``           vs ``readStream.text(dir)``
      with ``Trigger.AvailableNow`` (query start to termination, fresh checkpoints)
 
-   Rows/s and MB/s (of message bytes) of each and the acs/text ratio are printed. Both inputs
+   * ceiling:   a trivial Python DataSource (in this script) whose ``read()`` yields pre-built
+     Arrow batches -- of the acs schema (7 columns, ~1 MiB blocks' row count; "ceiling batch")
+     and of one 1 KiB binary column (1000 rows, 4 partitions; "ceiling value") -- the most
+     Spark's Python DataSource API hands the JVM on this machine; compared with "acs batch"
+     and "acs value" (the acs read, ``select("value")``: every column still crosses to the JVM)
+   * aggregate: ``sum(length(value))`` over acs and over the text files
+
+   Rows/s and MB/s (of message bytes) of each and the ratios are printed, with the CPU seconds
+   the Spark process tree (JVM and Python workers) used and the load average (the machine is
+   shared: CPU ratios are steadier than wall-time ratios under load). Both inputs
    are checked up front to hold exactly N rows (and message 0 byte-exact); each streaming run
    must read N rows. ``--caches`` also reads the acs stream through a
    local deployment's caches (the Producer then writes through them as well).
@@ -22,7 +31,7 @@
 Usage::
 
     .venv/bin/python benchmarks/spark_source.py [--messages 200000] [--repeat 2]
-        [--delay-seconds 30] [--delay-rate 1000] [--caches] [--skip-delay]
+        [--delay-seconds 30] [--delay-rate 1000] [--caches] [--skip-delay] [--cases REGEX]
 """
 
 from __future__ import annotations
