@@ -89,7 +89,7 @@ COMMIT_APPEND_BYTES = 8 * 1024 * 1024
 #: file, so their appends (durable write, chunks, lengths: mostly waiting on I/O) overlap.
 COMMIT_THREADS = 8
 
-# Cache clients of the commits of this process, one per (process, endpoints, token), kept
+# Cache clients of the commits of this process, one per (process, endpoints, token, TLS files), kept
 # open between micro-batches: Spark reuses the Python process that commits a query's batches,
 # so each commit finds its channels connected. _commit_clients_lock guards _commit_clients.
 _commit_clients_lock = threading.Lock()
@@ -444,7 +444,8 @@ class SinkCommitter:
         first use, kept open for the next micro-batch)."""
         if not (self.opts.data_cache or self.opts.metadata_cache):
             return None, None
-        key = (os.getpid(), self.opts.data_cache, self.opts.metadata_cache, self.opts.cache_token)
+        o = self.opts
+        key = (os.getpid(), o.data_cache, o.metadata_cache, o.cache_token, o.tls_ca, o.tls_cert, o.tls_key, o.mtls)
         with _commit_clients_lock:
             clients = _commit_clients.get(key)
             if clients is None:
