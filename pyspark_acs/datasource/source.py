@@ -127,17 +127,17 @@ def source_read_path(opts: SourceOptions) -> ReadPath:
     )
 
 
-# Read paths of this Python worker process, one per (root, caches, token, TLS files), kept open for the
-# process's life: Spark reuses a worker for task after task (spark.python.worker.reuse), so a
-# micro-batch's tasks find their cache channels connected instead of setting them up and
-# tearing them down every time. _task_paths_lock guards _task_paths.
+# Read paths of this Python worker process, one per (root, caches, token, TLS files, tier read
+# policy), kept open for the process's life: Spark reuses a worker for task after task
+# (spark.python.worker.reuse), so a micro-batch's tasks find their cache channels connected
+# instead of setting them up and tearing them down every time. _task_paths_lock guards _task_paths.
 _task_paths_lock = threading.Lock()
 _task_paths: Dict[Tuple[Any, ...], ReadPath] = {}
 
 
 def _task_read_path(opts: SourceOptions) -> ReadPath:
     key = (os.getpid(), opts.root, opts.data_cache, opts.metadata_cache, opts.cache_token, opts.tls_ca,
-           opts.tls_cert, opts.tls_key, opts.mtls)
+           opts.tls_cert, opts.tls_key, opts.mtls, opts.tier_read_policy)
     with _task_paths_lock:
         path = _task_paths.get(key)
         if path is None:
