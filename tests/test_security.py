@@ -189,6 +189,15 @@ def test_amplification_get_is_refused_before_it_is_assembled(tmp_path):
             stub.Put(acs_pb2.PutRequest(keys=keys, data=b"", sizes=[0] * len(keys), versions=[1] * len(keys)),
                      timeout=30)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Push streams are bounded too: too many keys (files) in one Watch (Follow) message.
+        too_many = [b"k%d" % i for i in range(MAX_KEYS_PER_CALL + 1)]
+        for call, request in ((stub.Watch, acs_pb2.WatchRequest(add=too_many)),
+                              (stub.Follow, acs_pb2.FollowRequest(follow=too_many, offsets=[0] * len(too_many)))):
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in call(iter([request]), timeout=30):
+                    pass
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+            assert "at most" in info.value.details()
         assert stub.Health(acs_pb2.HealthRequest(), timeout=5).serving
         channel.close()
 

@@ -389,6 +389,9 @@ def test_retried_sink_batch_after_another_writer_moved_on_is_seen_once_by_live_r
                 return real_append(self, data, messages)
 
             monkeypatch.setattr(ShardWriter, "append", die_after_first)
+            # One append per task's piece (the commit joins a shard's pieces into one append up
+            # to COMMIT_APPEND_BYTES): the failure must land between two tasks' rows.
+            monkeypatch.setattr("pyspark_acs.datasource.sink.COMMIT_APPEND_BYTES", 1)
         with pytest.raises(AcsError, match="injected"):
             a.commit(batch1, 1)
         a.abort(batch1, 1)
@@ -728,6 +731,7 @@ def test_batch_write_with_sink_id_rerun_after_a_partial_commit_completes_once(ro
         return real_append(self, data, messages)
 
     monkeypatch.setattr(ShardWriter, "append", die_after_first)
+    monkeypatch.setattr("pyspark_acs.datasource.sink.COMMIT_APPEND_BYTES", 1)  # an append per piece
     with pytest.raises(AcsError, match="injected"):
         w.commit(msgs)
     w.abort(msgs)

@@ -33,16 +33,17 @@ MAX_OPEN_READ_FILES = 256
 
 
 @contextlib.contextmanager
-def _translate(what: str) -> Iterator[None]:
-    """Translate pyarrow / OS errors into StoreError with the path in the message."""
+def _translate(what: str, error: type = StoreError, missing: str = "no such file or folder") -> Iterator[None]:
+    """Translate pyarrow / OS errors into ``error`` (a StoreError) with the path in the message;
+    the one translation of filesystem errors, for the hot store and the secondary tier."""
     try:
         yield
     except StoreError:
         raise
     except FileNotFoundError as exc:
-        raise StoreFileNotFoundError(f"{what}: no such file or folder") from exc
+        raise StoreFileNotFoundError(f"{what}: {missing}") from exc
     except (OSError, pa.ArrowException) as exc:
-        raise StoreError(f"{what}: {exc}") from exc
+        raise error(f"{what}: {exc}") from exc
 
 
 class Appender:

@@ -49,6 +49,7 @@ import pyarrow.fs as pafs
 from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError
 from pyspark_acs.format.block import HEADER_SIZE
 from pyspark_acs.format.names import shard_dir, validate_stream
+from pyspark_acs.storage.store import _translate as _store_translate
 from pyspark_acs.storage.store import STREAM_META_FILE, DurableStore
 
 __all__ = [
@@ -318,16 +319,9 @@ def write_manifest(store: DurableStore, stream: str, shard: int, records: Dict[s
 # -- the secondary store -------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _translate(what: str, error: type = StoreError) -> Iterator[None]:
-    try:
-        yield
-    except StoreError:
-        raise
-    except FileNotFoundError as exc:
-        raise StoreFileNotFoundError(f"{what}: no such object") from exc
-    except (OSError, pa.ArrowException) as exc:
-        raise error(f"{what}: {exc}") from exc
+def _translate(what: str, error: type = StoreError) -> "contextlib.AbstractContextManager[None]":
+    """The store's one translation of filesystem errors, for objects of the secondary tier."""
+    return _store_translate(what, error, missing="no such object")
 
 
 def _public_uri(uri: str) -> str:

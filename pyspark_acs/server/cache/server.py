@@ -83,6 +83,10 @@ MAX_MESSAGE_BYTES = 64 * 1024**2
 #: Most keys one Get, Put or Delete may name (the client sends at most MAX_BATCH_KEYS = 1024):
 #: bounds how long one call holds the store's lock.
 MAX_KEYS_PER_CALL = 16_384
+#: Most keys one Watch stream may watch, and files one Follow stream may follow, at once: a
+#: process watches two length keys per followed file per replica, so this covers ~100k files
+#: while bounding what one stream can make a server hold (~100 bytes per key).
+MAX_KEYS_PER_STREAM = 262_144
 #: Most value bytes one Get answer may hold, checked before it is assembled (the client splits
 #: batches at 4 MiB; below MAX_MESSAGE_BYTES so an answer is never built only to be refused).
 MAX_RESPONSE_BYTES = 32 * 1024**2
@@ -261,10 +265,13 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         await context.send_initial_metadata(())  # the stream is up: the reader may count on it
 
         def apply(req) -> None:
+            if len(req.add) > MAX_KEYS_PER_CALL or len(w.keys) + len(req.add) > MAX_KEYS_PER_STREAM:
+                raise _Refused(f"watch: {len(req.add)} keys added to {len(w.keys)} watched; at most "
+                               f"{MAX_KEYS_PER_CALL} per message and {MAX_KEYS_PER_STREAM} per stream")
             self.watchers.watch(w, req.add, req.remove)
 
         async for keys, entries in self._push(request_iterator, w, apply, "watch_streams",
-                                              lambda: w.take(self.store), self.watchers.drop_watch):
+                                              lambda: w.take(self.store), self.watchers.drop_watch, context):
             values = [e[0] if e is not None else b"" for e in entries]
             yield acs_pb2.WatchEvent(
                 keys=keys, found=[e is not None for e in entries], data=b"".join(values),
@@ -283,17 +290,20 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         def apply(req) -> None:
             if len(req.follow) != len(req.offsets):
                 raise ValueError(f"follow: {len(req.follow)} files but {len(req.offsets)} offsets")
+            if len(req.follow) > MAX_KEYS_PER_CALL or len(f.cursors) + len(req.follow) > MAX_KEYS_PER_STREAM:
+                raise _Refused(f"follow: {len(req.follow)} files added to {len(f.cursors)} followed; at most "
+                               f"{MAX_KEYS_PER_CALL} per message and {MAX_KEYS_PER_STREAM} per stream")
             self.watchers.follow(f, req.follow, req.offsets, req.unfollow)
 
         async for runs, _ in self._push(request_iterator, f, apply, "follow_streams",
-                                        lambda: (f.take(self.store), None), self.watchers.drop_follow):
+                                        lambda: (f.take(self.store), None), self.watchers.drop_follow, context):
             self.watchers.counts["pushed_bytes_total"] += sum(len(r[2]) for r in runs)
             yield acs_pb2.FileBytes(
                 files=[r[0] for r in runs], starts=[r[1] for r in runs], data=b"".join(r[2] for r in runs),
                 sizes=[len(r[2]) for r in runs],
             )
 
-    async def _push(self, request_iterator, stream, apply, gauge: str, take, drop):
+    async def _push(self, request_iterator, stream, apply, gauge: str, take, drop, context=None):
         """The loop of one push stream: apply the reader's requests as they come, and yield
         ``take()`` whenever the stream has marks. Level-triggered: nothing is queued."""
         counts = self.watchers.counts
@@ -315,10 +325,20 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
                 if first:
                     counts["pushed_messages_total"] += 1
                     yield first, second
+            failed = reader.exception() if not reader.cancelled() else None
+            if failed is not None and context is not None:
+                # A refused or malformed request ends the stream with a status naming why.
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(failed, _Refused) \
+                    else grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(failed))
         finally:
             reader.cancel()
             counts[gauge] -= 1
             drop(stream)
+
+
+class _Refused(Exception):
+    """A push-stream request over a bound (RESOURCE_EXHAUSTED)."""
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
