@@ -32,6 +32,23 @@ STREAM_META_FILE = "_stream.json"
 MAX_OPEN_READ_FILES = 256
 
 
+def open_filesystem(uri: str, *, option: str, what: str) -> "tuple[pafs.FileSystem, str]":
+    """``(filesystem, base path)`` of a URI (``file://``, ``hdfs://``, ``s3://``, ...) or a local
+    path: the one way a store root (hot or secondary tier) is resolved.
+
+    Raises
+    ------
+    AcsOptionError
+        Naming ``option`` when pyarrow cannot open it.
+    """
+    try:
+        if "://" in uri:
+            return pafs.FileSystem.from_uri(uri)
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise AcsOptionError(f"{option}: cannot open {what} {uri!r}: {exc}", option=option) from exc
+
+
 @contextlib.contextmanager
 def _translate(what: str, error: type = StoreError, missing: str = "no such file or folder") -> Iterator[None]:
     """Translate pyarrow / OS errors into ``error`` (a StoreError) with the path in the message;
@@ -95,13 +112,7 @@ class DurableStore:
         if filesystem is not None:
             self.fs, base = filesystem, root
         else:
-            try:
-                if "://" in root:
-                    self.fs, base = pafs.FileSystem.from_uri(root)
-                else:
-                    self.fs, base = pafs.LocalFileSystem(), os.path.abspath(root)
-            except (pa.ArrowException, OSError, ValueError) as exc:
-                raise AcsOptionError(f"root: cannot open durable store {root!r}: {exc}", option="root") from exc
+            self.fs, base = open_filesystem(root, option="root", what="durable store")
         self.base = base.rstrip("/") or "/"
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         if not create:

@@ -49,7 +49,7 @@ import pyarrow.fs as pafs
 from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError
 from pyspark_acs.format.block import HEADER_SIZE
 from pyspark_acs.format.names import shard_dir, validate_stream
-from pyspark_acs.storage.store import _translate as _store_translate
+from pyspark_acs.storage.store import _translate as _store_translate, open_filesystem
 from pyspark_acs.storage.store import STREAM_META_FILE, DurableStore
 
 __all__ = [
@@ -348,13 +348,7 @@ class TierStore:
         if not isinstance(uri, str) or not uri.strip():
             raise AcsOptionError("tier uri: the secondary store must be a non-empty URI or path", option="uri")
         self.uri_root = uri
-        try:
-            if "://" in uri:
-                self.fs, base = pafs.FileSystem.from_uri(uri)
-            else:
-                self.fs, base = pafs.LocalFileSystem(), os.path.abspath(uri)
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            raise AcsOptionError(f"tier uri: cannot open secondary store {uri!r}: {exc}", option="uri") from exc
+        self.fs, base = open_filesystem(uri, option="uri", what="secondary store")
         self.base = base.rstrip("/")
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self._lock = threading.Lock()  # guards _files and _stats
