@@ -233,6 +233,21 @@ def test_scrape_copy_daemon_processes(tmp_path, caches):
         assert sum(s.value for s in samples(fam_a, "acs_copy_operations") if s.labels["role"] == "reader") > 0 \
             or samples(fam_a, "acs_copy_operations_finished")
         assert "process_resident_memory_bytes" in fam_b  # the standard process metrics come along
+        # A's operations read their source through the one read path, and tailing a growing
+        # file the data cache pushes its bytes to them (issue 9): produce slowly and see it.
+        read = {s.labels["way"]: s.value for s in samples(fam_a, "acs_copy_source_read_bytes")}
+        assert set(read) <= {"pushed", "asked", "durable"} and sum(read.values()) > 0, read
+        with env.producer(max_block_bytes=4096) as p:
+            deadline = time.monotonic() + 30
+            i = 200
+            while time.monotonic() < deadline:
+                produce(p, i, 20, pause=0.005)
+                i += 20
+                _, fam_a = scrape(daemons["A"].banner.split(" metrics=", 1)[1])
+                read = {s.labels["way"]: s.value for s in samples(fam_a, "acs_copy_source_read_bytes")}
+                if read.get("pushed", 0) > 0:
+                    break
+        assert read.get("pushed", 0) > 0, read
 
         code, ctype, body = get_json(daemons["B"].banner.split(" metrics=", 1)[1].replace("/metrics", "/healthz"))
         assert (code, ctype, body) == (200, "application/json",

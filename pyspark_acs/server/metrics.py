@@ -163,6 +163,10 @@ COPY_METRICS: Dict[str, MetricSpec] = {
         "histogram", "Producer-to-this-cluster delivery delay of each delta written here.",
         ("storage",), COPY_DELAY_BUCKETS),
     "errors_total": MetricSpec("counter", "Errors by kind (restart, poisoned, connect, ...).", ("kind",)),
+    "source_read_bytes_total": MetricSpec(
+        "counter", "Bytes this daemon's operations read from its own cluster, by way: pushed (the data "
+        "cache pushed them, no request), asked (chunk reads of the data cache), durable (the store).",
+        ("way",)),
     "tree_rebuilds_total": MetricSpec("counter", "Copy-tree rebuilds after health or topology changes."),
     "files_surveyed_total": MetricSpec(
         "counter", "Files a child reported holding when this daemon started feeding it (Files RPC), "

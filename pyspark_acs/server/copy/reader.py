@@ -67,7 +67,7 @@ class SourceFiles:
     caches, fed by the process's shared :class:`~pyspark_acs.cache.poller.LengthPoller` of
     the metadata cache (no polling thread of its own). Operations and the scheduler's parked
     operations :meth:`follow` their file with an event that is set when its length moves.
-    ``_lock`` guards ``_follows``.
+    ``_lock`` guards ``_follows`` and ``_accounted``.
 
     Parameters
     ----------
@@ -80,11 +80,15 @@ class SourceFiles:
     def __init__(self, io: ClusterIO, interval: float) -> None:
         self.io = io
         self.poller = LengthPoller.shared(io.meta_client.endpoints, interval=interval)
+        # push: the operations tail growing files, so the source's data cache pushes their
+        # bytes as chunks land (one Follow stream per replica for the whole daemon) instead of
+        # each operation asking for every flush (issue 9).
         self.path: CachedReadPath = open_read_path(
-            io.store, data_cache=io.data, metadata_cache=io.meta_client, poller=self.poller
+            io.store, data_cache=io.data, metadata_cache=io.meta_client, poller=self.poller, push=True
         )
         self._lock = threading.Lock()
         self._follows: Dict[str, int] = {}
+        self._accounted: Dict[str, int] = {}  # read-path byte counts already added to the metrics
 
     def start(self) -> None:
         """Nothing to start: the shared poller runs while files are followed."""
@@ -96,6 +100,18 @@ class SourceFiles:
         for rel, n in follows.items():
             for _ in range(n):
                 self.poller.unfollow(self.io.uri(rel))
+
+    def account(self, metrics: "CopyMetrics") -> None:
+        """Add the bytes read through the read path since the last call to
+        ``source_read_bytes_total`` by way (pushed, asked, durable)."""
+        stats = self.path.stats()
+        now = {"pushed": stats["pushed_bytes"], "asked": stats["cache_bytes"] - stats["pushed_bytes"],
+               "durable": stats["durable_bytes"]}
+        with self._lock:
+            last, self._accounted = self._accounted, now
+        for way, value in now.items():
+            if value > last.get(way, 0):
+                metrics.inc("source_read_bytes_total", value - last.get(way, 0), way=way)
 
     def follow(self, rel: str, wake: Optional[threading.Event] = None) -> threading.Event:
         """Follow ``rel`` from now on; ``wake`` (returned; a new event if None) is set when its
@@ -479,3 +495,4 @@ class CopyOperation:
         self.limiter.acquire(len(data))
         session.send(self._request(start=start, data=data, last_timestamp_us=last_ts, sealed=sealed, jump=jump))
         inflight.append(start + len(data))
+        self.poller.account(self.metrics)
