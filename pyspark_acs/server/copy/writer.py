@@ -71,6 +71,7 @@ from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.storage.tier import tiered_store
 from pyspark_acs.write.file import AppendConflictError, CacheMirror, FileWriter
 
 __all__ = ["COPY_STREAMS_RESERVE", "DELAY_PUBLISH_INTERVAL_S", "HELLO_TIMEOUT_S", "CopyServicer", "validate_delta"]
@@ -555,8 +556,11 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         self._streams: Dict[str, int] = {}
         #: Files found sealed here, with their length (a sealed file never changes).
         self._sealed_files: LRUCache = LRUCache(maxsize=SEALED_FILES_REMEMBERED)
-        #: This cluster's store alone, for the seal walks of :meth:`Files` (never closed: the store is io's).
-        self.durable_path = DurableReadPath(io.store)
+        #: This cluster's files in either tier (its own tier mover may have moved sealed files
+        #: to the secondary store): what :meth:`Files` lists, and the seal walks read
+        #: (never closed: the store is io's). Writes go to ``io.store``, the hot store.
+        self.files = tiered_store(io.store)
+        self.durable_path = DurableReadPath(self.files)
         self._writing = 0
         self._streams_open = 0
         self.serving = True
@@ -671,7 +675,7 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
                 self._writing -= 1
 
     def Files(self, request: copy_pb2.FilesRequest, context: grpc.ServicerContext) -> copy_pb2.FilesResponse:  # noqa: N802
-        """The files of one shard in this cluster's durable store: name, length, sealed.
+        """The files of one shard in this cluster (hot or tiered): name, length, sealed.
 
         A parent asks once when it starts feeding this cluster (a restart, a tree change), so it
         need not run one operation per file to learn which files exist here (the file order
@@ -685,9 +689,9 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         except (AcsError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad Files request: {exc}")
         try:
-            names = self.io.store.list_files(stream, shard)
+            names = self.files.list_files(stream, shard)
             rels = [f"{shard_dir(stream, shard)}/{name}" for name in names]
-            lengths = self.io.store.lengths(rels) if rels else {}
+            lengths = self.files.lengths(rels) if rels else {}
             files = []
             for name, rel in zip(names, rels):
                 length = lengths.get(rel)
