@@ -720,3 +720,122 @@ def test_copy_daemon_delivers_files_the_source_tiered_before_the_destination_cop
         env.stop()
         for d in caches.values():
             d.stop()
+
+
+# -- the mover's metrics and health ---------------------------------------------------------------
+
+
+def test_mover_counts_failures_retention_and_tier_lag_in_its_metrics(root, s3):
+    p = make_stream(root, "counted", 110, keep_open=True)
+    try:
+        sizes = {n: len(b) for n, b in file_bytes(root, "counted").items()}
+        sealed = sorted(sizes)[:-1]
+        configure_tier(root, "counted", tier_uri(s3, "t17"), hot_retention_s=0)
+        FlakyTier.mode, FlakyTier.calls = "fail", []
+        mover = TierMover(root, tier_factory=FlakyTier, upload_attempts=2, batch_bytes=10_000)
+        try:
+            report = mover.run_once()
+            m = mover.metrics
+            assert report.upload_failures == 2 and m.get("upload_failures_total", stream="counted") == 2
+            # Nothing tiered: every sealed file is tier lag; the open file waits (unsealed).
+            assert m.get("lag_files", stream="counted") == len(sealed)
+            assert m.get("lag_bytes", stream="counted") == sum(sizes[n] for n in sealed)
+            assert m.get("waiting_unsealed", stream="counted") == 1
+            assert mover.lag() == {"counted": (len(sealed), sum(sizes[n] for n in sealed))}
+            assert m.get("pass_seconds") == 1 and m.get("last_pass_timestamp_seconds") > 0
+            mover._tier_factory, mover._tiers = CorruptingTier, {}
+            mover.upload_attempts = 1
+            report = mover.run_once()
+            assert report.verify_failures == 1 and m.get("verify_failures_total", stream="counted") == 1
+            mover._tier_factory, mover._tiers = TierStore, {}
+            report = mover.run_once()
+            assert m.get("files_tiered_total", stream="counted") == len(sealed) == report.uploaded_files
+            assert m.get("bytes_tiered_total", stream="counted") == sum(sizes[n] for n in sealed)
+            assert m.get("objects_total", stream="counted") == report.objects >= 2
+            assert m.get("lag_files", stream="counted") == 0 and m.get("lag_bytes", stream="counted") == 0
+            assert m.get("retention_deleted_total", stream="counted", tier="hot") == len(sealed)
+            configure_tier(root, "counted", tier_uri(s3, "t17"), secondary_retention_s=0)
+            report = mover.run_once()
+            assert m.get("retention_deleted_total", stream="counted", tier="secondary") == len(sealed)
+            configure_tier(root, "counted", None)  # not tiered any more: no lag series for it
+            mover.run_once()
+            assert ("lag_files", (("stream", "counted"),)) not in m.snapshot()
+        finally:
+            mover.close()
+    finally:
+        p.close()
+
+
+def test_mover_daemon_serves_metrics_and_health_with_a_token(root, s3, subprocess_env, tmp_path):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pyspark_acs.server.metrics import TIER_METRICS
+
+    make_stream(root, "scraped", 60)
+    names = hot_files(root, "scraped")
+    configure_tier(root, "scraped", tier_uri(s3, "t18"), hot_retention_s=0)
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyspark_acs.server.tier.daemon", "--root", root, "--interval", "100ms",
+         "--metrics-port", "0", "--token-file", str(token), "--parent-pid", str(os.getpid())],
+        env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stdout.readline().strip()
+        assert banner.startswith(f"acs-tier-mover root={root} interval=0.1s metrics=http://127.0.0.1:"), banner
+        url = banner.split(" metrics=", 1)[1]
+        auth = {"Authorization": "Bearer s3cret-token"}
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(url, timeout=5)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            text = urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=5).read().decode()
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            tiered = [s.value for s in families["acs_tier_files_tiered"].samples
+                      if s.name == "acs_tier_files_tiered_total" and s.labels == {"stream": "scraped"}]
+            if tiered == [len(names)] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert tiered == [len(names)]
+        for short, spec in TIER_METRICS.items():  # every declared metric, with its type and help
+            name = "acs_tier_" + (short[: -len("_total")] if spec.kind == "counter" else short)
+            assert families[name].type == spec.kind and families[name].documentation == spec.help, name
+
+        def value(name, **labels):
+            return sum(s.value for f in families.values() for s in f.samples if s.name == name and s.labels == labels)
+
+        assert value("acs_tier_retention_deleted_total", stream="scraped", tier="hot") == len(names) - 1
+        assert value("acs_tier_lag_files", stream="scraped") == 0
+        assert value("acs_tier_pass_seconds_count") >= 1
+        health = urllib.request.urlopen(urllib.request.Request(url.replace("/metrics", "/healthz"), headers=auth),
+                                        timeout=5)
+        body = json.loads(health.read())
+        assert health.status == 200 and body["healthy"] is True and body["passes"] >= 1
+        assert body["failed_streams"] == {} and body["lag"]["scraped"] == {"files": 0, "bytes": 0}
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 0, err
+
+
+def test_mover_daemon_health_names_a_stale_pass_and_bad_flags(root, subprocess_env):
+    from pyspark_acs.server.tier.daemon import TierMoverDaemon
+
+    make_stream(root, "stale", 10)
+    daemon = TierMoverDaemon(TierMover(root), 0.01, metrics_port=-1)
+    daemon._started -= 3600  # started an hour ago and no pass ended since
+    healthy, details = daemon.healthz()
+    assert not healthy and "no tier pass ended for" in details["error"]
+    daemon.run_pass()
+    assert daemon.healthz()[0] and daemon.metrics_url is None
+    daemon.stop()
+    bad = subprocess.run([sys.executable, "-m", "pyspark_acs.server.tier.daemon", "--root", root,
+                          "--metrics-port", "http"], env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--metrics-port" in bad.stderr
+    exposed = subprocess.run([sys.executable, "-m", "pyspark_acs.server.tier.daemon", "--root", root,
+                              "--host", "0.0.0.0"], env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert exposed.returncode == 2 and "--insecure" in exposed.stderr
