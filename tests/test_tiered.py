@@ -839,3 +839,67 @@ def test_mover_daemon_health_names_a_stale_pass_and_bad_flags(root, subprocess_e
     exposed = subprocess.run([sys.executable, "-m", "pyspark_acs.server.tier.daemon", "--root", root,
                               "--host", "0.0.0.0"], env=subprocess_env, capture_output=True, text=True, timeout=60)
     assert exposed.returncode == 2 and "--insecure" in exposed.stderr
+
+
+# -- acs tier --------------------------------------------------------------------------------------
+
+
+def test_acs_tier_sets_changes_shows_and_turns_off_tier_settings(root, s3, capsys):
+    import json
+
+    from pyspark_acs.cli.main import main
+
+    make_stream(root, "cli", 60)
+    uri = tier_uri(s3, "t19")
+
+    def acs(*argv):
+        code = main(["tier", *argv, "--root", root])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, _ = acs("cli")
+    assert code == 0 and out.startswith("stream cli: not tiered")
+    code, out, _ = acs("cli", uri, "--hot-retention", "1d", "--hot-retention-bytes", "10GiB",
+                       "--secondary-retention", "90d")
+    assert code == 0, out
+    settings = stream_tier_settings(DurableStore(root), "cli")
+    assert (settings.uri, settings.hot_retention_s, settings.hot_retention_bytes, settings.secondary_retention_s) == \
+        (uri, 86400, 10 * 2**30, 90 * 86400)
+    assert f"tiered to s3://{BUCKET}/t19" in out and "hot retention:        1d" in out and "10.0 GiB" in out
+    assert "90d" in out and SECRET + "@" not in out
+    # One flag changes one setting; the URI and the others stay; forever removes a retention.
+    assert acs("cli", "--hot-retention", "12h", "--secondary-retention", "forever")[0] == 0
+    settings = stream_tier_settings(DurableStore(root), "cli")
+    assert (settings.uri, settings.hot_retention_s, settings.hot_retention_bytes, settings.secondary_retention_s) == \
+        (uri, 43200, 10 * 2**30, None)
+    code, out, _ = acs("cli", "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["uri"] == f"s3://{BUCKET}/t19" and shown["hot_retention_s"] == 43200
+    # Bad values name their flag; nothing is written.
+    for flag, value in (("--hot-retention", "soon"), ("--hot-retention-bytes", "lots"),
+                        ("--secondary-retention", "-1d")):
+        code, _, err = acs("cli", f"{flag}={value}")
+        assert code == 1 and f"acs tier: error: {flag}: " in err, err
+    code, _, err = acs("cli", uri, "--off")
+    assert code == 1 and "--off: takes no URI" in err
+    code, _, err = acs("cli", tier_uri(s3, "x").replace(BUCKET, "no-such-bucket"))
+    assert code == 1 and "bucket 'no-such-bucket'" in err and SECRET not in err
+    code, _, err = acs("nope")
+    assert code == 1 and "no stream 'nope'" in err
+    assert stream_tier_settings(DurableStore(root), "cli").hot_retention_s == 43200
+    # Once files are recorded in the tier, turning it off or moving it would strand them: refused.
+    assert acs("cli", "--hot-retention", "0s")[0] == 0
+    run_pass(root)
+    assert len(hot_files(root, "cli")) == 1
+    code, _, err = acs("cli", "--off")
+    assert code == 1 and "files of stream 'cli' are recorded in its secondary store" in err, err
+    code, _, err = acs("cli", tier_uri(s3, "elsewhere"))
+    assert code == 1 and f"moving it to s3://{BUCKET}/elsewhere" in err
+    assert read_all(root, "cli", 60) == [msg(i) for i in range(60)]
+    # A stream with nothing tiered turns off; flags alone cannot tier a stream without a URI.
+    make_stream(root, "cli2", 10)
+    assert acs("cli2", uri)[0] == 0
+    code, out, _ = acs("cli2", "--off")
+    assert code == 0 and out.startswith("stream cli2: not tiered")
+    code, _, err = acs("cli2", "--hot-retention", "1d")
+    assert code == 1 and "URI: stream 'cli2' is not tiered" in err

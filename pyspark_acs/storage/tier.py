@@ -219,11 +219,15 @@ def configure_tier(
     """Set (or with ``uri=None`` clear) the secondary store and retention of an existing stream.
 
     The secondary store is opened once to check the URI. Returns the settings written.
+    ``acs tier`` (:mod:`pyspark_acs.cli.tier`) calls it.
 
     Raises
     ------
     AcsOptionError
-        No such stream, a URI pyarrow cannot open, or a negative retention (names the option).
+        No such stream, a URI pyarrow cannot open, or a negative retention (names the option);
+        turning tiering off, or pointing the stream at another location, while files of the
+        stream are recorded in its secondary store (their only copy may be there: they would
+        become unreadable).
     """
     from pyspark_acs.storage.store import open_store
 
@@ -235,8 +239,19 @@ def configure_tier(
     if uri is not None:
         TierStore(uri).check()  # raises naming the URI when it cannot be reached
     meta = _stream_meta(store, stream)
+    current = TierSettings.from_json(meta.get("tier"))
+    if current.enabled and (uri is None or _public_uri(uri) != _public_uri(current.uri)):
+        # Tier records name objects of the current location: readers find them nowhere else.
+        recorded = sum(len(read_manifest(store, stream, shard)) for shard in range(store.stream_shards(stream) or 0))
+        if recorded:
+            change = "turning tiering off" if uri is None else f"moving it to {_public_uri(uri)}"
+            raise AcsOptionError(
+                f"uri: {recorded} files of stream {stream!r} are recorded in its secondary store "
+                f"{_public_uri(current.uri)} (their only copy may be there); {change} would leave them "
+                f"unreadable. Keep the secondary store (a retention of None stops deletions), or let "
+                f"secondary_retention_s delete them first", option="uri")
     # The owner id outlives reconfiguration: objects written under it stay this stream's.
-    owner = TierSettings.from_json(meta.get("tier")).owner or secrets.token_hex(4)
+    owner = current.owner or secrets.token_hex(4)
     settings = TierSettings(uri, hot_retention_s, hot_retention_bytes, secondary_retention_s, owner)
     meta["tier"] = settings.to_json() if settings.enabled else None
     store.write_small(f"{stream}/{STREAM_META_FILE}", json.dumps(meta).encode())
