@@ -903,3 +903,41 @@ def test_acs_tier_sets_changes_shows_and_turns_off_tier_settings(root, s3, capsy
     assert code == 0 and out.startswith("stream cli2: not tiered")
     code, _, err = acs("cli2", "--hot-retention", "1d")
     assert code == 1 and "URI: stream 'cli2' is not tiered" in err
+
+
+# -- listings and the tier records ----------------------------------------------------------------
+
+
+def test_a_consumer_waiting_for_the_next_file_does_not_read_the_tier_records_per_poll(root, s3, monkeypatch):
+    """A Consumer at a sealed file's end lists the shard every poll (to find the next file);
+    the tier records are read again only when the manifest changed (one stat per listing)."""
+    import pyspark_acs.storage.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "MANIFEST_SETTLE_S", 0.0)  # trust (mtime, size) at once
+    make_stream(root, "idle", 60)
+    configure_tier(root, "idle", tier_uri(s3, "t20"), hot_retention_s=0)
+    run_pass(root)
+    got: List[bytes] = []
+    with Consumer(root, "idle", start="earliest") as c:
+        while len(got) < 60:
+            for batch in c.poll():
+                got.extend(batch.column("value").to_pylist())
+        before = c.path.store.tier_stats()
+        for _ in range(200):
+            assert c.poll() == []
+        after = c.path.store.tier_stats()
+        assert after["manifest_checks"] - before["manifest_checks"] >= 200  # it did list every poll
+        assert after["manifest_reads"] - before["manifest_reads"] == 0
+        # New files, tiered and deleted from the hot store while the Consumer waits: the
+        # manifest changed, so the next listing reads it and no file is skipped.
+        with Producer(root, "idle", roll_bytes=4000, max_block_bytes=1024) as p:
+            for i in range(60, 120):
+                p.send(msg(i))
+            p.flush(timeout=WAIT_S)
+        assert run_pass(root).hot_deleted >= 3
+        deadline = time.monotonic() + WAIT_S
+        while len(got) < 120 and time.monotonic() < deadline:
+            for batch in c.poll():
+                got.extend(batch.column("value").to_pylist())
+        assert c.path.store.tier_stats()["manifest_reads"] > after["manifest_reads"]
+    assert got == [msg(i) for i in range(120)]
