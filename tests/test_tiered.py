@@ -941,3 +941,52 @@ def test_a_consumer_waiting_for_the_next_file_does_not_read_the_tier_records_per
                 got.extend(batch.column("value").to_pylist())
         assert c.path.store.tier_stats()["manifest_reads"] > after["manifest_reads"]
     assert got == [msg(i) for i in range(120)]
+
+
+def test_acs_up_runs_a_tier_mover_and_acs_down_stops_it(root, s3, subprocess_env, tmp_path):
+    import re
+    import urllib.request
+
+    from pyspark_acs.server.local.deploy import load_deployment
+
+    make_stream(root, "upt", 60)
+    configure_tier(root, "upt", tier_uri(s3, "t21"), hot_retention_s=0)
+    dep_dir = str(tmp_path / "dep")
+    env = {k: v for k, v in subprocess_env.items() if k not in ("ACS_DATA_CACHE", "ACS_METADATA_CACHE")}
+
+    def acs(*argv):
+        return subprocess.run([sys.executable, "-m", "pyspark_acs.cli.main", *argv], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    bad = acs("up", "--dir", dep_dir, "--tier-mover")
+    assert bad.returncode == 1 and "--tier-mover: give the hot store root" in bad.stderr
+    bad = acs("up", "--dir", dep_dir, "--tier-mover", "--root", root, "--tier-interval", "often")
+    assert bad.returncode == 1 and "--tier-interval" in bad.stderr
+    up = acs("up", "--dir", dep_dir, "--data-replicas", "1", "--metadata-replicas", "1", "--capacity", "16MiB",
+             "--tier-mover", "--root", root, "--tier-interval", "100ms")
+    pids = []
+    try:
+        assert up.returncode == 0, up.stderr
+        line = re.search(r"^tier-0  tier mover of (\S+)  pid=(\d+)  metrics=(\S+)  log=(\S+)$", up.stdout, re.M)
+        assert line and line.group(1) == root, up.stdout
+        state = load_deployment(dep_dir)
+        pids = [s["pid"] for s in state["servers"]]
+        assert [s["role"] for s in state["servers"]] == ["data", "metadata", "tier"]
+        deadline = time.monotonic() + WAIT_S
+        while len(hot_files(root, "upt")) > 1:
+            assert time.monotonic() < deadline, open(line.group(4)).read()
+            time.sleep(0.1)
+        text = urllib.request.urlopen(line.group(3), timeout=5).read().decode()
+        assert 'acs_tier_files_tiered_total{stream="upt"}' in text
+        # A second `up` in the same folder is refused while the mover (or any server) runs.
+        again = acs("up", "--dir", dep_dir, "--tier-mover", "--root", root)
+        assert again.returncode == 1 and "already has a running deployment" in again.stderr
+    finally:
+        down = acs("down", "--dir", dep_dir)
+    assert down.returncode == 0 and "stopped 3 servers: data-0 metadata-0 tier-0" in down.stdout, down.stdout
+    deadline = time.monotonic() + WAIT_S
+    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(") ", 1)[1][0] != "Z"
+              for p in pids):
+        assert time.monotonic() < deadline, "a process of the deployment outlived acs down"
+        time.sleep(0.05)
+    assert read_all(root, "upt", 60, tier_read_policy="FORCE") == [msg(i) for i in range(60)]
