@@ -990,3 +990,72 @@ def test_acs_up_runs_a_tier_mover_and_acs_down_stops_it(root, s3, subprocess_env
         assert time.monotonic() < deadline, "a process of the deployment outlived acs down"
         time.sleep(0.05)
     assert read_all(root, "upt", 60, tier_read_policy="FORCE") == [msg(i) for i in range(60)]
+
+
+def test_a_destination_that_tiered_its_copies_is_not_sent_them_again(tmp_path, s3):
+    """A destination's own mover tiered the copies and deleted their hot copies; when the
+    source's daemon restarts it asks the destination which files it holds (Files), which
+    counts tiered files: none is copied into the destination's hot store again."""
+    from tests._harness import Env, start_caches
+
+    caches = start_caches(tmp_path / "caches", clusters=("A", "B"))
+    env = Env(tmp_path / "env", caches, [("A", "B", 1)], "dest", ("B",), clusters=("A", "B"))
+    try:
+        env.start_daemon("A")
+        env.start_daemon("B")
+        with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
+            for i in range(100):
+                p.send(msg(i))
+        env.wait_same("B")
+        source = file_bytes(env.roots["A"], env.stream)
+        configure_tier(env.roots["B"], env.stream, tier_uri(s3, "t22"), hot_retention_s=0)
+        assert run_pass(env.roots["B"]).hot_deleted == len(source) - 1
+        env.kill_daemon("A")
+        env.start_daemon("A")
+        time.sleep(3.0)  # ten listing intervals of the restarted daemon
+        assert hot_files(env.roots["B"], env.stream) == sorted(source)[-1:], env.logs()
+        got = read_all(env.roots["B"], env.stream, 100)
+        assert got == [msg(i) for i in range(100)]
+    finally:
+        env.stop()
+        for d in caches.values():
+            d.stop()
+
+
+def test_a_copy_writer_answers_a_hello_for_a_file_tiered_here_without_creating_it(root, s3, tmp_path):
+    """A parent that could not ask which files a destination holds (its Files call failed)
+    starts an operation for a file the destination's own mover tiered and deleted from its hot
+    store: the hello is answered with the whole length, no hot file is created, and a delta for
+    it is refused."""
+    from pyspark_acs.server.copy.cluster import ClusterIO
+    from pyspark_acs.server.copy.metrics import CopyMetrics
+    from pyspark_acs.server.copy.options import CopyDaemonOptions
+    from pyspark_acs.server.copy.proto import copy_pb2
+    from pyspark_acs.server.copy.topology import Cluster
+    from pyspark_acs.server.copy.writer import CopyServicer
+    from tests._harness import start_caches
+
+    make_stream(root, "here", 60)
+    before = file_bytes(root, "here")
+    configure_tier(root, "here", tier_uri(s3, "t23"), hot_retention_s=0)
+    run_pass(root)
+    oldest = sorted(before)[0]
+    assert oldest not in hot_files(root, "here")
+    deps = start_caches(tmp_path / "caches", clusters=("B",))
+    io = ClusterIO(Cluster("B", root, tuple(deps["B"].endpoints("data")), tuple(deps["B"].endpoints("metadata")),
+                           "127.0.0.1:1"))
+    try:
+        servicer = CopyServicer(io, CopyDaemonOptions(), CopyMetrics("B"))
+        common = dict(stream="here", shard=0, file=oldest, storage=copy_pb2.DURABLE, shards=1, operation="op-1",
+                      source_cluster="A")
+        acks = list(servicer.Copy(iter([copy_pb2.CopyRequest(hello=True, **common),
+                                        copy_pb2.CopyRequest(start=len(before[oldest]), data=b"x", **common)]), None))
+        assert [a.status for a in acks] == [copy_pb2.OK, copy_pb2.FAILED]
+        assert acks[0].length == len(before[oldest]) and "tiered here" in acks[1].message
+        assert oldest not in hot_files(root, "here")  # not created again
+        assert servicer.metrics.get("errors_total", kind="tiered_here") == 1
+    finally:
+        io.close()
+        for d in deps.values():
+            d.stop()
+    assert read_all(root, "here", 60) == [msg(i) for i in range(60)]

@@ -297,6 +297,9 @@ class _DurableWriter(_OpWriter):
     def open(self) -> copy_pb2.CopyAck:
         self.vouch()
         self.take_lease()
+        held = self._tiered_here()
+        if held is not None:
+            return held
         self.prepare_destination()
         # Reopen the destination file: the length on disk is the truth (a restarted writer
         # may have left a partial delta; its bytes are a correct prefix of the source's).
@@ -314,12 +317,31 @@ class _DurableWriter(_OpWriter):
             self.s.published(self.rel, durable_length=self.position)
         return _ack(copy_pb2.OK, self.position, durable_length=self.position)
 
+    def _tiered_here(self) -> Optional[copy_pb2.CopyAck]:
+        """The answer to a hello for a file this cluster holds only in its secondary store (its
+        own tier mover tiered it, which only sealed, whole files are, and deleted the hot copy):
+        the whole length, and no file created in the hot store again (the parent's reader then
+        finishes the operation at the seal). ``None`` for any other file."""
+        if self.io.store.exists(self.rel):
+            return None
+        record = self.s.files.record(self.rel, fresh=True)
+        if record is None:
+            return None
+        self.position = self.boundary = record.length
+        self.sealed = True
+        self.s.metrics.inc("errors_total", kind="tiered_here")
+        log.info("%s: tiered here already (%d bytes, sealed); nothing to copy", self.what(), record.length)
+        return _ack(copy_pb2.OK, record.length, durable_length=record.length)
+
     def _restart(self, start: int, actual: int) -> copy_pb2.CopyAck:
         kind = "gap" if start > actual else "overlap"
         self.s.metrics.inc("errors_total", kind=f"durable_{kind}")
         return _ack(copy_pb2.RESTART, actual, f"{kind}: delta starts at {start}, file has {actual} bytes")
 
     def write(self, req: copy_pb2.CopyRequest) -> copy_pb2.CopyAck:
+        if self.out is None:  # _tiered_here: the file is complete here; never appended to
+            return _ack(copy_pb2.FAILED, self.position, f"{self.what()}: the file is tiered here, complete "
+                                                        f"at {self.position} bytes; nothing is appended to it")
         if self.superseded():
             return _ack(copy_pb2.POISONED, self.position, "a newer operation took this file over")
         if not req.data:
