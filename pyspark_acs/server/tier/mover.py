@@ -197,9 +197,9 @@ class TierMover:
         self.metrics = metrics if metrics is not None else tier_metrics()
         # _lag_lock guards _lag and last_failed (the pass thread writes them, /healthz reads them).
         self._lag_lock = threading.Lock()
-        #: Per (stream, shard): sealed files not yet tiered, their bytes, and whether the shard
+        #: Per stream, per shard: sealed files not yet tiered, their bytes, and whether the shard
         #: waits for an unsealed file (the lag gauges sum them per stream).
-        self._lag: Dict[Tuple[str, int], Tuple[int, int, int]] = {}
+        self._lag: Dict[str, Dict[int, Tuple[int, int, int]]] = {}
         #: Streams whose pass failed in the last :meth:`run_once`, with the error.
         self.last_failed: Dict[str, str] = {}
 
@@ -240,11 +240,9 @@ class TierMover:
     def _set_lag(self, stream: str, shard: int, files: int, nbytes: int, unsealed: int) -> None:
         """Record a shard's tier lag and export the stream's sums."""
         with self._lag_lock:
-            self._lag[(stream, shard)] = (files, nbytes, unsealed)
-            sums = [0, 0, 0]
-            for (s, _), values in self._lag.items():
-                if s == stream:
-                    sums = [a + b for a, b in zip(sums, values)]
+            shards = self._lag.setdefault(stream, {})
+            shards[shard] = (files, nbytes, unsealed)
+            sums = [sum(v[i] for v in shards.values()) for i in range(3)]
         self.metrics.set("lag_files", sums[0], stream=stream)
         self.metrics.set("lag_bytes", sums[1], stream=stream)
         self.metrics.set("waiting_unsealed", sums[2], stream=stream)
@@ -252,9 +250,7 @@ class TierMover:
     def _forget_lag(self, stream: str) -> None:
         """A stream this mover does not tier (any more): no lag series for it."""
         with self._lag_lock:
-            known = any(s == stream for s, _ in self._lag)
-            if known:
-                self._lag = {k: v for k, v in self._lag.items() if k[0] != stream}
+            known = self._lag.pop(stream, None) is not None
         if known:
             for name in ("lag_files", "lag_bytes", "waiting_unsealed"):
                 self.metrics.remove(name, stream=stream)
@@ -262,12 +258,9 @@ class TierMover:
     def lag(self) -> Dict[str, Tuple[int, int]]:
         """Per stream: ``(files, bytes)`` sealed and not yet tiered, as the last pass saw them
         (thread-safe)."""
-        out: Dict[str, Tuple[int, int]] = {}
         with self._lag_lock:
-            for (stream, _), (files, nbytes, _) in self._lag.items():
-                f, b = out.get(stream, (0, 0))
-                out[stream] = (f + files, b + nbytes)
-        return out
+            return {stream: (sum(v[0] for v in shards.values()), sum(v[1] for v in shards.values()))
+                    for stream, shards in self._lag.items()}
 
     def close(self) -> None:
         """Give up the tier leases this mover holds."""
