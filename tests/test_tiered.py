@@ -668,16 +668,31 @@ def test_two_clusters_on_one_bucket_prefix_never_sweep_each_others_objects(tmp_p
 # -- copies across clusters -----------------------------------------------------------------------
 
 
-def test_copy_daemon_delivers_files_the_source_tiered_before_the_destination_copied_them(tmp_path, s3):
+@pytest.fixture
+def clusters_ab(tmp_path):
+    """Clusters A (the source) and B (the destination) of stream ``copied``, each with cache
+    servers of its own and a running copy daemon; yields the harness Env."""
+    from tests._harness import Env, start_caches
+
+    caches = start_caches(tmp_path / "caches", clusters=("A", "B"))
+    env = Env(tmp_path / "env", caches, [("A", "B", 1)], "copied", ("B",), clusters=("A", "B"))
+    try:
+        env.start_daemon("A")
+        env.start_daemon("B")
+        yield env
+    finally:
+        env.stop()
+        for d in caches.values():
+            d.stop()
+
+
+def test_copy_daemon_delivers_files_the_source_tiered_before_the_destination_copied_them(clusters_ab, s3):
     """The destination's daemon is down (and the source's restarts) while the source tiers
     sealed files and deletes their hot copies: once the daemons run again, every file reaches
     the destination byte-exact, and a Consumer already following there gets the whole
     history in order (the scheduler lists both tiers, the destination's writer vouches for a
     tiered file with the source's tiered view, the reader reads it from S3)."""
-    from tests._harness import Env, start_caches
-
-    caches = start_caches(tmp_path / "caches", clusters=("A", "B"))
-    env = Env(tmp_path / "env", caches, [("A", "B", 1)], "late", ("B",), clusters=("A", "B"))
+    env = clusters_ab
     got: List[bytes] = []
 
     def read_until(c, n: int) -> None:
@@ -687,39 +702,32 @@ def test_copy_daemon_delivers_files_the_source_tiered_before_the_destination_cop
                 got.extend(batch.column("value").to_pylist())
             time.sleep(0.01)
 
-    try:
-        env.start_daemon("A")
-        env.start_daemon("B")
-        with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
-            for i in range(40):
+    with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
+        for i in range(40):
+            p.send(msg(i))
+        p.flush(timeout=WAIT_S)
+        env.wait_same("B")
+        with env.consumer("B", start="earliest") as c:
+            read_until(c, 40)
+            assert got == [msg(i) for i in range(40)]
+            env.kill_daemon("B")  # the destination is down ...
+            env.kill_daemon("A")  # ... and the source's daemon restarts (forgets what it listed)
+            for i in range(40, 200):
                 p.send(msg(i))
-            p.flush(timeout=WAIT_S)
-            env.wait_same("B")
-            with env.consumer("B", start="earliest") as c:
-                read_until(c, 40)
-                assert got == [msg(i) for i in range(40)]
-                env.kill_daemon("B")  # the destination is down ...
-                env.kill_daemon("A")  # ... and the source's daemon restarts (forgets what it listed)
-                for i in range(40, 200):
-                    p.send(msg(i))
-                p.close()  # seals the last file
-                source = file_bytes(env.roots["A"], env.stream)
-                configure_tier(env.roots["A"], env.stream, tier_uri(s3, "t16"), hot_retention_s=0)
-                report = run_pass(env.roots["A"])
-                assert report.uploaded_files == len(source) and report.hot_deleted == len(source) - 1
-                assert hot_files(env.roots["A"], env.stream) == sorted(source)[-1:]
-                read_until(c, 41)  # nothing more arrives while the daemons are down
-                assert len(got) == 40
-                env.start_daemon("B")
-                env.start_daemon("A")
-                read_until(c, 200)
-        assert got == [msg(i) for i in range(200)], env.logs()
-        # Every file of the source is in the destination's hot store, byte-exact.
-        assert file_bytes(env.roots["B"], env.stream) == source
-    finally:
-        env.stop()
-        for d in caches.values():
-            d.stop()
+            p.close()  # seals the last file
+            source = file_bytes(env.roots["A"], env.stream)
+            configure_tier(env.roots["A"], env.stream, tier_uri(s3, "t16"), hot_retention_s=0)
+            report = run_pass(env.roots["A"])
+            assert report.uploaded_files == len(source) and report.hot_deleted == len(source) - 1
+            assert hot_files(env.roots["A"], env.stream) == sorted(source)[-1:]
+            read_until(c, 41)  # nothing more arrives while the daemons are down
+            assert len(got) == 40
+            env.start_daemon("B")
+            env.start_daemon("A")
+            read_until(c, 200)
+    assert got == [msg(i) for i in range(200)], env.logs()
+    # Every file of the source is in the destination's hot store, byte-exact.
+    assert file_bytes(env.roots["B"], env.stream) == source
 
 
 # -- the mover's metrics and health ---------------------------------------------------------------
@@ -992,34 +1000,23 @@ def test_acs_up_runs_a_tier_mover_and_acs_down_stops_it(root, s3, subprocess_env
     assert read_all(root, "upt", 60, tier_read_policy="FORCE") == [msg(i) for i in range(60)]
 
 
-def test_a_destination_that_tiered_its_copies_is_not_sent_them_again(tmp_path, s3):
+def test_a_destination_that_tiered_its_copies_is_not_sent_them_again(clusters_ab, s3):
     """A destination's own mover tiered the copies and deleted their hot copies; when the
     source's daemon restarts it asks the destination which files it holds (Files), which
     counts tiered files: none is copied into the destination's hot store again."""
-    from tests._harness import Env, start_caches
-
-    caches = start_caches(tmp_path / "caches", clusters=("A", "B"))
-    env = Env(tmp_path / "env", caches, [("A", "B", 1)], "dest", ("B",), clusters=("A", "B"))
-    try:
-        env.start_daemon("A")
-        env.start_daemon("B")
-        with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
-            for i in range(100):
-                p.send(msg(i))
-        env.wait_same("B")
-        source = file_bytes(env.roots["A"], env.stream)
-        configure_tier(env.roots["B"], env.stream, tier_uri(s3, "t22"), hot_retention_s=0)
-        assert run_pass(env.roots["B"]).hot_deleted == len(source) - 1
-        env.kill_daemon("A")
-        env.start_daemon("A")
-        time.sleep(3.0)  # ten listing intervals of the restarted daemon
-        assert hot_files(env.roots["B"], env.stream) == sorted(source)[-1:], env.logs()
-        got = read_all(env.roots["B"], env.stream, 100)
-        assert got == [msg(i) for i in range(100)]
-    finally:
-        env.stop()
-        for d in caches.values():
-            d.stop()
+    env = clusters_ab
+    with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
+        for i in range(100):
+            p.send(msg(i))
+    env.wait_same("B")
+    source = file_bytes(env.roots["A"], env.stream)
+    configure_tier(env.roots["B"], env.stream, tier_uri(s3, "t22"), hot_retention_s=0)
+    assert run_pass(env.roots["B"]).hot_deleted == len(source) - 1
+    env.kill_daemon("A")
+    env.start_daemon("A")
+    time.sleep(3.0)  # ten listing intervals of the restarted daemon
+    assert hot_files(env.roots["B"], env.stream) == sorted(source)[-1:], env.logs()
+    assert read_all(env.roots["B"], env.stream, 100) == [msg(i) for i in range(100)]
 
 
 def test_a_copy_writer_answers_a_hello_for_a_file_tiered_here_without_creating_it(root, s3, tmp_path):
