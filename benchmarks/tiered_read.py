@@ -10,6 +10,11 @@ and deleted from the hot store. A Consumer then reads the whole history from ``e
 - from S3 with the pre-reading window (AIMD: grows by the reader's request size while
   read-ahead is used, halves when it is dropped unread).
 
+A Consumer caught up at the end of the history (waiting for the shard's next file, which it
+lists every poll) is also timed for ``--idle`` seconds: polls per second and reads of the
+shard's tier records (``_tiered.json``), against a peer that reads the records on every
+listing (what listings did before they stat the manifest and re-read it only on change).
+
 Each S3 run is done for two reader request sizes (``--read-bytes``, the Consumer's
 ``max_read_bytes``): the default, and a small one (a reader that asks for little at a time,
 as ``acs tail`` or a rate-capped task). Printed: MB/s, GET requests per MB, and ratios.
@@ -97,11 +102,42 @@ def walk_history(root: str, **path_kw) -> Dict[str, float]:
     return {"seconds": seconds, "requests": stats["tier_requests"], "fetched_mb": stats["tier_bytes"] / MB}
 
 
+def idle_polls(root: str, n: int, seconds: float, read_every_listing: bool) -> Dict[str, float]:
+    """Polls of a Consumer caught up at the end of the history (it lists the shard each poll
+    for the next file) for ``seconds``; ``read_every_listing`` makes every listing read the
+    tier records again (the peer)."""
+    import pyspark_acs.storage.tier as tier_module
+
+    settle = tier_module.MANIFEST_SETTLE_S
+    tier_module.MANIFEST_SETTLE_S = float("inf") if read_every_listing else 0.0
+    try:
+        path = open_read_path(root)
+        got = polls = 0
+        with Consumer(root, STREAM, start="earliest", read_path=path) as c:
+            while got < n:
+                for batch in c.poll():
+                    got += batch.num_rows
+            before = path.store.tier_stats()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                c.poll()
+                polls += 1
+            elapsed = time.perf_counter() - t0
+            after = path.store.tier_stats()
+        path.close()
+    finally:
+        tier_module.MANIFEST_SETTLE_S = settle
+    return {"polls_s": polls / elapsed, "polls": polls,
+            "reads": after["manifest_reads"] - before["manifest_reads"],
+            "checks": after["manifest_checks"] - before["manifest_checks"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=64, help="history size in MiB (default 64)")
     ap.add_argument("--roll", default="8MiB", help="file roll size (default 8MiB)")
     ap.add_argument("--small-read", default="64KiB", help="the small reader request size (default 64KiB)")
+    ap.add_argument("--idle", type=float, default=3.0, help="seconds of idle polling timed (default 3)")
     args = ap.parse_args()
     roll = parse_bytes(args.roll, option="--roll", minimum=4096)
     small = parse_bytes(args.small_read, option="--small-read", minimum=4096)
@@ -164,6 +200,14 @@ def main() -> int:
                          f"{walks[False]['requests'] / max(w['requests'], 1):.1f}x fewer GETs")
             rows[f"header walk (planner) s3{'+preread' if pre else ''}"] = line
         rows["header walk (planner) hot"] = f"{hot_walk * 1000:8.1f} ms"
+        progress(f"idle polling at the end of the history, {args.idle:g} s each")
+        idle = {peer: idle_polls(root, n, args.idle, peer) for peer in (True, False)}
+        for peer, r in idle.items():
+            line = (f"{r['polls_s']:9.0f} polls/s  tier record reads {r['reads']:6d}  manifest stats "
+                    f"{r['checks']:6d}  over {r['polls']} polls")
+            if not peer:
+                line += f"  ({r['polls_s'] / idle[True]['polls_s']:.1f}x polls/s vs reading every listing)"
+            rows["idle consumer, " + ("records read every listing (peer)" if peer else "records read on change")] = line
         report(f"tiered read of {args.mb} MiB history (Consumer from earliest)", rows)
     finally:
         proc.kill()

@@ -265,11 +265,11 @@ TARGET_LABELS = {"instance", "job"}
 def _declared():
     """``{exported series name: label names}`` of every declared metric (histograms with their
     ``_bucket``/``_count``/``_sum`` series), plus the standard process metrics."""
-    from pyspark_acs.server.metrics import CACHE_CALL_METRICS, CACHE_METRICS, COPY_METRICS
+    from pyspark_acs.server.metrics import CACHE_CALL_METRICS, CACHE_METRICS, COPY_METRICS, TIER_METRICS
 
     names = {}
     for prefix, const, specs in (("acs_cache_", {"role"}, CACHE_METRICS), ("acs_cache_", {"role"}, CACHE_CALL_METRICS),
-                                 ("acs_copy_", {"cluster"}, COPY_METRICS)):
+                                 ("acs_copy_", {"cluster"}, COPY_METRICS), ("acs_tier_", set(), TIER_METRICS)):
         for short, spec in specs.items():
             labels = const | set(spec.labels) | TARGET_LABELS
             if spec.kind == "histogram":
@@ -313,7 +313,8 @@ def test_grafana_dashboard_uses_declared_metrics_and_labels():
         assert labels <= allowed, f"{expr!r}: labels {labels - allowed} are not those of {sorted(metrics)}"
     # Delivery delay, copy throughput and the cache latency histograms are on it.
     for name in ("acs_copy_delay_seconds", "acs_copy_delivery_delay_seconds_bucket", "acs_copy_bytes_total",
-                 "acs_cache_request_seconds_bucket", "acs_cache_hits_total"):
+                 "acs_cache_request_seconds_bucket", "acs_cache_hits_total", "acs_tier_lag_bytes",
+                 "acs_tier_upload_failures_total", "acs_tier_retention_deleted_total"):
         assert name in used, name
     for p in panels:  # each panel has a unit and a query per target, on the dashboard's data source
         assert p["fieldConfig"]["defaults"]["unit"] and p["targets"], p["title"]

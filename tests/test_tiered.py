@@ -663,3 +663,396 @@ def test_two_clusters_on_one_bucket_prefix_never_sweep_each_others_objects(tmp_p
     assert len(owners) == 2
     for root in roots:
         assert read_all(root, "shared", 60, tier_read_policy="FORCE") == [msg(i) for i in range(60)]
+
+
+# -- copies across clusters -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def clusters_ab(tmp_path):
+    """Clusters A (the source) and B (the destination) of stream ``copied``, each with cache
+    servers of its own and a running copy daemon; yields the harness Env."""
+    from tests._harness import Env, start_caches
+
+    caches = start_caches(tmp_path / "caches", clusters=("A", "B"))
+    env = Env(tmp_path / "env", caches, [("A", "B", 1)], "copied", ("B",), clusters=("A", "B"))
+    try:
+        env.start_daemon("A")
+        env.start_daemon("B")
+        yield env
+    finally:
+        env.stop()
+        for d in caches.values():
+            d.stop()
+
+
+def test_copy_daemon_delivers_files_the_source_tiered_before_the_destination_copied_them(clusters_ab, s3):
+    """The destination's daemon is down (and the source's restarts) while the source tiers
+    sealed files and deletes their hot copies: once the daemons run again, every file reaches
+    the destination byte-exact, and a Consumer already following there gets the whole
+    history in order (the scheduler lists both tiers, the destination's writer vouches for a
+    tiered file with the source's tiered view, the reader reads it from S3)."""
+    env = clusters_ab
+    got: List[bytes] = []
+
+    def read_until(c, n: int) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while len(got) < n and time.monotonic() < deadline:
+            for batch in c.poll():
+                got.extend(batch.column("value").to_pylist())
+            time.sleep(0.01)
+
+    with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
+        for i in range(40):
+            p.send(msg(i))
+        p.flush(timeout=WAIT_S)
+        env.wait_same("B")
+        with env.consumer("B", start="earliest") as c:
+            read_until(c, 40)
+            assert got == [msg(i) for i in range(40)]
+            env.kill_daemon("B")  # the destination is down ...
+            env.kill_daemon("A")  # ... and the source's daemon restarts (forgets what it listed)
+            for i in range(40, 200):
+                p.send(msg(i))
+            p.close()  # seals the last file
+            source = file_bytes(env.roots["A"], env.stream)
+            configure_tier(env.roots["A"], env.stream, tier_uri(s3, "t16"), hot_retention_s=0)
+            report = run_pass(env.roots["A"])
+            assert report.uploaded_files == len(source) and report.hot_deleted == len(source) - 1
+            assert hot_files(env.roots["A"], env.stream) == sorted(source)[-1:]
+            read_until(c, 41)  # nothing more arrives while the daemons are down
+            assert len(got) == 40
+            env.start_daemon("B")
+            env.start_daemon("A")
+            read_until(c, 200)
+    assert got == [msg(i) for i in range(200)], env.logs()
+    # Every file of the source is in the destination's hot store, byte-exact.
+    assert file_bytes(env.roots["B"], env.stream) == source
+
+
+# -- the mover's metrics and health ---------------------------------------------------------------
+
+
+def test_mover_counts_failures_retention_and_tier_lag_in_its_metrics(root, s3):
+    p = make_stream(root, "counted", 110, keep_open=True)
+    try:
+        sizes = {n: len(b) for n, b in file_bytes(root, "counted").items()}
+        sealed = sorted(sizes)[:-1]
+        configure_tier(root, "counted", tier_uri(s3, "t17"), hot_retention_s=0)
+        FlakyTier.mode, FlakyTier.calls = "fail", []
+        mover = TierMover(root, tier_factory=FlakyTier, upload_attempts=2, batch_bytes=10_000)
+        try:
+            report = mover.run_once()
+            m = mover.metrics
+            assert report.upload_failures == 2 and m.get("upload_failures_total", stream="counted") == 2
+            # Nothing tiered: every sealed file is tier lag; the open file waits (unsealed).
+            assert m.get("lag_files", stream="counted") == len(sealed)
+            assert m.get("lag_bytes", stream="counted") == sum(sizes[n] for n in sealed)
+            assert m.get("waiting_unsealed", stream="counted") == 1
+            assert mover.lag() == {"counted": (len(sealed), sum(sizes[n] for n in sealed))}
+            assert m.get("pass_seconds") == 1 and m.get("last_pass_timestamp_seconds") > 0
+            mover._tier_factory, mover._tiers = CorruptingTier, {}
+            mover.upload_attempts = 1
+            report = mover.run_once()
+            assert report.verify_failures == 1 and m.get("verify_failures_total", stream="counted") == 1
+            mover._tier_factory, mover._tiers = TierStore, {}
+            report = mover.run_once()
+            assert m.get("files_tiered_total", stream="counted") == len(sealed) == report.uploaded_files
+            assert m.get("bytes_tiered_total", stream="counted") == sum(sizes[n] for n in sealed)
+            assert m.get("objects_total", stream="counted") == report.objects >= 2
+            assert m.get("lag_files", stream="counted") == 0 and m.get("lag_bytes", stream="counted") == 0
+            assert m.get("retention_deleted_total", stream="counted", tier="hot") == len(sealed)
+            configure_tier(root, "counted", tier_uri(s3, "t17"), secondary_retention_s=0)
+            report = mover.run_once()
+            assert m.get("retention_deleted_total", stream="counted", tier="secondary") == len(sealed)
+            configure_tier(root, "counted", None)  # not tiered any more: no lag series for it
+            mover.run_once()
+            assert ("lag_files", (("stream", "counted"),)) not in m.snapshot()
+        finally:
+            mover.close()
+    finally:
+        p.close()
+
+
+def test_mover_daemon_serves_metrics_and_health_with_a_token(root, s3, subprocess_env, tmp_path):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pyspark_acs.server.metrics import TIER_METRICS
+
+    make_stream(root, "scraped", 60)
+    names = hot_files(root, "scraped")
+    configure_tier(root, "scraped", tier_uri(s3, "t18"), hot_retention_s=0)
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyspark_acs.server.tier.daemon", "--root", root, "--interval", "100ms",
+         "--metrics-port", "0", "--token-file", str(token), "--parent-pid", str(os.getpid())],
+        env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stdout.readline().strip()
+        assert banner.startswith(f"acs-tier-mover root={root} interval=0.1s metrics=http://127.0.0.1:"), banner
+        url = banner.split(" metrics=", 1)[1]
+        auth = {"Authorization": "Bearer s3cret-token"}
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(url, timeout=5)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            text = urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=5).read().decode()
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            tiered = [s.value for s in families["acs_tier_files_tiered"].samples
+                      if s.name == "acs_tier_files_tiered_total" and s.labels == {"stream": "scraped"}]
+            if tiered == [len(names)] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert tiered == [len(names)]
+        for short, spec in TIER_METRICS.items():  # every declared metric, with its type and help
+            name = "acs_tier_" + (short[: -len("_total")] if spec.kind == "counter" else short)
+            assert families[name].type == spec.kind and families[name].documentation == spec.help, name
+
+        def value(name, **labels):
+            return sum(s.value for f in families.values() for s in f.samples if s.name == name and s.labels == labels)
+
+        assert value("acs_tier_retention_deleted_total", stream="scraped", tier="hot") == len(names) - 1
+        assert value("acs_tier_lag_files", stream="scraped") == 0
+        assert value("acs_tier_pass_seconds_count") >= 1
+        health = urllib.request.urlopen(urllib.request.Request(url.replace("/metrics", "/healthz"), headers=auth),
+                                        timeout=5)
+        body = json.loads(health.read())
+        assert health.status == 200 and body["healthy"] is True and body["passes"] >= 1
+        assert body["failed_streams"] == {} and body["lag"]["scraped"] == {"files": 0, "bytes": 0}
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 0, err
+
+
+def test_mover_daemon_health_names_a_stale_pass_and_bad_flags(root, subprocess_env):
+    from pyspark_acs.server.tier.daemon import TierMoverDaemon
+
+    make_stream(root, "stale", 10)
+    daemon = TierMoverDaemon(TierMover(root), 0.01, metrics_port=-1)
+    daemon._started -= 3600  # started an hour ago and no pass ended since
+    healthy, details = daemon.healthz()
+    assert not healthy and "no tier pass ended for" in details["error"]
+    daemon.run_pass()
+    assert daemon.healthz()[0] and daemon.metrics_url is None
+    daemon.stop()
+    bad = subprocess.run([sys.executable, "-m", "pyspark_acs.server.tier.daemon", "--root", root,
+                          "--metrics-port", "http"], env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--metrics-port" in bad.stderr
+    exposed = subprocess.run([sys.executable, "-m", "pyspark_acs.server.tier.daemon", "--root", root,
+                              "--host", "0.0.0.0"], env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert exposed.returncode == 2 and "--insecure" in exposed.stderr
+
+
+# -- acs tier --------------------------------------------------------------------------------------
+
+
+def test_acs_tier_sets_changes_shows_and_turns_off_tier_settings(root, s3, capsys):
+    import json
+
+    from pyspark_acs.cli.main import main
+
+    make_stream(root, "cli", 60)
+    uri = tier_uri(s3, "t19")
+
+    def acs(*argv):
+        code = main(["tier", *argv, "--root", root])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, _ = acs("cli")
+    assert code == 0 and out.startswith("stream cli: not tiered")
+    code, out, _ = acs("cli", uri, "--hot-retention", "1d", "--hot-retention-bytes", "10GiB",
+                       "--secondary-retention", "90d")
+    assert code == 0, out
+    settings = stream_tier_settings(DurableStore(root), "cli")
+    assert (settings.uri, settings.hot_retention_s, settings.hot_retention_bytes, settings.secondary_retention_s) == \
+        (uri, 86400, 10 * 2**30, 90 * 86400)
+    assert f"tiered to s3://{BUCKET}/t19" in out and "hot retention:        1d" in out and "10.0 GiB" in out
+    assert "90d" in out and SECRET + "@" not in out
+    # One flag changes one setting; the URI and the others stay; forever removes a retention.
+    assert acs("cli", "--hot-retention", "12h", "--secondary-retention", "forever")[0] == 0
+    settings = stream_tier_settings(DurableStore(root), "cli")
+    assert (settings.uri, settings.hot_retention_s, settings.hot_retention_bytes, settings.secondary_retention_s) == \
+        (uri, 43200, 10 * 2**30, None)
+    code, out, _ = acs("cli", "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["uri"] == f"s3://{BUCKET}/t19" and shown["hot_retention_s"] == 43200
+    # Bad values name their flag; nothing is written.
+    for flag, value in (("--hot-retention", "soon"), ("--hot-retention-bytes", "lots"),
+                        ("--secondary-retention", "-1d")):
+        code, _, err = acs("cli", f"{flag}={value}")
+        assert code == 1 and f"acs tier: error: {flag}: " in err, err
+    code, _, err = acs("cli", uri, "--off")
+    assert code == 1 and "--off: takes no URI" in err
+    code, _, err = acs("cli", tier_uri(s3, "x").replace(BUCKET, "no-such-bucket"))
+    assert code == 1 and "bucket 'no-such-bucket'" in err and SECRET not in err
+    code, _, err = acs("nope")
+    assert code == 1 and "no stream 'nope'" in err
+    assert stream_tier_settings(DurableStore(root), "cli").hot_retention_s == 43200
+    # Once files are recorded in the tier, turning it off or moving it would strand them: refused.
+    assert acs("cli", "--hot-retention", "0s")[0] == 0
+    run_pass(root)
+    assert len(hot_files(root, "cli")) == 1
+    code, _, err = acs("cli", "--off")
+    assert code == 1 and "files of stream 'cli' are recorded in its secondary store" in err, err
+    code, _, err = acs("cli", tier_uri(s3, "elsewhere"))
+    assert code == 1 and f"moving it to s3://{BUCKET}/elsewhere" in err
+    assert read_all(root, "cli", 60) == [msg(i) for i in range(60)]
+    # A stream with nothing tiered turns off; flags alone cannot tier a stream without a URI.
+    make_stream(root, "cli2", 10)
+    assert acs("cli2", uri)[0] == 0
+    code, out, _ = acs("cli2", "--off")
+    assert code == 0 and out.startswith("stream cli2: not tiered")
+    code, _, err = acs("cli2", "--hot-retention", "1d")
+    assert code == 1 and "URI: stream 'cli2' is not tiered" in err
+
+
+# -- listings and the tier records ----------------------------------------------------------------
+
+
+def test_a_consumer_waiting_for_the_next_file_does_not_read_the_tier_records_per_poll(root, s3, monkeypatch):
+    """A Consumer at a sealed file's end lists the shard every poll (to find the next file);
+    the tier records are read again only when the manifest changed (one stat per listing)."""
+    import pyspark_acs.storage.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "MANIFEST_SETTLE_S", 0.0)  # trust (mtime, size) at once
+    make_stream(root, "idle", 60)
+    configure_tier(root, "idle", tier_uri(s3, "t20"), hot_retention_s=0)
+    run_pass(root)
+    got: List[bytes] = []
+    with Consumer(root, "idle", start="earliest") as c:
+        while len(got) < 60:
+            for batch in c.poll():
+                got.extend(batch.column("value").to_pylist())
+        before = c.path.store.tier_stats()
+        for _ in range(200):
+            assert c.poll() == []
+        after = c.path.store.tier_stats()
+        assert after["manifest_checks"] - before["manifest_checks"] >= 200  # it did list every poll
+        assert after["manifest_reads"] - before["manifest_reads"] == 0
+        # New files, tiered and deleted from the hot store while the Consumer waits: the
+        # manifest changed, so the next listing reads it and no file is skipped.
+        with Producer(root, "idle", roll_bytes=4000, max_block_bytes=1024) as p:
+            for i in range(60, 120):
+                p.send(msg(i))
+            p.flush(timeout=WAIT_S)
+        assert run_pass(root).hot_deleted >= 3
+        deadline = time.monotonic() + WAIT_S
+        while len(got) < 120 and time.monotonic() < deadline:
+            for batch in c.poll():
+                got.extend(batch.column("value").to_pylist())
+        assert c.path.store.tier_stats()["manifest_reads"] > after["manifest_reads"]
+    assert got == [msg(i) for i in range(120)]
+
+
+def test_acs_up_runs_a_tier_mover_and_acs_down_stops_it(root, s3, subprocess_env, tmp_path):
+    import re
+    import urllib.request
+
+    from pyspark_acs.server.local.deploy import load_deployment
+
+    make_stream(root, "upt", 60)
+    configure_tier(root, "upt", tier_uri(s3, "t21"), hot_retention_s=0)
+    dep_dir = str(tmp_path / "dep")
+    env = {k: v for k, v in subprocess_env.items() if k not in ("ACS_DATA_CACHE", "ACS_METADATA_CACHE")}
+
+    def acs(*argv):
+        return subprocess.run([sys.executable, "-m", "pyspark_acs.cli.main", *argv], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    bad = acs("up", "--dir", dep_dir, "--tier-mover")
+    assert bad.returncode == 1 and "--tier-mover: give the hot store root" in bad.stderr
+    bad = acs("up", "--dir", dep_dir, "--tier-mover", "--root", root, "--tier-interval", "often")
+    assert bad.returncode == 1 and "--tier-interval" in bad.stderr
+    up = acs("up", "--dir", dep_dir, "--data-replicas", "1", "--metadata-replicas", "1", "--capacity", "16MiB",
+             "--tier-mover", "--root", root, "--tier-interval", "100ms")
+    pids = []
+    try:
+        assert up.returncode == 0, up.stderr
+        line = re.search(r"^tier-0  tier mover of (\S+)  pid=(\d+)  metrics=(\S+)  log=(\S+)$", up.stdout, re.M)
+        assert line and line.group(1) == root, up.stdout
+        state = load_deployment(dep_dir)
+        pids = [s["pid"] for s in state["servers"]]
+        assert [s["role"] for s in state["servers"]] == ["data", "metadata", "tier"]
+        deadline = time.monotonic() + WAIT_S
+        while len(hot_files(root, "upt")) > 1:
+            assert time.monotonic() < deadline, open(line.group(4)).read()
+            time.sleep(0.1)
+        text = urllib.request.urlopen(line.group(3), timeout=5).read().decode()
+        assert 'acs_tier_files_tiered_total{stream="upt"}' in text
+        # A second `up` in the same folder is refused while the mover (or any server) runs.
+        again = acs("up", "--dir", dep_dir, "--tier-mover", "--root", root)
+        assert again.returncode == 1 and "already has a running deployment" in again.stderr
+    finally:
+        down = acs("down", "--dir", dep_dir)
+    assert down.returncode == 0 and "stopped 3 servers: data-0 metadata-0 tier-0" in down.stdout, down.stdout
+    deadline = time.monotonic() + WAIT_S
+    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(") ", 1)[1][0] != "Z"
+              for p in pids):
+        assert time.monotonic() < deadline, "a process of the deployment outlived acs down"
+        time.sleep(0.05)
+    assert read_all(root, "upt", 60, tier_read_policy="FORCE") == [msg(i) for i in range(60)]
+
+
+def test_a_destination_that_tiered_its_copies_is_not_sent_them_again(clusters_ab, s3):
+    """A destination's own mover tiered the copies and deleted their hot copies; when the
+    source's daemon restarts it asks the destination which files it holds (Files), which
+    counts tiered files: none is copied into the destination's hot store again."""
+    env = clusters_ab
+    with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
+        for i in range(100):
+            p.send(msg(i))
+    env.wait_same("B")
+    source = file_bytes(env.roots["A"], env.stream)
+    configure_tier(env.roots["B"], env.stream, tier_uri(s3, "t22"), hot_retention_s=0)
+    assert run_pass(env.roots["B"]).hot_deleted == len(source) - 1
+    env.kill_daemon("A")
+    env.start_daemon("A")
+    time.sleep(3.0)  # ten listing intervals of the restarted daemon
+    assert hot_files(env.roots["B"], env.stream) == sorted(source)[-1:], env.logs()
+    assert read_all(env.roots["B"], env.stream, 100) == [msg(i) for i in range(100)]
+
+
+def test_a_copy_writer_answers_a_hello_for_a_file_tiered_here_without_creating_it(root, s3, tmp_path):
+    """A parent that could not ask which files a destination holds (its Files call failed)
+    starts an operation for a file the destination's own mover tiered and deleted from its hot
+    store: the hello is answered with the whole length, no hot file is created, and a delta for
+    it is refused."""
+    from pyspark_acs.server.copy.cluster import ClusterIO
+    from pyspark_acs.server.copy.metrics import CopyMetrics
+    from pyspark_acs.server.copy.options import CopyDaemonOptions
+    from pyspark_acs.server.copy.proto import copy_pb2
+    from pyspark_acs.server.copy.topology import Cluster
+    from pyspark_acs.server.copy.writer import CopyServicer
+    from tests._harness import start_caches
+
+    make_stream(root, "here", 60)
+    before = file_bytes(root, "here")
+    configure_tier(root, "here", tier_uri(s3, "t23"), hot_retention_s=0)
+    run_pass(root)
+    oldest = sorted(before)[0]
+    assert oldest not in hot_files(root, "here")
+    deps = start_caches(tmp_path / "caches", clusters=("B",))
+    io = ClusterIO(Cluster("B", root, tuple(deps["B"].endpoints("data")), tuple(deps["B"].endpoints("metadata")),
+                           "127.0.0.1:1"))
+    try:
+        servicer = CopyServicer(io, CopyDaemonOptions(), CopyMetrics("B"))
+        common = dict(stream="here", shard=0, file=oldest, storage=copy_pb2.DURABLE, shards=1, operation="op-1",
+                      source_cluster="A")
+        acks = list(servicer.Copy(iter([copy_pb2.CopyRequest(hello=True, **common),
+                                        copy_pb2.CopyRequest(start=len(before[oldest]), data=b"x", **common)]), None))
+        assert [a.status for a in acks] == [copy_pb2.OK, copy_pb2.FAILED]
+        assert acks[0].length == len(before[oldest]) and "tiered here" in acks[1].message
+        assert oldest not in hot_files(root, "here")  # not created again
+        assert servicer.metrics.get("errors_total", kind="tiered_here") == 1
+    finally:
+        io.close()
+        for d in deps.values():
+            d.stop()
+    assert read_all(root, "here", 60) == [msg(i) for i in range(60)]

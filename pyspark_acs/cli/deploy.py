@@ -3,12 +3,13 @@
 Registered with :func:`pyspark_acs.cli.main.register_command` when ``acs`` starts::
 
     acs up [--dir .acs-local] [--data-replicas 3] [--metadata-replicas 3] [--capacity 256MiB] [--data-ttl 60s]
+           [--tier-mover --root ROOT [--tier-interval 10s]]
     acs down [--dir .acs-local]
     acs status --root ROOT [--stream S] [--metadata-cache EPS] [--data-cache EPS] [--dir .acs-local] [--json]
 
 ``up`` starts the servers in the background (they outlive the command) and prints their
-endpoints and the ``export ACS_DATA_CACHE=... ACS_METADATA_CACHE=...`` lines; ``down`` stops
-them. ``status`` prints, per stream and shard, each file's durable length, the cache and
+endpoints and the ``export ACS_DATA_CACHE=... ACS_METADATA_CACHE=...`` lines (with
+``--tier-mover``, also a tier mover over ``--root``: docs/tiered.md); ``down`` stops them all. ``status`` prints, per stream and shard, each file's durable length, the cache and
 durable lengths published in the metadata cache and how many bytes the cache is behind,
 then the health of every cache server.
 """
@@ -69,10 +70,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     if (args.cluster is None) != (args.topology is None):
         raise AcsOptionError("--cluster and --topology go together: name the cluster this deployment is and "
                              "the topology file to record it in", option="--cluster")
+    if args.tier_mover and args.root is None:
+        raise AcsOptionError("--tier-mover: give the hot store root it tiers with --root", option="--tier-mover")
     if args.cluster is not None and args.root is None:
         raise AcsOptionError("--root: give the cluster's durable store root to record in the topology file",
                              option="--root")
     links = [_link(text) for text in args.link]
+    from pyspark_acs.units import parse_duration
+
+    tier_interval = parse_duration(args.tier_interval, option="--tier-interval", minimum=0.01)
     security, exports = _security(args)
     if args.topology is not None:
         from pyspark_acs.server.copy.topology import check_writable
@@ -88,11 +94,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         base_port=args.base_port,
         security=security,
         insecure=args.insecure,
+        tier_mover_root=args.root if args.tier_mover else None,
+        tier_interval=tier_interval,
     )
     data, meta = dep.data_endpoints, dep.metadata_endpoints
     for role in ("data", "metadata"):
         for s in dep.servers[role]:
             print(f"{s.name}  {s.endpoint}  pid={s.pid}  metrics={s.metrics_url or '-'}  log={s.log_path}")
+    mover = dep.tier_mover
+    if mover is not None:
+        print(f"{mover.name}  tier mover of {args.root}  pid={mover.pid}  metrics={mover.metrics_url or '-'}  "
+              f"log={mover.log_path}")
     print(f"data cache:     {data}")
     print(f"metadata cache: {meta}")
     if args.cluster is not None:
@@ -413,7 +425,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", default=None, help="record this deployment as cluster NAME in --topology")
     p.add_argument("--topology", default=None, metavar="FILE.json",
                    help="topology file to add or update the cluster's entry in (created if missing)")
-    p.add_argument("--root", default=None, help="the cluster's durable store root (with --cluster)")
+    p.add_argument("--root", default=None,
+                   help="the cluster's durable store root (with --cluster; the hot store with --tier-mover)")
+    p.add_argument("--tier-mover", action="store_true",
+                   help="also run a tier mover over --root (streams with a tier: acs tier); stopped by acs down")
+    p.add_argument("--tier-interval", default="10s", help="time between the tier mover's passes (default 10s)")
     p.add_argument("--copy-port", type=int, default=None, help="the cluster's copy daemon port (default: a free one)")
     p.add_argument("--link", action="append", default=[], metavar="CLUSTER[:COST]",
                    help="a link from this cluster to another (repeatable; cost 1 by default)")

@@ -284,7 +284,7 @@ def _load_extra_commands() -> None:
     """Import the modules that add commands (deployment, status, copy tree) if present."""
     import importlib
 
-    for module in ("pyspark_acs.cli.deploy", "pyspark_acs.cli.copy", "pyspark_acs.cli.lag"):
+    for module in ("pyspark_acs.cli.deploy", "pyspark_acs.cli.copy", "pyspark_acs.cli.lag", "pyspark_acs.cli.tier"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

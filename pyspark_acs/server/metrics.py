@@ -1,6 +1,7 @@
 """Metrics of every server process, on ``prometheus-client``: one declaration table, one HTTP endpoint.
 
-Every metric a server exports is declared once here (:data:`CACHE_METRICS`, :data:`COPY_METRICS`),
+Every metric a server exports is declared once here (:data:`CACHE_METRICS`, :data:`COPY_METRICS`,
+:data:`TIER_METRICS`),
 with its kind, help text and label names; nothing else spells a metric's type or help. Each server
 object owns its own :class:`~prometheus_client.CollectorRegistry` (never the global one: tests run
 several servers in one process, and two cache servers must not add up each other's counters).
@@ -63,6 +64,8 @@ __all__ = [
     "Metrics",
     "MetricsEndpoint",
     "StatsCollector",
+    "TIER_METRICS",
+    "TIER_PASS_BUCKETS",
 ]
 
 log = logging.getLogger(__name__)
@@ -171,6 +174,42 @@ COPY_METRICS: Dict[str, MetricSpec] = {
     "files_surveyed_total": MetricSpec(
         "counter", "Files a child reported holding when this daemon started feeding it (Files RPC), "
         "by state: complete (sealed there, no operation needed) or present (exists, copy goes on).", ("state",)),
+}
+
+#: A tier pass takes milliseconds when nothing is sealed and minutes when it uploads a backlog.
+TIER_PASS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+
+#: Tier-mover metrics, ``acs_tier_<name>{...}`` (:mod:`pyspark_acs.server.tier`).
+TIER_METRICS: Dict[str, MetricSpec] = {
+    "files_tiered_total": MetricSpec(
+        "counter", "Files uploaded, verified and recorded in the secondary store.", ("stream",)),
+    "bytes_tiered_total": MetricSpec(
+        "counter", "Bytes of the files uploaded, verified and recorded in the secondary store.", ("stream",)),
+    "objects_total": MetricSpec("counter", "Objects (batches of files) recorded in the secondary store.", ("stream",)),
+    "upload_failures_total": MetricSpec(
+        "counter", "Uploads that failed, whether or not their bytes landed (ambiguous): each was abandoned and "
+        "the batch uploaded again under a new object name (non-stop-write).", ("stream",)),
+    "verify_failures_total": MetricSpec(
+        "counter", "Uploaded objects whose read-back (size, crc32, block checksums) differed from the hot files: "
+        "abandoned, the batch uploaded again under a new object name.", ("stream",)),
+    "retention_deleted_total": MetricSpec(
+        "counter", "Files deleted by retention, per tier (hot: a verified file's hot copy; secondary: a file "
+        "past the secondary retention, from both tiers).", ("stream", "tier")),
+    "swept_objects_total": MetricSpec(
+        "counter", "Objects no tier record names (abandoned uploads) deleted after the grace period.", ("stream",)),
+    "failed_passes_total": MetricSpec(
+        "counter", "Passes over a stream that failed (retried next pass): another mover holds its tier lease, "
+        "a store is unreachable, ...", ("stream",)),
+    "lag_files": MetricSpec(
+        "gauge", "Sealed files not yet tiered (waiting for upload), per stream.", ("stream",)),
+    "lag_bytes": MetricSpec(
+        "gauge", "Bytes of the sealed files not yet tiered, per stream.", ("stream",)),
+    "waiting_unsealed": MetricSpec(
+        "gauge", "Shards whose oldest untiered file is not sealed yet (it and every later file wait).", ("stream",)),
+    "pass_seconds": MetricSpec(
+        "histogram", "Seconds one pass over every served stream took.", (), TIER_PASS_BUCKETS),
+    "last_pass_timestamp_seconds": MetricSpec(
+        "gauge", "When the last pass ended (seconds since the epoch)."),
 }
 
 _TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}

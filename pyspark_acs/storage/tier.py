@@ -54,6 +54,7 @@ from pyspark_acs.storage.store import STREAM_META_FILE, DurableStore
 
 __all__ = [
     "DEFAULT_READ_POLICY",
+    "MANIFEST_SETTLE_S",
     "PREREAD_MAX_BYTES",
     "PREREAD_MIN_BYTES",
     "READ_POLICIES",
@@ -96,6 +97,9 @@ MAX_OPEN_OBJECTS = 64
 #: How long a reader reuses a shard's tier records before reading them again (seconds);
 #: a file it cannot find in either tier makes it read them at once.
 MANIFEST_TTL_S = 1.0
+#: A manifest changed less than this long ago (seconds, by its modification time) is read
+#: again on every fresh look; an older one only when its (mtime, size) changed.
+MANIFEST_SETTLE_S = 2.0
 #: Header indexes a reader keeps in memory (one per object; 56 bytes per block).
 MAX_HEADER_INDEXES = 256
 #: Files a reader remembers as gone from the hot store (forgotten all at once past it).
@@ -219,11 +223,15 @@ def configure_tier(
     """Set (or with ``uri=None`` clear) the secondary store and retention of an existing stream.
 
     The secondary store is opened once to check the URI. Returns the settings written.
+    ``acs tier`` (:mod:`pyspark_acs.cli.tier`) calls it.
 
     Raises
     ------
     AcsOptionError
-        No such stream, a URI pyarrow cannot open, or a negative retention (names the option).
+        No such stream, a URI pyarrow cannot open, or a negative retention (names the option);
+        turning tiering off, or pointing the stream at another location, while files of the
+        stream are recorded in its secondary store (their only copy may be there: they would
+        become unreadable).
     """
     from pyspark_acs.storage.store import open_store
 
@@ -235,8 +243,19 @@ def configure_tier(
     if uri is not None:
         TierStore(uri).check()  # raises naming the URI when it cannot be reached
     meta = _stream_meta(store, stream)
+    current = TierSettings.from_json(meta.get("tier"))
+    if current.enabled and (uri is None or _public_uri(uri) != _public_uri(current.uri)):
+        # Tier records name objects of the current location: readers find them nowhere else.
+        recorded = sum(len(read_manifest(store, stream, shard)) for shard in range(store.stream_shards(stream) or 0))
+        if recorded:
+            change = "turning tiering off" if uri is None else f"moving it to {_public_uri(uri)}"
+            raise AcsOptionError(
+                f"uri: {recorded} files of stream {stream!r} are recorded in its secondary store "
+                f"{_public_uri(current.uri)} (their only copy may be there); {change} would leave them "
+                f"unreadable. Keep the secondary store (a retention of None stops deletions), or let "
+                f"secondary_retention_s delete them first", option="uri")
     # The owner id outlives reconfiguration: objects written under it stay this stream's.
-    owner = TierSettings.from_json(meta.get("tier")).owner or secrets.token_hex(4)
+    owner = current.owner or secrets.token_hex(4)
     settings = TierSettings(uri, hot_retention_s, hot_retention_bytes, secondary_retention_s, owner)
     meta["tier"] = settings.to_json() if settings.enabled else None
     store.write_small(f"{stream}/{STREAM_META_FILE}", json.dumps(meta).encode())
@@ -524,14 +543,16 @@ class TieredStore(DurableStore):
         # _tier_lock guards _manifests, _settings, _tiers, _buffers, _windows, _indexes, _gone
         # and _tier_stats.
         self._tier_lock = threading.Lock()
-        self._manifests: Dict[Tuple[str, int], Tuple[float, Dict[str, TierRecord]]] = {}
+        #: (stream, shard) -> (monotonic time read or checked, records, manifest version).
+        self._manifests: Dict[Tuple[str, int], Tuple[float, Dict[str, TierRecord], Optional[Tuple[int, int]]]] = {}
         self._settings: Dict[str, Tuple[float, TierSettings]] = {}
         self._tiers: Dict[str, TierStore] = {}
         self._buffers: "OrderedDict[str, _Buffer]" = OrderedDict()
         self._windows: Dict[str, PrereadWindow] = {}
         self._indexes: "OrderedDict[str, Dict[int, bytes]]" = OrderedDict()
         self._gone: set = set()  # files whose hot copy is known deleted
-        self._tier_stats = {"tier_reads": 0, "preread_hits": 0, "preread_dropped_bytes": 0, "index_hits": 0}
+        self._tier_stats = {"tier_reads": 0, "preread_hits": 0, "preread_dropped_bytes": 0, "index_hits": 0,
+                            "manifest_reads": 0, "manifest_checks": 0}
 
     def __repr__(self) -> str:
         return f"TieredStore({self.root!r}, {self.policy})"
@@ -549,15 +570,44 @@ class TieredStore(DurableStore):
         return parts[0], int(parts[1]), parts[2]
 
     def _records(self, stream: str, shard: int, fresh: bool) -> Dict[str, TierRecord]:
+        """A shard's tier records: from memory when read less than MANIFEST_TTL_S ago, unless
+        ``fresh``; ``fresh`` wants the records as they are now, and costs one stat of the
+        manifest when it has not changed since it was read (:meth:`_manifest_version`), one
+        read when it has: a reader waiting for a shard's next file lists it every poll, and a
+        manifest of a long history is a large JSON document."""
         now = time.monotonic()
         with self._tier_lock:
             hit = self._manifests.get((stream, shard))
         if hit is not None and not fresh and now - hit[0] < MANIFEST_TTL_S:
             return hit[1]
+        # The version is taken BEFORE the read: a change between the two gives the records a
+        # stale version, so the next check reads them again (never the reverse).
+        version = self._manifest_version(stream, shard)
+        if hit is not None and version is not None and version == hit[2]:
+            with self._tier_lock:
+                self._manifests[(stream, shard)] = (now, hit[1], version)
+            return hit[1]
         records = read_manifest(self.hot, stream, shard)
         with self._tier_lock:
-            self._manifests[(stream, shard)] = (now, records)
+            self._tier_stats["manifest_reads"] += 1
+            self._manifests[(stream, shard)] = (now, records, version)
         return records
+
+    def _manifest_version(self, stream: str, shard: int) -> Optional[Tuple[int, int]]:
+        """``(mtime in ns, size)`` of a shard's manifest (``(0, 0)``: none), or ``None`` when it
+        changed less than MANIFEST_SETTLE_S ago: two versions written within a filesystem's
+        timestamp resolution (ms to 1 s) may look the same, so only an older one is trusted."""
+        path = self.hot.path(manifest_rel(stream, shard))
+        with _store_translate(f"stat {self.hot.uri(manifest_rel(stream, shard))}"):
+            info = self.hot.fs.get_file_info(path)
+        with self._tier_lock:
+            self._tier_stats["manifest_checks"] += 1
+        if info.type == pafs.FileType.NotFound:
+            return (0, 0)
+        mtime_ns = info.mtime_ns
+        if mtime_ns is None or time.time() - mtime_ns / 1e9 < MANIFEST_SETTLE_S:
+            return None
+        return (mtime_ns, int(info.size or 0))
 
     def record(self, rel: str, *, fresh: bool = False) -> Optional[TierRecord]:
         """The tier record of ``rel`` (``None``: not tiered), from records read at most
@@ -781,7 +831,9 @@ class TieredStore(DurableStore):
     def tier_stats(self) -> Dict[str, int]:
         """``tier_reads`` (reads that went to the secondary store), ``tier_requests`` and
         ``tier_bytes`` (ranged requests and bytes fetched), ``preread_hits``,
-        ``preread_dropped_bytes``, ``index_hits`` (header reads answered by a header index)."""
+        ``preread_dropped_bytes``, ``index_hits`` (header reads answered by a header index),
+        ``manifest_reads`` (tier records read from the hot store) and ``manifest_checks``
+        (stats of a manifest to learn whether it changed)."""
         with self._tier_lock:
             out = dict(self._tier_stats)
             tiers = list(self._tiers.values())

@@ -56,6 +56,7 @@ from pyspark_acs.security import (SecuritySettings, TokenInterceptor, check_bind
                                   resolve_security)
 from pyspark_acs.server.copy.writer import COPY_STREAMS_RESERVE
 from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.storage.tier import tiered_store
 
 __all__ = ["MAX_MESSAGE_BYTES", "STOP_GRACE_S", "CopyDaemon", "build_parser", "main"]
 
@@ -145,7 +146,8 @@ class CopyDaemon:
         return max(32, 4 * self.options.workers) + COPY_STREAMS_RESERVE
 
     def store_of(self, cluster: str) -> DurableStore:
-        """``cluster``'s durable store (the source of a copy vouches for its files).
+        """``cluster``'s files in either tier (the source of a copy vouches for its files; a
+        sealed file its tier mover moved out of the hot store is still its file).
 
         Raises
         ------
@@ -156,7 +158,7 @@ class CopyDaemon:
         with self._lock:
             store = self._stores.get(root)
             if store is None:
-                store = self._stores[root] = DurableStore(root, create=False)
+                store = self._stores[root] = tiered_store(DurableStore(root, create=False))
         return store
 
     def stub_for(self, cluster: str) -> copy_pb2_grpc.CopyStub:

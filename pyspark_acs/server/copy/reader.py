@@ -90,6 +90,14 @@ class SourceFiles:
         self._follows: Dict[str, int] = {}
         self._accounted: Dict[str, int] = {}  # read-path byte counts already added to the metrics
 
+    @property
+    def store(self):
+        """This cluster's files in either tier (the read path's
+        :class:`~pyspark_acs.storage.tier.TieredStore`): the scheduler lists through it, so a
+        sealed file the tier mover moved to the secondary store and deleted from the hot store
+        is still found and copied (a destination added late, or whose daemon was down)."""
+        return self.path.store
+
     def start(self) -> None:
         """Nothing to start: the shared poller runs while files are followed."""
 

@@ -53,6 +53,7 @@ from pyspark_acs.server.copy.reader import CopyOperation, SourceFiles
 from pyspark_acs.server.copy.tree import CopyTree, build_copy_tree
 from pyspark_acs.server.copy.topology import Topology, load_topology
 from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.storage.tier import tiered_store
 
 __all__ = ["HEAD_RECHECK_S", "SURVEY_TIMEOUT_S", "YIELD_S", "CopyScheduler", "owns"]
 
@@ -292,14 +293,14 @@ class CopyScheduler:
         for stream in sorted(feeding):
             shards = self._shards.get(stream)
             if shards is None or listing:
-                shards = self.io.store.stream_shards(stream)
+                shards = self.poller.store.stream_shards(stream)
                 if shards is None:
                     continue  # no producer has created the stream here yet
                 self._shards[stream] = shards
             for shard in range(shards):
                 if listing:
                     self._rejected_heads.pop((stream, shard), None)
-                    self._add_files(stream, shard, self.io.store.list_files(stream, shard))
+                    self._add_files(stream, shard, self.poller.store.list_files(stream, shard))
                 shard_uris.append((stream, shard, self.io.shard_uri(stream, shard)))
         if shard_uris:
             try:
@@ -319,7 +320,7 @@ class CopyScheduler:
                     # write the metadata cache can set, the store is the truth. A head the
                     # listing does not hold is not listed again until it changes or the next
                     # full listing (a file created since is found then).
-                    names = self.io.store.list_files(stream, shard)
+                    names = self.poller.store.list_files(stream, shard)
                     self._add_files(stream, shard, names)
                     if head not in names:
                         self._rejected_heads[(stream, shard)] = (head, time.monotonic())
@@ -491,8 +492,8 @@ class CopyScheduler:
     def _child_store(self, child: str) -> DurableStore:
         root = self.topology.cluster(child).root
         store = self._child_stores.get(root)
-        if store is None:
-            store = self._child_stores[root] = DurableStore(root)
+        if store is None:  # files in either tier: a child's own tier mover may have moved them
+            store = self._child_stores[root] = tiered_store(DurableStore(root))
         return store
 
     def _schedule(self, feeding: Dict[str, Tuple[str, ...]]) -> None:

@@ -71,6 +71,7 @@ from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.storage.tier import tiered_store
 from pyspark_acs.write.file import AppendConflictError, CacheMirror, FileWriter
 
 __all__ = ["COPY_STREAMS_RESERVE", "DELAY_PUBLISH_INTERVAL_S", "HELLO_TIMEOUT_S", "CopyServicer", "validate_delta"]
@@ -296,6 +297,9 @@ class _DurableWriter(_OpWriter):
     def open(self) -> copy_pb2.CopyAck:
         self.vouch()
         self.take_lease()
+        held = self._tiered_here()
+        if held is not None:
+            return held
         self.prepare_destination()
         # Reopen the destination file: the length on disk is the truth (a restarted writer
         # may have left a partial delta; its bytes are a correct prefix of the source's).
@@ -313,12 +317,31 @@ class _DurableWriter(_OpWriter):
             self.s.published(self.rel, durable_length=self.position)
         return _ack(copy_pb2.OK, self.position, durable_length=self.position)
 
+    def _tiered_here(self) -> Optional[copy_pb2.CopyAck]:
+        """The answer to a hello for a file this cluster holds only in its secondary store (its
+        own tier mover tiered it, which only sealed, whole files are, and deleted the hot copy):
+        the whole length, and no file created in the hot store again (the parent's reader then
+        finishes the operation at the seal). ``None`` for any other file."""
+        if self.io.store.exists(self.rel):
+            return None
+        record = self.s.files.record(self.rel, fresh=True)
+        if record is None:
+            return None
+        self.position = self.boundary = record.length
+        self.sealed = True
+        self.s.metrics.inc("errors_total", kind="tiered_here")
+        log.info("%s: tiered here already (%d bytes, sealed); nothing to copy", self.what(), record.length)
+        return _ack(copy_pb2.OK, record.length, durable_length=record.length)
+
     def _restart(self, start: int, actual: int) -> copy_pb2.CopyAck:
         kind = "gap" if start > actual else "overlap"
         self.s.metrics.inc("errors_total", kind=f"durable_{kind}")
         return _ack(copy_pb2.RESTART, actual, f"{kind}: delta starts at {start}, file has {actual} bytes")
 
     def write(self, req: copy_pb2.CopyRequest) -> copy_pb2.CopyAck:
+        if self.out is None:  # _tiered_here: the file is complete here; never appended to
+            return _ack(copy_pb2.FAILED, self.position, f"{self.what()}: the file is tiered here, complete "
+                                                        f"at {self.position} bytes; nothing is appended to it")
         if self.superseded():
             return _ack(copy_pb2.POISONED, self.position, "a newer operation took this file over")
         if not req.data:
@@ -555,8 +578,11 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         self._streams: Dict[str, int] = {}
         #: Files found sealed here, with their length (a sealed file never changes).
         self._sealed_files: LRUCache = LRUCache(maxsize=SEALED_FILES_REMEMBERED)
-        #: This cluster's store alone, for the seal walks of :meth:`Files` (never closed: the store is io's).
-        self.durable_path = DurableReadPath(io.store)
+        #: This cluster's files in either tier (its own tier mover may have moved sealed files
+        #: to the secondary store): what :meth:`Files` lists, and the seal walks read
+        #: (never closed: the store is io's). Writes go to ``io.store``, the hot store.
+        self.files = tiered_store(io.store)
+        self.durable_path = DurableReadPath(self.files)
         self._writing = 0
         self._streams_open = 0
         self.serving = True
@@ -671,7 +697,7 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
                 self._writing -= 1
 
     def Files(self, request: copy_pb2.FilesRequest, context: grpc.ServicerContext) -> copy_pb2.FilesResponse:  # noqa: N802
-        """The files of one shard in this cluster's durable store: name, length, sealed.
+        """The files of one shard in this cluster (hot or tiered): name, length, sealed.
 
         A parent asks once when it starts feeding this cluster (a restart, a tree change), so it
         need not run one operation per file to learn which files exist here (the file order
@@ -685,9 +711,9 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         except (AcsError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad Files request: {exc}")
         try:
-            names = self.io.store.list_files(stream, shard)
+            names = self.files.list_files(stream, shard)
             rels = [f"{shard_dir(stream, shard)}/{name}" for name in names]
-            lengths = self.io.store.lengths(rels) if rels else {}
+            lengths = self.files.lengths(rels) if rels else {}
             files = []
             for name, rel in zip(names, rels):
                 length = lengths.get(rel)

@@ -3,7 +3,8 @@
 :class:`LocalDeployment` starts ``data_replicas`` data-cache servers and ``metadata_replicas``
 metadata-cache servers as background processes (``python -m pyspark_acs.server.cache ...
 --port 0``), parses the port each prints, and keeps a pid file and a log per server under
-``base_dir``. Tests use it for real server processes (kill, restart); :func:`acs_up` and
+``base_dir``; with ``tier_mover_root`` also a tier mover (``acs-tier-mover``, role ``tier``)
+for that hot store, started and stopped with the servers. Tests use it for real server processes (kill, restart); :func:`acs_up` and
 :func:`acs_down` back the ``acs up`` / ``acs down`` commands, persisting the deployment to
 ``base_dir/deployment.json`` so a later process can stop it.
 
@@ -12,6 +13,7 @@ Layout of ``base_dir``::
     deployment.json          endpoints, pids, ports and log paths (mode 0600: may hold the token)
     data-0.log, data-0.pid   one pair per server
     metadata-0.log, ...
+    tier-0.log, tier-0.pid   the tier mover, when asked for
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from pyspark_acs.security import (ENV_MTLS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, ENV_TOKEN_FILE,
                                   SecuritySettings, resolve_security)
@@ -55,10 +57,17 @@ DEFAULT_START_TIMEOUT_S = 20.0
 #: How long a stop waits after SIGTERM before SIGKILL.
 DEFAULT_STOP_TIMEOUT_S = 5.0
 DEPLOYMENT_FILE = "deployment.json"
-_BANNER = "acs-cache-server role="
 _LOG_TAIL_LINES = 20
 _POLL_S = 0.02
 _SERVER_MODULE = "pyspark_acs.server.cache"
+_TIER_MODULE = "pyspark_acs.server.tier.daemon"
+#: Per role: the module its process runs, the start of the line it prints once serving, and
+#: what it is called in messages.
+_ROLES: Dict[str, Tuple[str, str, str]] = {
+    "data": (_SERVER_MODULE, "acs-cache-server role=", "cache server"),
+    "metadata": (_SERVER_MODULE, "acs-cache-server role=", "cache server"),
+    "tier": (_TIER_MODULE, "acs-tier-mover root=", "tier mover"),
+}
 # The directory holding the pyspark_acs package, put on the servers' PYTHONPATH so they import
 # this very copy whether it is pip-installed or a source checkout.
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
@@ -136,11 +145,13 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _is_cache_server(pid: int) -> bool:
-    """Whether ``pid`` is one of our cache servers (guards against pids reused by other programs)."""
+def _is_ours(pid: int, role: str = "data") -> bool:
+    """Whether ``pid`` runs the module of ``role`` (a cache server, the tier mover): guards
+    against pids reused by other programs."""
+    module = _ROLES.get(role, _ROLES["data"])[0]
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return _SERVER_MODULE.encode() in f.read()
+            return module.encode() in f.read()
     except FileNotFoundError:
         return False
     except OSError:
@@ -183,7 +194,7 @@ def _terminate(pid: int, popen: Optional[subprocess.Popen], timeout: float, *, s
         return
     if wait_gone():
         return
-    raise DeploymentError(f"cache server pid {pid} did not exit after SIGKILL within {timeout:.1f} s")
+    raise DeploymentError(f"server pid {pid} did not exit after SIGKILL within {timeout:.1f} s")
 
 
 class LocalDeployment:
@@ -221,6 +232,11 @@ class LocalDeployment:
     base_port : int, optional
         Fixed ports instead of free ones: the gRPC ports ``base_port``, ``base_port + 1``, ...
         (data servers first, then metadata servers), then the metrics ports in the same order.
+    tier_mover_root : str, optional
+        Also run a tier mover (``acs-tier-mover``) over this hot store root, with its
+        ``/metrics`` on a free port; stopped with the servers.
+    tier_interval : str or float
+        Time between the tier mover's passes.
     """
 
     def __init__(
@@ -241,6 +257,8 @@ class LocalDeployment:
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         python: Optional[str] = None,
         base_port: Optional[int] = None,
+        tier_mover_root: Optional[str] = None,
+        tier_interval: Union[str, float] = 10.0,
     ) -> None:
         if data_replicas < 0 or metadata_replicas < 0:
             raise ValueError("replica counts must be >= 0")
@@ -279,11 +297,14 @@ class LocalDeployment:
                 )
                 for i in range(count)
             ]
-            for role, count in (("data", data_replicas), ("metadata", metadata_replicas))
+            for role, count in (("data", data_replicas), ("metadata", metadata_replicas),
+                                ("tier", 1 if tier_mover_root else 0))
         }
+        self.tier_mover_root = tier_mover_root
+        self.tier_interval = parse_duration(tier_interval, option="tier_interval", minimum=0.01)
         # Fixed ports: gRPC from base_port, metrics after them (0 = a free port chosen at start).
         self._metrics_ports: Dict[str, int] = {}
-        if base_port is not None:
+        if base_port is not None:  # the cache servers' (the tier mover has no gRPC port)
             everyone = [s for role in ("data", "metadata") for s in self.servers[role]]
             for i, server in enumerate(everyone):
                 server.port = base_port + i
@@ -316,8 +337,17 @@ class LocalDeployment:
 
     def _role(self, role: str) -> List[ServerProcess]:
         if role not in self.servers:
-            raise ValueError(f"role must be 'data' or 'metadata', got {role!r}")
+            raise ValueError(f"role must be 'data', 'metadata' or 'tier', got {role!r}")
         return self.servers[role]
+
+    def _everyone(self) -> List[ServerProcess]:
+        """Every process of the deployment: data servers, metadata servers, the tier mover."""
+        return [s for role in _ROLES for s in self.servers.get(role, [])]
+
+    @property
+    def tier_mover(self) -> Optional[ServerProcess]:
+        """The tier mover's process entry (``None`` when the deployment runs none)."""
+        return self.servers["tier"][0] if self.servers["tier"] else None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -329,6 +359,15 @@ class LocalDeployment:
         self.stop()
 
     def _command(self, server: ServerProcess, port: int) -> List[str]:
+        if server.role == "tier":
+            cmd = [self.python, "-m", _TIER_MODULE, "--root", str(self.tier_mover_root), "--host", self.host,
+                   "--interval", f"{self.tier_interval!r}s",
+                   "--metrics-port", str(self._metrics_ports.get(server.name, 0))]
+            if self.die_with_parent:
+                cmd += ["--parent-pid", str(os.getpid())]
+            if self.insecure:
+                cmd += ["--insecure"]
+            return cmd
         cmd = [
             self.python, "-m", _SERVER_MODULE,
             "--role", server.role,
@@ -381,10 +420,12 @@ class LocalDeployment:
             with open(server.log_path, "rb") as f:
                 f.seek(offset)
                 text = f.read().decode("utf-8", "replace")
+            _, banner, what = _ROLES[server.role]
             for line in text.splitlines():
-                if line.startswith(_BANNER) and " listening on " in line:
-                    address = line.split(" listening on ", 1)[1].split()[0]
-                    server.port = int(address.rsplit(":", 1)[1])
+                if line.startswith(banner) and (" listening on " in line or server.role == "tier"):
+                    if " listening on " in line:
+                        address = line.split(" listening on ", 1)[1].split()[0]
+                        server.port = int(address.rsplit(":", 1)[1])
                     metrics = line.split(" metrics=", 1)[1].strip() if " metrics=" in line else "off"
                     server.metrics_port = (
                         int(metrics.rsplit(":", 1)[1].split("/", 1)[0]) if metrics.startswith("http") else None
@@ -393,7 +434,7 @@ class LocalDeployment:
             code = popen.poll()
             if code is not None:
                 raise DeploymentError(
-                    f"{server.name} cache server exited with status {code} before it was ready; "
+                    f"{server.name} {what} exited with status {code} before it was ready; "
                     f"last lines of {server.log_path}:\n{_log_tail(server.log_path)}",
                     endpoints=(server.endpoint,) if server.port else (),
                 )
@@ -401,7 +442,7 @@ class LocalDeployment:
                 popen.kill()
                 popen.wait(timeout=5)
                 raise DeploymentError(
-                    f"{server.name} cache server was not ready within {self.start_timeout:.1f} s "
+                    f"{server.name} {what} was not ready within {self.start_timeout:.1f} s "
                     f"(killed); last lines of {server.log_path}:\n{_log_tail(server.log_path)}"
                 )
             time.sleep(_POLL_S)
@@ -417,7 +458,7 @@ class LocalDeployment:
         """
         with self._lock:
             self.base_dir.mkdir(parents=True, exist_ok=True)
-            everyone = [s for role in ("data", "metadata") for s in self.servers[role]]
+            everyone = self._everyone()
             try:
                 offsets = [(s, self._spawn(s, s.port)) for s in everyone]
                 deadline = time.monotonic() + self.start_timeout
@@ -468,7 +509,7 @@ class LocalDeployment:
     def stop(self, timeout: float = DEFAULT_STOP_TIMEOUT_S) -> None:
         """SIGTERM every server, SIGKILL those still running after ``timeout``. Idempotent."""
         with self._lock:
-            everyone = [s for role in ("data", "metadata") for s in self.servers[role] if s.pid is not None]
+            everyone = [s for s in self._everyone() if s.pid is not None]
             for server in everyone:
                 try:
                     os.kill(server.pid, signal.SIGTERM)
@@ -496,7 +537,7 @@ class LocalDeployment:
             "host": self.host,
             "data_endpoints": self.data_endpoints,
             "metadata_endpoints": self.metadata_endpoints,
-            "servers": [s.to_json() for role in ("data", "metadata") for s in self.servers[role]],
+            "servers": [s.to_json() for s in self._everyone()],
         }
         if self.token:
             data["token"] = self.token
@@ -539,7 +580,8 @@ def acs_up(base_dir: Union[str, os.PathLike], **kwargs: Any) -> LocalDeployment:
     """
     existing = load_deployment(base_dir)
     if existing is not None:
-        alive = [s for s in existing.get("servers", []) if s.get("pid") and _pid_alive(s["pid"]) and _is_cache_server(s["pid"])]
+        alive = [s for s in existing.get("servers", [])
+                 if s.get("pid") and _pid_alive(s["pid"]) and _is_ours(s["pid"], s.get("role", "data"))]
         if alive:
             raise DeploymentError(
                 f"{base_dir} already has a running deployment ({len(alive)} servers, data "
@@ -568,7 +610,7 @@ def acs_down(base_dir: Union[str, os.PathLike], timeout: float = DEFAULT_STOP_TI
     servers = state.get("servers", [])
     for server in servers:
         pid = server.get("pid")
-        if pid and _pid_alive(pid) and _is_cache_server(pid):
+        if pid and _pid_alive(pid) and _is_ours(pid, server.get("role", "data")):
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 import zlib
 from dataclasses import dataclass, replace
@@ -42,6 +43,7 @@ from pyspark_acs.format.block import HEADER_SIZE, check_block_bodies, parse_head
 from pyspark_acs.format.names import new_writer_id, shard_dir
 from pyspark_acs.read.positions import BoundaryCache
 from pyspark_acs.read.readpath import DurableReadPath, RateLimiter
+from pyspark_acs.server.metrics import TIER_METRICS, Metrics
 from pyspark_acs.storage.leases import StoreLease
 from pyspark_acs.storage.store import DurableStore, _translate, open_store  # noqa: F401 (DurableStore: annotations)
 from pyspark_acs.storage.tier import (
@@ -62,8 +64,10 @@ __all__ = [
     "DEFAULT_UPLOAD_ATTEMPTS",
     "UPLOAD_PART_BYTES",
     "PassReport",
-    "TierMover",
     "TIER_LEASE_FILE",
+    "TIER_PREFIX",
+    "TierMover",
+    "tier_metrics",
 ]
 
 log = logging.getLogger(__name__)
@@ -84,14 +88,24 @@ DEFAULT_TIER_LEASE_S = 30.0
 TIER_LEASE_FILE = "_tier.lease"
 
 
+#: Prefix of every tier-mover metric (declared in :data:`pyspark_acs.server.metrics.TIER_METRICS`).
+TIER_PREFIX = "acs_tier_"
+
+
 @dataclass
 class PassReport:
-    """What one pass over a stream did (counts)."""
+    """What one pass over a stream did (counts).
+
+    ``abandoned_objects`` = ``upload_failures`` (the upload failed; its bytes may have landed)
+    + ``verify_failures`` (the object read back differs from the hot files).
+    """
 
     uploaded_files: int = 0
     uploaded_bytes: int = 0
     objects: int = 0
     abandoned_objects: int = 0
+    upload_failures: int = 0
+    verify_failures: int = 0
     hot_deleted: int = 0
     secondary_deleted: int = 0
     swept_objects: int = 0
@@ -102,6 +116,26 @@ class PassReport:
         """Add ``other``'s counts to this report."""
         for k, v in vars(other).items():
             setattr(self, k, getattr(self, k) + v)
+
+
+#: The report fields exported as metrics: field -> (metric of TIER_METRICS, its labels besides
+#: ``stream``). :meth:`TierMover._count` adds to both, so the report and /metrics agree.
+_REPORT_METRICS: Dict[str, Tuple[str, Dict[str, str]]] = {
+    "uploaded_files": ("files_tiered_total", {}),
+    "uploaded_bytes": ("bytes_tiered_total", {}),
+    "objects": ("objects_total", {}),
+    "upload_failures": ("upload_failures_total", {}),
+    "verify_failures": ("verify_failures_total", {}),
+    "hot_deleted": ("retention_deleted_total", {"tier": "hot"}),
+    "secondary_deleted": ("retention_deleted_total", {"tier": "secondary"}),
+    "swept_objects": ("swept_objects_total", {}),
+    "failed_streams": ("failed_passes_total", {}),
+}
+
+
+def tier_metrics() -> Metrics:
+    """A new registry of the tier mover's metrics (``acs_tier_*``)."""
+    return Metrics(TIER_PREFIX, TIER_METRICS)
 
 
 class TierMover:
@@ -127,6 +161,9 @@ class TierMover:
         ``time.time`` (retention ages).
     lease_seconds : float
         The stream's tier lease: a mover that died holds it this long.
+    metrics : Metrics, optional
+        Where counts, tier lag and pass durations go (default: a registry of its own,
+        :func:`tier_metrics`); ``acs-tier-mover`` serves it on ``/metrics``.
     """
 
     def __init__(
@@ -141,6 +178,7 @@ class TierMover:
         tier_factory: Optional[Callable[[str], TierStore]] = None,
         clock: Callable[[], float] = time.time,
         lease_seconds: float = DEFAULT_TIER_LEASE_S,
+        metrics: Optional[Metrics] = None,
     ) -> None:
         self.store = open_store(root, create=False)
         self.path = DurableReadPath(self.store)  # the seal rule is proven on the hot store itself
@@ -156,23 +194,73 @@ class TierMover:
         self.writer = new_writer_id()
         self._leases: Dict[str, StoreLease] = {}
         self.lease_seconds = lease_seconds
+        self.metrics = metrics if metrics is not None else tier_metrics()
+        # _lag_lock guards _lag and last_failed (the pass thread writes them, /healthz reads them).
+        self._lag_lock = threading.Lock()
+        #: Per stream, per shard: sealed files not yet tiered, their bytes, and whether the shard
+        #: waits for an unsealed file (the lag gauges sum them per stream).
+        self._lag: Dict[str, Dict[int, Tuple[int, int, int]]] = {}
+        #: Streams whose pass failed in the last :meth:`run_once`, with the error.
+        self.last_failed: Dict[str, str] = {}
 
     # -- the daemon loop ------------------------------------------------------------------------
 
     def run_once(self) -> PassReport:
         """One pass over every served stream; a stream whose pass fails is logged and skipped
         (the next pass retries it). Returns the summed counts."""
+        started = time.monotonic()
         total = PassReport()
+        failed: Dict[str, str] = {}
         for stream in self.streams if self.streams is not None else self.store.list_streams():
             try:
                 settings = stream_tier_settings(self.store, stream)
                 if not settings.enabled:
+                    self._forget_lag(stream)
                     continue
                 total.add(self.run_stream(stream, settings))
             except AcsError as exc:
-                total.failed_streams += 1
+                self._count(total, stream, "failed_streams")
+                failed[stream] = str(exc)
                 log.warning("tier pass of stream %r failed (retried next pass): %s", stream, exc)
+        with self._lag_lock:
+            self.last_failed = failed
+        self.metrics.observe("pass_seconds", time.monotonic() - started)
+        self.metrics.set("last_pass_timestamp_seconds", time.time())
         return total
+
+    # -- counts and lag -------------------------------------------------------------------------
+
+    def _count(self, report: PassReport, stream: str, field: str, n: int = 1) -> None:
+        """Add ``n`` to ``report.field`` and to its metric (:data:`_REPORT_METRICS`)."""
+        setattr(report, field, getattr(report, field) + n)
+        metric = _REPORT_METRICS.get(field)
+        if metric is not None and n:
+            self.metrics.inc(metric[0], n, stream=stream, **metric[1])
+
+    def _set_lag(self, stream: str, shard: int, files: int, nbytes: int, unsealed: int) -> None:
+        """Record a shard's tier lag and export the stream's sums."""
+        with self._lag_lock:
+            shards = self._lag.setdefault(stream, {})
+            shards[shard] = (files, nbytes, unsealed)
+            sums = [sum(v[i] for v in shards.values()) for i in range(3)]
+        self.metrics.set("lag_files", sums[0], stream=stream)
+        self.metrics.set("lag_bytes", sums[1], stream=stream)
+        self.metrics.set("waiting_unsealed", sums[2], stream=stream)
+
+    def _forget_lag(self, stream: str) -> None:
+        """A stream this mover does not tier (any more): no lag series for it."""
+        with self._lag_lock:
+            known = self._lag.pop(stream, None) is not None
+        if known:
+            for name in ("lag_files", "lag_bytes", "waiting_unsealed"):
+                self.metrics.remove(name, stream=stream)
+
+    def lag(self) -> Dict[str, Tuple[int, int]]:
+        """Per stream: ``(files, bytes)`` sealed and not yet tiered, as the last pass saw them
+        (thread-safe)."""
+        with self._lag_lock:
+            return {stream: (sum(v[0] for v in shards.values()), sum(v[1] for v in shards.values()))
+                    for stream, shards in self._lag.items()}
 
     def close(self) -> None:
         """Give up the tier leases this mover holds."""
@@ -207,6 +295,7 @@ class TierMover:
         settings = settings or stream_tier_settings(self.store, stream)
         report = PassReport()
         if not settings.enabled:
+            self._forget_lag(stream)
             return report
         lease = self._lease(stream)
         tier = self._tier(settings.uri)
@@ -226,6 +315,7 @@ class TierMover:
         pending = [f for f in self.store.list_files(stream, shard) if f not in records]
         lengths = self.store.lengths([f"{folder}/{f}" for f in pending])
         ready: List[Tuple[str, int]] = []
+        unsealed = 0
         for name in pending:
             n = lengths.get(f"{folder}/{name}")
             if n is None:
@@ -234,8 +324,11 @@ class TierMover:
             end, sealed = self._boundaries.boundary(self.path, f"{folder}/{name}", n)
             if not (sealed and end == n):
                 report.waiting_unsealed += 1
+                unsealed = 1
                 break  # the seal rule: this file and every later one wait
             ready.append((name, n))
+        lag_files, lag_bytes = len(ready), sum(n for _, n in ready)
+        self._set_lag(stream, shard, lag_files, lag_bytes, unsealed)
         for batch in self._batches(ready):
             if lease.due():
                 lease.renew()
@@ -244,9 +337,12 @@ class TierMover:
                 break  # keep order: later files wait for this batch
             records.update(new)
             write_manifest(self.store, stream, shard, records)  # the index, after the data
-            report.uploaded_files += len(new)
-            report.uploaded_bytes += sum(n for _, n in batch)
-            report.objects += 1
+            nbytes = sum(n for _, n in batch)
+            self._count(report, stream, "uploaded_files", len(new))
+            self._count(report, stream, "uploaded_bytes", nbytes)
+            self._count(report, stream, "objects")
+            lag_files, lag_bytes = lag_files - len(new), lag_bytes - nbytes
+            self._set_lag(stream, shard, lag_files, lag_bytes, unsealed)
         return records
 
     def _batches(self, files: List[Tuple[str, int]]) -> Iterator[List[Tuple[str, int]]]:
@@ -274,7 +370,8 @@ class TierMover:
                 records, headers = self._verify(folder, tier, key, batch, crcs)
                 records = self._put_index(tier, key, headers, records)
             except (TierUploadError, CorruptFileError) as exc:
-                report.abandoned_objects += 1
+                self._count(report, stream, "abandoned_objects")
+                self._count(report, stream, "verify_failures" if isinstance(exc, CorruptFileError) else "upload_failures")
                 log.warning("tier upload of %s (%d files) to %s abandoned, uploading under a new name: %s",
                             folder, len(batch), key, exc)
                 continue
@@ -413,9 +510,10 @@ class TierMover:
                     continue
                 for name in old:
                     self.store.delete(f"{shard_dir(stream, shard)}/{name}")  # hot copy first
-                    report.hot_deleted += 1 if any(h[1] == name and h[2] == shard for h in hot) else 0
+                    self._count(report, stream, "hot_deleted",
+                                1 if any(h[1] == name and h[2] == shard for h in hot) else 0)
                     del records[name]
-                    report.secondary_deleted += 1
+                    self._count(report, stream, "secondary_deleted")
                 hot = [h for h in hot if not (h[2] == shard and h[1] in old)]
                 write_manifest(self.store, stream, shard, records)
             total = sum(h[3] for h in hot)
@@ -430,7 +528,7 @@ class TierMover:
             if too_old or too_big:
                 self.store.delete(f"{shard_dir(stream, shard)}/{name}")
                 total -= size
-                report.hot_deleted += 1
+                self._count(report, stream, "hot_deleted")
 
     def _sweep(self, stream: str, tier: TierStore, manifests: Dict[int, Dict[str, TierRecord]],
                report: PassReport, owner: str) -> None:
@@ -445,4 +543,4 @@ class TierMover:
             if mtime is not None and now - mtime < self.orphan_grace_s:
                 continue
             tier.delete(key)
-            report.swept_objects += 1
+            self._count(report, stream, "swept_objects")
