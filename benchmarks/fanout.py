@@ -446,6 +446,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                 client = r["client_cpu_per_gb"] / max(q["client_cpu_per_gb"], 1e-9)
                 print(f"  {kind:<8} N={n:>3}: MB/s {r['mb_s'] / max(q['mb_s'], 1e-9):.2f}x  "
                       f"p99 {r['p99'] / max(q['p99'], 1e-9):.2f}x  server CPU/GB {cpu}x  client CPU/GB {client:.2f}x")
+    # Where the CPU goes: the cores the asked load (N x rate) needs by each column's measured
+    # CPU per GB -- on this machine the sum must stay below os.cpu_count() to keep up.
+    print(f"\nCPU the asked load needs ({os.cpu_count()} cores here): consumers + servers, in cores")
+    for n in ns:
+        gb_s = n * args.rate_mb / 1000.0
+        parts = []
+        for kind in table:
+            r = table[kind].get(n)
+            if r is not None:
+                server = r["cpu_per_gb"] * gb_s if kind != "durable" else 0.0
+                parts.append(f"{kind} {r['client_cpu_per_gb'] * gb_s:.2f} + {server:.2f}")
+        print(f"  N={n:>3}: " + "   ".join(parts))
     note = plot(args.plot, table) if table else None
     if note:
         notes.append(note)
