@@ -36,7 +36,7 @@ test: setup check-java
 # Benchmarks print figures and ratios against peers run in the same process (redis-server for
 # the cache: apt-get install -y redis-server; without it that comparison is skipped with a note).
 bench: setup check-java
-	$(BIN)/pip install --quiet --progress-bar off redis matplotlib  # the bench extra, without reinstalling the package
+	$(BIN)/pip install --quiet --progress-bar off "redis[hiredis]" matplotlib  # the bench extra, without reinstalling the package
 	$(BIN)/python benchmarks/produce_consume.py
 	$(BIN)/python benchmarks/cache_throughput.py
 	$(BIN)/python benchmarks/fanout.py

@@ -840,3 +840,29 @@ def test_a_header_key_that_is_not_utf8_is_refused_by_send_and_loses_nothing(root
     c = Consumer(root, "hk")
     assert [r["value"] for b in c.batches(timeout=0.3) for r in b.to_pylist()] == [b"before", b"after"]
     c.close()
+
+
+def test_produce_and_consume_do_not_import_pandas(tmp_path):
+    """pyarrow's object conversion imports pandas on first use (0.5-3 s of CPU per process);
+    the producer and consumer paths build their arrays from buffers instead (format/arrays.py),
+    so N consumer processes do not all pay it at their first message."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from pyspark_acs import Consumer, Producer
+with Producer({str(tmp_path)!r}, "s", data_cache="none", metadata_cache="none") as p:
+    p.send(b"a"); p.send("b"); p.send(None); p.send_many([b"x", b"y"], keys=[b"k", None]); p.flush()
+c = Consumer({str(tmp_path)!r}, "s", data_cache="none", metadata_cache="none", start="earliest")
+n = 0
+for batch in c.batches(timeout=5):
+    n += batch.num_rows
+    if n >= 5:
+        break
+c.close()
+print(n, "pandas" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["5", "False"]

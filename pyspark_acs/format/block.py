@@ -59,6 +59,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pyspark_acs.errors import ChecksumMismatchError, CorruptFileError, TruncatedBlockError
+from pyspark_acs.format.arrays import binary_array, int64_array
 
 __all__ = [
     "BLOCK_SCHEMA",
@@ -158,10 +159,7 @@ def _binary(values: Any, what: str) -> pa.BinaryArray:
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
     if not isinstance(values, pa.Array):
-        try:
-            values = pa.array(values, type=pa.binary())
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
-            raise TypeError(f"{what} must be bytes, str or None: {exc}") from exc
+        values = binary_array(values, what)  # raises TypeError naming the bad value
     if not pa.types.is_binary(values.type):
         if not (
             pa.types.is_string(values.type)
@@ -207,7 +205,7 @@ def _timestamps(timestamps: Any, count: int) -> bytes:
         if timestamps.null_count:
             timestamps = pc.fill_null(timestamps, _now_us())
     else:
-        timestamps = pa.array(timestamps, type=pa.int64())
+        timestamps = int64_array(timestamps)
     if len(timestamps) != count:
         raise ValueError(f"got {len(timestamps)} timestamps for {count} messages")
     if timestamps.offset:
@@ -495,7 +493,7 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
             f"{path or '<buffer>'} at byte {pos}: block first_index {h.first_index} with {n} messages is out of "
             f"range (0..{MAX_MESSAGE_INDEX})", path=path, position=pos)
     if n == 0:  # a seal or an empty block: nothing to slice (a seal's body is empty)
-        return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in schema], schema=schema)
+        return pa.RecordBatch.from_arrays([pa.nulls(0, f.type) for f in schema], schema=schema)
     at = start
     end = start + h.body_len
 

@@ -25,6 +25,7 @@ import pyarrow as pa
 from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.cache.poller import PUSH_SAFETY_POLL_S
 from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError
+from pyspark_acs.format.arrays import constant_array
 from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, decode_block
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
@@ -208,7 +209,6 @@ class ShardTailer:
         if not blocks:
             return False  # no complete block yet (or the read path postponed the bytes)
         buf = pa.py_buffer(data)
-        file_arr = None
         for at, header in blocks:
             if header.count:
                 try:
@@ -220,19 +220,13 @@ class ShardTailer:
                     if self.length == start:
                         raise
                     break
-                if file_arr is None:
-                    file_arr = (
-                        pa.repeat(pa.scalar(self.stream, pa.string()), 1),
-                        pa.scalar(self.shard, pa.int32()),
-                        pa.scalar(self.file, pa.string()),
-                    )
                 n = batch.num_rows
                 out.append(
                     pa.RecordBatch.from_arrays(
                         [
-                            pa.repeat(file_arr[0][0], n),
-                            pa.repeat(file_arr[1], n),
-                            pa.repeat(file_arr[2], n),
+                            constant_array(self.stream, pa.string(), n),
+                            constant_array(self.shard, pa.int32(), n),
+                            constant_array(self.file, pa.string(), n),
                             *batch.columns,
                         ],
                         schema=self.schema,

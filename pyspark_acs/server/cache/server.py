@@ -314,12 +314,14 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
                 apply(req)
 
         reader = asyncio.ensure_future(pump())
+        # The reader's end wakes the sender too, so the sender waits on one event only: a task
+        # and asyncio.wait() per pushed message cost more CPU than the message itself.
+        reader.add_done_callback(lambda _: stream.wake.set())
         try:
             while not reader.done():
                 if not stream.marked:
-                    waiter = asyncio.ensure_future(stream.wake.wait())
-                    await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
+                    stream.wake.clear()
+                    await stream.wake.wait()
                     continue
                 first, second = take()
                 if first:

@@ -1,0 +1,99 @@
+"""Arrow arrays built from Python values without ``pyarrow``'s object conversion.
+
+``pa.array(...)`` and ``pa.scalar(...)`` on Python objects import pandas the first time they
+run (pyarrow checks every value against pandas' missing-value types). That import costs
+0.5-3 s of CPU per process -- paid by every producer at its first flush and by every consumer
+at its first message. Measured in ``benchmarks/fanout.py``: 32 consumer processes importing
+pandas at once at the first message put the 2-core machine seconds behind, and the caches'
+deadlines then failed over to the durable store. The hot paths build their arrays here instead,
+straight from buffers: no pandas, and no per-value conversion in pyarrow either.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from itertools import accumulate
+from typing import Any, Optional, Sequence
+
+import pyarrow as pa
+
+__all__ = ["binary_array", "constant_array", "int64_array"]
+
+#: Largest total bytes of a ``pa.binary()`` array (its offsets are int32).
+MAX_BINARY_BYTES = 2**31 - 1
+
+_LITTLE = sys.byteorder == "little"
+
+
+def _le(a: "array[int]") -> bytes:
+    if not _LITTLE:  # pragma: no cover - big-endian hosts
+        a.byteswap()
+    return a.tobytes()
+
+
+def binary_array(values: Sequence[Any], what: str = "values") -> pa.BinaryArray:
+    """A ``pa.binary()`` array of ``values`` (``bytes``-like, ``str`` as UTF-8, or ``None``).
+
+    Raises
+    ------
+    TypeError
+        A value of another type (names its position), or more than 2 GiB in all.
+    """
+    n = len(values)
+    items = values
+    validity: Optional[bytearray] = None
+    if not all(type(v) is bytes for v in values):  # the common case needs no second list
+        items = []
+        for i, v in enumerate(values):
+            if v is None:
+                if validity is None:
+                    validity = bytearray(b"\xff" * ((n + 7) // 8))
+                validity[i >> 3] &= ~(1 << (i & 7)) & 0xFF
+                items.append(b"")
+            elif isinstance(v, str):
+                items.append(v.encode("utf-8"))
+            elif isinstance(v, (bytes, bytearray, memoryview)):
+                items.append(bytes(v))
+            else:
+                raise TypeError(f"{what}[{i}] must be bytes, str or None, got {type(v).__name__}")
+    if validity is not None and n & 7:
+        validity[-1] &= (1 << (n & 7)) - 1  # padding bits zero, as Arrow writes them (the block CRC covers them)
+    lengths = list(map(len, items))
+    total = sum(lengths)
+    if total > MAX_BINARY_BYTES:
+        raise TypeError(f"{what}: {total} bytes in one batch, more than {MAX_BINARY_BYTES} (split it)")
+    offsets = array("i", accumulate(lengths, initial=0))
+    buffers = [None if validity is None else pa.py_buffer(bytes(validity)),
+               pa.py_buffer(_le(offsets)), pa.py_buffer(b"".join(items))]
+    return pa.Array.from_buffers(pa.binary(), n, buffers, null_count=-1 if validity is not None else 0)
+
+
+def int64_array(values: Sequence[int], what: str = "timestamps") -> pa.Int64Array:
+    """A ``pa.int64()`` array of Python ints (no nulls).
+
+    Raises
+    ------
+    TypeError
+        A value that is not an int in the int64 range.
+    """
+    try:
+        raw = array("q", values)
+    except (TypeError, OverflowError) as exc:
+        raise TypeError(f"{what} must be ints (int64): {exc}") from exc
+    return pa.Array.from_buffers(pa.int64(), len(raw), [None, pa.py_buffer(_le(raw))], null_count=0)
+
+
+def constant_array(value: Any, type_: pa.DataType, n: int) -> pa.Array:
+    """``n`` copies of one ``str`` (``pa.string()``) or ``int`` (``pa.int32()``/``pa.int64()``)."""
+    if pa.types.is_string(type_):
+        data = value.encode("utf-8")
+        one = pa.Array.from_buffers(type_, 1, [None, pa.py_buffer(struct.pack("<ii", 0, len(data))),
+                                                 pa.py_buffer(data)], null_count=0)
+        return pa.repeat(one[0], n)
+    if pa.types.is_int32(type_):
+        return pa.Array.from_buffers(type_, n, [None, pa.py_buffer(struct.pack("<i", value) * n)], null_count=0)
+    if pa.types.is_int64(type_):
+        return pa.Array.from_buffers(type_, n, [None, pa.py_buffer(struct.pack("<q", value) * n)], null_count=0)
+    raise TypeError(f"constant_array: unsupported type {type_}")
