@@ -55,3 +55,53 @@ def test_a_destination_whose_retention_deleted_old_files_is_not_sent_them_again(
         env.stop()
         for d in caches.values():
             d.stop()
+
+
+def test_a_hello_racing_the_destinations_mover_never_recreates_a_tiered_file(root, s3, tmp_path, monkeypatch):
+    """The destination's mover deletes a tiered file's hot copy between the writer's check
+    that the hot copy exists and its open for appending (the interleaving is forced here: the
+    hot copy is deleted right after ``exists`` answered True, as the mover's retention does
+    at any moment). The writer must not create the file again, empty, in the hot store and
+    ask the parent for all of it from byte 0: a tiered file is whole and sealed here whether
+    or not its hot copy still exists."""
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.server.copy.cluster import ClusterIO
+    from pyspark_acs.server.copy.metrics import CopyMetrics
+    from pyspark_acs.server.copy.options import CopyDaemonOptions
+    from pyspark_acs.server.copy.proto import copy_pb2
+    from pyspark_acs.server.copy.topology import Cluster
+    from pyspark_acs.server.copy.writer import CopyServicer
+    from tests._harness import start_caches
+    from tests.test_tiered import make_stream
+
+    make_stream(root, "race", 60)
+    before = file_bytes(root, "race")
+    configure_tier(root, "race", tier_uri(s3, "r2"))  # tiered, hot copies kept (no hot retention)
+    run_pass(root)
+    oldest = sorted(before)[0]
+    rel = f"{shard_dir('race', 0)}/{oldest}"
+    assert oldest in read_manifest(DurableStore(root), "race", 0) and oldest in hot_files(root, "race")
+    deps = start_caches(tmp_path / "caches", clusters=("B",))
+    io = ClusterIO(Cluster("B", root, tuple(deps["B"].endpoints("data")), tuple(deps["B"].endpoints("metadata")),
+                           "127.0.0.1:1"))
+    exists = io.store.exists
+
+    def exists_then_mover_deletes(r: str) -> bool:
+        there = exists(r)
+        if r == rel and there:
+            DurableStore(root).delete(r)  # the mover's hot retention, right now
+        return there
+
+    monkeypatch.setattr(io.store, "exists", exists_then_mover_deletes)
+    try:
+        servicer = CopyServicer(io, CopyDaemonOptions(), CopyMetrics("B"))
+        common = dict(stream="race", shard=0, file=oldest, storage=copy_pb2.DURABLE, shards=1, operation="op-1",
+                      source_cluster="A")
+        acks = list(servicer.Copy(iter([copy_pb2.CopyRequest(hello=True, **common)]), None))
+        assert acks[0].status == copy_pb2.OK
+        assert oldest not in hot_files(root, "race"), "the tiered file was created again (empty) in the hot store"
+        assert acks[0].length == len(before[oldest]), f"the parent is asked to copy from byte {acks[0].length}"
+    finally:
+        io.close()
+        for d in deps.values():
+            d.stop()
