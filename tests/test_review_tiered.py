@@ -60,8 +60,7 @@ def test_a_destination_whose_retention_deleted_old_files_is_not_sent_them_again(
 def test_a_hello_racing_the_destinations_mover_never_recreates_a_tiered_file(root, s3, tmp_path, monkeypatch):
     """The destination's mover deletes a tiered file's hot copy between the writer's check
     that the hot copy exists and its open for appending (the interleaving is forced here: the
-    hot copy is deleted right after ``exists`` answered True, as the mover's retention does
-    at any moment). The writer must not create the file again, empty, in the hot store and
+    hot copy is deleted just before the open, as the mover's retention may at any moment). The writer must not create the file again, empty, in the hot store and
     ask the parent for all of it from byte 0: a tiered file is whole and sealed here whether
     or not its hot copy still exists."""
     from pyspark_acs.format.names import shard_dir
@@ -84,22 +83,23 @@ def test_a_hello_racing_the_destinations_mover_never_recreates_a_tiered_file(roo
     deps = start_caches(tmp_path / "caches", clusters=("B",))
     io = ClusterIO(Cluster("B", root, tuple(deps["B"].endpoints("data")), tuple(deps["B"].endpoints("metadata")),
                            "127.0.0.1:1"))
-    exists = io.store.exists
+    open_appender = io.store.open_appender
 
-    def exists_then_mover_deletes(r: str) -> bool:
-        there = exists(r)
-        if r == rel and there:
-            DurableStore(root).delete(r)  # the mover's hot retention, right now
-        return there
+    def mover_deletes_then_open(r: str):
+        if r == rel:
+            DurableStore(root).delete(r)  # the mover's hot retention, between the writer's look and its open
+        return open_appender(r)
 
-    monkeypatch.setattr(io.store, "exists", exists_then_mover_deletes)
+    monkeypatch.setattr(io.store, "open_appender", mover_deletes_then_open)
     try:
         servicer = CopyServicer(io, CopyDaemonOptions(), CopyMetrics("B"))
         common = dict(stream="race", shard=0, file=oldest, storage=copy_pb2.DURABLE, shards=1, operation="op-1",
                       source_cluster="A")
         acks = list(servicer.Copy(iter([copy_pb2.CopyRequest(hello=True, **common)]), None))
         assert acks[0].status == copy_pb2.OK
-        assert oldest not in hot_files(root, "race"), "the tiered file was created again (empty) in the hot store"
+        hot = file_bytes(root, "race")
+        assert hot.get(oldest, before[oldest]) == before[oldest], \
+            f"the tiered file was created again in the hot store with {len(hot[oldest])} bytes"
         assert acks[0].length == len(before[oldest]), f"the parent is asked to copy from byte {acks[0].length}"
     finally:
         io.close()
