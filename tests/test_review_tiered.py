@@ -105,3 +105,26 @@ def test_a_hello_racing_the_destinations_mover_never_recreates_a_tiered_file(roo
         io.close()
         for d in deps.values():
             d.stop()
+
+
+def test_a_file_with_a_deposed_writers_bytes_after_its_seal_still_tiers(root, s3):
+    """On a store without the local append lock (HDFS) a deposed writer's append can land
+    after the seal its successor wrote (tests/test_write_path.py shows it; readers never read
+    past a seal). Such a file is sealed: it, and every later file of the shard, must still
+    tier; the mover must not wait for it forever as if it were unsealed."""
+    from pyspark_acs.format.block import encode_block
+    from pyspark_acs.format.names import shard_dir
+    from tests.test_tiered import make_stream
+
+    make_stream(root, "late", 60)
+    before = file_bytes(root, "late")
+    oldest = sorted(before)[0]
+    app = DurableStore(root).open_appender(f"{shard_dir('late', 0)}/{oldest}")
+    app.write(encode_block([b"never acknowledged"], first_index=10_000))  # after the seal
+    app.close()
+    configure_tier(root, "late", tier_uri(s3, "r3"))
+    report = run_pass(root)
+    recorded = read_manifest(DurableStore(root), "late", 0)
+    assert sorted(recorded) == sorted(before), \
+        f"tiered {len(recorded)} of {len(before)} sealed files; waiting_unsealed={report.waiting_unsealed}"
+    assert read_all(root, "late", 60) == [msg(i) for i in range(60)]
