@@ -221,6 +221,7 @@ class CopyScheduler:
                 self._yielded.clear()
                 # A child fed again later is asked again what it has (it may have been fed by another parent).
                 self._surveyed = {k for k in self._surveyed if k[2] in children.get(k[0], ())}
+                self._floors = {k: v for k, v in self._floors.items() if k in self._surveyed}
             stale = [op for key, (op, _) in self._ops.items() if key.child not in children.get(key.stream, ())]
             for key in [k for k in self._parked if k.child not in children.get(k.stream, ())]:
                 self._unpark(key)
