@@ -205,6 +205,9 @@ def _timestamps(timestamps: Any, count: int) -> bytes:
         if timestamps.null_count:
             timestamps = pc.fill_null(timestamps, _now_us())
     else:
+        if any(t is None for t in timestamps):  # documented: nulls become now
+            now = _now_us()
+            timestamps = [now if t is None else t for t in timestamps]
         timestamps = int64_array(timestamps)
     if len(timestamps) != count:
         raise ValueError(f"got {len(timestamps)} timestamps for {count} messages")

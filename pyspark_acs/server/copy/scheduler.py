@@ -19,8 +19,10 @@ Rules the scheduler owns (one place each):
 * **What a child already has** (:meth:`CopyScheduler._survey`): when the scheduler starts
   feeding a child (a daemon restart, a tree change) it asks the child's daemon once per shard
   which files it holds (the ``Files`` RPC): those exist there (file order), and those sealed
-  there are complete (their operations are done). Without it a restarted daemon would run one
-  operation per file, one file at a time, before it reached the files still being written.
+  there are complete (their operations are done), and files older than the oldest it holds
+  were deleted there by its own retention (never copied there again). Without it a restarted
+  daemon would run one operation per file, one file at a time, before it reached the files
+  still being written.
 * **Idle operations yield** (:meth:`CopyScheduler._park`): an operation that has copied
   everything of an unsealed file that stopped growing is parked when other operations wait
   for a worker slot, and started again once the file's length moves (its seal moves it), so
@@ -129,6 +131,10 @@ class CopyScheduler:
         self._created: Set[Tuple[str, int, str, str]] = set()
         #: (stream, shard, child) whose files at the child were asked for (:meth:`_survey`).
         self._surveyed: Set[Tuple[str, int, str]] = set()
+        #: (stream, shard, child) -> the oldest file the child held when surveyed: files before
+        #: it that it lacks were deleted there by its own retention (THE FILE ORDER RULE creates
+        #: files at a child oldest first), and are never copied there again.
+        self._floors: Dict[Tuple[str, int, str], str] = {}
         #: Running operations caught up with their source file, since when (monotonic).
         self._idle_since: Dict[OpKey, float] = {}
         #: Parked operations: (acknowledged length, the poller wake event following the file).
@@ -215,6 +221,7 @@ class CopyScheduler:
                 self._yielded.clear()
                 # A child fed again later is asked again what it has (it may have been fed by another parent).
                 self._surveyed = {k for k in self._surveyed if k[2] in children.get(k[0], ())}
+                self._floors = {k: v for k, v in self._floors.items() if k in self._surveyed}
             stale = [op for key, (op, _) in self._ops.items() if key.child not in children.get(key.stream, ())]
             for key in [k for k in self._parked if k.child not in children.get(k.stream, ())]:
                 self._unpark(key)
@@ -399,7 +406,10 @@ class CopyScheduler:
             for shard in range(self._shards.get(stream, 0)):
                 files = self._files.get((stream, shard), [])
                 for child in children:
+                    floor = self._floors.get((stream, shard, child), "")
                     for file in files:
+                        if file < floor:
+                            continue  # deleted at the child by its retention (see _floors)
                         for storage in STORAGES:
                             key = OpKey(stream, shard, file, storage, child)
                             if self._runnable(key, now):
@@ -439,6 +449,10 @@ class CopyScheduler:
                     complete = 0
                     with self._lock:
                         self._surveyed.add(target)
+                        if reply.files:
+                            self._floors[target] = min(f.name for f in reply.files)
+                        else:
+                            self._floors.pop(target, None)
                         for f in reply.files:
                             self._created.add((stream, shard, f.name, child))
                             if f.sealed:

@@ -318,12 +318,14 @@ class _DurableWriter(_OpWriter):
         return _ack(copy_pb2.OK, self.position, durable_length=self.position)
 
     def _tiered_here(self) -> Optional[copy_pb2.CopyAck]:
-        """The answer to a hello for a file this cluster holds only in its secondary store (its
-        own tier mover tiered it, which only sealed, whole files are, and deleted the hot copy):
-        the whole length, and no file created in the hot store again (the parent's reader then
-        finishes the operation at the seal). ``None`` for any other file."""
-        if self.io.store.exists(self.rel):
-            return None
+        """The answer to a hello for a file this cluster's own tier mover tiered (which only
+        sealed, whole files are): the whole length, and nothing opened or created in the hot
+        store (the parent's reader then finishes the operation at the seal). ``None`` for any
+        other file.
+
+        The record decides, not the hot copy: the mover may delete the hot copy at any moment,
+        and a hot copy found a moment ago and then opened for appending would be created again,
+        empty, and the whole file asked for again from byte 0."""
         record = self.s.files.record(self.rel, fresh=True)
         if record is None:
             return None

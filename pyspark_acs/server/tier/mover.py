@@ -322,11 +322,14 @@ class TierMover:
                 continue  # gone meanwhile
             # The read side's seal rule; the walk resumes where the last pass left the file.
             end, sealed = self._boundaries.boundary(self.path, f"{folder}/{name}", n)
-            if not (sealed and end == n):
+            if not sealed:
                 report.waiting_unsealed += 1
                 unsealed = 1
                 break  # the seal rule: this file and every later one wait
-            ready.append((name, n))
+            # The file ends at its seal: bytes after it (a deposed writer's late append on a
+            # store without the local append lock) are never read, so they are not tiered, and
+            # they must not hold this file and every later one back as if it were unsealed.
+            ready.append((name, end))
         lag_files, lag_bytes = len(ready), sum(n for _, n in ready)
         self._set_lag(stream, shard, lag_files, lag_bytes, unsealed)
         for batch in self._batches(ready):
@@ -519,8 +522,10 @@ class TierMover:
             total = sum(h[3] for h in hot)
         for mtime, name, shard, size in hot:
             rec = manifests[shard].get(name)
-            if rec is None or rec.length != size:
-                continue  # never delete a hot file that is not verified in the secondary store
+            # Never delete a hot file that is not verified in the secondary store (one longer
+            # than its record holds only bytes after its seal, which are never read).
+            if rec is None or rec.length > size:
+                continue
             if name == newest.get(shard):
                 continue
             too_old = settings.hot_retention_s is not None and now - mtime > settings.hot_retention_s
