@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import time
 import zlib
 
 import pyarrow as pa
@@ -348,3 +349,15 @@ def test_a_slice_that_leaves_out_a_null_header_key_is_accepted():
     arr = pa.array([[{"key": None, "value": b"0"}], [{"key": "k", "value": b"v"}]], HEADERS_TYPE).slice(1)
     _, batch = decode_block(encode_block([b"x"], headers=arr), headers=True)
     assert batch.column("headers").to_pylist() == [[{"key": "k", "value": b"v"}]]
+
+
+def test_encode_block_still_turns_null_timestamps_into_now():
+    """encode_block documents ``timestamps`` as a sequence of ints in which "Nulls become
+    now"; before 83c3483 a Python list holding None was accepted (pa.array made it a null,
+    filled with now). The buffer-built int64 array must keep that, not raise TypeError."""
+    before = time.time_ns() // 1000
+    block = encode_block([b"a", b"b", b"c"], timestamps=[5, None, 7])
+    after = time.time_ns() // 1000
+    _, batch = decode_block(block)
+    stamps = batch.column("timestamp").cast(pa.int64()).to_pylist()
+    assert stamps[0] == 5 and stamps[2] == 7 and before <= stamps[1] <= after

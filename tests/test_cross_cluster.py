@@ -371,9 +371,14 @@ def test_restarted_daemons_ask_children_what_they_have(make_env, caches):
         for c, proc in restarted.items():
             known = metric(proc, "files_surveyed_total", state="complete")
             assert known >= complete, (c, known, complete, env.logs())
-            # Durable operations ran only for files that were not complete at the child.
+            # Durable operations ran only for files that were not complete at the child -- at
+            # each child the daemon fed: on a loaded machine A may find the restarted B slow,
+            # mark it unhealthy and feed C directly for a while (review: 24-36 operations for
+            # 22 new files, each counted once per child).
+            children = {t for t in ("B", "C") if t != c and any(
+                metric(d, "bytes_total", source=c, target=t, storage="durable") > 0 for d in env.daemons.get(t, ()))}
             ran = metric(proc, "operations_finished_total", storage="durable")
-            assert ran <= new, (c, ran, new)
+            assert ran <= new * max(1, len(children)), (c, ran, new, children)
     finally:
         for w in watchers:
             w.stop()
