@@ -90,19 +90,21 @@ class _Tally:
             self.first_sent_us = sent_us
         if sent_us - self.first_sent_us < WARMUP_S * 1e6:
             return
-        delay_ms = (now_us - sent_us) / 1000.0
+        self._offer((now_us - sent_us) / 1000.0)
+
+    def _offer(self, delay_ms: float) -> None:
+        """Reservoir sampling over every delay offered (one rule for both ways of counting)."""
+        self.offered += 1
         if len(self.samples) < SAMPLES:
             self.samples.append(delay_ms)
         else:
-            j = self._rnd.randrange(self.n)
+            j = self._rnd.randrange(self.offered)
             if j < SAMPLES:
                 self.samples[j] = delay_ms
 
     def add_many(self, sent_us: "Any", now_us: int, nbytes: int) -> None:
         """A batch of messages (``sent_us``: a numpy int64 array) received at ``now_us``: what
         :meth:`add` does per message, vectorized (the Arrow consumers' natural shape)."""
-        import numpy as np
-
         n = len(sent_us)
         if not n:
             return
@@ -113,15 +115,8 @@ class _Tally:
         kept = sent_us[sent_us - self.first_sent_us >= WARMUP_S * 1e6]
         if not len(kept):
             return
-        delays = ((now_us - kept) / 1000.0).tolist()
-        for d in delays:  # reservoir sampling over the delays offered so far
-            self.offered += 1
-            if len(self.samples) < SAMPLES:
-                self.samples.append(d)
-            else:
-                j = self._rnd.randrange(self.offered)
-                if j < SAMPLES:
-                    self.samples[j] = d
+        for d in ((now_us - kept) / 1000.0).tolist():
+            self._offer(d)
 
     def tick(self, force: bool = False) -> None:
         now = time.monotonic()
