@@ -4,6 +4,7 @@ once, cache clients kept between micro-batches -- with the exactly-once protocol
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pyarrow as pa
@@ -98,6 +99,39 @@ def test_cache_clients_are_kept_between_micro_batches(root, tmp_path):
         kept = dict(sink_module._commit_clients)
         w.commit(task_messages(w, 1), 1)
         assert sink_module._commit_clients == kept and len(kept) >= 1  # the same clients, not new ones
+        assert stream_values(root, data_cache=dep.data_endpoints, metadata_cache=dep.metadata_endpoints) \
+            == expected(range(2))
+    finally:
+        dep.stop()
+
+
+def test_a_batch_publishes_the_lengths_of_its_shards_together(root, tmp_path, monkeypatch):
+    """Shards are appended in parallel, but their lengths are published in one metadata write
+    after the last append, so a streaming reader finds the whole batch in one micro-batch
+    (published one by one, it took one micro-batch per shard)."""
+    from pyspark_acs.cache.metadata import MetadataCache
+
+    writes = []
+    real = MetadataCache.publish_many
+
+    def recording(self, lengths):
+        writes.append(list(lengths))
+        return real(self, lengths)
+
+    monkeypatch.setattr(MetadataCache, "publish_many", recording)
+    dep = LocalDeployment(tmp_path / "caches", data_replicas=1, metadata_replicas=1, capacity="32MiB").start()
+    try:
+        caches = {"dataCache": dep.data_endpoints, "metadataCache": dep.metadata_endpoints}
+        w = writer(root, **caches)
+        for batch_id in range(2):
+            w.commit(task_messages(w, batch_id), batch_id)
+        assert len(writes) == 2  # one write per batch ...
+        for lengths in writes:  # ... holding both shards' files, at the lengths the files have
+            assert sorted(uri.split("/")[-2] for uri, _, _ in lengths) == ["00000", "00001"]
+            for uri, cache_length, durable_length in lengths:
+                assert cache_length == durable_length
+        for uri, _, durable_length in writes[-1]:
+            assert durable_length == os.path.getsize(uri.replace("file://", "", 1))
         assert stream_values(root, data_cache=dep.data_endpoints, metadata_cache=dep.metadata_endpoints) \
             == expected(range(2))
     finally:

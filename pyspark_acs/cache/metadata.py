@@ -80,12 +80,18 @@ class MetadataCache:
 
     def publish(self, uri: str, *, cache_length: Optional[int] = None, durable_length: Optional[int] = None) -> None:
         """Publish a file's cache and/or durable length (majority write)."""
+        self.publish_many([(uri, cache_length, durable_length)])
+
+    def publish_many(self, lengths: Sequence[Tuple[str, Optional[int], Optional[int]]]) -> None:
+        """Publish ``(uri, cache length, durable length)`` of several files in one majority
+        write (``None``: that length is not published), so readers see them move together."""
         items = []
-        lc, ld = length_keys(uri)
-        if cache_length is not None:
-            items.append((lc, _len_value(cache_length), cache_length))
-        if durable_length is not None:
-            items.append((ld, _len_value(durable_length), durable_length))
+        for uri, cache_length, durable_length in lengths:
+            lc, ld = length_keys(uri)
+            if cache_length is not None:
+                items.append((lc, _len_value(cache_length), cache_length))
+            if durable_length is not None:
+                items.append((ld, _len_value(durable_length), durable_length))
         if items:
             self.client.put(items, ttl=LENGTH_TTL_S)
 

@@ -57,7 +57,7 @@ from pyspark.sql.types import (
 )
 
 from pyspark_acs.datasource.options import SinkOptions
-from pyspark_acs.errors import AcsError, AcsOptionError
+from pyspark_acs.errors import AcsError, AcsOptionError, CacheError
 from pyspark_acs.format.block import HEADER_SIZE, encode_block, encode_seal, rebase_blocks, scan_blocks
 from pyspark_acs.format.names import next_file_name, shard_dir, validate_stream
 from pyspark_acs.storage.store import DurableStore, open_store
@@ -420,6 +420,7 @@ class SinkCommitter:
         self.sink_id = sink_id
         self.writer_id = f"sink{sink_id}"
         self.dir = f"{opts.stream}/_sinks/{sink_id}"
+        self._held: Optional[_HeldLengths] = None  # length publications of the commit under way
 
     def _load(self, store: DurableStore, name: str) -> Optional[Dict[str, Any]]:
         raw = store.read_small(f"{self.dir}/{name}")
@@ -489,17 +490,23 @@ class SinkCommitter:
         shards_state = dict(state.get("shards", {}))
         order = sorted(intent["shards"], key=int)
         plans = {shard_s: intent["shards"][shard_s] for shard_s in order}
-        self._cache_clients()  # before the threads: they share the clients
-        if len(order) <= 1:
-            for shard_s in order:
-                shards_state[shard_s] = self._append_shard(store, int(shard_s), plans[shard_s])
-        else:
-            # Shards are independent (own writer, lease, file): append them at once. Every shard is
-            # tried even when one fails; the intent makes a retry complete the ones that did not land.
-            with ThreadPoolExecutor(min(COMMIT_THREADS, len(order)), thread_name_prefix="acs-sink-commit") as pool:
-                futures = {s_: pool.submit(self._append_shard, store, int(s_), plans[s_]) for s_ in order}
-            for shard_s in order:
-                shards_state[shard_s] = futures[shard_s].result()
+        _, meta = self._cache_clients()  # before the threads: they share the clients
+        self._held = _HeldLengths(meta) if meta is not None else None
+        try:
+            if len(order) <= 1:
+                for shard_s in order:
+                    shards_state[shard_s] = self._append_shard(store, int(shard_s), plans[shard_s])
+            else:
+                # Shards are independent (own writer, lease, file): append them at once. Every shard
+                # is tried even when one fails; the intent makes a retry complete the ones that did
+                # not land.
+                with ThreadPoolExecutor(min(COMMIT_THREADS, len(order)), thread_name_prefix="acs-sink-commit") as pool:
+                    futures = {s_: pool.submit(self._append_shard, store, int(s_), plans[s_]) for s_ in order}
+                for shard_s in order:
+                    shards_state[shard_s] = futures[shard_s].result()
+        finally:
+            if self._held is not None:
+                self._held.flush(self._cache_failed)  # what landed, even when a shard failed
         new_state = {"last_batch": batch_id if batch_id is not None else last, "shards": shards_state,
                      "updated": time.time()}
         store.write_small(f"{self.dir}/state.json", json.dumps(new_state).encode())
@@ -584,7 +591,7 @@ class SinkCommitter:
         """Append a shard's segments through its shard writer; return the shard's new sink state."""
         data, meta = self._cache_clients()
         writer = ShardWriter(
-            store, self.opts.stream, shard, self.writer_id, data=data, meta=meta, roll_bytes=2**62,
+            store, self.opts.stream, shard, self.writer_id, data=data, meta=self._held or meta, roll_bytes=2**62,
             roll_seconds=float("inf"), what=f"shard {shard} of stream {self.opts.stream!r} (acs sink)",
             on_cache_error=self._cache_failed,
         )
@@ -769,6 +776,44 @@ class SinkCommitter:
         for info in infos:
             if info.mtime is not None and info.mtime.timestamp() < cutoff:
                 self._delete_dir(store, f"{base}/{info.base_name}")
+
+
+class _HeldLengths:
+    """A metadata cache whose length publications are held until :meth:`flush`, then sent in
+    one write; everything else (leases, shard heads) goes through at once.
+
+    The commit appends a batch's shards in parallel; published one by one, their lengths
+    reached a streaming reader tens of milliseconds apart, and it read the batch in one
+    micro-batch per shard (the last shard's rows a whole micro-batch later). Held and sent
+    together, they move together. Publishing later is always safe: a length only promises
+    that the bytes below it are written. ``_lock`` guards ``_lengths`` (shard threads publish).
+    """
+
+    def __init__(self, meta: Any) -> None:
+        self._meta = meta
+        self._lock = threading.Lock()
+        self._lengths: Dict[str, List[Optional[int]]] = {}  # uri -> [cache length, durable length]
+
+    def publish(self, uri: str, *, cache_length: Optional[int] = None, durable_length: Optional[int] = None) -> None:
+        with self._lock:
+            held = self._lengths.setdefault(uri, [None, None])
+            for i, n in enumerate((cache_length, durable_length)):
+                if n is not None:
+                    held[i] = n if held[i] is None else max(held[i], n)
+
+    def flush(self, on_error: Any) -> None:
+        """Publish the held lengths in one write; a cache failure goes to ``on_error("lengths", exc)``."""
+        with self._lock:
+            lengths, self._lengths = self._lengths, {}
+        if not lengths:
+            return
+        try:
+            self._meta.publish_many([(uri, c, d) for uri, (c, d) in lengths.items()])
+        except CacheError as exc:
+            on_error("lengths", exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._meta, name)
 
 
 class _Redirect(NamedTuple):
