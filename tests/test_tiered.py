@@ -9,6 +9,7 @@ upload failure follows the non-stop-write rule; retention never deletes an unver
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -1179,3 +1180,105 @@ def test_a_file_with_a_deposed_writers_bytes_after_its_seal_still_tiers(root, s3
     assert sorted(recorded) == sorted(before), \
         f"tiered {len(recorded)} of {len(before)} sealed files; waiting_unsealed={report.waiting_unsealed}"
     assert read_all(root, "late", 60) == [msg(i) for i in range(60)]
+
+
+@pytest.mark.parametrize("fail_on_data_loss", [True, False])
+def test_a_reader_stepping_over_files_retention_deleted_reports_the_loss(root, tmp_path, caplog, fail_on_data_loss):
+    """Secondary retention deletes files by age: when the file a reader finished survives (it
+    was written again later) and files after it are deleted, the reader's next file is not
+    the one after its own. File names carry no sequence number, so only the floor the mover
+    records before deleting (``_retained.json``) tells the gap from a seamless step: the
+    reader raises DataLossError naming the last lost file (or, with fail_on_data_loss=False,
+    logs it and goes on), instead of skipping the files silently."""
+    import logging
+    import os
+
+    from pyspark_acs.errors import DataLossError
+    from pyspark_acs.storage.tier import RETENTION_FLOOR_FILE
+
+    make_stream(root, "gap", 80)
+    names = hot_files(root, "gap")
+    assert len(names) >= 4
+    first, lost, newest = names[0], names[1:-1], names[-1]
+    folder = os.path.join(root, shard_dir("gap", 0))
+    day_ago = time.time() - 86400
+    for name in lost:  # old files: past retention; the first file was touched since
+        os.utime(os.path.join(folder, name), (day_ago, day_ago))
+    configure_tier(root, "gap", str(tmp_path / "cold"))
+    run_pass(root)
+    configure_tier(root, "gap", str(tmp_path / "cold"), secondary_retention_s=3600)
+    report = run_pass(root, orphan_grace_s=0)
+    assert report.secondary_deleted == len(lost)
+    assert hot_files(root, "gap") == [first, newest]
+    floor = json.loads(open(os.path.join(folder, RETENTION_FLOOR_FILE)).read())
+    assert floor == {"deleted_through": lost[-1]}
+
+    end_of_first = DurableStore(root).length(f"{shard_dir('gap', 0)}/{first}")
+    start = {"gap": {"0": {"file": first, "length": end_of_first}}}
+    with Consumer(root, "gap", start=start, fail_on_data_loss=fail_on_data_loss) as c:
+        if fail_on_data_loss:
+            with pytest.raises(DataLossError, match=f"retention deleted the files after {first} up to {lost[-1]}") as err:
+                for _ in range(50):
+                    c.poll()
+                    time.sleep(0.01)
+            assert (err.value.stream, err.value.shard, err.value.file) == ("gap", 0, lost[-1])
+        else:
+            with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
+                got: List[bytes] = []
+                deadline = time.monotonic() + WAIT_S
+                while not got and time.monotonic() < deadline:
+                    for batch in c.poll():
+                        got.extend(batch.column("value").to_pylist())
+            assert got and got[-1] == msg(79)  # on with the newest file
+            assert f"retention deleted the files after {first} up to {lost[-1]}" in caplog.text
+
+
+def test_a_destination_gets_the_sources_retention_floor_with_the_next_file(clusters_ab, tmp_path):
+    """The destination's daemon is down while the source's secondary retention deletes files
+    the destination has not copied: when it comes back, the copy writer records the source's
+    floor before it creates the next file, so a Consumer there that finished its last file
+    reports the lost files (DataLossError naming the last) instead of stepping over them
+    (review: those files were skipped with no error)."""
+    import os
+
+    from pyspark_acs.errors import DataLossError
+    from pyspark_acs.storage.tier import retention_floor
+
+    env = clusters_ab
+    with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
+        for i in range(40):
+            p.send(msg(i))
+    env.wait_same("B")
+    copied = hot_files(env.roots["B"], env.stream)
+    env.kill_daemon("B")  # the destination is down ...
+    env.kill_daemon("A")  # ... and the source's daemon restarts
+    with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
+        for i in range(40, 160):
+            p.send(msg(i))
+    names = hot_files(env.roots["A"], env.stream)
+    later = [n for n in names if n > copied[-1]]
+    assert len(later) >= 3
+    folder = os.path.join(env.roots["A"], shard_dir(env.stream, 0))
+    day_ago = time.time() - 86400
+    for name in later[:-1]:  # past retention at the source before B copied them
+        os.utime(os.path.join(folder, name), (day_ago, day_ago))
+    configure_tier(env.roots["A"], env.stream, str(tmp_path / "cold"))
+    run_pass(env.roots["A"])
+    configure_tier(env.roots["A"], env.stream, str(tmp_path / "cold"), secondary_retention_s=3600)
+    assert run_pass(env.roots["A"], orphan_grace_s=0).secondary_deleted == len(later) - 1
+    assert retention_floor(DurableStore(env.roots["A"]), env.stream, 0) == later[-2]
+
+    end = DurableStore(env.roots["B"]).length(f"{shard_dir(env.stream, 0)}/{copied[-1]}")
+    env.start_daemon("B")
+    env.start_daemon("A")
+    deadline = time.monotonic() + WAIT_S
+    while later[-1] not in hot_files(env.roots["B"], env.stream) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert later[-1] in hot_files(env.roots["B"], env.stream), env.logs()
+    assert retention_floor(DurableStore(env.roots["B"]), env.stream, 0) == later[-2]
+    start = {env.stream: {"0": {"file": copied[-1], "length": end}}}
+    with env.consumer("B", start=start) as c:
+        with pytest.raises(DataLossError, match=f"up to {later[-2]}"):
+            for _ in range(100):
+                c.poll()
+                time.sleep(0.02)

@@ -32,6 +32,7 @@ from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_
 from pyspark_acs.read.positions import ends_with_seal, latest_offset, read_blocks, seal_behind, skip_void
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.storage.tier import retention_gap
 
 __all__ = [
     "DEFAULT_MAX_READ_BYTES",
@@ -241,11 +242,25 @@ class ShardTailer:
         return True
 
     def _next_file(self) -> bool:
-        """After the seal: follow the first file after this one in name order (wait for it)."""
+        """After the seal: follow the first file after this one in name order (wait for it).
+
+        Files that retention deleted after this one before it was read are data loss
+        (:func:`~pyspark_acs.storage.tier.retention_gap`), not a seamless step.
+        """
         files = self.store.list_files(self.stream, self.shard)
         later = [f for f in files if f > self.file]
         if not later:
             return False
+        lost = retention_gap(self.store, self.stream, self.shard, self.file)
+        if lost is not None:
+            msg = (f"data loss in stream {self.stream!r} shard {self.shard}: retention deleted the files after "
+                   f"{self.file} up to {lost} before this reader read them")
+            if self.fail_on_data_loss:
+                raise DataLossError(
+                    msg + " (set failOnDataLoss=false / fail_on_data_loss=False to skip to the next available data)",
+                    stream=self.stream, shard=self.shard, file=lost, start=0, end=-1,
+                )
+            log.warning("%s; continuing from file %s", msg, later[0])
         self.seek(Offset(later[0], 0))
         return True
 

@@ -58,6 +58,7 @@ __all__ = [
     "PREREAD_MAX_BYTES",
     "PREREAD_MIN_BYTES",
     "READ_POLICIES",
+    "RETENTION_FLOOR_FILE",
     "TIER_MANIFEST_FILE",
     "PrereadWindow",
     "TierRecord",
@@ -72,6 +73,9 @@ __all__ = [
     "read_manifest",
     "stream_tier_settings",
     "tier_summary",
+    "raise_retention_floor",
+    "retention_floor",
+    "retention_gap",
     "tiered_store",
     "write_manifest",
 ]
@@ -80,6 +84,9 @@ log = logging.getLogger(__name__)
 
 #: Per-shard file of tier records, in the shard's folder of the hot store.
 TIER_MANIFEST_FILE = "_tiered.json"
+#: Per-shard file naming the newest file secondary retention deleted (``{"deleted_through":
+#: name}``), in the shard's folder of the hot store: readers tell a gap from the next file.
+RETENTION_FLOOR_FILE = "_retained.json"
 #: The read policies of seed 003 (``DISABLE`` is a stream without a tier).
 READ_POLICIES = ("NOT_IN_DISK", "NOT_IN_MEM", "FORCE")
 #: Hot store first; the secondary store for files gone from it.
@@ -333,6 +340,48 @@ def write_manifest(store: DurableStore, stream: str, shard: int, records: Dict[s
     tier mover holding the stream's tier lease calls it."""
     body = {"format": 1, "files": {name: asdict(rec) for name, rec in sorted(records.items())}}
     store.write_small(manifest_rel(stream, shard), json.dumps(body).encode())
+
+
+def _floor_rel(stream: str, shard: int) -> str:
+    return f"{shard_dir(stream, shard)}/{RETENTION_FLOOR_FILE}"
+
+
+def raise_retention_floor(store: DurableStore, stream: str, shard: int, name: str) -> None:
+    """Record that files up to ``name`` left the shard by retention (the floor only rises).
+    The mover calls it before it deletes them, so a reader that finds a file gone also finds
+    the floor; a copy writer carries a source's floor to its cluster (server/copy/writer.py)."""
+    floor = retention_floor(store, stream, shard)
+    if floor is None or name > floor:
+        store.write_small(_floor_rel(stream, shard), json.dumps({"deleted_through": name}).encode())
+
+
+def retention_floor(store: DurableStore, stream: str, shard: int) -> Optional[str]:
+    """The newest file of the shard that retention deleted (None: none)."""
+    rel = _floor_rel(stream, shard)
+    raw = store.read_small(rel)
+    if raw is None:
+        return None
+    try:
+        floor = json.loads(raw)["deleted_through"]
+        if not isinstance(floor, str):
+            raise TypeError(f"deleted_through is {type(floor).__name__}, not a file name")
+        return floor
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"{store.uri(rel)}: malformed retention floor: {exc}") from exc
+
+
+def retention_gap(store: DurableStore, stream: str, shard: int, after: str) -> Optional[str]:
+    """The newest file retention deleted after file ``after``, or None.
+
+    The one test of a gap in a shard's history: a reader that finished ``after`` and steps to
+    the next file it lists has lost every file retention deleted after ``after`` (it read
+    none of them), so a floor past ``after`` means data loss up to and including the floor.
+    File names carry no sequence number; without the floor the step would look seamless.
+    """
+    if not after:
+        return None
+    floor = retention_floor(store, stream, shard)
+    return floor if floor is not None and floor > after else None
 
 
 # -- the secondary store -------------------------------------------------------------------

@@ -71,7 +71,7 @@ from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 from pyspark_acs.storage.store import DurableStore
-from pyspark_acs.storage.tier import tiered_store
+from pyspark_acs.storage.tier import raise_retention_floor, retention_floor, tiered_store
 from pyspark_acs.write.file import AppendConflictError, CacheMirror, FileWriter
 
 __all__ = ["COPY_STREAMS_RESERVE", "DELAY_PUBLISH_INTERVAL_S", "HELLO_TIMEOUT_S", "CopyServicer", "validate_delta"]
@@ -300,6 +300,7 @@ class _DurableWriter(_OpWriter):
         held = self._tiered_here()
         if held is not None:
             return held
+        self._carry_retention_floor()
         self.prepare_destination()
         # Reopen the destination file: the length on disk is the truth (a restarted writer
         # may have left a partial delta; its bytes are a correct prefix of the source's).
@@ -316,6 +317,24 @@ class _DurableWriter(_OpWriter):
             self.out.publish()
             self.s.published(self.rel, durable_length=self.position)
         return _ack(copy_pb2.OK, self.position, durable_length=self.position)
+
+    def _carry_retention_floor(self) -> None:
+        """Files the source's retention deleted before this cluster copied them are missing
+        here too: when this shard's newest file is older than the source's retention floor and
+        the file about to be created is newer, record that floor here first, so a reader
+        stepping from its file to the new one reports the loss (storage/tier.py
+        retention_gap) instead of stepping over the gap."""
+        store_for = self.s.source_store
+        if store_for is None:
+            return
+        floor = retention_floor(store_for(self.source), self.stream, self.shard)
+        if floor is None or self.file <= floor:
+            return
+        have = self.s.files.list_files(self.stream, self.shard)  # either tier
+        if not have or have[-1] < floor:
+            raise_retention_floor(self.io.store, self.stream, self.shard, floor)
+            log.warning("%s: the source %s deleted files up to %s by retention before they were copied here "
+                        "(readers here report the loss)", self.what(), self.source, floor)
 
     def _tiered_here(self) -> Optional[copy_pb2.CopyAck]:
         """The answer to a hello for a file this cluster's own tier mover tiered (which only

@@ -52,6 +52,7 @@ from pyspark_acs.storage.tier import (
     TierStore,
     TierUploadError,
     encode_header_index,
+    raise_retention_floor,
     read_manifest,
     stream_tier_settings,
     write_manifest,
@@ -511,6 +512,9 @@ class TierMover:
                        if now - r.mtime > settings.secondary_retention_s and n != newest.get(shard)]
                 if not old:
                     continue
+                # The floor first: a reader that finds these files gone also finds the floor and
+                # reports the loss instead of stepping over the gap (storage/tier.py retention_gap).
+                raise_retention_floor(self.store, stream, shard, max(old))
                 for name in old:
                     self.store.delete(f"{shard_dir(stream, shard)}/{name}")  # hot copy first
                     self._count(report, stream, "hot_deleted",
