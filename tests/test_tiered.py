@@ -687,6 +687,13 @@ def clusters_ab(tmp_path):
             d.stop()
 
 
+def send_copied(env, start: int, stop: int) -> None:
+    """Messages ``start`` .. ``stop`` to cluster A's shard 0 (small files), producer closed."""
+    with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
+        for i in range(start, stop):
+            p.send(msg(i))
+
+
 def test_copy_daemon_delivers_files_the_source_tiered_before_the_destination_copied_them(clusters_ab, s3):
     """The destination's daemon is down (and the source's restarts) while the source tiers
     sealed files and deletes their hot copies: once the daemons run again, every file reaches
@@ -1009,9 +1016,7 @@ def test_a_destination_that_tiered_its_copies_is_not_sent_them_again(clusters_ab
     source's daemon restarts it asks the destination which files it holds (Files), which
     counts tiered files: none is copied into the destination's hot store again."""
     env = clusters_ab
-    with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
-        for i in range(100):
-            p.send(msg(i))
+    send_copied(env, 0, 100)
     env.wait_same("B")
     source = file_bytes(env.roots["A"], env.stream)
     configure_tier(env.roots["B"], env.stream, tier_uri(s3, "t22"), hot_retention_s=0)
@@ -1245,16 +1250,12 @@ def test_a_destination_gets_the_sources_retention_floor_with_the_next_file(clust
     from pyspark_acs.storage.tier import retention_floor
 
     env = clusters_ab
-    with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
-        for i in range(40):
-            p.send(msg(i))
+    send_copied(env, 0, 40)
     env.wait_same("B")
     copied = hot_files(env.roots["B"], env.stream)
     env.kill_daemon("B")  # the destination is down ...
     env.kill_daemon("A")  # ... and the source's daemon restarts
-    with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
-        for i in range(40, 160):
-            p.send(msg(i))
+    send_copied(env, 40, 160)
     names = hot_files(env.roots["A"], env.stream)
     later = [n for n in names if n > copied[-1]]
     assert len(later) >= 3
