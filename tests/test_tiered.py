@@ -1243,7 +1243,9 @@ def test_a_destination_gets_the_sources_retention_floor_with_the_next_file(clust
     the destination has not copied: when it comes back, the copy writer records the source's
     floor before it creates the next file, so a Consumer there that finished its last file
     reports the lost files (DataLossError naming the last) instead of stepping over them
-    (review: those files were skipped with no error)."""
+    (review: those files were skipped with no error). The Consumer follows in B through the
+    whole fault: it read everything copied before, waits at its last file's seal while the
+    daemons are down, and meets the gap when the next file arrives."""
     import os
 
     from pyspark_acs.errors import DataLossError
@@ -1253,6 +1255,14 @@ def test_a_destination_gets_the_sources_retention_floor_with_the_next_file(clust
     send_copied(env, 0, 40)
     env.wait_same("B")
     copied = hot_files(env.roots["B"], env.stream)
+    c = env.consumer("B", start="earliest")
+    got: List[bytes] = []
+    deadline = time.monotonic() + WAIT_S
+    while len(got) < 40 and time.monotonic() < deadline:
+        for batch in c.poll():
+            got.extend(batch.column("value").to_pylist())
+        time.sleep(0.01)
+    assert got == [msg(i) for i in range(40)]
     env.kill_daemon("B")  # the destination is down ...
     env.kill_daemon("A")  # ... and the source's daemon restarts
     send_copied(env, 40, 160)
@@ -1269,7 +1279,7 @@ def test_a_destination_gets_the_sources_retention_floor_with_the_next_file(clust
     assert run_pass(env.roots["A"], orphan_grace_s=0).secondary_deleted == len(later) - 1
     assert retention_floor(DurableStore(env.roots["A"]), env.stream, 0) == later[-2]
 
-    end = DurableStore(env.roots["B"]).length(f"{shard_dir(env.stream, 0)}/{copied[-1]}")
+    assert c.poll() == []  # still waiting at the seal of the last file it read
     env.start_daemon("B")
     env.start_daemon("A")
     deadline = time.monotonic() + WAIT_S
@@ -1277,9 +1287,7 @@ def test_a_destination_gets_the_sources_retention_floor_with_the_next_file(clust
         time.sleep(0.05)
     assert later[-1] in hot_files(env.roots["B"], env.stream), env.logs()
     assert retention_floor(DurableStore(env.roots["B"]), env.stream, 0) == later[-2]
-    start = {env.stream: {"0": {"file": copied[-1], "length": end}}}
-    with env.consumer("B", start=start) as c:
-        with pytest.raises(DataLossError, match=f"up to {later[-2]}"):
-            for _ in range(100):
-                c.poll()
-                time.sleep(0.02)
+    with c, pytest.raises(DataLossError, match=f"after {copied[-1]} up to {later[-2]}"):
+        for _ in range(250):
+            assert c.poll() == []  # nothing from after the gap comes before the error
+            time.sleep(0.02)

@@ -205,10 +205,13 @@ def _timestamps(timestamps: Any, count: int) -> bytes:
         if timestamps.null_count:
             timestamps = pc.fill_null(timestamps, _now_us())
     else:
-        if any(t is None for t in timestamps):  # documented: nulls become now
-            now = _now_us()
-            timestamps = [now if t is None else t for t in timestamps]
-        timestamps = int64_array(timestamps)
+        try:
+            timestamps = int64_array(timestamps)
+        except TypeError:
+            if not any(t is None for t in timestamps):
+                raise
+            now = _now_us()  # documented: nulls become now (looked for only when the fast path fails)
+            timestamps = int64_array([now if t is None else t for t in timestamps])
     if len(timestamps) != count:
         raise ValueError(f"got {len(timestamps)} timestamps for {count} messages")
     if timestamps.offset:

@@ -47,6 +47,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: What a DataLossError adds: how to read on past the loss instead.
+_SKIP_HINT = " (set failOnDataLoss=false / fail_on_data_loss=False to skip to the next available data)"
+
 DEFAULT_POLL_INTERVAL_S = 0.01
 #: A tailer stuck this long before bytes that are no complete block (and no recovery seal)
 #: says so once: a writer or copy still at work, a crashed writer whose shard nobody took over
@@ -210,6 +213,7 @@ class ShardTailer:
         if not blocks:
             return False  # no complete block yet (or the read path postponed the bytes)
         buf = pa.py_buffer(data)
+        consts = None  # the stream, shard and file columns' one value each, built once per read
         for at, header in blocks:
             if header.count:
                 try:
@@ -221,15 +225,13 @@ class ShardTailer:
                     if self.length == start:
                         raise
                     break
+                if consts is None:
+                    consts = [constant_array(v, t, 1)[0] for v, t in
+                              ((self.stream, pa.string()), (self.shard, pa.int32()), (self.file, pa.string()))]
                 n = batch.num_rows
                 out.append(
                     pa.RecordBatch.from_arrays(
-                        [
-                            constant_array(self.stream, pa.string(), n),
-                            constant_array(self.shard, pa.int32(), n),
-                            constant_array(self.file, pa.string(), n),
-                            *batch.columns,
-                        ],
+                        [*(pa.repeat(c, n) for c in consts), *batch.columns],
                         schema=self.schema,
                     )
                 )
@@ -257,7 +259,7 @@ class ShardTailer:
                    f"{self.file} up to {lost} before this reader read them")
             if self.fail_on_data_loss:
                 raise DataLossError(
-                    msg + " (set failOnDataLoss=false / fail_on_data_loss=False to skip to the next available data)",
+                    msg + _SKIP_HINT,
                     stream=self.stream, shard=self.shard, file=lost, start=0, end=-1,
                 )
             log.warning("%s; continuing from file %s", msg, later[0])
@@ -320,7 +322,7 @@ class ShardTailer:
         )
         if self.fail_on_data_loss:
             raise DataLossError(
-                msg + " (set failOnDataLoss=false / fail_on_data_loss=False to skip to the next available data)",
+                msg + _SKIP_HINT,
                 stream=self.stream,
                 shard=self.shard,
                 file=self.file,
