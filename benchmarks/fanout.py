@@ -168,7 +168,11 @@ def run_consumer(args: argparse.Namespace) -> int:
                     values = b.column("value")
                     offsets = np.frombuffer(values.buffers()[1], dtype=np.int32, count=len(values) + 1,
                                             offset=4 * values.offset)
-                    sent = b.column("timestamp").cast("int64").to_numpy()
+                    # The int64 microseconds under the timestamp column, viewed without a copy
+                    # (a compute cast per batch cost a caught-up consumer ~10 % of its CPU).
+                    stamps = b.column("timestamp")
+                    sent = np.frombuffer(stamps.buffers()[1], dtype=np.int64, count=len(stamps),
+                                         offset=8 * stamps.offset)
                     tally.add_many(sent, now_us, int(offsets[-1] - offsets[0]))
                     tally.last_at = time.time()
                     tally.tick()

@@ -361,3 +361,17 @@ def test_encode_block_still_turns_null_timestamps_into_now():
     _, batch = decode_block(block)
     stamps = batch.column("timestamp").cast(pa.int64()).to_pylist()
     assert stamps[0] == 5 and stamps[2] == 7 and before <= stamps[1] <= after
+
+
+def test_constant_columns_are_slices_of_one_value_each_and_grow():
+    """The stream/shard/file columns a reader adds to every batch: n copies of one value,
+    as zero-copy slices, also past the rows first built."""
+    from pyspark_acs.format.arrays import CONSTANT_ROWS, ConstantColumns
+
+    cols = ConstantColumns((("orders", pa.string()), (7, pa.int32()), ("f-001", pa.string())))
+    for n in (0, 1, 33, CONSTANT_ROWS + 5, 3):
+        stream, shard, file = cols.take(n)
+        assert stream.type == pa.string() and shard.type == pa.int32() and len(file) == n
+        assert stream.to_pylist() == ["orders"] * n and shard.to_pylist() == [7] * n
+        assert file.to_pylist() == ["f-001"] * n and stream.null_count == 0
+        stream.validate(full=True)

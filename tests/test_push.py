@@ -112,6 +112,77 @@ def test_a_caught_up_reader_waits_for_pushes_instead_of_polling(dep, root):
         assert got == [msg(0), msg(1)]
 
 
+def test_a_caught_up_reader_looks_once_per_push(dep, root):
+    """After a round that read everything readable, the loop waits at once instead of looking
+    again (the second look found nothing and cost a tailing consumer a third of its main
+    thread): one round per pushed flush, not two. Every message still arrives in order."""
+    with Producer(root, "oncelook", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "oncelook", **endpoints(dep)) as c:
+        batches = c.batches(timeout=5)
+        p.send(msg(0))
+        p.flush()
+        got = next(batches).column("value").to_pylist()
+        deadline = time.monotonic() + 20
+        while not c._all_pushed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c._all_pushed()
+        calls = []
+        real = c._fill
+        c._fill = lambda: (calls.append(1), real())[1]
+
+        def send():
+            for i in range(1, 61):
+                p.send(msg(i))
+                p.flush()
+                time.sleep(0.02)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        rounds = 0
+        while len(got) < 61:
+            got.extend(next(batches).column("value").to_pylist())
+            rounds += 1
+        sender.join()
+        assert got == [msg(i) for i in range(61)]
+        # One look per batch handed out, plus the looks after the safety-net timeouts and
+        # the pushes that woke the loop before their bytes arrived; two per batch before.
+        assert len(calls) <= rounds + 0.5 * rounds + 5, (len(calls), rounds)
+
+
+def test_a_reader_capped_by_max_read_bytes_reads_on_without_waiting_for_a_push(dep, root):
+    """A round that stopped at max_read_bytes with more readable is not a settled round: the
+    loop reads on at once instead of waiting for a push that will not come."""
+    from pyspark_acs.read.consumer import PUSHED_WAIT_S
+
+    with Producer(root, "capped", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "capped", max_read_bytes=8 * 1024, **endpoints(dep)) as c:
+        batches = c.batches(timeout=5)
+        p.send(msg(0))
+        p.flush()
+        got = next(batches).column("value").to_pylist()
+        deadline = time.monotonic() + 20
+        while not c._all_pushed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c._all_pushed()
+        for i in range(1, 201):
+            p.send(msg(i) + b"-" * 1000)
+            if i % 20 == 0:
+                p.flush()  # 10 blocks of ~20 KiB: each read takes one block past the cap
+        p.flush()
+        rel = c._tailers[0].rel
+        deadline = time.monotonic() + 20
+        while c.path.lengths([rel])[rel] < 200 * 1000 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the whole backlog is published (nothing more will be pushed)
+        time.sleep(0.2)
+        waits = []
+        real_wait = c.path.wait
+        c.path.wait = lambda *a, **k: (waits.append(1), real_wait(*a, **k))[1]
+        got.extend(v for b in c.batches(timeout=PUSHED_WAIT_S / 2) for v in b.column("value").to_pylist())
+        # Ten capped reads in a row, then the one wait that ends the loop (or a stray push).
+        assert len(waits) <= 3, len(waits)
+        assert got == [msg(0)] + [msg(i) + b"-" * 1000 for i in range(1, 201)]
+
+
 def test_a_push_landing_while_the_reader_reads_is_not_lost(dep, root):
     """Review finding: a length pushed between the reader's look at lengths and its wait used to
     be missed, and the message sat out the whole pushed wait (1 s). The wait now starts from a

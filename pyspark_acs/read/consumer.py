@@ -25,7 +25,7 @@ import pyarrow as pa
 from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.cache.poller import PUSH_SAFETY_POLL_S
 from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError
-from pyspark_acs.format.arrays import constant_array
+from pyspark_acs.format.arrays import ConstantColumns
 from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, decode_block
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
@@ -120,6 +120,9 @@ class ShardTailer:
         self._loss_logged: Optional[Offset] = None  # the lost position already logged
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
+        #: Whether the last step stopped at ``max_read_bytes`` with more readable at once.
+        self.capped = False
+        self._consts: Optional[ConstantColumns] = None  # stream, shard, file columns of self.file
 
     @property
     def offset(self) -> Offset:
@@ -155,6 +158,7 @@ class ShardTailer:
         """
         out: List[pa.RecordBatch] = []
         self.batch_ends = []
+        self.capped = False
         while True:
             if end is not None and self.offset >= end:
                 return out
@@ -202,6 +206,7 @@ class ShardTailer:
     def _read(self, limit: int, out: List[pa.RecordBatch]) -> bool:
         """Read complete blocks of the current file in ``[self.length, limit)``."""
         start = self.length
+        self.capped = limit > start + self.max_read_bytes
         self.limiter.acquire(min(limit, start + self.max_read_bytes) - start)
         # Blocks before a bad one are handed out first; the next step starts at the bad block
         # and raises then (unless a recovery seal voids it).
@@ -213,7 +218,10 @@ class ShardTailer:
         if not blocks:
             return False  # no complete block yet (or the read path postponed the bytes)
         buf = pa.py_buffer(data)
-        consts = None  # the stream, shard and file columns' one value each, built once per read
+        consts = self._consts
+        if consts is None or consts.values[2][0] != self.file:
+            consts = self._consts = ConstantColumns(
+                ((self.stream, pa.string()), (self.shard, pa.int32()), (self.file, pa.string())))
         for at, header in blocks:
             if header.count:
                 try:
@@ -225,16 +233,8 @@ class ShardTailer:
                     if self.length == start:
                         raise
                     break
-                if consts is None:
-                    consts = [constant_array(v, t, 1)[0] for v, t in
-                              ((self.stream, pa.string()), (self.shard, pa.int32()), (self.file, pa.string()))]
-                n = batch.num_rows
-                out.append(
-                    pa.RecordBatch.from_arrays(
-                        [*(pa.repeat(c, n) for c in consts), *batch.columns],
-                        schema=self.schema,
-                    )
-                )
+                out.append(pa.RecordBatch.from_arrays([*consts.take(batch.num_rows), *batch.columns],
+                                                      schema=self.schema))
             self.length = start + at + header.size
             if header.count:
                 self.batch_ends.append(self.offset)
@@ -540,14 +540,25 @@ class Consumer:
         """
         idle_since = time.monotonic()
         token = getattr(self.path, "change_token", lambda: None)
+        # The change token taken before a round that read everything readable: if nothing
+        # moved since, the next round would find nothing, so the loop waits at once instead
+        # (once; after the wait it always looks, so the safety-net timeout still reads).
+        settled: Optional[int] = None
         while True:
             if self._closed:
                 raise ClosedError("consumer is closed")
             # Taken before looking: a length pushed while this round reads ends the wait below.
             since = token()
+            pushed: Optional[bool] = None
             if not self._pending:
-                self._fill()
+                if settled is not None and since == settled:
+                    pushed = self._all_pushed()
+                if not pushed:
+                    self._fill()
+                settled = None
             if self._pending:
+                if since is not None and not any(t.capped for t in self._tailers):
+                    settled = since
                 while self._pending:
                     yield self._hand_out()
                 idle_since = time.monotonic()
@@ -557,7 +568,9 @@ class Consumer:
                 return
             wait = getattr(self.path, "wait", None)  # the cached path wakes on new lengths
             if wait is not None:
-                seconds = PUSHED_WAIT_S if self._all_pushed() else self.poll_interval
+                if pushed is None:
+                    pushed = self._all_pushed()
+                seconds = PUSHED_WAIT_S if pushed else self.poll_interval
                 seconds = seconds if timeout is None else min(seconds, timeout - idle)
                 if since is None:
                     wait(seconds)
