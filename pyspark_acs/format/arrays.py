@@ -124,7 +124,7 @@ class ConstantColumns:
 
     def take(self, n: int) -> list:
         """The columns for ``n`` rows."""
-        if n > self._rows:
+        if n > self._rows or not self._arrays:
             rows = max(n, CONSTANT_ROWS, 2 * self._rows)
             self._arrays = [constant_array(v, t, rows) for v, t in self.values]
             self._rows = rows
