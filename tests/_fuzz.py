@@ -102,9 +102,9 @@ def check_decoder(data: bytes, path: str = "mem://fuzz/file.acs", position: int 
 
 # -- raw RPC bodies -------------------------------------------------------------------------------------
 
-#: (method, kind): kind "uu" unary-unary, "ss" stream-stream.
+#: (method, kind): kind "uu" unary-unary, "us" unary-stream, "ss" stream-stream.
 CACHE_METHODS: List[Tuple[str, str]] = [("Get", "uu"), ("Put", "uu"), ("CompareAndSet", "uu"), ("Delete", "uu"),
-                                        ("Stats", "uu"), ("Health", "uu"), ("Watch", "ss"), ("Follow", "ss")]
+                                        ("Stats", "uu"), ("Health", "uu"), ("Watch", "ss"), ("Follow", "us")]
 COPY_METHODS: List[Tuple[str, str]] = [("Copy", "ss"), ("Files", "uu"), ("Health", "uu")]
 #: What a server may answer a hostile body with. UNKNOWN (an exception escaped a handler) is not here.
 ALLOWED_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -166,6 +166,9 @@ def check_rpc(channel: grpc.Channel, service: str, method: str, kind: str, bodie
     try:
         if kind == "uu":
             channel.unary_unary(name)(bodies[0], metadata=metadata, timeout=timeout)
+        elif kind == "us":
+            for _ in channel.unary_stream(name)(bodies[0], metadata=metadata, timeout=timeout):
+                pass
         else:
             call = channel.stream_stream(name)(iter(bodies), metadata=metadata, timeout=timeout)
             for _ in call:

@@ -84,7 +84,7 @@ def _calls(stub, metadata):
     yield "Stats", lambda: stub.Stats(acs_pb2.StatsRequest(), metadata=metadata, timeout=5)
     yield "Health", lambda: stub.Health(acs_pb2.HealthRequest(), metadata=metadata, timeout=5)
     yield "Watch", lambda: next(stub.Watch(iter([acs_pb2.WatchRequest()]), metadata=metadata, timeout=5))
-    yield "Follow", lambda: next(stub.Follow(iter([acs_pb2.FollowRequest()]), metadata=metadata, timeout=5))
+    yield "Follow", lambda: next(stub.Follow(acs_pb2.FollowRequest(), metadata=metadata, timeout=5))
 
 
 def test_acs_up_passes_the_token_from_the_environment_and_every_method_refuses_without_it(
@@ -191,10 +191,11 @@ def test_amplification_get_is_refused_before_it_is_assembled(tmp_path):
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # Push streams are bounded too: too many keys (files) in one Watch (Follow) message.
         too_many = [b"k%d" % i for i in range(MAX_KEYS_PER_CALL + 1)]
-        for call, request in ((stub.Watch, acs_pb2.WatchRequest(add=too_many)),
-                              (stub.Follow, acs_pb2.FollowRequest(follow=too_many, offsets=[0] * len(too_many)))):
+        for call in (lambda: stub.Watch(iter([acs_pb2.WatchRequest(add=too_many)]), timeout=30),
+                     lambda: stub.Follow(acs_pb2.FollowRequest(follow=too_many, offsets=[0] * len(too_many)),
+                                         timeout=30)):
             with pytest.raises(grpc.RpcError) as info:
-                for _ in call(iter([request]), timeout=30):
+                for _ in call():
                     pass
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
             assert "at most" in info.value.details()

@@ -112,6 +112,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),
     ("grpc.keepalive_time_ms", 30000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Server-streaming calls (Follow: pushed file bytes) are read on the calling thread, not
+    # through the channel's spin thread: one thread wake less per pushed message
+    # (pyspark_acs.cache.push).
+    ("SingleThreadedUnaryStream", 1),
 ]
 
 # Status codes that say "this replica is not answering" (mark it down); others (a refused

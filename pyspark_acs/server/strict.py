@@ -72,6 +72,16 @@ def _strict(service: str, name: str, handler: Any, aio: bool) -> Any:
                     yield reply
 
             return handler._replace(request_deserializer=safe, stream_stream=stream)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def replies(request, context):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                async for reply in inner_us(request, context):
+                    yield reply
+
+            return handler._replace(request_deserializer=safe, unary_stream=replies)
         return handler
     if handler.unary_unary is not None:
         inner_u = handler.unary_unary

@@ -152,14 +152,12 @@ class WatchEvent(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., found: _Optional[_Iterable[bool]] = ..., data: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FollowRequest(_message.Message):
-    __slots__ = ("follow", "offsets", "unfollow")
+    __slots__ = ("follow", "offsets")
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
-    UNFOLLOW_FIELD_NUMBER: _ClassVar[int]
     follow: _containers.RepeatedScalarFieldContainer[bytes]
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    unfollow: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, follow: _Optional[_Iterable[bytes]] = ..., offsets: _Optional[_Iterable[int]] = ..., unfollow: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, follow: _Optional[_Iterable[bytes]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FileBytes(_message.Message):
     __slots__ = ("files", "starts", "data", "sizes")

@@ -69,7 +69,7 @@ class CacheStub:
                 request_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.WatchRequest.SerializeToString,
                 response_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.WatchEvent.FromString,
                 _registered_method=True)
-        self.Follow = channel.stream_stream(
+        self.Follow = channel.unary_stream(
                 '/pyspark_acs.cache.Cache/Follow',
                 request_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FollowRequest.SerializeToString,
                 response_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FileBytes.FromString,
@@ -121,7 +121,7 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Follow(self, request_iterator, context):
+    def Follow(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,7 +165,7 @@ def add_CacheServicer_to_server(servicer, server):
                     request_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.WatchRequest.FromString,
                     response_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.WatchEvent.SerializeToString,
             ),
-            'Follow': grpc.stream_stream_rpc_method_handler(
+            'Follow': grpc.unary_stream_rpc_method_handler(
                     servicer.Follow,
                     request_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FollowRequest.FromString,
                     response_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FileBytes.SerializeToString,
@@ -371,7 +371,7 @@ class Cache:
             _registered_method=True)
 
     @staticmethod
-    def Follow(request_iterator,
+    def Follow(request,
             target,
             options=(),
             channel_credentials=None,
@@ -381,8 +381,8 @@ class Cache:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_stream(
+            request,
             target,
             '/pyspark_acs.cache.Cache/Follow',
             pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.FollowRequest.SerializeToString,

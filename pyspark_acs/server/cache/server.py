@@ -83,9 +83,10 @@ MAX_MESSAGE_BYTES = 64 * 1024**2
 #: Most keys one Get, Put or Delete may name (the client sends at most MAX_BATCH_KEYS = 1024):
 #: bounds how long one call holds the store's lock.
 MAX_KEYS_PER_CALL = 16_384
-#: Most keys one Watch stream may watch, and files one Follow stream may follow, at once: a
-#: process watches two length keys per followed file per replica, so this covers ~100k files
-#: while bounding what one stream can make a server hold (~100 bytes per key).
+#: Most keys one Watch stream may watch at once: a process watches two length keys per
+#: followed file per replica, so this covers ~100k files while bounding what one stream can
+#: make a server hold (~100 bytes per key). A Follow stream's subscription is one message:
+#: at most MAX_KEYS_PER_CALL files.
 MAX_KEYS_PER_STREAM = 262_144
 #: Most value bytes one Get answer may hold, checked before it is assembled (the client splits
 #: batches at 4 MiB; below MAX_MESSAGE_BYTES so an answer is never built only to be refused).
@@ -278,24 +279,23 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
                 sizes=[len(v) for v in values], versions=[e[1] if e is not None else 0 for e in entries],
             )
 
-    async def Follow(self, request_iterator, context):  # noqa: N802
-        """Push the bytes of followed files from each file's cursor as chunks land here
+    async def Follow(self, request, context):  # noqa: N802
+        """Push the bytes of the subscribed files from each file's offset as chunks land here
         (contiguous runs, at most :data:`~pyspark_acs.server.cache.watch.MAX_PUSH_BYTES` per
-        message). Ends when the reader closes its side."""
+        message), after an empty first message. Ends when the reader cancels (a reader whose
+        subscription changes opens a new stream)."""
         f = FileFollow()
+        if len(request.follow) != len(request.offsets):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"follow: {len(request.follow)} files but {len(request.offsets)} offsets")
+        if len(request.follow) > MAX_KEYS_PER_CALL:  # the whole subscription is one message
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"follow: {len(request.follow)} files; at most {MAX_KEYS_PER_CALL} per stream")
         # The stream is up: a reader following a file at its end, to which nothing is pushed
         # yet, may count on the stream (and wait for pushes instead of polling).
-        await context.send_initial_metadata(())
-
-        def apply(req) -> None:
-            if len(req.follow) != len(req.offsets):
-                raise ValueError(f"follow: {len(req.follow)} files but {len(req.offsets)} offsets")
-            if len(req.follow) > MAX_KEYS_PER_CALL or len(f.cursors) + len(req.follow) > MAX_KEYS_PER_STREAM:
-                raise _Refused(f"follow: {len(req.follow)} files added to {len(f.cursors)} followed; at most "
-                               f"{MAX_KEYS_PER_CALL} per message and {MAX_KEYS_PER_STREAM} per stream")
-            self.watchers.follow(f, req.follow, req.offsets, req.unfollow)
-
-        async for runs, _ in self._push(request_iterator, f, apply, "follow_streams",
+        yield acs_pb2.FileBytes()
+        self.watchers.follow(f, request.follow, request.offsets, ())
+        async for runs, _ in self._push(None, f, None, "follow_streams",
                                         lambda: (f.take(self.store), None), self.watchers.drop_follow, context):
             self.watchers.counts["pushed_bytes_total"] += sum(len(r[2]) for r in runs)
             yield acs_pb2.FileBytes(
@@ -304,8 +304,10 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             )
 
     async def _push(self, request_iterator, stream, apply, gauge: str, take, drop, context=None):
-        """The loop of one push stream: apply the reader's requests as they come, and yield
-        ``take()`` whenever the stream has marks. Level-triggered: nothing is queued."""
+        """The loop of one push stream: apply the reader's requests as they come (a
+        bidirectional stream; ``request_iterator`` None: a server-streaming one, which lives
+        until the reader cancels), and yield ``take()`` whenever the stream has marks.
+        Level-triggered: nothing is queued."""
         counts = self.watchers.counts
         counts[gauge] += 1
 
@@ -313,7 +315,8 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             async for req in request_iterator:
                 apply(req)
 
-        reader = asyncio.ensure_future(pump())
+        reader = (asyncio.ensure_future(pump()) if request_iterator is not None
+                  else asyncio.get_running_loop().create_future())
         # The reader's end wakes the sender too, so the sender waits on one event only: a task
         # and asyncio.wait() per pushed message cost more CPU than the message itself.
         reader.add_done_callback(lambda _: stream.wake.set())
@@ -353,22 +356,20 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cache token")
 
-        async def deny_stream(request_iterator, context):
+        async def deny_stream(request_or_iterator, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cache token")
             yield  # pragma: no cover - never reached; makes this an async generator
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
+        # The Cache service's streaming methods are denied with a handler of their own shape.
+        self._deny_streams = {"Watch": grpc.stream_stream_rpc_method_handler(deny_stream),
+                              "Follow": grpc.unary_stream_rpc_method_handler(deny_stream)}
 
     async def intercept_service(self, continuation, handler_call_details):
         if metadata_has_token(handler_call_details.invocation_metadata, self._token):
             return await continuation(handler_call_details)
         method = handler_call_details.method.rsplit("/", 1)[-1]
-        return self._deny_stream if method in _STREAM_METHODS else self._deny
-
-
-#: The Cache service's streaming methods (the token check denies them with a stream handler).
-_STREAM_METHODS = frozenset({"Watch", "Follow"})
+        return self._deny_streams.get(method, self._deny)
 
 
 class CacheServer:
