@@ -454,11 +454,14 @@ def decode_block(
     position: Optional[int] = None,
     verify: bool = True,
     headers: bool = False,
+    header: Optional[BlockHeader] = None,
 ) -> Tuple[BlockHeader, pa.RecordBatch]:
     """Decode the block at ``data[offset:]`` into a RecordBatch of :data:`BLOCK_SCHEMA`
     (:data:`BLOCK_SCHEMA_WITH_HEADERS` with ``headers``: null lists for a block without any).
 
     The arrays share memory with ``data``: no copy and no per-message Python work.
+    ``header``: the block's header as :func:`parse_header` (or :func:`scan_blocks`) already
+    parsed and verified it at this offset; it is not parsed again.
 
     Raises
     ------
@@ -469,7 +472,8 @@ def decode_block(
     pos = offset if position is None else position
     buf = data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
     view = memoryview(buf)
-    header = parse_header(view, offset, path=path, position=pos)
+    if header is None:
+        header = parse_header(view, offset, path=path, position=pos)
     start = offset + header.header_len
     end = start + header.body_len
     if end > len(view):

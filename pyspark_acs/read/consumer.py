@@ -226,7 +226,7 @@ class ShardTailer:
             if header.count:
                 try:
                     _, batch = decode_block(buf, at, path=self.store.uri(self.rel), position=start + at,
-                                            headers=self.include_headers)
+                                            headers=self.include_headers, header=header)
                 except CorruptFileError:
                     if self.length == start + at and self._pass_void(limit):
                         return True
