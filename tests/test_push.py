@@ -40,6 +40,14 @@ def endpoints(dep: LocalDeployment) -> dict:
     return {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints}
 
 
+def followed_replica(dep: LocalDeployment, consumer: Consumer) -> int:
+    """Index (in ``dep``'s data endpoints) of the replica the consumer's feed follows its file on."""
+    feed = consumer.path.feed
+    with feed._lock:
+        (f,) = feed._files.values()
+        return dep.endpoints("data").index(f.endpoint)
+
+
 def server_stats(eps: str) -> dict:
     with CacheClient(eps) as c:
         return c.stats()
@@ -233,12 +241,14 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
         sender.start()
         try:
             col.until(lambda: len(col.values) >= 500, 30, "first messages")
+            # The data replica killed is the one this process's feed follows the file on.
+            index = {"data": followed_replica(dep, c), "metadata": 0}
             for r in roles:
-                dep.kill(r, 0, signal.SIGKILL)
+                dep.kill(r, index[r], signal.SIGKILL)
             seen = len(col.values)
             col.until(lambda: len(col.values) >= seen + 1000, 30, "messages with a replica dead")
             for r in roles:
-                dep.restart(r, 0)
+                dep.restart(r, index[r])
             pushed = col.stat("pushed_bytes")
             seen = len(col.values)
             col.until(lambda: len(col.values) >= seen + 1000, 30, "messages after the restart")
@@ -436,3 +446,63 @@ def test_a_long_chunk_read_goes_in_pieces_and_keeps_what_answered(dep):
         assert b"".join(part for _, _, part in got[:READ_PIECE_CHUNKS]) == data[:head]
         assert all(part is None for _, _, part in got[READ_PIECE_CHUNKS:])
         assert got[-1][1] == len(data)
+
+
+def test_reader_processes_spread_their_follow_streams_over_the_replicas():
+    """Each process follows a file on one of its replicas picked by process and file, so many
+    reader processes do not all push from the file's primary (64 consumers did)."""
+    from pyspark_acs.cache.feed import pick_replica
+
+    replicas = ("a:1", "b:2", "c:3")
+    picks = {pick_replica(replicas, f"/s/0/file-{i}.acs") for i in range(30)}
+    assert picks == set(replicas)
+    assert pick_replica(replicas, "/s/0/x.acs") == pick_replica(replicas, "/s/0/x.acs")
+    assert pick_replica(("only:1",), "/s/0/x.acs") == "only:1"
+
+
+def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, root):
+    """Bytes the cache holds that the live feed has not pushed yet are waited for (at most
+    PUSH_GRACE_S while the feed does not grow), not asked for with Gets: a busy replica asked
+    for what it is pushing falls further behind. After the grace the reader asks."""
+    from pyspark_acs.cache.feed import PUSH_GRACE_S
+
+    with Producer(root, "grace", shards=1, **endpoints(dep)) as p, Consumer(root, "grace", **endpoints(dep)) as c:
+        col = Collector(c)
+        p.send(msg(0))
+        p.flush()
+        col.until(lambda: len(col.values) == 1, 20, "the first message")
+        t = c._tailers[0]
+        feed, uri = c.path.feed, c.store.uri(t.rel)
+        wait_until(lambda: feed.live(uri, t.length), 20, "the feed is live")
+        now = time.monotonic()
+        assert feed.waiting(uri, t.length, now=now)  # the first look starts the grace
+        assert feed.waiting(uri, t.length, now=now + PUSH_GRACE_S / 2)
+        assert not feed.waiting(uri, t.length, now=now + PUSH_GRACE_S * 1.5)  # then it asks
+        assert not feed.waiting(uri, t.length + 1, now=now)  # not where the feed's bytes go on
+        p.send(msg(1))
+        p.flush()
+        col.until(lambda: len(col.values) == 2, 20, "the second message")
+        # The feed grew: a reader at its new end waits afresh.
+        assert feed.waiting(uri, t.length, now=time.monotonic())
+        # A push held back (the stream is up but its messages are dropped here): bytes the cache
+        # holds are not asked for within the grace, then they are, whole and exact.
+        with feed._lock:
+            stream = feed._streams[feed._files[uri].endpoint]
+        stream._handle = lambda message: None
+        p.send(msg(2))
+        p.flush()
+        start = t.length
+        published = c.path.meta.lengths([uri])[uri][0]
+        assert published > start
+        # The reader learns the length from the poller's safety poll (nothing is pushed).
+        wait_until(lambda: c.path.lengths([t.rel])[t.rel] >= published, 10, "the safety poll")
+        with feed._lock:
+            feed._files[uri].short_since = None  # the looks above started a grace long ago
+        before = c.path.stats()["cache_bytes"]
+        assert c.path.read(t.rel, start, published) == b""
+        assert c.path.stats()["cache_bytes"] == before  # nothing asked
+        time.sleep(PUSH_GRACE_S * 1.5)
+        got = c.path.read(t.rel, start, published)
+        assert len(got) == published - start and c.path.stats()["cache_bytes"] > before
+        assert msg(2) in got
+

@@ -342,7 +342,9 @@ class CachedReadPath:
         if got:
             with self._lock:
                 self._stats["pushed_bytes"] += len(got)
-        if start + len(got) < end:
+        # Bytes the live feed is about to push are waited for, not asked for (a busy replica
+        # asked for what it is pushing falls further behind); a durable copy does not wait.
+        if start + len(got) < end and not (postpone and feed.waiting(uri, start + len(got))):
             got += self._read(rel, start + len(got), end, postpone)
         feed.consumed(uri, id(self), start + len(got))
         return got
