@@ -52,7 +52,7 @@ import struct
 import sys
 import time
 import zlib
-from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -455,13 +455,17 @@ def decode_block(
     verify: bool = True,
     headers: bool = False,
     header: Optional[BlockHeader] = None,
+    prefix: Sequence[pa.Array] = (),
+    schema: Optional[pa.Schema] = None,
 ) -> Tuple[BlockHeader, pa.RecordBatch]:
     """Decode the block at ``data[offset:]`` into a RecordBatch of :data:`BLOCK_SCHEMA`
     (:data:`BLOCK_SCHEMA_WITH_HEADERS` with ``headers``: null lists for a block without any).
 
     The arrays share memory with ``data``: no copy and no per-message Python work.
     ``header``: the block's header as :func:`parse_header` (or :func:`scan_blocks`) already
-    parsed and verified it at this offset; it is not parsed again.
+    parsed and verified it at this offset; it is not parsed again. ``prefix``: columns of
+    ``header.count`` rows put before the block's own, ``schema`` then being the result's (a
+    reader's stream, shard and file columns: one RecordBatch per block, not two).
 
     Raises
     ------
@@ -490,13 +494,15 @@ def decode_block(
             path=path,
             position=pos,
         )
-    return header, _decode_body(buf, start, header, path, pos, headers)
+    return header, _decode_body(buf, start, header, path, pos, headers, prefix, schema)
 
 
 def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int,
-                 with_headers: bool = False) -> pa.RecordBatch:
+                 with_headers: bool = False, prefix: Sequence[pa.Array] = (),
+                 schema: Optional[pa.Schema] = None) -> pa.RecordBatch:
     n = h.count
-    schema = BLOCK_SCHEMA_WITH_HEADERS if with_headers else BLOCK_SCHEMA
+    if schema is None:
+        schema = BLOCK_SCHEMA_WITH_HEADERS if with_headers else BLOCK_SCHEMA
     if not 0 <= h.first_index <= MAX_MESSAGE_INDEX - n:
         # Positions are int64: an index past 2**63 - 1 would overflow or wrap negative.
         raise CorruptFileError(
@@ -504,6 +510,8 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
             f"range (0..{MAX_MESSAGE_INDEX})", path=path, position=pos)
     if n == 0:  # a seal or an empty block: nothing to slice (a seal's body is empty)
         return pa.RecordBatch.from_arrays([pa.nulls(0, f.type) for f in schema], schema=schema)
+    if len(prefix) + len(BLOCK_SCHEMA) + with_headers != len(schema):
+        raise ValueError(f"decode_block: {len(prefix)} prefix columns do not fit schema {schema}")
     at = start
     end = start + h.body_len
 
@@ -566,7 +574,7 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
         ) from exc
     timestamps = pa.Array.from_buffers(pa.timestamp("us", tz="UTC"), n, [None, ts])
     positions = _positions(h.first_index, n)
-    return pa.RecordBatch.from_arrays([positions, timestamps, keys, values, *columns], schema=schema)
+    return pa.RecordBatch.from_arrays([*prefix, positions, timestamps, keys, values, *columns], schema=schema)
 
 
 def _positions(first: int, n: int) -> pa.Array:

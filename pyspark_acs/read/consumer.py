@@ -226,15 +226,15 @@ class ShardTailer:
             if header.count:
                 try:
                     _, batch = decode_block(buf, at, path=self.store.uri(self.rel), position=start + at,
-                                            headers=self.include_headers, header=header)
+                                            headers=self.include_headers, header=header,
+                                            prefix=consts.take(header.count), schema=self.schema)
                 except CorruptFileError:
                     if self.length == start + at and self._pass_void(limit):
                         return True
                     if self.length == start:
                         raise
                     break
-                out.append(pa.RecordBatch.from_arrays([*consts.take(batch.num_rows), *batch.columns],
-                                                      schema=self.schema))
+                out.append(batch)
             self.length = start + at + header.size
             if header.count:
                 self.batch_ends.append(self.offset)
