@@ -48,6 +48,20 @@ def followed_replica(dep: LocalDeployment, consumer: Consumer) -> int:
         return dep.endpoints("data").index(f.endpoint)
 
 
+def first_message_pushed(p: Producer, c: Consumer, timeout=None):
+    """Send msg(0), read it through ``c.batches(timeout)`` and wait until every file the
+    consumer follows is pushed (its streams confirmed): ``(the batches iterator, [msg(0)])``."""
+    batches = c.batches(timeout=timeout)
+    p.send(msg(0))
+    p.flush()
+    got = next(batches).column("value").to_pylist()
+    deadline = time.monotonic() + 20
+    while not c._all_pushed() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c._all_pushed()
+    return batches, got
+
+
 def server_stats(eps: str) -> dict:
     with CacheClient(eps) as c:
         return c.stats()
@@ -126,14 +140,7 @@ def test_a_caught_up_reader_looks_once_per_push(dep, root):
     thread): one round per pushed flush, not two. Every message still arrives in order."""
     with Producer(root, "oncelook", shards=1, **endpoints(dep)) as p, \
             Consumer(root, "oncelook", **endpoints(dep)) as c:
-        batches = c.batches(timeout=5)
-        p.send(msg(0))
-        p.flush()
-        got = next(batches).column("value").to_pylist()
-        deadline = time.monotonic() + 20
-        while not c._all_pushed() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert c._all_pushed()
+        batches, got = first_message_pushed(p, c, timeout=5)
         calls = []
         real = c._fill
         c._fill = lambda: (calls.append(1), real())[1]
@@ -164,14 +171,7 @@ def test_a_reader_capped_by_max_read_bytes_reads_on_without_waiting_for_a_push(d
 
     with Producer(root, "capped", shards=1, **endpoints(dep)) as p, \
             Consumer(root, "capped", max_read_bytes=8 * 1024, **endpoints(dep)) as c:
-        batches = c.batches(timeout=5)
-        p.send(msg(0))
-        p.flush()
-        got = next(batches).column("value").to_pylist()
-        deadline = time.monotonic() + 20
-        while not c._all_pushed() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert c._all_pushed()
+        batches, got = first_message_pushed(p, c, timeout=5)
         for i in range(1, 201):
             p.send(msg(i) + b"-" * 1000)
             if i % 20 == 0:
