@@ -40,7 +40,8 @@ _END = object()
 
 
 class _PushStream:
-    """One reconnecting bidirectional stream to one replica. Subclasses own the subscription."""
+    """One reconnecting push stream to one replica (bidirectional, or server-streaming with
+    :meth:`_open` overridden). Subclasses own the subscription."""
 
     method = ""
 
