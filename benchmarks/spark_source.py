@@ -111,7 +111,7 @@ def spark_home_without_zip(base: str) -> str:
     return home
 
 
-def build_spark():
+def build_spark(confs: Optional[List[str]] = None):
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
@@ -125,8 +125,11 @@ def build_spark():
         .config("spark.default.parallelism", "2")
         .config("spark.python.worker.reuse", "true")
         .config("spark.sql.files.maxPartitionBytes", str(512 * 1024 * 1024))  # one partition per text file
-        .getOrCreate()
     )
+    for kv in confs or ():
+        key, _, value = kv.partition("=")
+        spark = spark.config(key, value)
+    spark = spark.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
@@ -458,6 +461,8 @@ def main() -> int:
     p.add_argument("--skip-delay", action="store_true")
     p.add_argument("--cases", help="regular expression: run only the throughput cases it matches")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Spark setting for the whole run (repeatable), to measure its effect")
     p.add_argument("--no-pyspark-zip", action="store_true",
                    help="start Spark with a SPARK_HOME without python/lib/pyspark.zip (see spark_home_without_zip)")
     args = p.parse_args()
@@ -471,7 +476,7 @@ def main() -> int:
         if args.caches or not args.skip_delay:
             dep = LocalDeployment(os.path.join(tmp, "servers"), capacity="512MiB").start()
             progress(f"cache servers: data {dep.data_endpoints}")
-        spark = build_spark()
+        spark = build_spark(args.conf)
         if not args.skip_throughput:
             paths = write_inputs(tmp, args.messages, dep if args.caches else None)
             throughput(spark, paths, args.messages, args.repeat, tmp, dep if args.caches else None, args.cases)
