@@ -42,81 +42,12 @@ from typing import Dict, List
 from _common import progress
 
 from pyspark_acs import Producer
-from pyspark_acs.datasource import AcsDataSource
-from pyspark_acs.datasource.source import AcsStreamReader
+
+from _acs_traced import TRACE_ENV, TracedSource  # by name: the planner imports it, not a pickled copy
+from spark_source import package_bytecode, spark_home_without_zip
 
 SIZE = 1024
 SHARDS = 2
-HEAVY = ("grpc", "google.protobuf", "pandas", "pyarrow", "numpy", "pyspark_acs.cache.client")
-
-TRACE_ENV = "ACS_TIMELINE_TRACE"
-
-
-def _trace(event: str, **fields) -> None:
-    """Append one event (wall time, pid) to the trace file named by $ACS_TIMELINE_TRACE."""
-    path = os.environ.get(TRACE_ENV)
-    if not path:
-        return
-    fields.update(t=time.time(), pid=os.getpid(), event=event)
-    with open(path, "a") as f:
-        f.write(json.dumps(fields) + "\n")
-
-
-def _process_start_wall() -> float:
-    """Wall-clock time this process started (from /proc: boot time + start ticks)."""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return btime + start_ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _loaded() -> List[str]:
-    return [m for m in HEAVY if m in sys.modules]
-
-
-class TracedReader(AcsStreamReader):
-    """The acs stream reader with every planner call traced."""
-
-    def __init__(self, opts) -> None:
-        _trace("reader init begin", process_start=_process_start_wall(), loaded=_loaded(),
-               modules=len(sys.modules))
-        t0 = time.time()
-        super().__init__(opts)
-        _trace("reader init end", dur=time.time() - t0, loaded=_loaded())
-
-
-def _wrap(name):
-    base = getattr(AcsStreamReader, name)
-
-    def call(self, *args, **kwargs):
-        t0 = time.time()
-        try:
-            return base(self, *args, **kwargs)
-        finally:
-            _trace(name, begin=t0, dur=time.time() - t0, loaded=_loaded())
-
-    call.__name__ = name
-    call.__signature__ = __import__("inspect").signature(base)
-    return call
-
-
-for _name in ("initialOffset", "getDefaultReadLimit", "prepareForTriggerAvailableNow", "latestOffset",
-              "reportLatestOffset", "partitions", "commit", "stop"):
-    setattr(TracedReader, _name, _wrap(_name))
-
-
-class TracedSource(AcsDataSource):
-    @classmethod
-    def name(cls) -> str:
-        return "acs_traced"
-
-    def streamReader(self, schema):
-        from pyspark_acs.datasource.options import parse_source_options
-
-        return TracedReader(parse_source_options(self.options))
-
-
 def write_inputs(base: str, n: int) -> Dict[str, str]:
     root = os.path.join(base, "acs")
     text_dir = os.path.join(base, "text")
@@ -166,6 +97,23 @@ trace("planner: interpreter up (site imported)")
 import pyspark.sql.streaming.python_streaming_source_runner as runner
 trace("planner: runner module imported (pyspark)")
 from pyspark.worker_util import get_sock_file_to_executor
+def traced(name, fn):
+    def call(*a, **k):
+        trace(f"planner: {{name}} begins")
+        try:
+            return fn(*a, **k)
+        finally:
+            trace(f"planner: {{name}} returned")
+    return call
+runner.read_command = traced("read_command (data source unpickled)", runner.read_command)
+runner.setup_spark_files = traced("setup_spark_files", runner.setup_spark_files)
+runner.check_python_version = traced("check_python_version (first read from the JVM)", runner.check_python_version)
+runner._streamReader = traced("_streamReader", runner._streamReader)
+import pyspark.worker_util as wu, importlib
+wu.add_path = traced("add_path", wu.add_path)
+importlib.invalidate_caches = traced("invalidate_caches", importlib.invalidate_caches)
+_loads = wu.utf8_deserializer.loads
+wu.utf8_deserializer.loads = traced("utf8 loads", _loads)
 with get_sock_file_to_executor(timeout=None) as sock_file:
     trace("planner: connected to the JVM")
     runner.main(sock_file, sock_file)
@@ -298,10 +246,18 @@ def main() -> int:
     p.add_argument("--text", action="store_true", help="also run Spark's text source")
     p.add_argument("--batch", action="store_true", help="also time a batch read of the same acs stream")
     p.add_argument("--conf", action="append", default=[], help="extra Spark conf key=value")
+    p.add_argument("--compile", action="store_true", help="compile pyspark_acs's bytecode up front (as pip does)")
+    p.add_argument("--no-pyspark-zip", action="store_true", help="a SPARK_HOME without python/lib/pyspark.zip")
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="acs-timeline-")
+    progress(f"pyspark_acs bytecode: {package_bytecode(args.compile)}")
+    if args.no_pyspark_zip:
+        os.environ["SPARK_HOME"] = spark_home_without_zip(tmp)
+        progress("no pyspark.zip on the Python workers' path")
     trace = os.path.join(tmp, "trace.jsonl")
     os.environ[TRACE_ENV] = trace
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     python = python_wrapper(tmp, args.importtime)
     paths = write_inputs(f"{args.data}-{args.messages}", args.messages)
     spark = build_spark(args.conf, args.jvm_log, tmp, python)
