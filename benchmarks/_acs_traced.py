@@ -32,15 +32,6 @@ def _trace(event: str, **fields) -> None:
         f.write(json.dumps(fields) + "\n")
 
 
-def _process_start_wall() -> float:
-    """Wall-clock time this process started (from /proc: boot time + start ticks)."""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return btime + start_ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _loaded() -> List[str]:
     return [m for m in HEAVY if m in sys.modules]
 
@@ -49,7 +40,7 @@ class TracedReader(AcsStreamReader):
     """The acs stream reader with every planner call traced."""
 
     def __init__(self, opts) -> None:
-        _trace("reader init begin", process_start=_process_start_wall(), loaded=_loaded(),
+        _trace("reader init begin", loaded=_loaded(),
                modules=len(sys.modules))
         t0 = time.time()
         super().__init__(opts)

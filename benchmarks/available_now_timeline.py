@@ -7,13 +7,12 @@ for comparison) on ``local[2]`` and prints, per query, on one clock (wall time r
 
 * the driver side: ``start()`` returning, each micro-batch's start and Spark's ``durationMs``
   phases (from the query's progress), termination;
-* the planner process Spark starts for the query (``python_streaming_source_runner``): its
-  process start (from ``/proc``), the reader's construction, every call Spark makes into the
-  reader (initialOffset, latestOffset, prepareForTriggerAvailableNow, partitions, commit, ...)
-  with its duration, and which heavy modules (grpc, protobuf, pandas, pyarrow) it has imported
-  by then;
-* with ``--jvm-log``, the JVM's streaming log lines (log4j at INFO, millisecond stamps) for
-  checkpoint and offset-log writes.
+* the planner process Spark starts for the query (``python_streaming_source_runner``), started
+  through a wrapper interpreter (``PYSPARK_PYTHON``) that stamps its exec, its interpreter being
+  up, pyspark imported, the connection to the JVM, Spark's bootstrap steps (spark files, the
+  data source unpickled), the reader's construction, every call Spark makes into the reader
+  (initialOffset, latestOffset, prepareForTriggerAvailableNow, partitions, commit, ...) with its
+  duration, and which heavy modules (grpc, pandas, pyarrow.compute, ...) it has imported by then.
 
 The planner calls are recorded by a subclass of the acs source registered as ``acs_traced``
 (same code, each method wrapped); the trace goes to a file every process appends to.
@@ -21,7 +20,7 @@ The planner calls are recorded by a subclass of the acs source registered as ``a
 Usage::
 
     .venv/bin/python benchmarks/available_now_timeline.py [--messages 200000] [--repeat 2]
-        [--jvm-log] [--importtime] [--conf key=value ...]
+        [--importtime] [--compile] [--no-pyspark-zip] [--text] [--batch] [--conf key=value ...]
 
 ``--importtime`` starts the planner process through a wrapper that runs it with
 ``python -X importtime`` (its import tree is written next to the trace and summarised).
@@ -44,7 +43,7 @@ from _common import progress
 from pyspark_acs import Producer
 
 from _acs_traced import TRACE_ENV, TracedSource  # by name: the planner imports it, not a pickled copy
-from spark_source import package_bytecode, spark_home_without_zip
+from spark_source import build_spark, package_bytecode, spark_home_without_zip
 
 SIZE = 1024
 SHARDS = 2
@@ -68,23 +67,6 @@ def write_inputs(base: str, n: int) -> Dict[str, str]:
         f.close()
     open(os.path.join(base, "done"), "w").close()
     return {"root": root, "text": text_dir}
-
-
-LOG4J = """\
-rootLogger.level = warn
-rootLogger.appenderRef.stdout.ref = console
-appender.console.type = Console
-appender.console.name = console
-appender.console.target = SYSTEM_ERR
-appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = JVMLOG %d{UNIX_MILLIS} %c{1}: %m%n
-logger.stream.name = org.apache.spark.sql.execution.streaming
-logger.stream.level = info
-logger.pyrunner.name = org.apache.spark.sql.execution.datasources.v2.python
-logger.pyrunner.level = info
-logger.pyw.name = org.apache.spark.api.python
-logger.pyw.level = info
-"""
 
 
 BOOT = """\
@@ -112,8 +94,6 @@ runner._streamReader = traced("_streamReader", runner._streamReader)
 import pyspark.worker_util as wu, importlib
 wu.add_path = traced("add_path", wu.add_path)
 importlib.invalidate_caches = traced("invalidate_caches", importlib.invalidate_caches)
-_loads = wu.utf8_deserializer.loads
-wu.utf8_deserializer.loads = traced("utf8 loads", _loads)
 with get_sock_file_to_executor(timeout=None) as sock_file:
     trace("planner: connected to the JVM")
     runner.main(sock_file, sock_file)
@@ -141,35 +121,6 @@ exec {sys.executable} "$@"
 """)
     os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
     return path
-
-
-def build_spark(confs: List[str], jvm_log: bool, tmp: str, python: str):
-    os.environ["PYSPARK_PYTHON"] = python
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
-
-    b = (
-        SparkSession.builder.master("local[2]")
-        .appName("acs-available-now-timeline")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.default.parallelism", "2")
-        .config("spark.python.worker.reuse", "true")
-        .config("spark.sql.files.maxPartitionBytes", str(512 * 1024 * 1024))
-    )
-    if jvm_log:
-        conf_file = os.path.join(tmp, "log4j2.properties")
-        with open(conf_file, "w") as f:
-            f.write(LOG4J)
-        b = b.config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{conf_file}")
-    for kv in confs:
-        k, v = kv.split("=", 1)
-        b = b.config(k, v)
-    spark = b.getOrCreate()
-    if not jvm_log:
-        spark.sparkContext.setLogLevel("ERROR")
-    return spark
 
 
 def run_query(spark, make, ckpt: str, trace: str) -> Dict:
@@ -241,7 +192,6 @@ def main() -> int:
     p.add_argument("--messages", type=int, default=200_000)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--data", default="/tmp/acs-timeline-data", help="input folder (reused when complete)")
-    p.add_argument("--jvm-log", action="store_true")
     p.add_argument("--importtime", action="store_true")
     p.add_argument("--text", action="store_true", help="also run Spark's text source")
     p.add_argument("--batch", action="store_true", help="also time a batch read of the same acs stream")
@@ -260,7 +210,8 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     python = python_wrapper(tmp, args.importtime)
     paths = write_inputs(f"{args.data}-{args.messages}", args.messages)
-    spark = build_spark(args.conf, args.jvm_log, tmp, python)
+    confs = list(args.conf)
+    spark = build_spark(confs, python=python, app="acs-available-now-timeline")
     try:
         spark.dataSource.register(TracedSource)
         opts = {"root": paths["root"], "stream": "bench", "startingOffsets": "earliest"}

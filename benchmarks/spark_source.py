@@ -136,14 +136,16 @@ def package_bytecode(compile_now: bool) -> str:
     return "as found (" + ("__pycache__ present" if cached else "no __pycache__") + ")"
 
 
-def build_spark(confs: Optional[List[str]] = None):
-    os.environ["PYSPARK_PYTHON"] = sys.executable
+def build_spark(confs: Optional[List[str]] = None, *, python: str = sys.executable, app: str = "acs-spark-source-bench"):
+    """The benchmarks' SparkSession: local[2], Python workers reused, ``confs`` (``KEY=VALUE``)
+    on top; ``python`` is the workers' interpreter."""
+    os.environ["PYSPARK_PYTHON"] = python
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
 
     spark = (
         SparkSession.builder.master("local[2]")
-        .appName("acs-spark-source-bench")
+        .appName(app)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
