@@ -57,6 +57,8 @@ from pyspark_acs.server.local.deploy import LocalDeployment
 
 SIZE = 1024
 SHARDS = 2
+#: How the run was set up (bytecode, pyspark.zip, extra settings): printed with every report.
+CONDITIONS: Dict[str, str] = {}
 
 
 def message(i: int, filler: bytes) -> bytes:
@@ -111,22 +113,50 @@ def spark_home_without_zip(base: str) -> str:
     return home
 
 
-def build_spark():
-    os.environ["PYSPARK_PYTHON"] = sys.executable
+def package_bytecode(compile_now: bool) -> str:
+    """Whether pyspark_acs's modules load from bytecode caches in the processes Spark starts.
+
+    A pip-installed package is compiled at install; an editable install is compiled by the
+    first import that may write ``__pycache__`` -- never, with ``PYTHONDONTWRITEBYTECODE=1`` (set
+    on the test machine): then every Python process Spark starts (the planner of each streaming
+    query among them) compiles the package again, ~70 ms here. ``compile_now`` compiles it once
+    up front, as pip would.
+    """
+    import compileall
+
+    import pyspark_acs
+
+    pkg = os.path.dirname(pyspark_acs.__file__)
+    if compile_now:
+        compileall.compile_dir(pkg, quiet=1)
+        return "compiled up front (as pip install does)"
+    cached = os.path.exists(os.path.join(pkg, "__pycache__"))
+    if os.environ.get("PYTHONDONTWRITEBYTECODE") and not cached:
+        return "compiled at every process start (PYTHONDONTWRITEBYTECODE, no __pycache__)"
+    return "as found (" + ("__pycache__ present" if cached else "no __pycache__") + ")"
+
+
+def build_spark(confs: Optional[List[str]] = None, *, python: str = sys.executable, app: str = "acs-spark-source-bench"):
+    """The benchmarks' SparkSession: local[2], Python workers reused, ``confs`` (``KEY=VALUE``)
+    on top; ``python`` is the workers' interpreter."""
+    os.environ["PYSPARK_PYTHON"] = python
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
 
     spark = (
         SparkSession.builder.master("local[2]")
-        .appName("acs-spark-source-bench")
+        .appName(app)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.default.parallelism", "2")
         .config("spark.python.worker.reuse", "true")
         .config("spark.sql.files.maxPartitionBytes", str(512 * 1024 * 1024))  # one partition per text file
-        .getOrCreate()
     )
+    for kv in confs or ():
+        key, _, value = kv.partition("=")
+        spark = spark.config(key, value)
+    spark = spark.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
@@ -364,6 +394,7 @@ def throughput(spark, paths: Dict[str, str], n: int, repeat: int, tmp: str, dep:
     rows["ceiling / text, batch"] = ratio("ceiling batch", "text batch")
     rows["ceiling value / text, batch"] = ratio("ceiling value", "text batch")
     rows["load average at start / end"] = f"{start_load} / {load_average()}"
+    rows.update(CONDITIONS)
     report(f"Spark source throughput: {n} messages of {SIZE} B ({mb:.0f} MB), {spark.sparkContext.master}", rows)
 
 
@@ -444,6 +475,7 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
     rows["sink phases p50 (ms)"] = phases(reports)
     rows["source phases p50 (ms)"] = phases(source.recentProgress)
     rows["load average"] = load_average()
+    rows.update(CONDITIONS)
     report(f"End-to-end delay, sink write -> source row (processingTime=0, caches, {rate} msg/s)", rows)
 
 
@@ -458,6 +490,10 @@ def main() -> int:
     p.add_argument("--skip-delay", action="store_true")
     p.add_argument("--cases", help="regular expression: run only the throughput cases it matches")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Spark setting for the whole run (repeatable), to measure its effect")
+    p.add_argument("--compile", action="store_true",
+                   help="compile pyspark_acs's bytecode up front, as a pip install does (see package_bytecode)")
     p.add_argument("--no-pyspark-zip", action="store_true",
                    help="start Spark with a SPARK_HOME without python/lib/pyspark.zip (see spark_home_without_zip)")
     args = p.parse_args()
@@ -465,13 +501,18 @@ def main() -> int:
     if args.no_pyspark_zip:
         os.environ["SPARK_HOME"] = spark_home_without_zip(tmp)
         progress(f"SPARK_HOME {os.environ['SPARK_HOME']} (no pyspark.zip: Python processes import the installed pyspark)")
+    CONDITIONS["pyspark_acs bytecode"] = package_bytecode(args.compile)
+    CONDITIONS["pyspark.zip on the workers' path"] = "no (--no-pyspark-zip)" if args.no_pyspark_zip else "yes (Spark's default)"
+    CONDITIONS["extra Spark settings"] = ", ".join(args.conf) or "none"
+    for k, v in CONDITIONS.items():
+        progress(f"{k}: {v}")
     dep = None
     spark = None
     try:
         if args.caches or not args.skip_delay:
             dep = LocalDeployment(os.path.join(tmp, "servers"), capacity="512MiB").start()
             progress(f"cache servers: data {dep.data_endpoints}")
-        spark = build_spark()
+        spark = build_spark(args.conf)
         if not args.skip_throughput:
             paths = write_inputs(tmp, args.messages, dep if args.caches else None)
             throughput(spark, paths, args.messages, args.repeat, tmp, dep if args.caches else None, args.cases)

@@ -292,3 +292,17 @@ def test_batch_read_with_caches_plans_everything_when_data_cache_lacks_chunks(sp
                 metadata_cache=dep.metadata_endpoints)
         df = read_acs(spark, root, "nochunks", dataCache=dep.data_endpoints, metadataCache=dep.metadata_endpoints)
         assert df.count() == 200
+
+
+def test_the_streaming_planner_imports_no_more_than_it_plans_with():
+    """Spark starts a Python process of its own for every streaming query's planning and imports
+    the source there (benchmarks/available_now_timeline.py): what that import pulls in is paid by
+    every query's start. pyarrow.compute (~20 ms) and grpc are imported only by what uses them
+    (row filters, cache clients)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, pyspark.sql.datasource, pyarrow; import pyspark_acs.datasource.source; "
+             "print(sorted(m for m in ('pyarrow.compute', 'grpc') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

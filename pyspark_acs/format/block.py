@@ -56,7 +56,6 @@ from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Sequence,
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from pyspark_acs.errors import ChecksumMismatchError, CorruptFileError, TruncatedBlockError
 from pyspark_acs.format.arrays import binary_array, int64_array
@@ -203,7 +202,7 @@ def _timestamps(timestamps: Any, count: int) -> bytes:
         elif not pa.types.is_int64(timestamps.type):
             timestamps = timestamps.cast(pa.int64())
         if timestamps.null_count:
-            timestamps = pc.fill_null(timestamps, _now_us())
+            timestamps = timestamps.fill_null(_now_us())
     else:
         try:
             timestamps = int64_array(timestamps)
@@ -217,7 +216,7 @@ def _timestamps(timestamps: Any, count: int) -> bytes:
     if timestamps.offset:
         timestamps = pa.concat_arrays([timestamps])
     if timestamps.null_count:
-        timestamps = pc.fill_null(timestamps, _now_us())
+        timestamps = timestamps.fill_null(_now_us())
     raw = timestamps.buffers()[1].slice(0, 8 * count).to_pybytes()
     if not _LITTLE:  # pragma: no cover - big-endian hosts
         import array

@@ -150,6 +150,7 @@ def walk_blocks(
     max_bytes: Optional[int] = None,
     max_rows: Optional[int] = None,
     stop_before: Optional[Callable[[BlockHeader], bool]] = None,
+    first_read: int = WALK_WINDOW_BYTES,
 ) -> Tuple[int, int, int, bool]:
     """Walk whole blocks of ``rel`` from ``start`` (a block boundary) towards ``stop``.
 
@@ -165,7 +166,7 @@ def walk_blocks(
     """
     at, rows, blocks = start, 0, 0
     uri = path.store.uri(rel)
-    window = WALK_WINDOW_BYTES
+    window = max(HEADER_SIZE, first_read)
     while at + HEADER_SIZE <= stop:
         data = _read_now(path, rel, at, min(stop, at + window))
         if len(data) < HEADER_SIZE:
@@ -224,7 +225,7 @@ class BoundaryCache:
         settled = known is not None and at == start
         if at > length or at < start:
             at = start
-        end, _, _, sealed = walk_blocks(path, rel, at, length)
+        end, _, _, sealed = walk_blocks(path, rel, at, length, first_read=HEADER_SIZE)
         if not sealed and end == at and at > 0 and at == start and not settled:
             sealed = ends_with_seal(path, rel, at)  # a position saved right after a seal
         with self._lock:
@@ -339,7 +340,9 @@ def carries_messages(path: ReadPath, extent: ShardExtent, start: Offset, end: Of
                 found.append(header)
             return bool(header.count)
 
-        walk_blocks(path, rel, begin, stop, stop_before=first_message)
+        # Usually the first header answers: read it alone, not a window of the bytes after it
+        # (a streaming planner asks this at every trigger, right after the boundary walk).
+        walk_blocks(path, rel, begin, stop, stop_before=first_message, first_read=HEADER_SIZE)
         if found:
             return True
     return False
