@@ -19,16 +19,15 @@ from pyspark.sql.datasource import EqualTo, GreaterThanOrEqual, In, IsNotNull, L
 from pyspark_acs import Producer
 from pyspark_acs.datasource.options import parse_source_options
 from pyspark_acs.datasource.source import (
-    READ_BATCH_BYTES,
     AcsBatchReader,
     AcsPartition,
     AcsPruningBatchReader,
     Pruning,
-    coalesce_batches,
     read_partition,
 )
 from pyspark_acs.format.block import scan_blocks
 from pyspark_acs.format.names import shard_dir
+from pyspark_acs.read.batches import READ_BATCH_BYTES, coalesce_batches
 from pyspark_acs.read.readpath import DurableReadPath
 from pyspark_acs.storage.store import open_store
 

@@ -63,12 +63,12 @@ from pyspark_acs.read.positions import (
     shard_extent,
     walk_blocks,
 )
+from pyspark_acs.read.batches import READ_BATCH_BYTES, coalesce_batches
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.datasource.options import SourceOptions
 
 __all__ = [
     "IDLE_WAIT_S",
-    "READ_BATCH_BYTES",
     "SCHEMA_DDL",
     "SCHEMA_WITH_HEADERS_DDL",
     "AcsBatchReader",
@@ -76,7 +76,6 @@ __all__ = [
     "AcsPruningBatchReader",
     "AcsStreamReader",
     "Pruning",
-    "coalesce_batches",
     "pushdown_enabled",
     "read_partition",
     "source_read_path",
@@ -89,11 +88,6 @@ SCHEMA_DDL = (
 )
 #: The schema with option ``includeHeaders``: Kafka's ``headers`` column.
 SCHEMA_WITH_HEADERS_DDL = SCHEMA_DDL + ", headers array<struct<key: string, value: binary>>"
-#: Bytes of one Arrow batch handed to Spark, at most (a single larger block is a batch of its
-#: own). Consecutive blocks are coalesced up to it: the JVM pays per batch, and producers'
-#: blocks are often small (a linger flush of ~90 messages); batches of ~90 rows ran at about
-#: half the rate of batches of 1000 rows (benchmarks/spark_source.py's ceiling probe).
-READ_BATCH_BYTES = 4 * 1024 * 1024
 #: How long ``latestOffset`` of an idle stream (nothing new) waits for a published length to
 #: move before answering (it answers at once when one moves). Spark asks again every 10 ms
 #: (spark.sql.streaming.pollingDelay) while a query has no data: an idle query cost about half
@@ -142,27 +136,6 @@ def _task_read_path(opts: SourceOptions) -> ReadPath:
         if path is None:
             path = _task_paths[key] = source_read_path(opts)
         return path
-
-
-def coalesce_batches(batches: Iterable[pa.RecordBatch], max_bytes: int = READ_BATCH_BYTES) -> Iterator[pa.RecordBatch]:
-    """Concatenate consecutive batches (one per block) into batches of up to ``max_bytes``.
-
-    Empty batches are dropped; a batch larger than ``max_bytes`` passes alone. The copy is
-    Arrow's (``pa.concat_batches``): no per-row Python.
-    """
-    pending: List[pa.RecordBatch] = []
-    size = 0
-    for batch in batches:
-        if not batch.num_rows:
-            continue
-        nbytes = batch.nbytes
-        if pending and size + nbytes > max_bytes:
-            yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
-            pending, size = [], 0
-        pending.append(batch)
-        size += nbytes
-    if pending:
-        yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
 
 
 def read_partition(opts: SourceOptions, partition: AcsPartition,
