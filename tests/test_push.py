@@ -506,3 +506,57 @@ def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, roo
         assert len(got) == published - start and c.path.stats()["cache_bytes"] > before
         assert msg(2) in got
 
+
+
+def test_a_round_cut_short_by_the_feed_is_not_a_settled_round(dep, root):
+    """Review finding: a round whose read stopped at the feed's end to wait for its push (the
+    length is known, the bytes not pushed yet) read less than was readable, yet it counted as
+    settled: when the rest arrived by push, the known length did not move (no wake), so the loop
+    skipped its look and slept the pushed wait (1 s) with the bytes in the feed. The loop must
+    not wait while bytes it could hand out are in the feed."""
+    with Producer(root, "cutshort", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "cutshort", **endpoints(dep)) as c:
+        batches = c.batches()
+        p.send(msg(0))
+        p.flush()
+        assert next(batches).column("value").to_pylist() == [msg(0)]
+        wait_until(c._all_pushed, 20, "every length pushed")
+        t = c._tailers[0]
+        feed, uri = c.path.feed, c.store.uri(t.rel)
+        with feed._lock:
+            stream = feed._streams[feed._files[uri].endpoint]
+        real_handle, held = stream._handle, []
+        stream._handle = held.append  # pushed messages are held here, handed in by the test
+
+        def held_end() -> int:
+            return max((s + n for m in list(held) for s, n in zip(m.starts, m.sizes)), default=0)
+
+        ends = []
+        for i in (1, 2):
+            p.send(msg(i))
+            p.flush()
+            ends.append(c.path.meta.lengths([uri])[uri][0])
+            wait_until(lambda: held_end() >= ends[-1], 20, f"the push of message {i}")
+        first = [m for m in held if max(s + n for s, n in zip(m.starts, m.sizes)) <= ends[0]]
+        rest = held[len(first):]
+        for m in first:
+            real_handle(m)  # message 1 reaches the feed
+        # The safety poll tells the reader the length after message 2; its bytes are held.
+        wait_until(lambda: c.path.poller.lengths([uri])[uri][0] >= ends[1], 20, "the safety poll")
+        waits = []
+        real_wait = c.path.wait
+
+        def recording_wait(*a, **k):
+            with feed._lock:
+                waits.append((t.length, feed._files[uri].end))
+            return real_wait(*a, **k)
+
+        c.path.wait = recording_wait
+        # This round reads message 1 and stops at the feed's end, waiting for message 2's push.
+        assert next(batches).column("value").to_pylist() == [msg(1)]
+        assert t.length == ends[0]
+        for m in rest:
+            real_handle(m)  # message 2's bytes arrive; the known length does not move
+        assert next(batches).column("value").to_pylist() == [msg(2)]
+        # No wait began while the feed held readable bytes past the reader's position.
+        assert all(pos >= end for pos, end in waits), waits

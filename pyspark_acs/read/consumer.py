@@ -120,8 +120,11 @@ class ShardTailer:
         self._loss_logged: Optional[Offset] = None  # the lost position already logged
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
-        #: Whether the last step stopped at ``max_read_bytes`` with more readable at once.
-        self.capped = False
+        #: Whether the last step left bytes below the readable length unread: it stopped at
+        #: ``max_read_bytes``, or the read path returned fewer bytes than asked (a live feed
+        #: about to push them, Algorithm 1 postponing a durable read). Such a round is not
+        #: settled: the rest may become readable with no length moving (Consumer.batches).
+        self.short = False
         self._consts: Optional[ConstantColumns] = None  # stream, shard, file columns of self.file
 
     @property
@@ -158,7 +161,7 @@ class ShardTailer:
         """
         out: List[pa.RecordBatch] = []
         self.batch_ends = []
-        self.capped = False
+        self.short = False
         while True:
             if end is not None and self.offset >= end:
                 return out
@@ -205,8 +208,13 @@ class ShardTailer:
 
     def _read(self, limit: int, out: List[pa.RecordBatch]) -> bool:
         """Read complete blocks of the current file in ``[self.length, limit)``."""
+        try:
+            return self._read_blocks(limit, out)
+        finally:
+            self.short = not self.sealed and self.length < limit
+
+    def _read_blocks(self, limit: int, out: List[pa.RecordBatch]) -> bool:
         start = self.length
-        self.capped = limit > start + self.max_read_bytes
         self.limiter.acquire(min(limit, start + self.max_read_bytes) - start)
         # Blocks before a bad one are handed out first; the next step starts at the bad block
         # and raises then (unless a recovery seal voids it).
@@ -540,9 +548,10 @@ class Consumer:
         """
         idle_since = time.monotonic()
         token = getattr(self.path, "change_token", lambda: None)
-        # The change token taken before a round that read everything readable: if nothing
-        # moved since, the next round would find nothing, so the loop waits at once instead
-        # (once; after the wait it always looks, so the safety-net timeout still reads).
+        # The change token taken before a round that read everything readable (no tailer left
+        # bytes unread: ShardTailer.short): if nothing moved since, the next round would find
+        # nothing, so the loop waits at once instead (once; after the wait it always looks, so
+        # the safety-net timeout still reads).
         settled: Optional[int] = None
         while True:
             if self._closed:
@@ -557,7 +566,7 @@ class Consumer:
                     self._fill()
                 settled = None
             if self._pending:
-                if since is not None and not any(t.capped for t in self._tailers):
+                if since is not None and not any(t.short for t in self._tailers):
                     settled = since
                 while self._pending:
                     yield self._hand_out()
