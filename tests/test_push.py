@@ -560,3 +560,37 @@ def test_a_round_cut_short_by_the_feed_is_not_a_settled_round(dep, root):
         assert next(batches).column("value").to_pylist() == [msg(2)]
         # No wait began while the feed held readable bytes past the reader's position.
         assert all(pos >= end for pos, end in waits), waits
+
+
+def test_a_reader_waiting_for_a_push_reads_nothing_from_the_store(dep, root):
+    """Review finding: while the read path waited for a live feed to push bytes the cache holds,
+    the tailer saw no complete block and searched the range for a recovery seal (skip_void),
+    whose read "without waiting" took every byte the feed did not hand it straight from the
+    durable store -- store reads for bytes in the cache, on every such wait, and not counted in
+    the read path's durable_bytes. Bytes the cache holds come from the cache."""
+    with Producer(root, "waitstore", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "waitstore", **endpoints(dep)) as c:
+        col = Collector(c)
+        p.send(msg(0))
+        p.flush()
+        col.until(lambda: len(col.values) == 1, 20, "the first message")
+        t = c._tailers[0]
+        feed, uri = c.path.feed, c.store.uri(t.rel)
+        wait_until(lambda: feed.live(uri, t.length), 20, "the feed is live")
+        with feed._lock:
+            stream = feed._streams[feed._files[uri].endpoint]
+        stream._handle = lambda message: None  # the stream is up, its pushes do not arrive
+        p.send(msg(1))
+        p.flush()
+        published = c.path.meta.lengths([uri])[uri][0]
+        wait_until(lambda: c.path.lengths([t.rel])[t.rel] >= published, 10, "the safety poll")
+        store_reads = []
+        real_read = c.store.read
+        c.store.read = lambda rel, start, end: (store_reads.append((start, end)), real_read(rel, start, end))[1]
+        with feed._lock:
+            feed._files[uri].short_since = None  # the reader is about to wait at the feed's end
+        assert c.poll() == []  # within the grace: waited for, not asked for
+        assert store_reads == []
+        col.until(lambda: len(col.values) == 2, 20, "the second message, after the grace")
+        assert col.values == [msg(0), msg(1)]
+        assert store_reads == [] and c.stats()["durable_bytes"] == 0
