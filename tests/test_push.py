@@ -594,3 +594,41 @@ def test_a_reader_waiting_for_a_push_reads_nothing_from_the_store(dep, root):
         col.until(lambda: len(col.values) == 2, 20, "the second message, after the grace")
         assert col.values == [msg(0), msg(1)]
         assert store_reads == [] and c.stats()["durable_bytes"] == 0
+
+
+def test_a_stream_that_came_back_backs_off_from_the_start_when_it_breaks_again(dep, monkeypatch):
+    """Review finding: the reconnect back-off doubles on each failure up to RECONNECT_MAX_S and
+    was reset when a stream came up again; the Follow refactor lost the reset (for Watch
+    streams too), so once a stream had failed a few times in its life, every later break waited
+    the maximum before reconnecting (pushes lost for that long, readers polling and asking)."""
+    import pyspark_acs.cache.push as push
+
+    waits: List[float] = []
+
+    class RecordingEvent(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(push, "threading", type("T", (), {
+        "Event": RecordingEvent, "Lock": threading.Lock, "Thread": threading.Thread}))
+    client = CacheClient(dep.data_endpoints, name="data cache")
+    endpoint = client.endpoints[0]
+    index = dep.endpoints("data").index(endpoint)
+    stream = FollowStream(client, endpoint, lambda fid, start, run: None)
+    try:
+        stream.follow(file_id(f"file:///backoff/{time.time_ns()}.acs"), 0)
+        wait_until(stream.live.is_set, 20, "the stream up")
+        dep.kill("data", index, signal.SIGKILL)
+        wait_until(lambda: waits and waits[-1] == push.RECONNECT_MAX_S, 30, "the back-off at its maximum")
+        dep.restart("data", index)
+        wait_until(stream.live.is_set, 30, "the stream up again")
+        before = len(waits)
+        dep.kill("data", index, signal.SIGKILL)
+        wait_until(lambda: len(waits) > before, 30, "the first wait after the new break")
+        assert waits[before] == push.RECONNECT_INITIAL_S, waits[before:]
+    finally:
+        stream.close()
+        client.close()
+        if not dep.is_running("data", index):
+            dep.restart("data", index)

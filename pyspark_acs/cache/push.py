@@ -135,10 +135,13 @@ class _PushStream:
             try:
                 stub = self.client._stub(self.client._replicas[self.endpoint])
                 call = self._open(stub, requests)
+                if self.live.is_set():
+                    wait = RECONNECT_INITIAL_S  # up: the next break backs off from the start
                 for message in call:
                     if self._restart:
                         continue  # the old subscription's call ending: its bytes may be stale
                     self._up()  # a replica that sends no headers first is up with its first message
+                    wait = RECONNECT_INITIAL_S
                     self._handle(message)
             except grpc.RpcError as exc:
                 if not self._closed and not self._restart:
