@@ -632,3 +632,28 @@ def test_a_stream_that_came_back_backs_off_from_the_start_when_it_breaks_again(d
         client.close()
         if not dep.is_running("data", index):
             dep.restart("data", index)
+
+
+def test_a_seek_between_batches_is_read_at_once(dep, root):
+    """Review finding: the loop skipped its next look after a settled round while no length
+    moved, and a seek() between two batches moves no length: the batch generator then slept the
+    pushed wait (1 s) before reading the position it was moved to, all of it readable."""
+    with Producer(root, "seekagain", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "seekagain", **endpoints(dep)) as c:
+        batches = c.batches()
+        p.send(msg(0))
+        p.flush()
+        assert next(batches).column("value").to_pylist() == [msg(0)]
+        wait_until(c._all_pushed, 20, "every length pushed")
+        p.send(msg(1))
+        p.flush()
+        assert next(batches).column("value").to_pylist() == [msg(1)]  # a settled round
+        waits = []
+        real_wait = c.path.wait
+        c.path.wait = lambda *a, **k: (waits.append(a), real_wait(*a, **k))[1]
+        c.seek("earliest")
+        got = []
+        while len(got) < 2:
+            got.extend(next(batches).column("value").to_pylist())
+        assert got == [msg(0), msg(1)]
+        assert waits == []  # read at once, not after a wait for a push that does not come

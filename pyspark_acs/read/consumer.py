@@ -473,6 +473,11 @@ class Consumer:
         # after it). offsets() reports _reported, the position after what was handed out.
         self._pending: Deque[Tuple[pa.RecordBatch, int, Offset]] = collections.deque()
         self._reported: List[Offset] = []
+        # The change token taken before a round of batches() that read everything readable (no
+        # tailer left bytes unread: ShardTailer.short): if nothing moved since, the next round
+        # would find nothing, so the loop waits at once instead (once; after the wait it always
+        # looks, so the safety-net timeout still reads). A seek moves no length: it clears it.
+        self._settled: Optional[int] = None
         self.seek(start)
 
     def seek(self, start: StartSpec) -> None:
@@ -486,6 +491,7 @@ class Consumer:
                     else latest_offset(self.path, t.stream, t.shard)
                 )
             self._pending.clear()
+            self._settled = None
             self._reported = [t.offset for t in self._tailers]
             return
         if isinstance(start, str) and not start.lstrip().startswith("{"):
@@ -496,6 +502,7 @@ class Consumer:
         for t in self._tailers:
             t.seek(offsets.get((t.stream, t.shard)) or earliest_offset(self.store, t.stream, t.shard))
         self._pending.clear()
+        self._settled = None
         self._reported = [t.offset for t in self._tailers]
 
     def offsets(self) -> Dict[str, Dict[str, Dict[str, Any]]]:
@@ -528,6 +535,7 @@ class Consumer:
         """One round over every shard: return what is new now (possibly nothing)."""
         if self._closed:
             raise ClosedError("consumer is closed")
+        self._settled = None  # a look of its own: batches() must not skip its next one
         if not self._pending:
             self._fill()
         return [self._hand_out() for _ in range(len(self._pending))]
@@ -548,11 +556,7 @@ class Consumer:
         """
         idle_since = time.monotonic()
         token = getattr(self.path, "change_token", lambda: None)
-        # The change token taken before a round that read everything readable (no tailer left
-        # bytes unread: ShardTailer.short): if nothing moved since, the next round would find
-        # nothing, so the loop waits at once instead (once; after the wait it always looks, so
-        # the safety-net timeout still reads).
-        settled: Optional[int] = None
+        self._settled = None
         while True:
             if self._closed:
                 raise ClosedError("consumer is closed")
@@ -560,14 +564,14 @@ class Consumer:
             since = token()
             pushed: Optional[bool] = None
             if not self._pending:
-                if settled is not None and since == settled:
+                if self._settled is not None and since == self._settled:
                     pushed = self._all_pushed()
                 if not pushed:
                     self._fill()
-                settled = None
+                self._settled = None
             if self._pending:
                 if since is not None and not any(t.short for t in self._tailers):
-                    settled = since
+                    self._settled = since
                 while self._pending:
                     yield self._hand_out()
                 idle_since = time.monotonic()
