@@ -685,3 +685,35 @@ def test_a_reader_does_not_wait_for_a_chunk_its_replica_never_holds(tmp_path):
                 assert feed.waiting(uri, n * CHUNK_SIZE) is expected, (n, endpoint)
         finally:
             feed.close()
+
+
+def test_a_follow_stream_closed_while_it_reopens_ends(dep):
+    """Review finding: close() cancels the stream's current call; a Follow call being opened at
+    that moment (a reconnect, or a reopen for a new subscription) was not there to cancel, and
+    nothing else ends a server-streaming call (the bidirectional one ended when close() ended
+    its requests). The closed stream's thread then read pushes forever and the replica kept
+    the stream: a thread, a server stream and its pushes leaked per such close."""
+    client = CacheClient(dep.data_endpoints, name="data cache")
+    endpoint = client.endpoints[0]
+    stream = FollowStream(client, endpoint, lambda fid, start, run: None)
+    real_stub, opened = client._stub, []
+
+    def stub_then_close(rep):
+        opened.append(1)
+        if len(opened) == 1:
+            stream.close()  # the reader closes while the reopened call is being made
+        return real_stub(rep)
+
+    try:
+        wait_until(stream.live.is_set, 20, "the stream up")
+        before = server_stats(endpoint)[endpoint]["follow_streams"]
+        client._stub = stub_then_close
+        stream.follow(file_id(f"file:///closing/{time.time_ns()}.acs"), 0)  # reopens
+        wait_until(lambda: opened, 20, "the reopen")
+        stream._thread.join(10)
+        assert not stream._thread.is_alive()
+        wait_until(lambda: server_stats(endpoint)[endpoint]["follow_streams"] < before, 20,
+                   "the replica to drop the stream")
+    finally:
+        stream.close()
+        client.close()

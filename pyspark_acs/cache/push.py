@@ -277,8 +277,11 @@ class FollowStream(_PushStream):
         call = stub.Follow(requests.get(), metadata=self.client._metadata)
         with self._lock:
             self._call = call
-            if self._restart:
-                call.cancel()  # the subscription changed while this call was being made
+            if self._restart or self._closed:
+                # The subscription changed, or the stream was closed, while this call was being
+                # made: close() had no call to cancel, and nothing else ends a server-streaming
+                # call (a bidirectional one ends with its requests).
+                call.cancel()
         return call  # up with its first (empty) message
 
     def _initial(self) -> Any:
