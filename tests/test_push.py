@@ -505,6 +505,7 @@ def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, roo
         got = c.path.read(t.rel, start, published)
         assert len(got) == published - start and c.path.stats()["cache_bytes"] > before
         assert msg(2) in got
+        del stream._handle  # the feed's streams are the process's: later tests use this one
 
 
 
@@ -525,7 +526,12 @@ def test_a_round_cut_short_by_the_feed_is_not_a_settled_round(dep, root):
         feed, uri = c.path.feed, c.store.uri(t.rel)
         with feed._lock:
             stream = feed._streams[feed._files[uri].endpoint]
-        real_handle, held = stream._handle, []
+        # The feed and its streams are the process's: another test may have patched this one.
+        held = []
+
+        def real_handle(message):
+            FollowStream._handle(stream, message)
+
         stream._handle = held.append  # pushed messages are held here, handed in by the test
 
         def held_end() -> int:
@@ -558,6 +564,7 @@ def test_a_round_cut_short_by_the_feed_is_not_a_settled_round(dep, root):
         for m in rest:
             real_handle(m)  # message 2's bytes arrive; the known length does not move
         assert next(batches).column("value").to_pylist() == [msg(2)]
+        del stream._handle  # the process's stream pushes to every reader again
         # No wait began while the feed held readable bytes past the reader's position.
         assert all(pos >= end for pos, end in waits), waits
 
@@ -592,6 +599,7 @@ def test_a_reader_waiting_for_a_push_reads_nothing_from_the_store(dep, root):
         assert c.poll() == []  # within the grace: waited for, not asked for
         assert store_reads == []
         col.until(lambda: len(col.values) == 2, 20, "the second message, after the grace")
+        del stream._handle  # the feed's streams are the process's: later tests use this one
         assert col.values == [msg(0), msg(1)]
         assert store_reads == [] and c.stats()["durable_bytes"] == 0
 
@@ -717,3 +725,4 @@ def test_a_follow_stream_closed_while_it_reopens_ends(dep):
     finally:
         stream.close()
         client.close()
+
