@@ -725,8 +725,8 @@ class _ShortOnce:
     def durable_length(self, rel):
         return self.inner.durable_length(rel)
 
-    def read(self, rel, start, end):
-        data = self.inner.read(rel, start, end)
+    def read(self, rel, start, end, **kw):
+        data = self.inner.read(rel, start, end, **kw)
         if end - start > 100_000 and not self.shorted:
             self.shorted += 1
             return data[: len(data) // 2]

@@ -505,4 +505,224 @@ def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, roo
         got = c.path.read(t.rel, start, published)
         assert len(got) == published - start and c.path.stats()["cache_bytes"] > before
         assert msg(2) in got
+        del stream._handle  # the feed's streams are the process's: later tests use this one
+
+
+
+def test_a_round_cut_short_by_the_feed_is_not_a_settled_round(dep, root):
+    """Review finding: a round whose read stopped at the feed's end to wait for its push (the
+    length is known, the bytes not pushed yet) read less than was readable, yet it counted as
+    settled: when the rest arrived by push, the known length did not move (no wake), so the loop
+    skipped its look and slept the pushed wait (1 s) with the bytes in the feed. The loop must
+    not wait while bytes it could hand out are in the feed."""
+    with Producer(root, "cutshort", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "cutshort", **endpoints(dep)) as c:
+        batches = c.batches()
+        p.send(msg(0))
+        p.flush()
+        assert next(batches).column("value").to_pylist() == [msg(0)]
+        wait_until(c._all_pushed, 20, "every length pushed")
+        t = c._tailers[0]
+        feed, uri = c.path.feed, c.store.uri(t.rel)
+        with feed._lock:
+            stream = feed._streams[feed._files[uri].endpoint]
+        # The feed and its streams are the process's: another test may have patched this one.
+        held = []
+
+        def real_handle(message):
+            FollowStream._handle(stream, message)
+
+        stream._handle = held.append  # pushed messages are held here, handed in by the test
+
+        def held_end() -> int:
+            return max((s + n for m in list(held) for s, n in zip(m.starts, m.sizes)), default=0)
+
+        ends = []
+        for i in (1, 2):
+            p.send(msg(i))
+            p.flush()
+            ends.append(c.path.meta.lengths([uri])[uri][0])
+            wait_until(lambda: held_end() >= ends[-1], 20, f"the push of message {i}")
+        first = [m for m in held if max(s + n for s, n in zip(m.starts, m.sizes)) <= ends[0]]
+        rest = held[len(first):]
+        for m in first:
+            real_handle(m)  # message 1 reaches the feed
+        # The safety poll tells the reader the length after message 2; its bytes are held.
+        wait_until(lambda: c.path.poller.lengths([uri])[uri][0] >= ends[1], 20, "the safety poll")
+        waits = []
+        real_wait = c.path.wait
+
+        def recording_wait(*a, **k):
+            with feed._lock:
+                waits.append((t.length, feed._files[uri].end))
+            return real_wait(*a, **k)
+
+        c.path.wait = recording_wait
+        # This round reads message 1 and stops at the feed's end, waiting for message 2's push.
+        assert next(batches).column("value").to_pylist() == [msg(1)]
+        assert t.length == ends[0]
+        for m in rest:
+            real_handle(m)  # message 2's bytes arrive; the known length does not move
+        assert next(batches).column("value").to_pylist() == [msg(2)]
+        del stream._handle  # the process's stream pushes to every reader again
+        # No wait began while the feed held readable bytes past the reader's position.
+        assert all(pos >= end for pos, end in waits), waits
+
+
+def test_a_reader_waiting_for_a_push_reads_nothing_from_the_store(dep, root):
+    """Review finding: while the read path waited for a live feed to push bytes the cache holds,
+    the tailer saw no complete block and searched the range for a recovery seal (skip_void),
+    whose read "without waiting" took every byte the feed did not hand it straight from the
+    durable store -- store reads for bytes in the cache, on every such wait, and not counted in
+    the read path's durable_bytes. Bytes the cache holds come from the cache."""
+    with Producer(root, "waitstore", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "waitstore", **endpoints(dep)) as c:
+        col = Collector(c)
+        p.send(msg(0))
+        p.flush()
+        col.until(lambda: len(col.values) == 1, 20, "the first message")
+        t = c._tailers[0]
+        feed, uri = c.path.feed, c.store.uri(t.rel)
+        wait_until(lambda: feed.live(uri, t.length), 20, "the feed is live")
+        with feed._lock:
+            stream = feed._streams[feed._files[uri].endpoint]
+        stream._handle = lambda message: None  # the stream is up, its pushes do not arrive
+        p.send(msg(1))
+        p.flush()
+        published = c.path.meta.lengths([uri])[uri][0]
+        wait_until(lambda: c.path.lengths([t.rel])[t.rel] >= published, 10, "the safety poll")
+        store_reads = []
+        real_read = c.store.read
+        c.store.read = lambda rel, start, end: (store_reads.append((start, end)), real_read(rel, start, end))[1]
+        with feed._lock:
+            feed._files[uri].short_since = None  # the reader is about to wait at the feed's end
+        assert c.poll() == []  # within the grace: waited for, not asked for
+        assert store_reads == []
+        col.until(lambda: len(col.values) == 2, 20, "the second message, after the grace")
+        del stream._handle  # the feed's streams are the process's: later tests use this one
+        assert col.values == [msg(0), msg(1)]
+        assert store_reads == [] and c.stats()["durable_bytes"] == 0
+
+
+def test_a_stream_that_came_back_backs_off_from_the_start_when_it_breaks_again(dep, monkeypatch):
+    """Review finding: the reconnect back-off doubles on each failure up to RECONNECT_MAX_S and
+    was reset when a stream came up again; the Follow refactor lost the reset (for Watch
+    streams too), so once a stream had failed a few times in its life, every later break waited
+    the maximum before reconnecting (pushes lost for that long, readers polling and asking)."""
+    import pyspark_acs.cache.push as push
+
+    waits: List[float] = []
+
+    class RecordingEvent(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(push, "threading", type("T", (), {
+        "Event": RecordingEvent, "Lock": threading.Lock, "Thread": threading.Thread}))
+    client = CacheClient(dep.data_endpoints, name="data cache")
+    endpoint = client.endpoints[0]
+    index = dep.endpoints("data").index(endpoint)
+    stream = FollowStream(client, endpoint, lambda fid, start, run: None)
+    try:
+        stream.follow(file_id(f"file:///backoff/{time.time_ns()}.acs"), 0)
+        wait_until(stream.live.is_set, 20, "the stream up")
+        dep.kill("data", index, signal.SIGKILL)
+        wait_until(lambda: waits and waits[-1] == push.RECONNECT_MAX_S, 30, "the back-off at its maximum")
+        dep.restart("data", index)
+        wait_until(stream.live.is_set, 30, "the stream up again")
+        before = len(waits)
+        dep.kill("data", index, signal.SIGKILL)
+        wait_until(lambda: len(waits) > before, 30, "the first wait after the new break")
+        assert waits[before] == push.RECONNECT_INITIAL_S, waits[before:]
+    finally:
+        stream.close()
+        client.close()
+        if not dep.is_running("data", index):
+            dep.restart("data", index)
+
+
+def test_a_seek_between_batches_is_read_at_once(dep, root):
+    """Review finding: the loop skipped its next look after a settled round while no length
+    moved, and a seek() between two batches moves no length: the batch generator then slept the
+    pushed wait (1 s) before reading the position it was moved to, all of it readable."""
+    with Producer(root, "seekagain", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "seekagain", **endpoints(dep)) as c:
+        batches = c.batches()
+        p.send(msg(0))
+        p.flush()
+        assert next(batches).column("value").to_pylist() == [msg(0)]
+        wait_until(c._all_pushed, 20, "every length pushed")
+        p.send(msg(1))
+        p.flush()
+        assert next(batches).column("value").to_pylist() == [msg(1)]  # a settled round
+        waits = []
+        real_wait = c.path.wait
+        c.path.wait = lambda *a, **k: (waits.append(a), real_wait(*a, **k))[1]
+        c.seek("earliest")
+        got = []
+        while len(got) < 2:
+            got.extend(next(batches).column("value").to_pylist())
+        assert got == [msg(0), msg(1)]
+        assert waits == []  # read at once, not after a wait for a push that does not come
+
+
+def test_a_reader_does_not_wait_for_a_chunk_its_replica_never_holds(tmp_path):
+    """Review finding: with more data replicas than the replication factor, a file's chunks
+    are placed on different replicas (each 4 KiB chunk by its own key), so the replica a feed
+    follows never holds some of them and never pushes past them. The feed's grace waited
+    PUSH_GRACE_S at every such chunk before asking: a caught-up reader was ~0.2 s late once
+    every few chunks. A chunk the followed replica is not a replica of is asked for at once;
+    the bytes of a chunk it holds are still waited for."""
+    from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key
+    from pyspark_acs.cache.feed import ChunkFeed
+
+    with LocalDeployment(tmp_path / "four", data_replicas=4, metadata_replicas=1, capacity="16MiB") as d:
+        feed = ChunkFeed(d.data_endpoints.split(","))
+        try:
+            uri = f"file:///spread/{time.time_ns()}.acs"
+            feed.follow(uri, 1, 0)
+            with feed._lock:
+                endpoint = feed._files[uri].endpoint
+            held = [n for n in range(64) if endpoint in feed.client.replicas_for(chunk_key(uri, n))]
+            lacking = [n for n in range(64) if n not in held]
+            assert held and lacking  # 4 replicas, 3 per chunk: both kinds among 64 chunks
+            for n, expected in ((lacking[0], False), (held[0], True)):
+                feed.follow(uri, 1, n * CHUNK_SIZE)  # moves the (empty) feed to that chunk
+                wait_until(lambda: feed.live(uri), 20, "the stream up")
+                assert feed.waiting(uri, n * CHUNK_SIZE) is expected, (n, endpoint)
+        finally:
+            feed.close()
+
+
+def test_a_follow_stream_closed_while_it_reopens_ends(dep):
+    """Review finding: close() cancels the stream's current call; a Follow call being opened at
+    that moment (a reconnect, or a reopen for a new subscription) was not there to cancel, and
+    nothing else ends a server-streaming call (the bidirectional one ended when close() ended
+    its requests). The closed stream's thread then read pushes forever and the replica kept
+    the stream: a thread, a server stream and its pushes leaked per such close."""
+    client = CacheClient(dep.data_endpoints, name="data cache")
+    endpoint = client.endpoints[0]
+    stream = FollowStream(client, endpoint, lambda fid, start, run: None)
+    real_stub, opened = client._stub, []
+
+    def stub_then_close(rep):
+        opened.append(1)
+        if len(opened) == 1:
+            stream.close()  # the reader closes while the reopened call is being made
+        return real_stub(rep)
+
+    try:
+        wait_until(stream.live.is_set, 20, "the stream up")
+        before = server_stats(endpoint)[endpoint]["follow_streams"]
+        client._stub = stub_then_close
+        stream.follow(file_id(f"file:///closing/{time.time_ns()}.acs"), 0)  # reopens
+        wait_until(lambda: opened, 20, "the reopen")
+        stream._thread.join(10)
+        assert not stream._thread.is_alive()
+        wait_until(lambda: server_stats(endpoint)[endpoint]["follow_streams"] < before, 20,
+                   "the replica to drop the stream")
+    finally:
+        stream.close()
+        client.close()
 

@@ -76,9 +76,9 @@ class RecordingPath(DurableReadPath):
         super().__init__(open_store(root))
         self.ranges: List[Tuple[str, int, int]] = []
 
-    def read(self, rel: str, start: int, end: int) -> bytes:
+    def read(self, rel: str, start: int, end: int, **kw) -> bytes:
         self.ranges.append((rel, start, end))
-        return super().read(rel, start, end)
+        return super().read(rel, start, end, **kw)
 
 
 def all_blocks(root: str) -> Dict[Tuple[str, int], Tuple[int, int, int]]:

@@ -33,7 +33,7 @@ import time
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
-from pyspark_acs.cache.chunks import chunk_key, file_id
+from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key, file_id
 from pyspark_acs.cache.client import CacheClient
 
 if TYPE_CHECKING:
@@ -147,12 +147,16 @@ class ChunkFeed:
     def waiting(self, uri: str, position: int, now: Optional[float] = None) -> bool:
         """Whether a reader at ``position`` (where the buffer ends) should wait for the feed to
         push the bytes after it instead of asking for them: the file's stream is live, the
-        feed's next bytes start there, and the feed has grown within :data:`PUSH_GRACE_S` of
-        the first reader waiting at its end."""
+        feed's next bytes start there, the followed replica is one of the replicas of the chunk
+        they are in (with more data replicas than the replication factor a file's chunks are
+        spread, and a replica never pushes past a chunk it is not placed on), and the feed has
+        grown within :data:`PUSH_GRACE_S` of the first reader waiting at its end."""
         now = time.monotonic() if now is None else now
         with self._lock:
             f = self._files.get(uri)
             if f is None or f.end != position:
+                return False
+            if f.endpoint not in self.client.replicas_for(chunk_key(uri, position // CHUNK_SIZE)):
                 return False
             stream = self._streams.get(f.endpoint)
             if stream is None or not stream.live.is_set():

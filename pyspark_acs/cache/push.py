@@ -136,10 +136,13 @@ class _PushStream:
             try:
                 stub = self.client._stub(self.client._replicas[self.endpoint])
                 call = self._open(stub, requests)
+                if self.live.is_set():
+                    wait = RECONNECT_INITIAL_S  # up: the next break backs off from the start
                 for message in call:
                     if self._restart:
                         continue  # the old subscription's call ending: its bytes may be stale
                     self._up()  # a replica that sends no headers first is up with its first message
+                    wait = RECONNECT_INITIAL_S
                     self._handle(message)
             except grpc.RpcError as exc:
                 if not self._closed and not self._restart:
@@ -275,8 +278,11 @@ class FollowStream(_PushStream):
         call = stub.Follow(requests.get(), metadata=self.client._metadata)
         with self._lock:
             self._call = call
-            if self._restart:
-                call.cancel()  # the subscription changed while this call was being made
+            if self._restart or self._closed:
+                # The subscription changed, or the stream was closed, while this call was being
+                # made: close() had no call to cancel, and nothing else ends a server-streaming
+                # call (a bidirectional one ends with its requests).
+                call.cancel()
         return call  # up with its first (empty) message
 
     def _initial(self) -> Any:

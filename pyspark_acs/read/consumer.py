@@ -120,8 +120,11 @@ class ShardTailer:
         self._loss_logged: Optional[Offset] = None  # the lost position already logged
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
-        #: Whether the last step stopped at ``max_read_bytes`` with more readable at once.
-        self.capped = False
+        #: Whether the last step left bytes below the readable length unread: it stopped at
+        #: ``max_read_bytes``, or the read path returned fewer bytes than asked (a live feed
+        #: about to push them, Algorithm 1 postponing a durable read). Such a round is not
+        #: settled: the rest may become readable with no length moving (Consumer.batches).
+        self.short = False
         self._consts: Optional[ConstantColumns] = None  # stream, shard, file columns of self.file
 
     @property
@@ -158,7 +161,7 @@ class ShardTailer:
         """
         out: List[pa.RecordBatch] = []
         self.batch_ends = []
-        self.capped = False
+        self.short = False
         while True:
             if end is not None and self.offset >= end:
                 return out
@@ -205,8 +208,13 @@ class ShardTailer:
 
     def _read(self, limit: int, out: List[pa.RecordBatch]) -> bool:
         """Read complete blocks of the current file in ``[self.length, limit)``."""
+        try:
+            return self._read_blocks(limit, out)
+        finally:
+            self.short = not self.sealed and self.length < limit
+
+    def _read_blocks(self, limit: int, out: List[pa.RecordBatch]) -> bool:
         start = self.length
-        self.capped = limit > start + self.max_read_bytes
         self.limiter.acquire(min(limit, start + self.max_read_bytes) - start)
         # Blocks before a bad one are handed out first; the next step starts at the bad block
         # and raises then (unless a recovery seal voids it).
@@ -465,6 +473,11 @@ class Consumer:
         # after it). offsets() reports _reported, the position after what was handed out.
         self._pending: Deque[Tuple[pa.RecordBatch, int, Offset]] = collections.deque()
         self._reported: List[Offset] = []
+        # The change token taken before a round of batches() that read everything readable (no
+        # tailer left bytes unread: ShardTailer.short): if nothing moved since, the next round
+        # would find nothing, so the loop waits at once instead (once; after the wait it always
+        # looks, so the safety-net timeout still reads). A seek moves no length: it clears it.
+        self._settled: Optional[int] = None
         self.seek(start)
 
     def seek(self, start: StartSpec) -> None:
@@ -478,6 +491,7 @@ class Consumer:
                     else latest_offset(self.path, t.stream, t.shard)
                 )
             self._pending.clear()
+            self._settled = None
             self._reported = [t.offset for t in self._tailers]
             return
         if isinstance(start, str) and not start.lstrip().startswith("{"):
@@ -488,6 +502,7 @@ class Consumer:
         for t in self._tailers:
             t.seek(offsets.get((t.stream, t.shard)) or earliest_offset(self.store, t.stream, t.shard))
         self._pending.clear()
+        self._settled = None
         self._reported = [t.offset for t in self._tailers]
 
     def offsets(self) -> Dict[str, Dict[str, Dict[str, Any]]]:
@@ -520,6 +535,7 @@ class Consumer:
         """One round over every shard: return what is new now (possibly nothing)."""
         if self._closed:
             raise ClosedError("consumer is closed")
+        self._settled = None  # a look of its own: batches() must not skip its next one
         if not self._pending:
             self._fill()
         return [self._hand_out() for _ in range(len(self._pending))]
@@ -540,10 +556,7 @@ class Consumer:
         """
         idle_since = time.monotonic()
         token = getattr(self.path, "change_token", lambda: None)
-        # The change token taken before a round that read everything readable: if nothing
-        # moved since, the next round would find nothing, so the loop waits at once instead
-        # (once; after the wait it always looks, so the safety-net timeout still reads).
-        settled: Optional[int] = None
+        self._settled = None
         while True:
             if self._closed:
                 raise ClosedError("consumer is closed")
@@ -551,14 +564,14 @@ class Consumer:
             since = token()
             pushed: Optional[bool] = None
             if not self._pending:
-                if settled is not None and since == settled:
+                if self._settled is not None and since == self._settled:
                     pushed = self._all_pushed()
                 if not pushed:
                     self._fill()
-                settled = None
+                self._settled = None
             if self._pending:
-                if since is not None and not any(t.capped for t in self._tailers):
-                    settled = since
+                if since is not None and not any(t.short for t in self._tailers):
+                    self._settled = since
                 while self._pending:
                     yield self._hand_out()
                 idle_since = time.monotonic()

@@ -47,10 +47,12 @@ MAX_KNOWN_FILES = 4096
 
 
 def _read_now(path: ReadPath, rel: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` without waiting: the read path may stop short while it
-    postpones durable reads for a lagging cache (Algorithm 1); planning cannot wait, so the
-    rest comes straight from the durable store (which may itself be shorter)."""
-    data = path.read(rel, start, end)
+    """Bytes ``[start, end)`` without waiting: asked with ``postpone=False``, a cached read path
+    neither postpones durable reads for a lagging cache (Algorithm 1) nor waits for a live feed
+    to push bytes the cache holds (those it reads from the cache, not the store); a path that
+    stops short all the same gets the rest straight from the durable store (which may itself
+    be shorter)."""
+    data = path.read(rel, start, end, postpone=False)
     if len(data) < end - start:
         data += path.store.read(rel, start + len(data), end)
     return data

@@ -29,10 +29,11 @@ class ReadPath(Protocol):
     def durable_length(self, rel: str) -> Optional[int]:
         """The durable store's own length of a file (``None`` if missing), bypassing caches."""
 
-    def read(self, rel: str, start: int, end: int) -> bytes:
+    def read(self, rel: str, start: int, end: int, *, postpone: bool = True) -> bytes:
         """Bytes ``[start, end)`` of a file; ``end`` must not exceed a length from ``lengths``.
-        May stop short (a prefix) while the bytes are not readable yet; a cached path takes
-        ``postpone=False`` to read past the cache length at once."""
+        May stop short (a prefix) while the bytes are not readable yet; ``postpone=False``
+        makes a cached path read past the cache length at once (and not wait for pushed
+        bytes)."""
 
     def stats(self) -> Dict[str, int]:
         """Counters of where bytes came from."""
@@ -58,8 +59,9 @@ class DurableReadPath:
         """The durable store's length of ``rel`` in bytes (``None`` if missing)."""
         return self.store.lengths([rel])[rel]
 
-    def read(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` from the store (fewer only if the file is shorter). Thread-safe."""
+    def read(self, rel: str, start: int, end: int, *, postpone: bool = True) -> bytes:
+        """Bytes ``[start, end)`` from the store (fewer only if the file is shorter); the store
+        is read at once whatever ``postpone`` says. Thread-safe."""
         data = self.store.read(rel, start, end)
         with self._lock:
             self._stats["durable_bytes"] += len(data)
