@@ -29,6 +29,7 @@ from pyspark_acs.format.arrays import ConstantColumns
 from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, decode_block
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
+from pyspark_acs.read.batches import coalesce_tagged
 from pyspark_acs.read.positions import ends_with_seal, latest_offset, read_blocks, seal_behind, skip_void
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
@@ -125,6 +126,9 @@ class ShardTailer:
         #: about to push them, Algorithm 1 postponing a durable read). Such a round is not
         #: settled: the rest may become readable with no length moving (Consumer.batches).
         self.short = False
+        #: Whether the read path returned fewer bytes than the last read asked for (Algorithm 1
+        #: postponing, a live feed's push awaited): those bytes are not known to be a torn block.
+        self._cut_short = False
         self._consts: Optional[ConstantColumns] = None  # stream, shard, file columns of self.file
 
     @property
@@ -219,6 +223,7 @@ class ShardTailer:
         # Blocks before a bad one are handed out first; the next step starts at the bad block
         # and raises then (unless a recovery seal voids it).
         data, blocks, error = read_blocks(self.path, self.rel, start, limit, self.max_read_bytes)
+        self._cut_short = len(data) < min(limit, start + self.max_read_bytes) - start
         if error is not None:
             if self._pass_void(limit):
                 return True
@@ -286,7 +291,10 @@ class ShardTailer:
             if self.length > 0 and ends_with_seal(self.path, self.rel, self.length):
                 self.sealed = True
                 return
-        if limit > self.length and not self._pass_void(limit) and not self.sealed:
+        # A read the path cut short is no sign of a torn block: the bytes come once the path
+        # reads them (the push arrives, or Algorithm 1's maxDelay passes); searching them for a
+        # recovery seal now would read them from the store early, every round.
+        if limit > self.length and (self._cut_short or not self._pass_void(limit)) and not self.sealed:
             self._warn_stuck(limit)
 
     def _warn_stuck(self, limit: int) -> None:
@@ -518,9 +526,12 @@ class Consumer:
         for i, t in enumerate(self._tailers):
             got = t.step(lengths.get(t.rel), known=True) if t.rel else t.step()
             ends = list(t.batch_ends)
-            for j, batch in enumerate(got):
-                # the last batch of a round ends where the tailer is (it may have passed a seal)
-                self._pending.append((batch, i, ends[j] if j < len(got) - 1 and j < len(ends) else t.offset))
+            # the last batch of a round ends where the tailer is (it may have passed a seal)
+            tagged = [(batch, ends[j] if j < len(got) - 1 and j < len(ends) else t.offset)
+                      for j, batch in enumerate(got)]
+            # A backlog (several blocks in one read) is handed out in a few large batches.
+            for batch, end in coalesce_tagged(tagged):
+                self._pending.append((batch, i, end))
             if not got:
                 self._reported[i] = t.offset
 
