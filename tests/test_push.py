@@ -689,7 +689,7 @@ def test_a_reader_does_not_wait_for_a_chunk_its_replica_never_holds(tmp_path):
             assert held and lacking  # 4 replicas, 3 per chunk: both kinds among 64 chunks
             for n, expected in ((lacking[0], False), (held[0], True)):
                 feed.follow(uri, 1, n * CHUNK_SIZE)  # moves the (empty) feed to that chunk
-                wait_until(lambda: feed.live(uri), 20, "the stream up")
+                wait_until(lambda: feed._streams[endpoint].live.is_set(), 20, "the stream up")
                 assert feed.waiting(uri, n * CHUNK_SIZE) is expected, (n, endpoint)
         finally:
             feed.close()
@@ -726,3 +726,29 @@ def test_a_follow_stream_closed_while_it_reopens_ends(dep):
         stream.close()
         client.close()
 
+
+def test_a_feed_stuck_before_a_chunk_its_replica_never_holds_does_not_cover_the_file(tmp_path):
+    """Review finding (older than issue 9's last change, found reviewing it): a file whose bytes
+    a live feed pushes is not watched; its lengths come from the pushed bytes (and a safety poll
+    every second). With more data replicas than the replication factor, a feed whose end is at a
+    chunk its replica is not placed on never pushes again, so no length arrives: the file must
+    not count as covered, or its caught-up readers wait for the safety poll (1 s) at each such
+    chunk instead of having its lengths polled."""
+    from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key
+    from pyspark_acs.cache.feed import ChunkFeed
+
+    with LocalDeployment(tmp_path / "four", data_replicas=4, metadata_replicas=1, capacity="16MiB") as d:
+        feed = ChunkFeed(d.data_endpoints.split(","))
+        try:
+            uri = f"file:///spread/{time.time_ns()}.acs"
+            feed.follow(uri, 1, 0)
+            with feed._lock:
+                endpoint = feed._files[uri].endpoint
+            held = [n for n in range(64) if endpoint in feed.client.replicas_for(chunk_key(uri, n))]
+            lacking = [n for n in range(64) if n not in held]
+            for n, expected in ((lacking[0], False), (held[0], True)):
+                feed.follow(uri, 1, n * CHUNK_SIZE)
+                wait_until(lambda: feed._streams[endpoint].live.is_set(), 20, "the stream up")
+                assert feed.live(uri, n * CHUNK_SIZE) is expected, (n, endpoint)
+        finally:
+            feed.close()

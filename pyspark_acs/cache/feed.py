@@ -147,16 +147,15 @@ class ChunkFeed:
     def waiting(self, uri: str, position: int, now: Optional[float] = None) -> bool:
         """Whether a reader at ``position`` (where the buffer ends) should wait for the feed to
         push the bytes after it instead of asking for them: the file's stream is live, the
-        feed's next bytes start there, the followed replica is one of the replicas of the chunk
-        they are in (with more data replicas than the replication factor a file's chunks are
-        spread, and a replica never pushes past a chunk it is not placed on), and the feed has
-        grown within :data:`PUSH_GRACE_S` of the first reader waiting at its end."""
+        feed's next bytes start there, the followed replica is placed on the chunk they are in
+        (:meth:`_placed`), and the feed has grown within :data:`PUSH_GRACE_S` of the first
+        reader waiting at its end."""
         now = time.monotonic() if now is None else now
         with self._lock:
             f = self._files.get(uri)
             if f is None or f.end != position:
                 return False
-            if f.endpoint not in self.client.replicas_for(chunk_key(uri, position // CHUNK_SIZE)):
+            if not self._placed(f):
                 return False
             stream = self._streams.get(f.endpoint)
             if stream is None or not stream.live.is_set():
@@ -203,13 +202,21 @@ class ChunkFeed:
 
     def live(self, uri: str, at_least: int = 0) -> bool:
         """Whether ``uri`` is followed, the stream that pushes it is up (has pushed since it
-        connected) and the file's bytes have arrived up to ``at_least``."""
+        connected), the file's bytes have arrived up to ``at_least`` and the feed can push on
+        from its end (its replica is placed on the chunk there: otherwise no pushed byte, hence
+        no length, would ever come)."""
         with self._lock:
             f = self._files.get(uri)
-            if f is None or f.end < at_least:
+            if f is None or f.end < at_least or not self._placed(f):
                 return False
             stream = self._streams.get(f.endpoint)
         return stream is not None and stream.live.is_set()
+
+    def _placed(self, f: _File) -> bool:
+        """Whether the replica ``f`` is followed on is a replica of the chunk holding the feed's
+        next byte (with more data replicas than the replication factor a file's chunks are
+        spread, and a replica never pushes past a chunk it is not placed on)."""
+        return f.endpoint in self.client.replicas_for(chunk_key(f.uri, f.end // CHUNK_SIZE))
 
     def following(self) -> int:
         """How many files are followed now."""
