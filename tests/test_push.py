@@ -237,6 +237,15 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
     roles = ["data", "metadata"] if role == "both" else [role]
     with Producer(root, "faults", shards=1, **endpoints(dep)) as p, Consumer(root, "faults", **endpoints(dep)) as c:
         col = Collector(c)
+        # Every store read of the reader, counted or not by its read path's stats.
+        store_bytes, real_read = [0], c.store.read
+
+        def counting_read(rel, start, end):
+            got = real_read(rel, start, end)
+            store_bytes[0] += len(got)
+            return got
+
+        c.store.read = counting_read
         sender = Sender(p)
         sender.start()
         try:
@@ -261,6 +270,7 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
         col.pump(0.2)
         assert_exact(col.values, count)
         assert c.stats()["durable_bytes"] == 0
+        assert store_bytes[0] == 0
 
 
 def test_reader_that_connects_late_resumes_by_offset(dep, root):
