@@ -4,6 +4,7 @@ slow reader holds up nobody and grows no server's memory."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -677,13 +678,11 @@ def test_a_seek_between_batches_is_read_at_once(dep, root):
         assert waits == []  # read at once, not after a wait for a push that does not come
 
 
-def test_a_reader_does_not_wait_for_a_chunk_its_replica_never_holds(tmp_path):
-    """Review finding: with more data replicas than the replication factor, a file's chunks
-    are placed on different replicas (each 4 KiB chunk by its own key), so the replica a feed
-    follows never holds some of them and never pushes past them. The feed's grace waited
-    PUSH_GRACE_S at every such chunk before asking: a caught-up reader was ~0.2 s late once
-    every few chunks. A chunk the followed replica is not a replica of is asked for at once;
-    the bytes of a chunk it holds are still waited for."""
+@contextlib.contextmanager
+def feed_over_four_replicas(tmp_path):
+    """A ChunkFeed of a deployment of 4 data replicas (3 per chunk) following one file, and
+    ``move(placed)``: moves the (empty) feed to the first chunk its replica is (or is not)
+    placed on and returns that position once the stream is up."""
     from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key
     from pyspark_acs.cache.feed import ChunkFeed
 
@@ -694,15 +693,32 @@ def test_a_reader_does_not_wait_for_a_chunk_its_replica_never_holds(tmp_path):
             feed.follow(uri, 1, 0)
             with feed._lock:
                 endpoint = feed._files[uri].endpoint
-            held = [n for n in range(64) if endpoint in feed.client.replicas_for(chunk_key(uri, n))]
-            lacking = [n for n in range(64) if n not in held]
-            assert held and lacking  # 4 replicas, 3 per chunk: both kinds among 64 chunks
-            for n, expected in ((lacking[0], False), (held[0], True)):
-                feed.follow(uri, 1, n * CHUNK_SIZE)  # moves the (empty) feed to that chunk
+            placed = {n: endpoint in feed.client.replicas_for(chunk_key(uri, n)) for n in range(64)}
+            assert any(placed.values()) and not all(placed.values())  # both kinds among 64 chunks
+
+            def move(on: bool) -> int:
+                at = min(n for n, p in placed.items() if p == on) * CHUNK_SIZE
+                feed.follow(uri, 1, at)
                 wait_until(lambda: feed._streams[endpoint].live.is_set(), 20, "the stream up")
-                assert feed.waiting(uri, n * CHUNK_SIZE) is expected, (n, endpoint)
+                return at
+
+            yield feed, uri, move
         finally:
             feed.close()
+
+
+def test_a_reader_does_not_wait_for_a_chunk_its_replica_never_holds(tmp_path):
+    """Review finding: with more data replicas than the replication factor, a file's chunks
+    are placed on different replicas (each 4 KiB chunk by its own key), so the replica a feed
+    follows never holds some of them and never pushes past them. The feed's grace waited
+    PUSH_GRACE_S at every such chunk before asking: a caught-up reader was ~0.2 s late once
+    every few chunks. A chunk the followed replica is not a replica of is asked for at once;
+    the bytes of a chunk it holds are still waited for."""
+    with feed_over_four_replicas(tmp_path) as (feed, uri, move):
+        at = move(False)
+        assert not feed.waiting(uri, at)
+        at = move(True)
+        assert feed.waiting(uri, at)
 
 
 def test_a_follow_stream_closed_while_it_reopens_ends(dep):
@@ -744,21 +760,8 @@ def test_a_feed_stuck_before_a_chunk_its_replica_never_holds_does_not_cover_the_
     chunk its replica is not placed on never pushes again, so no length arrives: the file must
     not count as covered, or its caught-up readers wait for the safety poll (1 s) at each such
     chunk instead of having its lengths polled."""
-    from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key
-    from pyspark_acs.cache.feed import ChunkFeed
-
-    with LocalDeployment(tmp_path / "four", data_replicas=4, metadata_replicas=1, capacity="16MiB") as d:
-        feed = ChunkFeed(d.data_endpoints.split(","))
-        try:
-            uri = f"file:///spread/{time.time_ns()}.acs"
-            feed.follow(uri, 1, 0)
-            with feed._lock:
-                endpoint = feed._files[uri].endpoint
-            held = [n for n in range(64) if endpoint in feed.client.replicas_for(chunk_key(uri, n))]
-            lacking = [n for n in range(64) if n not in held]
-            for n, expected in ((lacking[0], False), (held[0], True)):
-                feed.follow(uri, 1, n * CHUNK_SIZE)
-                wait_until(lambda: feed._streams[endpoint].live.is_set(), 20, "the stream up")
-                assert feed.live(uri, n * CHUNK_SIZE) is expected, (n, endpoint)
-        finally:
-            feed.close()
+    with feed_over_four_replicas(tmp_path) as (feed, uri, move):
+        at = move(False)
+        assert not feed.live(uri, at)
+        at = move(True)
+        assert feed.live(uri, at)
