@@ -765,3 +765,22 @@ def test_a_feed_stuck_before_a_chunk_its_replica_never_holds_does_not_cover_the_
         assert not feed.live(uri, at)
         at = move(True)
         assert feed.live(uri, at)
+
+
+def test_readers_of_a_deployment_with_more_data_replicas_than_copies_read_by_asking(tmp_path):
+    """Review estimate: with 4 data replicas and 3 copies per chunk, a feed's replica lacks a
+    quarter of a file's chunks and each reader passing one reopened its Follow call. Such
+    readers do not follow files in a feed; they get every message, lengths pushed, bytes asked."""
+    with LocalDeployment(tmp_path / "four", data_replicas=4, metadata_replicas=3, capacity="32MiB") as d:
+        eps = {"data_cache": d.data_endpoints, "metadata_cache": d.metadata_endpoints}
+        root = str(tmp_path / "store")
+        with Producer(root, "four", shards=1, **eps) as p, Consumer(root, "four", **eps) as c:
+            assert c.path.feed is None
+            col = Collector(c)
+            for i in range(200):
+                p.send(msg(i) + b"-" * 3000)  # ~6 chunks per flush of 2: chunks on every replica
+                if i % 2:
+                    p.flush()
+            col.until(lambda: len(col.values) == 200, 30, "every message")
+            assert [v[:len(msg(i))] for i, v in enumerate(col.values)] == [msg(i) for i in range(200)]
+            assert c.stats()["pushed_bytes"] == 0 and c.stats()["durable_bytes"] == 0

@@ -120,6 +120,7 @@ class CachedReadPath:
         Have the bytes of files this path reads pushed by the data cache (the process's shared
         :class:`~pyspark_acs.cache.feed.ChunkFeed`): for readers that tail files (Consumers,
         the copy daemon). Reads the feed holds need no request; the rest is read as without.
+        Only with no more data replicas than the replication factor (each holds every chunk).
     """
 
     def __init__(
@@ -147,8 +148,14 @@ class CachedReadPath:
         if poller is None and meta is not None and shared_poller and not isinstance(metadata_cache, CacheClient):
             self.poller = LengthPoller.shared(meta.endpoints, token, security=security)
         self.chunks = ChunkReader(self.data) if self.data else None
+        # Bytes are pushed only where the replica a feed follows holds every chunk of a file
+        # (no more data replicas than the replication factor). With more, a file's chunks are
+        # spread over them; the feed stops at each chunk its replica lacks, and each reader
+        # passing one reopened the Follow call (~120 times a second per process at 2 MB/s,
+        # review estimate): such a deployment reads by asking, its lengths still pushed.
         self.feed: Optional[ChunkFeed] = (ChunkFeed.shared(self.data.endpoints, token, security)
-                                          if push and self.data else None)
+                                          if push and self.data and len(self.data.endpoints) <= self.data.replication
+                                          else None)
         # files this path follows in the feed (guarded by _lock)
         self._fed: Set[str] = set()
         self.max_delay = max_delay
