@@ -63,6 +63,19 @@ def first_message_pushed(p: Producer, c: Consumer, timeout=None):
     return batches, got
 
 
+def live_feed_after_msg0(p: Producer, c: Consumer):
+    """Send msg(0), collect it, and wait until the consumer's feed is live at its position:
+    ``(the Collector, the shard's tailer, the feed, the file's uri)``."""
+    col = Collector(c)
+    p.send(msg(0))
+    p.flush()
+    col.until(lambda: len(col.values) == 1, 20, "the first message")
+    t = c._tailers[0]
+    feed, uri = c.path.feed, c.store.uri(t.rel)
+    wait_until(lambda: feed.live(uri, t.length), 20, "the feed is live")
+    return col, t, feed, uri
+
+
 def server_stats(eps: str) -> dict:
     with CacheClient(eps) as c:
         return c.stats()
@@ -478,13 +491,7 @@ def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, roo
     from pyspark_acs.cache.feed import PUSH_GRACE_S
 
     with Producer(root, "grace", shards=1, **endpoints(dep)) as p, Consumer(root, "grace", **endpoints(dep)) as c:
-        col = Collector(c)
-        p.send(msg(0))
-        p.flush()
-        col.until(lambda: len(col.values) == 1, 20, "the first message")
-        t = c._tailers[0]
-        feed, uri = c.path.feed, c.store.uri(t.rel)
-        wait_until(lambda: feed.live(uri, t.length), 20, "the feed is live")
+        col, t, feed, uri = live_feed_after_msg0(p, c)
         now = time.monotonic()
         assert feed.waiting(uri, t.length, now=now)  # the first look starts the grace
         assert feed.waiting(uri, t.length, now=now + PUSH_GRACE_S / 2)
@@ -528,11 +535,8 @@ def test_a_round_cut_short_by_the_feed_is_not_a_settled_round(dep, root):
     not wait while bytes it could hand out are in the feed."""
     with Producer(root, "cutshort", shards=1, **endpoints(dep)) as p, \
             Consumer(root, "cutshort", **endpoints(dep)) as c:
-        batches = c.batches()
-        p.send(msg(0))
-        p.flush()
-        assert next(batches).column("value").to_pylist() == [msg(0)]
-        wait_until(c._all_pushed, 20, "every length pushed")
+        batches, got = first_message_pushed(p, c)
+        assert got == [msg(0)]
         t = c._tailers[0]
         feed, uri = c.path.feed, c.store.uri(t.rel)
         with feed._lock:
@@ -588,13 +592,7 @@ def test_a_reader_waiting_for_a_push_reads_nothing_from_the_store(dep, root):
     the read path's durable_bytes. Bytes the cache holds come from the cache."""
     with Producer(root, "waitstore", shards=1, **endpoints(dep)) as p, \
             Consumer(root, "waitstore", **endpoints(dep)) as c:
-        col = Collector(c)
-        p.send(msg(0))
-        p.flush()
-        col.until(lambda: len(col.values) == 1, 20, "the first message")
-        t = c._tailers[0]
-        feed, uri = c.path.feed, c.store.uri(t.rel)
-        wait_until(lambda: feed.live(uri, t.length), 20, "the feed is live")
+        col, t, feed, uri = live_feed_after_msg0(p, c)
         with feed._lock:
             stream = feed._streams[feed._files[uri].endpoint]
         stream._handle = lambda message: None  # the stream is up, its pushes do not arrive
@@ -659,11 +657,8 @@ def test_a_seek_between_batches_is_read_at_once(dep, root):
     pushed wait (1 s) before reading the position it was moved to, all of it readable."""
     with Producer(root, "seekagain", shards=1, **endpoints(dep)) as p, \
             Consumer(root, "seekagain", **endpoints(dep)) as c:
-        batches = c.batches()
-        p.send(msg(0))
-        p.flush()
-        assert next(batches).column("value").to_pylist() == [msg(0)]
-        wait_until(c._all_pushed, 20, "every length pushed")
+        batches, got = first_message_pushed(p, c)
+        assert got == [msg(0)]
         p.send(msg(1))
         p.flush()
         assert next(batches).column("value").to_pylist() == [msg(1)]  # a settled round
@@ -707,18 +702,25 @@ def feed_over_four_replicas(tmp_path):
             feed.close()
 
 
-def test_a_reader_does_not_wait_for_a_chunk_its_replica_never_holds(tmp_path):
-    """Review finding: with more data replicas than the replication factor, a file's chunks
+@pytest.mark.parametrize("check", ["waiting", "live"])
+def test_a_feed_at_a_chunk_its_replica_never_holds_neither_waits_nor_covers(tmp_path, check):
+    """Review findings: with more data replicas than the replication factor, a file's chunks
     are placed on different replicas (each 4 KiB chunk by its own key), so the replica a feed
-    follows never holds some of them and never pushes past them. The feed's grace waited
-    PUSH_GRACE_S at every such chunk before asking: a caught-up reader was ~0.2 s late once
-    every few chunks. A chunk the followed replica is not a replica of is asked for at once;
-    the bytes of a chunk it holds are still waited for."""
+    follows never holds some of them and never pushes past them.
+
+    - ``waiting``: the feed's grace waited PUSH_GRACE_S at every such chunk before asking (a
+      caught-up reader was ~0.2 s late once every few chunks). Such a chunk is asked for at
+      once; the bytes of a chunk the replica holds are still waited for.
+    - ``live`` (older than issue 9's last change): a file whose bytes a live feed pushes is not
+      watched; its lengths come from the pushed bytes (and a safety poll every second). A feed
+      stuck before such a chunk never pushes again, so the file must not count as covered, or
+      its caught-up readers wait for the safety poll (1 s) at each such chunk.
+    """
     with feed_over_four_replicas(tmp_path) as (feed, uri, move):
         at = move(False)
-        assert not feed.waiting(uri, at)
+        assert not getattr(feed, check)(uri, at)
         at = move(True)
-        assert feed.waiting(uri, at)
+        assert getattr(feed, check)(uri, at)
 
 
 def test_a_follow_stream_closed_while_it_reopens_ends(dep):
@@ -751,20 +753,6 @@ def test_a_follow_stream_closed_while_it_reopens_ends(dep):
     finally:
         stream.close()
         client.close()
-
-
-def test_a_feed_stuck_before_a_chunk_its_replica_never_holds_does_not_cover_the_file(tmp_path):
-    """Review finding (older than issue 9's last change, found reviewing it): a file whose bytes
-    a live feed pushes is not watched; its lengths come from the pushed bytes (and a safety poll
-    every second). With more data replicas than the replication factor, a feed whose end is at a
-    chunk its replica is not placed on never pushes again, so no length arrives: the file must
-    not count as covered, or its caught-up readers wait for the safety poll (1 s) at each such
-    chunk instead of having its lengths polled."""
-    with feed_over_four_replicas(tmp_path) as (feed, uri, move):
-        at = move(False)
-        assert not feed.live(uri, at)
-        at = move(True)
-        assert feed.live(uri, at)
 
 
 def test_readers_of_a_deployment_with_more_data_replicas_than_copies_read_by_asking(tmp_path):
