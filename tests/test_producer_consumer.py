@@ -328,13 +328,16 @@ def test_offsets_after_each_batch_of_a_poll(root):
 
 def test_a_backlog_is_handed_out_in_a_few_large_batches_with_exact_offsets(root):
     """Blocks read together are coalesced (read/batches.py): a consumer that is behind gets its
-    backlog in batches of up to READ_BATCH_BYTES, not one per block, in order; the offsets after
-    each batch resume exactly after it."""
+    backlog in batches of up to READ_BATCH_BYTES, not one per block, in order, each of one
+    file's messages; the offsets after each batch resume exactly after it."""
     from pyspark_acs.read.batches import READ_BATCH_BYTES
 
     with Producer(root, "backlog", max_block_bytes=64 * 1024) as p:
         for i in range(2000):
             p.send(b"msg-%05d" % i + b"x" * 4000)
+    with Producer(root, "backlog") as p:  # a second file, after the first one's seal
+        for i in range(2000, 2010):
+            p.send(b"msg-%05d" % i)
     blocks = sum(1 for _ in scan_blocks(open(DurableStore(root).path(
         f"{shard_dir('backlog', 0)}/{DurableStore(root).list_files('backlog', 0)[0]}"), "rb").read()))
     c = Consumer(root, "backlog", max_read_bytes=64 * 1024 * 1024)
@@ -348,7 +351,10 @@ def test_a_backlog_is_handed_out_in_a_few_large_batches_with_exact_offsets(root)
     batches = list(rest.batches(timeout=0.5))
     rest.close()
     assert len(batches) + 1 < blocks / 10  # blocks of ~16 messages came in a handful of batches
-    assert _numbers(rows_of([first] + batches)) == list(range(2000))
+    assert _numbers(rows_of([first] + batches)) == list(range(2010))
+    # A batch holds one file's messages: the seal between the files is never inside one.
+    assert all(len(set(b.column("file").to_pylist())) == 1 for b in [first] + batches)
+    assert batches[-1].num_rows == 10
 
 
 def test_start_latest_sees_only_new_messages(root, monkeypatch):

@@ -15,6 +15,7 @@ it is there.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import time
@@ -529,9 +530,12 @@ class Consumer:
             # the last batch of a round ends where the tailer is (it may have passed a seal)
             tagged = [(batch, ends[j] if j < len(got) - 1 and j < len(ends) else t.offset)
                       for j, batch in enumerate(got)]
-            # A backlog (several blocks in one read) is handed out in a few large batches.
-            for batch, end in coalesce_tagged(tagged):
-                self._pending.append((batch, i, end))
+            # A backlog (several blocks in one read) is handed out in a few large batches, each
+            # of one file's messages (a batch's ``file`` column holds one value).
+            files = [ends[j].file if j < len(ends) else None for j in range(len(got))]
+            for _, run in itertools.groupby(zip(tagged, files), key=lambda item: item[1]):
+                for batch, end in coalesce_tagged(item for item, _ in run):
+                    self._pending.append((batch, i, end))
             if not got:
                 self._reported[i] = t.offset
 
