@@ -526,6 +526,9 @@ class Consumer:
         lengths = self.path.lengths(rels) if rels else {}
         for i, t in enumerate(self._tailers):
             got = t.step(lengths.get(t.rel), known=True) if t.rel else t.step()
+            if len(got) == 1:  # a caught-up reader's round: one block, nothing to coalesce
+                self._pending.append((got[0], i, t.offset))
+                continue
             ends = list(t.batch_ends)
             # the last batch of a round ends where the tailer is (it may have passed a seal)
             tagged = [(batch, ends[j] if j < len(got) - 1 and j < len(ends) else t.offset)
