@@ -772,3 +772,24 @@ def test_readers_of_a_deployment_with_more_data_replicas_than_copies_read_by_ask
             col.until(lambda: len(col.values) == 200, 30, "every message")
             assert [v[:len(msg(i))] for i, v in enumerate(col.values)] == [msg(i) for i in range(200)]
             assert c.stats()["pushed_bytes"] == 0 and c.stats()["durable_bytes"] == 0
+
+
+def test_a_follow_request_with_files_and_offsets_that_disagree_is_refused_naming_both(dep):
+    """Follow takes the whole subscription in its one request: files and offsets must pair up,
+    or the replica ends the stream INVALID_ARGUMENT saying how many of each it got (the reader
+    sees it as a broken stream and reconnects with back-off; nothing is pushed)."""
+    import grpc
+
+    from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
+
+    channel = grpc.insecure_channel(dep.data_endpoints.split(",")[0])
+    try:
+        stub = acs_pb2_grpc.CacheStub(channel)
+        fid = file_id(f"file:///mismatch/{time.time_ns()}.acs")
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stub.Follow(acs_pb2.FollowRequest(follow=[fid, fid], offsets=[0]), timeout=10):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "2 files but 1 offsets" in info.value.details()
+    finally:
+        channel.close()

@@ -39,7 +39,7 @@ from pyspark_acs.cache.client import CacheClient
 if TYPE_CHECKING:
     from pyspark_acs.cache.push import FollowStream
 
-__all__ = ["FEED_MAX_BYTES", "PUSH_GRACE_S", "ChunkFeed", "pick_replica"]
+__all__ = ["FEED_MAX_BYTES", "PUSH_GRACE_S", "ChunkFeed", "holds_whole_files", "pick_replica"]
 
 #: Most bytes buffered per followed file (a caught-up reader needs a few KiB).
 FEED_MAX_BYTES = 8 * 1024 * 1024
@@ -47,6 +47,13 @@ FEED_MAX_BYTES = 8 * 1024 * 1024
 #: grow (seconds), before it asks the cache for them: a replica that lacks a chunk stops its
 #: run there and never pushes past it.
 PUSH_GRACE_S = 0.2
+
+
+def holds_whole_files(client: CacheClient) -> bool:
+    """Whether every replica of a file's first chunk holds all of the file's chunks: no more
+    data replicas than copies per chunk. Otherwise a file's chunks are spread (each 4 KiB chunk
+    placed by its own key) and a feed's replica lacks some of them."""
+    return len(client.endpoints) <= client.replication
 
 
 def pick_replica(replicas: Tuple[str, ...], uri: str) -> str:
@@ -85,6 +92,9 @@ class ChunkFeed:
 
     def __init__(self, endpoints: Sequence[str], token: Optional[str] = None, security: Any = None) -> None:
         self.client = CacheClient(tuple(endpoints), name="data cache", token=token, security=security)
+        # Decided once: then every chunk of a followed file is on its replica (_placed is true
+        # without a per-call key hash and ring lookup on the readers' hot path).
+        self._whole_files = holds_whole_files(self.client)
         # _lock guards _files, _by_fid and _streams.
         self._lock = threading.Lock()
         self._files: Dict[str, _File] = {}
@@ -216,7 +226,7 @@ class ChunkFeed:
         """Whether the replica ``f`` is followed on is a replica of the chunk holding the feed's
         next byte (with more data replicas than the replication factor a file's chunks are
         spread, and a replica never pushes past a chunk it is not placed on)."""
-        return f.endpoint in self.client.replicas_for(chunk_key(f.uri, f.end // CHUNK_SIZE))
+        return self._whole_files or f.endpoint in self.client.replicas_for(chunk_key(f.uri, f.end // CHUNK_SIZE))
 
     def following(self) -> int:
         """How many files are followed now."""

@@ -12,9 +12,9 @@ read on its own thread by gRPC's single-threaded unary-stream mode: a pushed run
 thread directly, where a bidirectional stream goes through gRPC's channel thread first (one
 thread wake less per push: ~120 us of a tailing consumer's ~960 us of CPU per pushed batch,
 measured). A subscription change (a file followed from a new offset, or left) reopens the
-stream with the whole subscription, which happens per file, not per push. While a stream is down its owner reads
-as it would without push (the length poller polls, the read path asks for chunks): push only
-ever saves requests, it never decides what is correct.
+stream with the whole subscription, which happens per file, not per push. While a stream is
+down its owner reads as it would without push (the length poller polls, the read path asks for
+chunks): push only ever saves requests, it never decides what is correct.
 
 The streams use the :class:`~pyspark_acs.cache.client.CacheClient`'s channels (and its token).
 Callbacks run on the stream's thread and must be quick.

@@ -23,7 +23,7 @@ from typing import Deque, Dict, Optional, Sequence, Set, Tuple, Union
 
 from pyspark_acs.cache.client import CacheClient, client_for
 from pyspark_acs.cache.chunks import ChunkReader
-from pyspark_acs.cache.feed import ChunkFeed
+from pyspark_acs.cache.feed import ChunkFeed, holds_whole_files
 from pyspark_acs.errors import CacheError
 from pyspark_acs.cache.metadata import MetadataCache
 from pyspark_acs.cache.poller import LengthPoller
@@ -154,8 +154,7 @@ class CachedReadPath:
         # passing one reopened the Follow call (~120 times a second per process at 2 MB/s,
         # review estimate): such a deployment reads by asking, its lengths still pushed.
         self.feed: Optional[ChunkFeed] = (ChunkFeed.shared(self.data.endpoints, token, security)
-                                          if push and self.data and len(self.data.endpoints) <= self.data.replication
-                                          else None)
+                                          if push and self.data and holds_whole_files(self.data) else None)
         # files this path follows in the feed (guarded by _lock)
         self._fed: Set[str] = set()
         self.max_delay = max_delay
