@@ -780,16 +780,17 @@ def test_a_follow_request_with_files_and_offsets_that_disagree_is_refused_naming
     sees it as a broken stream and reconnects with back-off; nothing is pushed)."""
     import grpc
 
-    from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
+    from pyspark_acs.cache.proto import acs_pb2
 
-    channel = grpc.insecure_channel(dep.data_endpoints.split(",")[0])
+    client = CacheClient(dep.data_endpoints, name="data cache")  # its channel and token, as a reader's
     try:
-        stub = acs_pb2_grpc.CacheStub(channel)
+        stub = client._stub(client._replicas[client.endpoints[0]])
         fid = file_id(f"file:///mismatch/{time.time_ns()}.acs")
         with pytest.raises(grpc.RpcError) as info:
-            for _ in stub.Follow(acs_pb2.FollowRequest(follow=[fid, fid], offsets=[0]), timeout=10):
+            for _ in stub.Follow(acs_pb2.FollowRequest(follow=[fid, fid], offsets=[0]), metadata=client._metadata,
+                                 timeout=10):
                 pass
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "2 files but 1 offsets" in info.value.details()
     finally:
-        channel.close()
+        client.close()
