@@ -462,14 +462,18 @@ class ProducerProcess:
                "data_cache": env.caches[src].data_endpoints, "metadata_cache": env.caches[src].metadata_endpoints,
                "roll_bytes": roll_bytes, "lease_seconds": lease_seconds, "max_block_bytes": max_block_bytes}
         environ = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        log = open(env.tmp / f"producer-{tag}.log", "ab")
+        self.log_path = env.tmp / f"producer-{tag}.log"
+        log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-c", _PRODUCER_SCRIPT, json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=log, env=environ)
         log.close()
         self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         line = self._line(30.0)
-        assert line == "ready", f"producer {tag} did not start: {line!r}"
+        if line != "ready":
+            self.proc.kill()
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise AssertionError(f"producer {tag} did not start within 30 s: {line!r}; its log ends:\n{tail}")
 
     def _pump(self) -> None:
         for raw in self.proc.stdout:

@@ -201,6 +201,67 @@ def test_lease_due_and_poisoned_flag(root):
         lease.renew()
 
 
+_LOCK_HOLDER = r"""
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("LOCKED", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_stopped_process_holding_the_lease_lock_delays_a_take_over_only_for_the_lock_wait(
+        root, python_exe, subprocess_env):
+    """A writer stopped (SIGSTOP, a frozen VM) inside its lease read-decide-write keeps the
+    flock; the next writer must not wait forever: after LOCK_WAIT_SECONDS it goes on unlocked
+    (as on HDFS) and takes the expired lease."""
+    import signal
+    import subprocess
+
+    from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS
+
+    store = DurableStore(root)
+    _lease(store, "w1", seconds=0.2).acquire()  # w1 then stops renewing: its lease expires
+    lock = store.path("s/00000/_writer.lease.lock")
+    holder = subprocess.Popen([python_exe, "-c", _LOCK_HOLDER, lock], stdout=subprocess.PIPE, env=subprocess_env,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        holder.send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        began = time.monotonic()
+        _lease(store, "w2").acquire()
+        waited = time.monotonic() - began
+        assert LOCK_WAIT_SECONDS * 0.9 <= waited < LOCK_WAIT_SECONDS + 10, waited
+        assert json.loads(store.read_small("s/00000/_writer.lease"))["writer"] == "w2"
+    finally:
+        holder.send_signal(signal.SIGCONT)
+        holder.kill()
+        holder.wait(10)
+
+
+def test_renew_holding_the_cache_lease_takes_an_overwritten_store_lease_back(root):
+    """A deposed writer stopped inside its renewal writes its record over ours when it
+    resumes; the holder of the authoritative cache lease renews with ``force`` and keeps the
+    shard, while a plain renew (no cache lease) stops, as before."""
+    store = DurableStore(root)
+    ours = _lease(store, "new", seconds=30)
+    ours.acquire()
+    stale = LeaseRecord.new("deposed", 30)
+    store.write_small("s/00000/_writer.lease", stale.encode())
+    with pytest.raises(LeasePoisonedError, match="deposed"):
+        ours.renew()
+    store.write_small("s/00000/_writer.lease", stale.encode())
+    ours.renew(force=True)
+    assert json.loads(store.read_small("s/00000/_writer.lease"))["writer"] == "new"
+    ours.renew()  # ours again
+    rec = LeaseRecord.decode(store.read_small("s/00000/_writer.lease"))
+    rec["poisoned"] = True  # poisoned by a take-over: force does not keep a poisoned lease
+    store.write_small("s/00000/_writer.lease", rec.encode())
+    with pytest.raises(LeasePoisonedError):
+        ours.renew(force=True)
+
+
 def test_torn_lease_file_counts_as_free(root):
     store = DurableStore(root)
     store.write_small("s/00000/_writer.lease", b"{torn")

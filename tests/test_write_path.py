@@ -350,6 +350,108 @@ def test_deposed_producer_process_stopped_after_its_lease_check_is_fenced_with_c
         assert fresh_values(root, "stall") == expected
 
 
+_LOCK_STALLING_CHILD = r"""
+import sys
+import pyspark_acs.storage.store as store_mod
+from pyspark_acs.errors import WriterConflictError
+from pyspark_acs.write.producer import Producer
+
+real_write = store_mod.Appender.write
+
+
+def stalling_write(self, data):
+    # Inside DurableFile.append, the file's append lock (flock) held: the test stops the
+    # process here, so the successor finds the lock of the file it must seal taken.
+    if b"deposed" in data:
+        print("STALLED", flush=True)
+        sys.stdin.readline()
+    return real_write(self, data)
+
+
+store_mod.Appender.write = stalling_write
+p = Producer(sys.argv[1], "lockstall", lease_seconds=0.6)
+for i in range(10):
+    p.send(b"first-%d" % i)
+p.flush(timeout=20)
+print("FLUSHED " + p.current_files()[0], flush=True)
+for i in range(5):
+    p.send(b"deposed-%d" % i)
+try:
+    p.flush(timeout=30)
+    print("ACKNOWLEDGED", flush=True)
+except WriterConflictError as exc:
+    print("CONFLICT " + " ".join(str(exc).split()), flush=True)
+try:
+    p.close(timeout=20)
+except WriterConflictError:
+    pass
+"""
+
+
+def test_takeover_of_a_producer_stopped_holding_its_append_lock(tmp_path, root, python_exe, subprocess_env):
+    """A producer process stopped (SIGSTOP) in the middle of its append, holding the flock of
+    its file, must not block the producer taking the shard over: the successor's recovery
+    seal waits LOCK_WAIT_SECONDS for the lock, then lands unlocked. On SIGCONT the stopped
+    append lands after the seal and is refused; readers never see it."""
+    from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS
+
+    child_log = tmp_path / "child.log"
+    with open(child_log, "wb") as err_file:
+        child = subprocess.Popen([python_exe, "-c", _LOCK_STALLING_CHILD, root], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=err_file, env=subprocess_env, text=True)
+    follower = None
+    try:
+        line = child.stdout.readline().strip()
+        assert line.startswith("FLUSHED "), (line, child_log.read_text())
+        old_file = line.split()[1]
+        follower = Follower(root, "lockstall")
+        follower.wait_for(b"first-9")
+        assert child.stdout.readline().strip() == "STALLED"
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + WAIT_S
+        while not _stopped(child.pid):
+            assert time.monotonic() < deadline, "the child producer never stopped"
+            time.sleep(0.01)
+        made: list = []
+
+        def take_over() -> None:
+            while True:
+                try:
+                    made.append(Producer(root, "lockstall", lease_seconds=0.6))
+                    return
+                except WriterConflictError:  # its lease has not expired yet
+                    time.sleep(0.05)
+
+        taker = threading.Thread(target=take_over, daemon=True)
+        taker.start()
+        taker.join(LOCK_WAIT_SECONDS + WAIT_S)
+        assert made, "the take-over is blocked by the stopped producer's append lock"
+        with made[0] as second:
+            for i in range(10):
+                second.send(b"second-%d" % i)
+            second.flush(timeout=WAIT_S)
+            follower.wait_for(b"second-9")
+            child.send_signal(signal.SIGCONT)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            verdict = child.stdout.readline().strip()
+        assert verdict.startswith("CONFLICT "), (verdict, child_log.read_text())
+        assert old_file in verdict and "messages 10..14" in verdict and "not acknowledged" in verdict, verdict
+        assert child.wait(WAIT_S) == 0
+        time.sleep(0.3)
+        live = follower.values()
+    finally:
+        if follower is not None:
+            follower.close()
+        if child.poll() is None:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            child.wait(WAIT_S)
+    expected = [b"first-%d" % i for i in range(10)] + [b"second-%d" % i for i in range(10)]
+    assert live == expected
+    assert fresh_values(root, "lockstall") == expected
+
+
 # -- bug 4: a retried sink batch lands where live readers are -------------------------------------
 
 SCHEMA = StructType([StructField("shard", IntegerType()), StructField("value", BinaryType())])

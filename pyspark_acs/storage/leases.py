@@ -9,7 +9,8 @@ compare-and-set and no exclusive create, so the lease is as safe as the filesyst
 
 - local files: read, decide and write happen under an exclusive ``flock`` on a lock file
   beside the lease (:func:`exclusive`), so acquiring and renewing are compare-and-set among
-  all processes of the machine;
+  all processes of the machine (while no holder keeps the lock past
+  :data:`LOCK_WAIT_SECONDS`: a stopped process must not block a take-over);
 - other filesystems (HDFS): write, then read back to confirm; two writers acquiring at the
   same instant may both believe they hold it.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import socket
@@ -34,19 +36,37 @@ from typing import Iterator, Optional
 from pyspark_acs.errors import LeasePoisonedError, WriterConflictError
 from pyspark_acs.storage.store import DurableStore
 
-__all__ = ["DEFAULT_LEASE_SECONDS", "LeaseRecord", "StoreLease", "exclusive"]
+__all__ = ["DEFAULT_LEASE_SECONDS", "LOCK_WAIT_SECONDS", "LeaseRecord", "StoreLease", "exclusive"]
+
+log = logging.getLogger(__name__)
 
 #: A holder renews every third of this; a dead holder's lease is free after it.
 DEFAULT_LEASE_SECONDS = 10.0
 
 
+#: How long :func:`exclusive` waits for a lock before going on without it. The holders
+#: (an append, a lease read-decide-write) keep it for milliseconds; a holder that keeps it
+#: longer is stopped (SIGSTOP, a frozen VM) or hung, and must not block a take-over forever.
+LOCK_WAIT_SECONDS = 2.0
+
+#: Polling interval bounds of a contended lock (seconds): flock has no timed wait.
+_LOCK_POLL_MIN_S, _LOCK_POLL_MAX_S = 0.001, 0.05
+
+
 @contextlib.contextmanager
-def exclusive(store: DurableStore, rel: str) -> Iterator[None]:
+def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS) -> Iterator[bool]:
     """Hold an exclusive lock on the file ``rel`` of ``store`` (created if missing) while the
     block runs: ``flock`` on local files, which every process of the machine honours. On
-    other filesystems ``pyarrow.fs`` has no lock: the block runs unlocked."""
+    other filesystems ``pyarrow.fs`` has no lock: the block runs unlocked.
+
+    The lock narrows races; it is not what makes writes safe (every append is verified after
+    it lands, and seals fence). So a holder that keeps the lock more than ``wait`` seconds --
+    a stopped or hung process, which would otherwise block the writer taking its shard over
+    forever -- is passed by: the block then runs unlocked, like on HDFS, with a warning.
+    Yields whether the lock is held.
+    """
     if not store.local:
-        yield
+        yield False
         return
     import fcntl
 
@@ -54,8 +74,21 @@ def exclusive(store: DurableStore, rel: str) -> Iterator[None]:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        deadline, pause = time.monotonic() + wait, _LOCK_POLL_MIN_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning("%s: the lock is held for more than %.1f s (a stopped or hung writer?); going on "
+                                "without it: appends are verified and seals fence", store.uri(rel), wait)
+                    locked = False
+                    break
+                time.sleep(pause)
+                pause = min(pause * 2, _LOCK_POLL_MAX_S)
+        yield locked
     finally:
         os.close(fd)  # releases the lock
 
@@ -191,10 +224,20 @@ class StoreLease:
         """True when a third of the lease has passed since the last renewal."""
         return time.monotonic() - self._renewed >= self.seconds / 3
 
-    def renew(self) -> None:
-        """Check the lease is still ours and extend it; raise LeasePoisonedError if not."""
+    def renew(self, force: bool = False) -> None:
+        """Check the lease is still ours and extend it; raise LeasePoisonedError if not.
+
+        ``force`` takes it back instead (the caller still holds the authoritative
+        metadata-cache lease, like :meth:`acquire`'s ``force``): a deposed writer that was
+        stopped inside its own renewal, lock held, may write its record over ours once it
+        resumes; it then stops at its next cache-lease check, and we must not.
+        """
         with exclusive(self.store, self._lock):
             current = LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))
+            if force and self.record is not None and not self.record.same_holder(current):
+                log.warning("%s: the store lease was overwritten by %s; taking it back (we hold the cache lease)",
+                            self.what, current.describe() if current else "nobody")
+                current = self.record
             if self.record is None or not self.record.same_holder(current) or current.get("poisoned"):
                 holder = current.describe() if current else "nobody"
                 raise LeasePoisonedError(f"{self.what}: our lease was taken over (now held by {holder}); stopping")

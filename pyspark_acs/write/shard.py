@@ -150,12 +150,19 @@ class ShardWriter:
         A metadata cache that does not answer does not stop writes (availability first,
         paper section 3): the seal fence still protects the shard.
         """
+        authority = False  # the cache lease was ours at its last check (it comes first in the list)
         for lease in self.leases:
+            if isinstance(lease, StoreLease):
+                if lease.due():
+                    lease.renew(force=authority)
+                continue
             if lease.due():
                 try:
                     lease.check()
                 except CacheError as exc:
                     log.warning("%s: lease check skipped, metadata cache unavailable: %s", self.what, exc)
+                    continue
+            authority = True
 
     def release(self) -> None:
         """Give the leases up (those still ours)."""
