@@ -794,3 +794,58 @@ def test_a_follow_request_with_files_and_offsets_that_disagree_is_refused_naming
         assert "2 files but 1 offsets" in info.value.details()
     finally:
         client.close()
+
+
+def test_readers_sharing_a_path_keep_their_own_feed_positions(dep, root):
+    """Left alone last session, fixed now: the copy daemon's operations share one read path,
+    and every read moved the one position the path held in the feed. Two destinations of one
+    file read it at different positions; the leading one's reads made the feed drop the bytes
+    the lagging one still needed, so the laggard asked the cache for every byte instead of
+    being pushed them. With a position per reader (:meth:`CachedReadPath.for_reader`) the
+    laggard reads them from the feed; once it leaves, the feed keeps nothing for it."""
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.read.readpath import open_read_path
+
+    with Producer(root, "twodest", shards=1, **endpoints(dep)) as p:
+        p.send(msg(0))
+        p.flush()
+        path = open_read_path(root, push=True, **endpoints(dep))
+        try:
+            rel = f"{shard_dir('twodest', 0)}/{p.current_files()[0]}"
+            lead, lag = path.for_reader("to-B"), path.for_reader("to-C")
+            first = path.lengths([rel])[rel]
+
+            def read_all(view, start, end):  # a read may stop short while the feed is about to push
+                got = b""
+                deadline = time.monotonic() + 20
+                while len(got) < end - start:
+                    assert time.monotonic() < deadline, f"{view.reader} read {len(got)} of {end - start} bytes"
+                    got += view.read(rel, start + len(got), end)
+                return got
+
+            assert read_all(lead, 0, first) == read_all(lag, 0, first)
+            uri = path.store.uri(rel)
+            wait_until(lambda: path.feed.live(uri, first), 20, "the feed is live")
+            at = first
+            for i in range(1, 41):
+                p.send(msg(i))
+                p.flush()
+                wait_until(lambda: path.lengths([rel])[rel] > at, 20, f"message {i}")
+                now = path.lengths([rel])[rel]
+                read_all(lead, at, now)  # the leading destination keeps up
+                at = now
+            before = path.stats()
+            caught_up = lag.read(rel, first, at)  # the lagging destination's next delta
+            after = path.stats()
+            assert caught_up == path.store.read(rel, first, at)
+            assert after["pushed_bytes"] - before["pushed_bytes"] == at - first  # from the feed
+            assert after["cache_bytes"] - after["pushed_bytes"] == before["cache_bytes"] - before["pushed_bytes"]
+            assert after["durable_bytes"] == before["durable_bytes"]
+            lag.leave(rel)
+            with path.feed._lock:
+                assert set(path.feed._files[uri].readers) == {"to-B"}
+            path.forget(rel)
+            with path.feed._lock:
+                assert uri not in path.feed._files
+        finally:
+            path.close()

@@ -305,6 +305,72 @@ def test_copy_reader_uses_the_one_length_poller_and_read_path(root, caches):
         io.meta_client.close()
 
 
+def test_copy_reader_waits_for_a_read_the_path_cut_short_without_searching_the_store(root, caches):
+    """Left alone last session, fixed now: when the read path postponed the bytes of a delta
+    (Algorithm 1: the cache lags and the bytes are younger than maxDelay) the copy reader saw
+    no complete block and searched the range for a recovery seal, a read "without waiting"
+    that took them from the durable store early, every round. A short read is no torn block
+    (the rule is :class:`~pyspark_acs.read.positions.BlockRead`'s ``short``, for the Consumer
+    too): the reader sends nothing and waits; once the bytes are readable it sends them."""
+    from collections import deque
+
+    from pyspark_acs.server.copy import reader
+    from pyspark_acs.server.copy.cluster import CACHE, OpKey
+    from pyspark_acs.server.copy.metrics import CopyMetrics
+    from pyspark_acs.server.copy.options import CopyDaemonOptions
+
+    class _IO:  # the parts of ClusterIO SourceFiles and CopyOperation use
+        def __init__(self) -> None:
+            self.name = "A"
+            self.store = DurableStore(root)
+            self.data = CacheClient(caches["data_cache"])
+            self.meta_client = CacheClient(caches["metadata_cache"])
+
+        def uri(self, rel: str) -> str:
+            return self.store.uri(rel)
+
+    class _Session:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send(self, request) -> None:
+            self.sent.append((request.start, bytes(request.data), request.sealed))
+
+    DurableStore(root).create_stream("cutshort", 1)
+    name = _name(0)
+    data = _block(0, 5) + encode_seal(5)
+    _append(root, "cutshort", name, data)
+    io = _IO()
+    files = reader.SourceFiles(io, interval=0.05)
+    op = reader.CopyOperation(OpKey("cutshort", 0, name, CACHE, "B"), 1, io, files, lambda child: None,
+                              CopyDaemonOptions(), CopyMetrics("A"), "test")
+    real_read = files.path.read
+    asked: list = []
+
+    def read(rel, start, end, postpone=True, **kw):
+        got = real_read(rel, start, end, postpone=postpone, **kw)
+        asked.append((postpone, len(got)))
+        return got
+
+    files.path.read = read  # the bytes are durable only, the cache has none: Algorithm 1 postpones
+    session = _Session()
+    began, rounds = time.monotonic(), 0
+    try:
+        while not session.sent:  # the operation's rounds, until maxDelay lets the bytes through
+            assert time.monotonic() - began < WAIT_S, "the bytes were never sent"
+            rounds += 1
+            result = op._send_delta(session, 0, len(data), 0, len(data), deque())
+            time.sleep(0.05)
+        assert result == (len(data), True) and session.sent == [(0, data, True)]
+        assert rounds > 3 and time.monotonic() - began >= files.path.max_delay * 0.9
+        assert all(postpone for postpone, _ in asked), asked  # nothing read "without waiting"
+        assert [n for _, n in asked][:-1] == [0] * (len(asked) - 1), asked  # postponed, then read once
+    finally:
+        files.stop()
+        io.data.close()
+        io.meta_client.close()
+
+
 # -- review finding F3: a seal is proven by a header walk, never by the last bytes alone ----------
 
 

@@ -19,7 +19,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Deque, Dict, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Deque, Dict, Hashable, Optional, Sequence, Set, Tuple, Union
 
 from pyspark_acs.cache.client import CacheClient, client_for
 from pyspark_acs.cache.chunks import ChunkReader
@@ -30,7 +30,7 @@ from pyspark_acs.cache.poller import LengthPoller
 from pyspark_acs.security import SecuritySettings
 from pyspark_acs.storage.store import DurableStore
 
-__all__ = ["DEFAULT_DURABLE_POLL_INTERVAL_S", "DEFAULT_MAX_DELAY_S", "CachedReadPath", "DelayedDurableReads"]
+__all__ = ["DEFAULT_DURABLE_POLL_INTERVAL_S", "DEFAULT_MAX_DELAY_S", "CachedReadPath", "DelayedDurableReads", "ReaderView"]
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,8 @@ class CachedReadPath:
         # review estimate): such a deployment reads by asking, its lengths still pushed.
         self.feed: Optional[ChunkFeed] = (ChunkFeed.shared(self.data.endpoints, token, security)
                                           if push and self.data and holds_whole_files(self.data) else None)
-        # files this path follows in the feed (guarded by _lock)
-        self._fed: Set[str] = set()
+        # rel -> the readers of it this path follows in the feed (guarded by _lock)
+        self._fed: Dict[str, Set[Hashable]] = {}
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval
         # _lock guards _published, _polled, _recent, _delays, _durable_cache, _standing, _meta_down_until
@@ -319,27 +319,34 @@ class CachedReadPath:
 
     # -- bytes -----------------------------------------------------------------------------
 
-    def read(self, rel: str, start: int, end: int, *, postpone: bool = True) -> bytes:
+    def read(self, rel: str, start: int, end: int, *, postpone: bool = True,
+             reader: Optional[Hashable] = None) -> bytes:
         """Bytes ``[start, end)``, cache first; may stop short while Algorithm 1 postpones
         a durable read (the caller retries at its next poll).
 
         With ``push``, bytes the data cache pushed come first (no request), the rest as below.
         ``postpone=False`` reads bytes past the cache length from the store at once (a durable
-        copy must not wait for the cache).
+        copy must not wait for the cache). ``reader`` names one of several readers of a file
+        sharing this path (:meth:`for_reader`): the feed keeps bytes until each has read them.
         """
         feed = self.feed
         if feed is None or end <= start:
             return self._read(rel, start, end, postpone)
         uri = self.store.uri(rel)
+        rid = id(self) if reader is None else reader
         with self._lock:
-            new = rel not in self._fed
-            self._fed.add(rel)
+            readers = self._fed.get(rel)
+            first = readers is None
+            if first:
+                readers = self._fed[rel] = set()
+            new = rid not in readers
+            readers.add(rid)
         if new:
             # Pushed bytes raise the file's known cache length and wake its readers: they are
             # in the data cache, i.e. mirrored after their durable append was verified (the
             # write path's order), so a reader may take them before the length is published.
-            feed.follow(uri, id(self), start, self._grown if self.poller is not None else None)
-            if self.poller is not None:
+            feed.follow(uri, rid, start, self._grown if self.poller is not None else None)
+            if first and self.poller is not None:
                 self.poller.cover(uri, lambda known: feed.live(uri, known))
         # The pushed bytes are the cache's, i.e. the file's own (a chunk is written only
         # after the durable append it mirrors was verified); the caller reads only below the
@@ -352,8 +359,27 @@ class CachedReadPath:
         # asked for what it is pushing falls further behind); a durable copy does not wait.
         if start + len(got) < end and not (postpone and feed.waiting(uri, start + len(got))):
             got += self._read(rel, start + len(got), end, postpone)
-        feed.consumed(uri, id(self), start + len(got))
+        feed.consumed(uri, rid, start + len(got))
         return got
+
+    def for_reader(self, reader: Hashable) -> "ReaderView":
+        """This path as one of several readers sharing it sees it (the copy daemon's
+        operations: two destinations of one file read it at different positions). Its reads
+        move that reader's position in the feed, not a position shared with the others (which
+        made the feed drop bytes a lagging reader still needed: asked for instead of pushed).
+        Call :meth:`ReaderView.leave` when the reader is done with a file."""
+        return ReaderView(self, reader)
+
+    def leave(self, rel: str, reader: Hashable) -> None:
+        """Reader ``reader`` is done with ``rel``: the feed no longer keeps bytes for it (the
+        file's other state stays until :meth:`forget`)."""
+        with self._lock:
+            readers = self._fed.get(rel)
+            if readers is None or reader not in readers:
+                return
+            readers.discard(reader)  # an empty set stays: the poller's cover goes with forget()
+        if self.feed is not None:
+            self.feed.unfollow(self.store.uri(rel), reader)
 
     def _grown(self, uri: str, end: int) -> None:
         """The feed holds ``uri``'s bytes up to ``end`` (stream thread): a cache length."""
@@ -443,16 +469,16 @@ class CachedReadPath:
     def forget(self, rel: str) -> None:
         """Drop per-file state once a reader left the file."""
         with self._lock:
-            fed = rel in self._fed
-            self._fed.discard(rel)
+            fed = self._fed.pop(rel, None)
             self._published.pop(rel, None)
             self._polled.discard(rel)
             self._recent.pop(rel, None)
             self._delays.pop(rel, None)
             self._durable_cache.pop(rel, None)
             self._standing.pop(rel, None)
-        if fed and self.feed is not None:
-            self.feed.unfollow(self.store.uri(rel), id(self))
+        if fed is not None and self.feed is not None:
+            for reader in fed:
+                self.feed.unfollow(self.store.uri(rel), reader)
             if self.poller is not None:
                 self.poller.uncover(self.store.uri(rel))
 
@@ -468,11 +494,33 @@ class CachedReadPath:
             self.poller.release([self.store.uri(r) for r in rels])
         if self.feed is not None:
             with self._lock:
-                fed, self._fed = list(self._fed), set()
-            for r in fed:
-                self.feed.unfollow(self.store.uri(r), id(self))
+                fed, self._fed = self._fed, {}
+            for r, readers in fed.items():
+                for reader in readers:
+                    self.feed.unfollow(self.store.uri(r), reader)
                 if self.poller is not None:
                     self.poller.uncover(self.store.uri(r))
         for c in self._own:
             c.close()
         self.store.close()
+
+
+class ReaderView:
+    """A :class:`CachedReadPath` as one of several readers sharing it sees it
+    (:meth:`CachedReadPath.for_reader`): reads carry the reader's name to the feed; everything
+    else is the path's."""
+
+    def __init__(self, path: CachedReadPath, reader: Hashable) -> None:
+        self.path = path
+        self.reader = reader
+
+    def read(self, rel: str, start: int, end: int, *, postpone: bool = True) -> bytes:
+        """:meth:`CachedReadPath.read` as this reader."""
+        return self.path.read(rel, start, end, postpone=postpone, reader=self.reader)
+
+    def leave(self, rel: str) -> None:
+        """This reader is done with ``rel`` (:meth:`CachedReadPath.leave`)."""
+        self.path.leave(rel, self.reader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.path, name)

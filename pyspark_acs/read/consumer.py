@@ -223,8 +223,7 @@ class ShardTailer:
         self.limiter.acquire(min(limit, start + self.max_read_bytes) - start)
         # Blocks before a bad one are handed out first; the next step starts at the bad block
         # and raises then (unless a recovery seal voids it).
-        data, blocks, error = read_blocks(self.path, self.rel, start, limit, self.max_read_bytes)
-        self._cut_short = len(data) < min(limit, start + self.max_read_bytes) - start
+        data, blocks, error, self._cut_short = read_blocks(self.path, self.rel, start, limit, self.max_read_bytes)
         if error is not None:
             if self._pass_void(limit):
                 return True

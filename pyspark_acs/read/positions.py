@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 from pyspark_acs.errors import CorruptFileError
 from pyspark_acs.format.block import HEADER_SIZE, BlockHeader, find_recovery_seal, parse_header, scan_blocks
@@ -26,6 +26,7 @@ from pyspark_acs.format.offsets import Offset
 from pyspark_acs.read.readpath import ReadPath
 
 __all__ = [
+    "BlockRead",
     "BoundaryCache",
     "ShardExtent",
     "advance",
@@ -58,23 +59,35 @@ def _read_now(path: ReadPath, rel: str, start: int, end: int) -> bytes:
     return data
 
 
+class BlockRead(NamedTuple):
+    """What :func:`read_blocks` found."""
+
+    #: The bytes read from the start.
+    data: bytes
+    #: ``(offset in data, header)`` of each complete block in them, a seal included.
+    blocks: List[Tuple[int, BlockHeader]]
+    #: When there is no complete block because the bytes at the start are no valid header,
+    #: that error (the caller decides: a torn block passed through its recovery seal with
+    #: :func:`skip_void`, or real corruption).
+    error: Optional[CorruptFileError]
+    #: The read path returned fewer bytes than asked: it postponed them (Algorithm 1) or waits
+    #: for a push. No sign of a torn block -- the bytes come once the path reads them --, so
+    #: a reader must not search them for a recovery seal (that would read them from the store
+    #: early, every round).
+    short: bool
+
+
 def read_blocks(
     path: ReadPath, rel: str, start: int, limit: int, max_bytes: int, *, postpone: bool = True
-) -> Tuple[bytes, List[Tuple[int, BlockHeader]], Optional[CorruptFileError]]:
+) -> BlockRead:
     """The complete blocks of ``rel`` from ``start`` (a block boundary) below ``limit``.
 
     Reads at most ``max_bytes`` -- or, when the first block is larger, that block whole once
     it is all readable. ``postpone`` is passed to the read path (Algorithm 1).
-
-    Returns
-    -------
-    (data, blocks, error) : the bytes read from ``start``; ``(offset in data, header)`` of each
-    complete block in them, a seal included; and, when there is no complete block because the
-    bytes at ``start`` are no valid header, that error (the caller decides: a torn block passed
-    through its recovery seal with :func:`skip_void`, or real corruption).
     """
     kw = {} if postpone else {"postpone": False}
-    data = path.read(rel, start, min(limit, start + max_bytes), **kw)
+    asked = min(limit, start + max_bytes) - start
+    data = path.read(rel, start, start + asked, **kw)
     uri = path.store.uri(rel)
     blocks: List[Tuple[int, BlockHeader]] = []
     try:
@@ -82,14 +95,15 @@ def read_blocks(
             blocks.append(item)
     except CorruptFileError as exc:
         if not blocks:
-            return data, [], exc
+            return BlockRead(data, [], exc, len(data) < asked)
     if not blocks and len(data) >= HEADER_SIZE:
         header = parse_header(data, 0, path=uri, position=start)  # valid: scan_blocks parsed it
         if start + header.size <= limit and len(data) < header.size:
+            asked = header.size
             data = path.read(rel, start, start + header.size, **kw)  # one block larger than max_bytes
             if len(data) >= header.size:
                 blocks = [(0, header)]
-    return data, blocks, None
+    return BlockRead(data, blocks, None, len(data) < asked)
 
 
 def skip_void(path: ReadPath, rel: str, at: int, length: int) -> Optional[int]:

@@ -267,8 +267,10 @@ class CopyOperation:
         #: Set when the operation gave up after MAX_FRUITLESS_SESSIONS failed sessions.
         self.gave_up = False
         self.limiter = RateLimiter(options.max_bytes_per_second or None)
-        #: The one read path of this cluster (shared by every operation of the daemon).
-        self.path = poller.path
+        #: The one read path of this cluster (shared by every operation of the daemon), as this
+        #: operation reads it: its position in the path's feed is its own (two destinations of
+        #: one file read it at different positions).
+        self.path = poller.path.for_reader(self.operation)
         #: Positions known to be block boundaries of the source (acked delta ends).
         self._boundaries: Set[int] = {0}
         self._tail_checked = -1
@@ -318,6 +320,7 @@ class CopyOperation:
                     log.info("%s: %s; retrying in %.2f s", self.key, exc, self.options.retry)
                     self.stop_event.wait(self.options.retry)
         finally:
+            self.path.leave(self.rel)
             self.poller.unfollow(self.rel, self._wake)
             self.metrics.inc("operations", -1, role="reader", storage=self.key.storage)
             self.metrics.remove("lag_bytes", stream=self.key.stream, shard=self.key.shard,
@@ -441,8 +444,10 @@ class CopyOperation:
         """Send the whole blocks in ``[pos, source_len)``; return (new position, sealed)."""
         if pos not in self._boundaries:
             return self._resync(session, pos, source_len, inflight)
-        data, blocks, corrupt = read_blocks(self.path, self.rel, pos, source_len, self.options.max_delta_bytes,
-                                            postpone=self.key.storage == CACHE)
+        data, blocks, corrupt, short = read_blocks(self.path, self.rel, pos, source_len,
+                                                   self.options.max_delta_bytes, postpone=self.key.storage == CACHE)
+        if not blocks and short and corrupt is None:
+            return pos, False  # the read path cut the read short: the bytes come later, no torn block
         if not blocks:
             # A torn block: copied byte for byte together with the recovery seal that voids it
             # (readers downstream skip them by the same rule), never before that seal exists.
@@ -473,7 +478,8 @@ class CopyOperation:
         self._boundaries.add(boundary)
         if boundary == pos or sealed:
             return pos, False  # a boundary after all (the next round sends from here), or past a seal
-        data, blocks, _ = read_blocks(self.path, self.rel, boundary, source_len, pos - boundary + 1, postpone=False)
+        data, blocks, _, _ = read_blocks(self.path, self.rel, boundary, source_len, pos - boundary + 1,
+                                         postpone=False)
         if not blocks:
             return pos, False  # the block spanning pos is not complete yet
         end = boundary + blocks[0][1].size
