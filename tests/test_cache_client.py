@@ -260,6 +260,24 @@ def test_hedged_reads_hide_a_stalled_replica(cluster):
         assert c.get(keys, consistent=True) == [Entry(b"w", 2)] * len(keys)
 
 
+def test_a_relaxed_read_where_every_replica_holds_every_key_is_one_call_to_one_replica(cluster):
+    """No more replicas than copies: any replica answers for every key, so a relaxed read is one
+    call to one replica picked at random (no per-key bookkeeping); the picks spread over all
+    replicas. A stalled or dead pick falls back to the hedging path (the tests above)."""
+    keys = [b"anywhere#%d" % i for i in range(100)]
+    with CacheClient(cluster.data_endpoints, deadline=5.0) as c:
+        assert len(c.endpoints) <= c.replication
+        c.put([(k, b"v%d" % i, 1) for i, k in enumerate(keys)])
+        picked = set()
+        for _ in range(12):
+            before = {ep: s.get("gets_total", 0) for ep, s in c.stats().items()}
+            assert c.get(keys + [b"anywhere-missing"]) == [Entry(b"v%d" % i, 1) for i in range(100)] + [None]
+            grew = {ep: s.get("gets_total", 0) - before[ep] for ep, s in c.stats().items()}
+            assert sorted(grew.values()) == [0, 0, 101], grew
+            picked.update(ep for ep, n in grew.items() if n)
+        assert len(picked) >= 2  # random picks, not always the same replica
+
+
 def test_nothing_listening_fails_fast_naming_the_endpoint():
     dead = f"127.0.0.1:{free_port()}"
     with CacheClient(dead, deadline=0.5) as c:

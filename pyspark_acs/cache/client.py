@@ -577,6 +577,10 @@ class CacheClient:
         pb = self._pb2()
         start = time.monotonic()
         end = start + self.deadline
+        if not consistent and n <= MAX_BATCH_KEYS and len(self.endpoints) <= self.replication:
+            got = self._get_anywhere(keys, pb, start, end)
+            if got is not None:
+                return got
         ring_reps = self._ring.replicas_for_many(keys, self.replication)
 
         # Candidate order per distinct replica tuple: usable replicas, rotated by a random offset
@@ -710,6 +714,35 @@ class CacheClient:
                 errors,
             )
         return best
+
+    def _get_anywhere(self, keys: List[bytes], pb: Any, start: float, end: float) -> Optional[List[Optional[Entry]]]:
+        """A relaxed get where every replica holds every key (no more replicas than copies):
+        one call to one usable replica picked at random, answered without the per-key
+        bookkeeping of :meth:`get` (which cost about as much client CPU as the call itself on
+        a 256-key read). ``None`` when that replica failed or did not answer within
+        ``hedge_after``: the caller then runs the general path, which hedges and fails over
+        (a replica that failed is marked down, so it is not asked first again)."""
+        usable = [rep for rep in self._replicas.values() if self._usable(rep, start)]
+        if not usable:
+            return None
+        rep = usable[random.randrange(len(usable))]
+        out: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._send(rep, "Get", pb.GetRequest(keys=keys), end, out, None)
+        wait = self.hedge_after if self.hedge_after > 0 else end - time.monotonic()
+        try:
+            _, _, response, exc = out.get(timeout=max(0.0, wait))
+        except queue.Empty:
+            return None
+        if exc is not None or len(response.found) != len(keys):
+            return None
+        data = response.data
+        result: List[Optional[Entry]] = []
+        append = result.append
+        offset = 0
+        for found, size, version in zip(response.found, response.sizes, response.versions):
+            append(Entry(data[offset:offset + size], version) if found else None)
+            offset += size
+        return result
 
     # -- writes ------------------------------------------------------------------------------
 
