@@ -717,23 +717,36 @@ class CacheClient:
 
     def _get_anywhere(self, keys: List[bytes], pb: Any, start: float, end: float) -> Optional[List[Optional[Entry]]]:
         """A relaxed get where every replica holds every key (no more replicas than copies):
-        one call to one usable replica picked at random, answered without the per-key
-        bookkeeping of :meth:`get` (which cost about as much client CPU as the call itself on
-        a 256-key read). ``None`` when that replica failed or did not answer within
-        ``hedge_after``: the caller then runs the general path, which hedges and fails over
-        (a replica that failed is marked down, so it is not asked first again)."""
+        one call to one usable replica picked at random -- hedged to a second one after
+        ``hedge_after``, the first answer wins -- answered without the per-key bookkeeping of
+        :meth:`get` (which cost about as much client CPU as the call itself on a 256-key
+        read). ``None`` when every call sent failed: the caller then runs the general path,
+        which fails over to the replicas left (those that failed are marked down) or raises
+        naming them."""
         usable = [rep for rep in self._replicas.values() if self._usable(rep, start)]
         if not usable:
             return None
-        rep = usable[random.randrange(len(usable))]
+        random.shuffle(usable)
+        request = pb.GetRequest(keys=keys)
         out: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._send(rep, "Get", pb.GetRequest(keys=keys), end, out, None)
-        wait = self.hedge_after if self.hedge_after > 0 else end - time.monotonic()
-        try:
-            _, _, response, exc = out.get(timeout=max(0.0, wait))
-        except queue.Empty:
-            return None
-        if exc is not None or len(response.found) != len(keys):
+        self._send(usable[0], "Get", request, end, out, None)
+        sent, answered = 1, 0
+        hedge_at = start + self.hedge_after if self.hedge_after > 0 and len(usable) > 1 else None
+        while answered < sent:
+            wait_until = hedge_at if hedge_at is not None else end + 0.25
+            try:
+                _, _, response, exc = out.get(timeout=max(0.0, wait_until - time.monotonic()))
+            except queue.Empty:
+                if hedge_at is None:
+                    return None  # past the deadline: the general path names the replicas
+                hedge_at = None
+                self._send(usable[1], "Get", request, end, out, None)
+                sent += 1
+                continue
+            answered += 1
+            if exc is None and len(response.found) == len(keys):
+                break
+        else:
             return None
         data = response.data
         result: List[Optional[Entry]] = []
