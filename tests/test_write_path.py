@@ -235,6 +235,27 @@ def test_deposed_producer_found_out_at_its_lease_check_raises_writer_conflict_na
     assert fresh_values(root, "checked") == [b"kept"]
 
 
+#: The rest of a stalling child's script, once ``p`` (its Producer) exists: ten messages
+#: acknowledged, then five that the test stalls (the deposed writer's), and the verdict.
+_DEPOSED_RUN = r"""
+for i in range(10):
+    p.send(b"first-%d" % i)
+p.flush(timeout=20)
+print("FLUSHED " + p.current_files()[0], flush=True)
+for i in range(5):
+    p.send(b"deposed-%d" % i)
+try:
+    p.flush(timeout=30)
+    print("ACKNOWLEDGED", flush=True)
+except WriterConflictError as exc:
+    print("CONFLICT " + " ".join(str(exc).split()), flush=True)
+try:
+    p.close(timeout=20)
+except WriterConflictError:
+    pass
+"""
+
+
 _STALLING_CHILD = r"""
 import sys
 import pyspark_acs.write.producer as producer_mod
@@ -257,27 +278,31 @@ def stalling_encode(values, *args, **kwargs):
 
 producer_mod.encode_block = stalling_encode
 p = producer_mod.Producer(root, "stall", lease_seconds=0.6, data_cache=data, metadata_cache=meta)
-for i in range(10):
-    p.send(b"first-%d" % i)
-p.flush(timeout=20)
-print("FLUSHED " + p.current_files()[0], flush=True)
-for i in range(5):
-    p.send(b"deposed-%d" % i)
-try:
-    p.flush(timeout=30)
-    print("ACKNOWLEDGED", flush=True)
-except WriterConflictError as exc:
-    print("CONFLICT " + " ".join(str(exc).split()), flush=True)
-try:
-    p.close(timeout=20)
-except WriterConflictError:
-    pass
-"""
+""" + _DEPOSED_RUN
 
 
 def _stopped(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _end(follower: "Follower", child: subprocess.Popen) -> None:
+    """Close the live consumer and make sure the child process is gone (resumed, killed)."""
+    if follower is not None:
+        follower.close()
+    if child.poll() is None:
+        child.send_signal(signal.SIGCONT)
+        child.kill()
+        child.wait(WAIT_S)
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """SIGSTOP the child process and wait until the kernel shows it stopped."""
+    child.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + WAIT_S
+    while not _stopped(child.pid):
+        assert time.monotonic() < deadline, "the child producer never stopped"
+        time.sleep(0.01)
 
 
 def test_deposed_producer_process_stopped_after_its_lease_check_is_fenced_with_caches(
@@ -304,11 +329,7 @@ def test_deposed_producer_process_stopped_after_its_lease_check_is_fenced_with_c
             follower = Follower(root, "stall", **caches)
             follower.wait_for(b"first-9")
             assert child.stdout.readline().strip() == "STALLED"
-            child.send_signal(signal.SIGSTOP)
-            deadline = time.monotonic() + WAIT_S
-            while not _stopped(child.pid):
-                assert time.monotonic() < deadline, "the child producer never stopped"
-                time.sleep(0.01)
+            _stop(child)
             deadline = time.monotonic() + WAIT_S
             while True:
                 try:
@@ -338,12 +359,7 @@ def test_deposed_producer_process_stopped_after_its_lease_check_is_fenced_with_c
             time.sleep(0.3)
             live = follower.values()
         finally:
-            if follower is not None:
-                follower.close()
-            if child.poll() is None:
-                child.send_signal(signal.SIGCONT)
-                child.kill()
-                child.wait(WAIT_S)
+            _end(follower, child)
         expected = [b"first-%d" % i for i in range(10)] + [b"second-%d" % i for i in range(20)]
         assert live == expected
         assert fresh_values(root, "stall", **caches) == expected
@@ -370,22 +386,7 @@ def stalling_write(self, data):
 
 store_mod.Appender.write = stalling_write
 p = Producer(sys.argv[1], "lockstall", lease_seconds=0.6)
-for i in range(10):
-    p.send(b"first-%d" % i)
-p.flush(timeout=20)
-print("FLUSHED " + p.current_files()[0], flush=True)
-for i in range(5):
-    p.send(b"deposed-%d" % i)
-try:
-    p.flush(timeout=30)
-    print("ACKNOWLEDGED", flush=True)
-except WriterConflictError as exc:
-    print("CONFLICT " + " ".join(str(exc).split()), flush=True)
-try:
-    p.close(timeout=20)
-except WriterConflictError:
-    pass
-"""
+""" + _DEPOSED_RUN
 
 
 def test_takeover_of_a_producer_stopped_holding_its_append_lock(tmp_path, root, python_exe, subprocess_env):
@@ -407,11 +408,7 @@ def test_takeover_of_a_producer_stopped_holding_its_append_lock(tmp_path, root, 
         follower = Follower(root, "lockstall")
         follower.wait_for(b"first-9")
         assert child.stdout.readline().strip() == "STALLED"
-        child.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + WAIT_S
-        while not _stopped(child.pid):
-            assert time.monotonic() < deadline, "the child producer never stopped"
-            time.sleep(0.01)
+        _stop(child)
         made: list = []
 
         def take_over() -> None:
@@ -441,12 +438,7 @@ def test_takeover_of_a_producer_stopped_holding_its_append_lock(tmp_path, root, 
         time.sleep(0.3)
         live = follower.values()
     finally:
-        if follower is not None:
-            follower.close()
-        if child.poll() is None:
-            child.send_signal(signal.SIGCONT)
-            child.kill()
-            child.wait(WAIT_S)
+        _end(follower, child)
     expected = [b"first-%d" % i for i in range(10)] + [b"second-%d" % i for i in range(10)]
     assert live == expected
     assert fresh_values(root, "lockstall") == expected
