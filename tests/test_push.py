@@ -5,6 +5,7 @@ slow reader holds up nobody and grows no server's memory."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -849,3 +850,41 @@ def test_readers_sharing_a_path_keep_their_own_feed_positions(dep, root):
                 assert uri not in path.feed._files
         finally:
             path.close()
+
+
+def test_a_consumer_connects_to_its_caches_when_created(dep, root):
+    """Found profiling 64 consumer processes: a Consumer imported gRPC and connected its cache
+    clients at the first length it asked for, i.e. when the first file appeared -- all 64 at
+    that moment, which put them seconds behind the producer. It connects when created; a
+    replica that does not answer (stopped) holds it up at most CONNECT_TIMEOUT_S once (the
+    clients connect in parallel), and it reads around that replica."""
+    from pyspark_acs.cache.client import CONNECT_TIMEOUT_S
+    from pyspark_acs.storage.store import DurableStore
+
+    DurableStore(root).create_stream("early", 1)
+    with Consumer(root, "early", **endpoints(dep)) as c:
+        path = c.path
+        clients = [path.data, path.poller.meta.client, path.feed.client]
+        assert all(client._connected for client in clients)
+        assert c.poll() == []  # no file yet
+    stopped = [dep.server("data", 2), dep.server("metadata", 2)]
+    for server in stopped:
+        os.kill(server.pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        c = Consumer(root, "early", **endpoints(dep))
+        took = time.monotonic() - began
+        try:
+            assert took < 2.5 * CONNECT_TIMEOUT_S, took  # not once per client (four of them)
+            with Producer(root, "early", shards=1, **endpoints(dep)) as p:
+                col = Collector(c)
+                for i in range(20):
+                    p.send(msg(i))
+                p.flush()
+                col.until(lambda: len(col.values) == 20, 30, "every message")
+                assert_exact(col.values, 20)
+        finally:
+            c.close()
+    finally:
+        for server in stopped:
+            os.kill(server.pid, signal.SIGCONT)

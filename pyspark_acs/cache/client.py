@@ -410,6 +410,13 @@ class CacheClient:
             self._pb = acs_pb2
         return self._pb
 
+    def connect(self) -> None:
+        """Connect now instead of at the first call: import gRPC, open every replica's channel
+        and wait (at most :data:`CONNECT_TIMEOUT_S`) for each to answer a Health call. Never
+        raises for a replica that does not answer (calls find it out, and mark it down);
+        raises :class:`~pyspark_acs.errors.ClosedError` after :meth:`close`."""
+        self._check_open()
+
     def _check_open(self) -> None:
         """Raise after :meth:`close`; before the first call, connect (every call comes here
         before it starts its deadline clock)."""

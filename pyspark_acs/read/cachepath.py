@@ -19,7 +19,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Deque, Dict, Hashable, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Set, Tuple, Union
 
 from pyspark_acs.cache.client import CacheClient, client_for
 from pyspark_acs.cache.chunks import ChunkReader
@@ -175,6 +175,34 @@ class CachedReadPath:
         self._meta_down_until = 0.0
         self._warned_at = float("-inf")  # last data-cache warning (monotonic)
         self._stats = {"durable_bytes": 0, "durable_fallbacks": 0, "metadata_fallbacks": 0, "pushed_bytes": 0}
+
+    def connect(self) -> None:
+        """Set up now what the first read would: gRPC imported, channels to every replica of
+        both caches open (the clients this path reads through: its own, the shared poller's
+        and feed's). A tailing reader calls it when it starts, so that work is not charged to
+        its first messages -- nor, when many reader processes start together, done by all of
+        them at the moment the first file appears. Replicas that do not answer are left to
+        the calls (see :meth:`CacheClient.connect`)."""
+        clients = [self.data, self.meta.client if self.meta is not None else None,
+                   self.poller.meta.client if self.poller is not None else None,
+                   self.feed.client if self.feed is not None else None]
+        unique = list({id(c): c for c in clients if c is not None}.values())
+        errors: List[BaseException] = []
+
+        def run(client: CacheClient) -> None:
+            try:
+                client.connect()
+            except BaseException as exc:  # raised below, in the caller's thread
+                errors.append(exc)
+
+        # In parallel: each waits at most CONNECT_TIMEOUT_S for replicas that do not answer.
+        threads = [threading.Thread(target=run, args=(c,), name="acs-connect", daemon=True) for c in unique]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
 
     # -- lengths ---------------------------------------------------------------------------
 

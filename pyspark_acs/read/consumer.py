@@ -401,6 +401,8 @@ class Consumer:
         metadata cache and bytes read from the data cache, with the durable store as the
         fallback (see :class:`~pyspark_acs.read.cachepath.CachedReadPath`). When not given,
         ``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE`` are used; ``"none"`` turns a cache off.
+        The Consumer connects to them when created (at most ``CONNECT_TIMEOUT_S`` per cache
+        for replicas that do not answer; they are read around, not an error).
     cache_token : str, optional
         Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
     read_path : ReadPath, optional
@@ -455,6 +457,13 @@ class Consumer:
         self.path: ReadPath = read_path
         self.store = read_path.store
         self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]
+        connect = getattr(read_path, "connect", None)
+        if connect is not None:
+            # Connected when created, like a Kafka consumer: the set-up (gRPC's import, a
+            # channel per replica) is not charged to the first messages, and many consumer
+            # processes started together do not all do it when the first file appears
+            # (measured: 64 of them doing it at once put them seconds behind the producer).
+            connect()
         self.poll_interval = float(poll_interval)
         limiter = RateLimiter(max_bytes_per_second)
         self._tailers: List[ShardTailer] = []
