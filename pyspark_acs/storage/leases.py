@@ -59,11 +59,12 @@ def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS) ->
     block runs: ``flock`` on local files, which every process of the machine honours. On
     other filesystems ``pyarrow.fs`` has no lock: the block runs unlocked.
 
-    The lock narrows races; it is not what makes writes safe (every append is verified after
-    it lands, and seals fence). So a holder that keeps the lock more than ``wait`` seconds --
-    a stopped or hung process, which would otherwise block the writer taking its shard over
-    forever -- is passed by: the block then runs unlocked, like on HDFS, with a warning.
-    Yields whether the lock is held.
+    A holder that keeps the lock more than ``wait`` seconds -- a stopped or hung process,
+    which would otherwise block the writer taking its shard over forever -- is passed by:
+    the block then runs unlocked, like on HDFS, with a warning. Yields whether the lock is
+    held: the block decides whether going on unlocked is safe (an append is only when it is a
+    recovery seal, see :meth:`pyspark_acs.write.file.DurableFile.append`; the holder resumes
+    inside its block and finishes it).
     """
     if not store.local:
         yield False

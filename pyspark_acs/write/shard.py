@@ -220,7 +220,9 @@ class ShardWriter:
             writer = FileWriter(self.store, rel, data=self.data, meta=self.meta, position=tail.length,
                                 on_cache_error=self.on_cache_error)
             try:
-                writer.append(encode_seal(tail.next_index, void_from=void_from))
+                # The fence itself: it must land even past a writer stopped holding the
+                # file's append lock (its late bytes land after the seal, never read).
+                writer.append(encode_seal(tail.next_index, void_from=void_from), past_a_stopped_writer=True)
             except AppendConflictError as exc:
                 log.info("%s: the predecessor appended while we sealed %s; walking it again: %s", self.what, rel, exc)
                 continue
