@@ -849,3 +849,48 @@ def test_readers_sharing_a_path_keep_their_own_feed_positions(dep, root):
                 assert uri not in path.feed._files
         finally:
             path.close()
+
+
+def test_a_reader_joining_a_followed_file_far_behind_does_not_pull_the_feed_back(dep, root):
+    """Review of 807cb7a: with a feed position per reader, a new reader of a file that others
+    already follow (a destination added late, its copy starting at byte 0) moved the file's
+    one feed cursor back to its own position: the replica pushed the whole file again, and
+    until that re-push passed the tail the readers keeping up there were pushed nothing. The
+    feed's rule is that a slow follower only costs itself (module docstring of
+    cache/feed.py): the newcomer reads from the cache until it reaches the feed's bytes, and
+    nothing already pushed is pushed again."""
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.read.readpath import open_read_path
+
+    with Producer(root, "latedest", shards=1, **endpoints(dep)) as p:
+        for i in range(40):
+            p.send(msg(i) * 200)
+        p.flush()
+        path = open_read_path(root, push=True, **endpoints(dep))
+        try:
+            rel = f"{shard_dir('latedest', 0)}/{p.current_files()[0]}"
+            uri = path.store.uri(rel)
+            lead = path.for_reader("to-B")
+            length = path.lengths([rel])[rel]
+
+            def read_all(view, start, end):  # a read may stop short while the feed is about to push
+                got = b""
+                deadline = time.monotonic() + 20
+                while len(got) < end - start:
+                    assert time.monotonic() < deadline, f"{view.reader} read {len(got)} of {end - start} bytes"
+                    got += view.read(rel, start + len(got), end)
+                return got
+
+            read_all(lead, 0, length)
+            wait_until(lambda: path.feed.live(uri, length), 20, "the feed is live at the tail")
+            late = path.for_reader("to-C")
+            before = path.feed.received
+            assert read_all(late, 0, 4096) == path.store.read(rel, 0, 4096)  # a new destination's first read
+            p.send(msg(40))
+            p.flush()
+            grown = path.store.length(rel)
+            wait_until(lambda: path.feed.live(uri, grown), 20, "the new message was pushed")
+            pushed = path.feed.received - before
+            assert pushed < length, f"the feed received {pushed} bytes for a {grown - length}-byte append"
+        finally:
+            path.close()
