@@ -894,3 +894,39 @@ def test_a_reader_joining_a_followed_file_far_behind_does_not_pull_the_feed_back
             assert pushed < length, f"the feed received {pushed} bytes for a {grown - length}-byte append"
         finally:
             path.close()
+
+
+def test_a_reader_that_leaves_after_a_concurrent_forget_is_not_left_in_the_feed(dep, root):
+    """Review of 807cb7a: the copy daemon forgets a file when its last operation unfollows
+    it, while a new operation of the same file may be starting its first read on another
+    thread. When the forget lands between that read recording the reader (under the path's
+    lock) and following the file in the feed (outside it), the reader is in the feed but no
+    longer in the path's record; its leave() then found nothing to do and the feed kept
+    following the file for nobody: a push stream and a buffer of up to FEED_MAX_BYTES per
+    file, for as long as the daemon runs."""
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.read.readpath import open_read_path
+
+    with Producer(root, "leaked", shards=1, **endpoints(dep)) as p:
+        p.send(msg(0))
+        p.flush()
+        path = open_read_path(root, push=True, **endpoints(dep))
+        try:
+            rel = f"{shard_dir('leaked', 0)}/{p.current_files()[0]}"
+            uri = path.store.uri(rel)
+            length = path.lengths([rel])[rel]
+            real_follow = path.feed.follow
+
+            def follow_after_a_forget(*args, **kwargs):
+                path.forget(rel)  # the last other operation of the file unfollows it, on its thread
+                return real_follow(*args, **kwargs)
+
+            path.feed.follow = follow_after_a_forget
+            op = path.for_reader("op-2")
+            op.read(rel, 0, length)
+            path.feed.follow = real_follow
+            op.leave(rel)
+            with path.feed._lock:
+                assert uri not in path.feed._files, dict(path.feed._files[uri].readers)
+        finally:
+            path.close()
