@@ -982,3 +982,37 @@ def test_a_retry_that_passes_a_stopped_writers_append_lock_never_duplicates_its_
     values = fresh_values(root, stream)
     assert values == [b"m-0", b"m-1"], (values, verdict, successor_acked, store.length(f"{shard_dir(stream, 0)}/{name}"))
     assert not (successor_acked and verdict == "ACKNOWLEDGED"), "both writers acknowledged the same messages"
+
+
+def test_the_holder_of_the_cache_lease_keeps_its_shard_when_it_opens_a_file_after_a_stale_store_lease_write(
+        tmp_path, root):
+    """Review of 01be342: a deposed writer stopped inside its store-lease renewal writes its
+    record over ours when it resumes; the holder of the authoritative metadata-cache lease
+    takes it back at its next check_leases (renew with force) -- but the check a new file's
+    claim makes (ShardWriter._claim, every roll-over) renewed the store lease without force:
+    the legitimate writer sealed its new file unused and stopped as 'deposed', and the
+    resumed writer stops at its own cache-lease check, so nobody wrote the shard."""
+    from pyspark_acs.cache.client import client_for
+    from pyspark_acs.cache.metadata import MetadataCache
+    from pyspark_acs.server.local.deploy import LocalDeployment
+    from pyspark_acs.storage.leases import LeaseRecord
+    from pyspark_acs.write.shard import LEASE_FILE
+
+    store = DurableStore(root)
+    store.create_stream("kept", 1)
+    with LocalDeployment(tmp_path / "dep", data_replicas=1, metadata_replicas=3, capacity="16MiB") as dep:
+        meta = MetadataCache(client_for(dep.metadata_endpoints, "metadata cache", []))
+        try:
+            w = ShardWriter(store, "kept", 0, "writer_new", meta=meta, lease_seconds=30)
+            w.acquire()
+            w.recover()
+            w.append(encode_block([b"a"], first_index=0), 1)
+            # The deposed writer resumes inside its renewal and writes its record over ours.
+            store.write_small(f"{shard_dir('kept', 0)}/{LEASE_FILE}", LeaseRecord.new("writer_old", 30).encode())
+            w.open_new()  # a roll-over: the claim checks the leases
+            w.append(encode_block([b"b"], first_index=0), 1)
+            w.close()
+        finally:
+            meta.client.close()
+    assert fresh_values(root, "kept") == [b"a", b"b"]
+    assert not store.exists(f"{shard_dir('kept', 0)}/{LEASE_FILE}")  # released: it was ours again
