@@ -796,6 +796,16 @@ def test_a_follow_request_with_files_and_offsets_that_disagree_is_refused_naming
         client.close()
 
 
+def _read_all(view, rel: str, start: int, end: int) -> bytes:
+    """``view``'s bytes ``[start, end)`` of ``rel``: a read may stop short while the feed is about to push."""
+    got = b""
+    deadline = time.monotonic() + 20
+    while len(got) < end - start:
+        assert time.monotonic() < deadline, f"{view.reader} read {len(got)} of {end - start} bytes"
+        got += view.read(rel, start + len(got), end)
+    return got
+
+
 def test_readers_sharing_a_path_keep_their_own_feed_positions(dep, root):
     """Left alone last session, fixed now: the copy daemon's operations share one read path,
     and every read moved the one position the path held in the feed. Two destinations of one
@@ -815,13 +825,8 @@ def test_readers_sharing_a_path_keep_their_own_feed_positions(dep, root):
             lead, lag = path.for_reader("to-B"), path.for_reader("to-C")
             first = path.lengths([rel])[rel]
 
-            def read_all(view, start, end):  # a read may stop short while the feed is about to push
-                got = b""
-                deadline = time.monotonic() + 20
-                while len(got) < end - start:
-                    assert time.monotonic() < deadline, f"{view.reader} read {len(got)} of {end - start} bytes"
-                    got += view.read(rel, start + len(got), end)
-                return got
+            def read_all(view, start, end):
+                return _read_all(view, rel, start, end)
 
             assert read_all(lead, 0, first) == read_all(lag, 0, first)
             uri = path.store.uri(rel)
@@ -873,19 +878,11 @@ def test_a_reader_joining_a_followed_file_far_behind_does_not_pull_the_feed_back
             lead = path.for_reader("to-B")
             length = path.lengths([rel])[rel]
 
-            def read_all(view, start, end):  # a read may stop short while the feed is about to push
-                got = b""
-                deadline = time.monotonic() + 20
-                while len(got) < end - start:
-                    assert time.monotonic() < deadline, f"{view.reader} read {len(got)} of {end - start} bytes"
-                    got += view.read(rel, start + len(got), end)
-                return got
-
-            read_all(lead, 0, length)
+            _read_all(lead, rel, 0, length)
             wait_until(lambda: path.feed.live(uri, length), 20, "the feed is live at the tail")
             late = path.for_reader("to-C")
             before = path.feed.received
-            assert read_all(late, 0, 4096) == path.store.read(rel, 0, 4096)  # a new destination's first read
+            assert _read_all(late, rel, 0, 4096) == path.store.read(rel, 0, 4096)  # a new destination's first read
             p.send(msg(40))
             p.flush()
             grown = path.store.length(rel)
