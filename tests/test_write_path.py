@@ -951,11 +951,7 @@ def test_a_retry_that_passes_a_stopped_writers_append_lock_never_duplicates_its_
         try:
             assert child.stdout.readline().strip() == "FIRST", child_log.read_text()
             assert child.stdout.readline().strip() == "STALLED", child_log.read_text()
-            child.send_signal(signal.SIGSTOP)
-            deadline = time.monotonic() + WAIT_S
-            while not _stopped(child.pid):
-                assert time.monotonic() < deadline, "the child never stopped"
-                time.sleep(0.01)
+            _stop(child)
             meta = MetadataCache(client_for(dep.metadata_endpoints, "metadata cache", []))
             successor = ShardWriter(store, stream, 0, "driver-2", meta=meta, lease_seconds=0.6)
             successor.acquire()  # poisons the stopped writer's cache lease, forces the store lease
@@ -975,10 +971,7 @@ def test_a_retry_that_passes_a_stopped_writers_append_lock_never_duplicates_its_
             verdict = child.stdout.readline().strip()
             assert child.wait(WAIT_S) == 0, child_log.read_text()
         finally:
-            if child.poll() is None:
-                child.send_signal(signal.SIGCONT)
-                child.kill()
-                child.wait(WAIT_S)
+            _end(None, child)
     values = fresh_values(root, stream)
     assert values == [b"m-0", b"m-1"], (values, verdict, successor_acked, store.length(f"{shard_dir(stream, 0)}/{name}"))
     assert not (successor_acked and verdict == "ACKNOWLEDGED"), "both writers acknowledged the same messages"
