@@ -333,3 +333,61 @@ def test_bad_topology_and_unknown_cluster_exit_2(tmp_path):
     r = subprocess.run(base + [str(tmp_path / "missing.json"), "--cluster", "A"], capture_output=True, text=True,
                        env=env, timeout=30)
     assert r.returncode == 2 and "cannot read topology file" in r.stderr, r.stderr
+
+
+def test_a_late_block_after_a_recovery_seal_does_not_stop_the_copy_of_the_file(make_env, caches):
+    """Review of 01be342: a writer stopped holding its append lock is now passed by its
+    successor's recovery seal, and its append lands after that seal once it resumes (refused
+    by its own check, but the bytes are in the file; readers never read past a seal). The copy
+    reader sent every complete block of the range, the late block too, and the destination
+    refused the whole delta ('bytes after the seal'), every time: the messages before the seal
+    -- acknowledged, readable in the source -- never reached the destination."""
+    from pyspark_acs.cache.client import client_for
+    from pyspark_acs.cache.metadata import MetadataCache
+    from pyspark_acs.format.block import encode_block
+    from pyspark_acs.write.shard import ShardWriter
+
+    env = make_env(CHAIN, dests=("B",))
+    src = env.clusters[0]
+    store = DurableStore(env.roots[src])
+    store.create_stream(env.stream, 1)
+    meta = MetadataCache(client_for(caches[src].metadata_endpoints, "metadata cache", []))
+    values = [f"m{i:06d}-".encode() + b"x" * 100 for i in range(20)]
+    try:
+        first = ShardWriter(store, env.stream, 0, "first", meta=meta, lease_seconds=0.6)
+        first.acquire()
+        first.recover()
+        for i in range(10):
+            first.append(encode_block([values[i]], first_index=i), 1)
+        deposed_file = f"{shard_dir(env.stream, 0)}/{first.file}"
+        first.close_file()  # it stops here (stopped inside its next append, the lock held)
+        second = ShardWriter(store, env.stream, 0, "second", meta=meta, lease_seconds=0.6)
+        second.acquire()
+        second.recover()  # the recovery seal of the first writer's file
+        assert second.recovered == [deposed_file.rsplit("/", 1)[1]]
+        # The first writer resumes: its append lands after the seal (its check refuses it).
+        late = store.open_appender(deposed_file)
+        late.write(encode_block([b"late, never acknowledged"], first_index=10))
+        late.close()
+        for i in range(10, 20):
+            second.append(encode_block([values[i]], first_index=i - 10), 1)
+        second.close()
+    finally:
+        meta.client.close()
+        store.close()
+    assert [v for v in _fresh(env.roots[src], env.stream)] == values
+    for c in ("A", "B"):
+        env.start_daemon(c)
+    deadline = time.monotonic() + ARRIVE_S
+    while not DurableStore(env.roots["B"]).stream_shards(env.stream):
+        assert time.monotonic() < deadline, f"the stream never reached B\n{env.logs()}"
+        time.sleep(0.05)
+    got = consume_all(env, "B", 20)
+    assert got == values, f"{len(got)} of 20 messages reached B\n{env.logs()}"
+
+
+def _fresh(root: str, stream: str) -> list:
+    from pyspark_acs.read.consumer import Consumer
+
+    with Consumer(root, stream) as c:
+        return [r["value"] for b in c.batches(timeout=0.5) for r in b.to_pylist()]

@@ -797,6 +797,16 @@ def test_a_follow_request_with_files_and_offsets_that_disagree_is_refused_naming
         client.close()
 
 
+def _read_all(view, rel: str, start: int, end: int) -> bytes:
+    """``view``'s bytes ``[start, end)`` of ``rel``: a read may stop short while the feed is about to push."""
+    got = b""
+    deadline = time.monotonic() + 20
+    while len(got) < end - start:
+        assert time.monotonic() < deadline, f"{view.reader} read {len(got)} of {end - start} bytes"
+        got += view.read(rel, start + len(got), end)
+    return got
+
+
 def test_readers_sharing_a_path_keep_their_own_feed_positions(dep, root):
     """Left alone last session, fixed now: the copy daemon's operations share one read path,
     and every read moved the one position the path held in the feed. Two destinations of one
@@ -816,13 +826,8 @@ def test_readers_sharing_a_path_keep_their_own_feed_positions(dep, root):
             lead, lag = path.for_reader("to-B"), path.for_reader("to-C")
             first = path.lengths([rel])[rel]
 
-            def read_all(view, start, end):  # a read may stop short while the feed is about to push
-                got = b""
-                deadline = time.monotonic() + 20
-                while len(got) < end - start:
-                    assert time.monotonic() < deadline, f"{view.reader} read {len(got)} of {end - start} bytes"
-                    got += view.read(rel, start + len(got), end)
-                return got
+            def read_all(view, start, end):
+                return _read_all(view, rel, start, end)
 
             assert read_all(lead, 0, first) == read_all(lag, 0, first)
             uri = path.store.uri(rel)
@@ -888,3 +893,76 @@ def test_a_consumer_connects_to_its_caches_when_created(dep, root):
     finally:
         for server in stopped:
             os.kill(server.pid, signal.SIGCONT)
+
+
+def test_a_reader_joining_a_followed_file_far_behind_does_not_pull_the_feed_back(dep, root):
+    """Review of 807cb7a: with a feed position per reader, a new reader of a file that others
+    already follow (a destination added late, its copy starting at byte 0) moved the file's
+    one feed cursor back to its own position: the replica pushed the whole file again, and
+    until that re-push passed the tail the readers keeping up there were pushed nothing. The
+    feed's rule is that a slow follower only costs itself (module docstring of
+    cache/feed.py): the newcomer reads from the cache until it reaches the feed's bytes, and
+    nothing already pushed is pushed again."""
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.read.readpath import open_read_path
+
+    with Producer(root, "latedest", shards=1, **endpoints(dep)) as p:
+        for i in range(40):
+            p.send(msg(i) * 200)
+        p.flush()
+        path = open_read_path(root, push=True, **endpoints(dep))
+        try:
+            rel = f"{shard_dir('latedest', 0)}/{p.current_files()[0]}"
+            uri = path.store.uri(rel)
+            lead = path.for_reader("to-B")
+            length = path.lengths([rel])[rel]
+
+            _read_all(lead, rel, 0, length)
+            wait_until(lambda: path.feed.live(uri, length), 20, "the feed is live at the tail")
+            late = path.for_reader("to-C")
+            before = path.feed.received
+            assert _read_all(late, rel, 0, 4096) == path.store.read(rel, 0, 4096)  # a new destination's first read
+            p.send(msg(40))
+            p.flush()
+            grown = path.store.length(rel)
+            wait_until(lambda: path.feed.live(uri, grown), 20, "the new message was pushed")
+            pushed = path.feed.received - before
+            assert pushed < length, f"the feed received {pushed} bytes for a {grown - length}-byte append"
+        finally:
+            path.close()
+
+
+def test_a_reader_that_leaves_after_a_concurrent_forget_is_not_left_in_the_feed(dep, root):
+    """Review of 807cb7a: the copy daemon forgets a file when its last operation unfollows
+    it, while a new operation of the same file may be starting its first read on another
+    thread. When the forget lands between that read recording the reader (under the path's
+    lock) and following the file in the feed (outside it), the reader is in the feed but no
+    longer in the path's record; its leave() then found nothing to do and the feed kept
+    following the file for nobody: a push stream and a buffer of up to FEED_MAX_BYTES per
+    file, for as long as the daemon runs."""
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.read.readpath import open_read_path
+
+    with Producer(root, "leaked", shards=1, **endpoints(dep)) as p:
+        p.send(msg(0))
+        p.flush()
+        path = open_read_path(root, push=True, **endpoints(dep))
+        try:
+            rel = f"{shard_dir('leaked', 0)}/{p.current_files()[0]}"
+            uri = path.store.uri(rel)
+            length = path.lengths([rel])[rel]
+            real_follow = path.feed.follow
+
+            def follow_after_a_forget(*args, **kwargs):
+                path.forget(rel)  # the last other operation of the file unfollows it, on its thread
+                return real_follow(*args, **kwargs)
+
+            path.feed.follow = follow_after_a_forget
+            op = path.for_reader("op-2")
+            op.read(rel, 0, length)
+            path.feed.follow = real_follow
+            op.leave(rel)
+            with path.feed._lock:
+                assert uri not in path.feed._files, dict(path.feed._files[uri].readers)
+        finally:
+            path.close()

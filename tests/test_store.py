@@ -267,3 +267,76 @@ def test_torn_lease_file_counts_as_free(root):
     store.write_small("s/00000/_writer.lease", b"{torn")
     _lease(store, "w1").acquire()
     assert LeaseRecord.decode(b"") is None and LeaseRecord.decode(b"[x") is None
+
+
+_STOPPED_IN_RENEW = r"""
+import sys
+from pyspark_acs.errors import LeasePoisonedError
+from pyspark_acs.storage.leases import StoreLease
+from pyspark_acs.storage.store import DurableStore
+
+store = DurableStore(sys.argv[1])
+lease = StoreLease(store, sys.argv[2], "mover-1", "tier mover of stream 's'", seconds=float(sys.argv[3]))
+lease.acquire()
+real_read_small = store.read_small
+stalled = []
+
+
+def stalling_read_small(rel):
+    # Inside renew's read-decide-write, right after it read our record: the lock held.
+    data = real_read_small(rel)
+    if not stalled:
+        stalled.append(True)
+        print("STALLED", flush=True)
+        sys.stdin.readline()
+    return data
+
+
+store.read_small = stalling_read_small
+try:
+    lease.renew()
+    print("RENEWED", flush=True)
+except LeasePoisonedError as exc:
+    print("POISONED " + " ".join(str(exc).split()), flush=True)
+"""
+
+
+def test_a_holder_stopped_inside_its_renewal_does_not_take_back_a_lease_taken_past_its_lock(
+        root, python_exe, subprocess_env):
+    """Review of 01be342: a lease holder stopped (SIGSTOP) inside its renewal, after reading
+    its own record and before writing the renewed one, keeps the lock; its lease expires; a
+    second holder waits LOCK_WAIT_SECONDS, goes on unlocked and takes the expired lease. On
+    SIGCONT the first must not write its renewal over the second's record: the tier mover
+    (its store lease is its only guard, no seal fences it) would then run two passes of one
+    stream at once, each rewriting the shard's _tiered.json from what it read."""
+    import signal
+    import subprocess
+
+    from pyspark_acs.server.tier.mover import TIER_LEASE_FILE
+
+    store = DurableStore(root)
+    rel = f"s/{TIER_LEASE_FILE}"
+    seconds = 1.0
+    child = subprocess.Popen([python_exe, "-c", _STOPPED_IN_RENEW, root, rel, str(seconds)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=subprocess_env, text=True)
+    try:
+        assert child.stdout.readline().strip() == "STALLED"
+        child.send_signal(signal.SIGSTOP)
+        expires = json.loads(store.read_small(rel))["expires"]
+        while time.time() <= expires:  # the stopped holder's lease runs out
+            time.sleep(0.05)
+        second = StoreLease(store, rel, "mover-2", "tier mover of stream 's'", seconds=30.0)
+        second.acquire()  # past the stopped holder's lock (LOCK_WAIT_SECONDS), the lease expired
+        child.send_signal(signal.SIGCONT)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        verdict = child.stdout.readline().strip()
+        assert child.wait(20) == 0
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            child.wait(20)
+    assert verdict.startswith("POISONED"), verdict
+    assert json.loads(store.read_small(rel))["writer"] == "mover-2"
+    second.renew()  # still the second's

@@ -873,3 +873,139 @@ def test_recovery_seals_only_an_unsealed_newest_file(root):
     third.recover()
     assert third.recovered == []  # already sealed: nothing appended
     third.release()
+
+
+# -- review3: an append that passes a stopped writer's lock must not duplicate identical bytes --------
+
+_RESUMING_CHILD = r"""
+import sys
+import pyspark_acs.storage.store as store_mod
+from pyspark_acs.cache.client import client_for
+from pyspark_acs.cache.metadata import MetadataCache
+from pyspark_acs.errors import WriterConflictError
+from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.write.shard import OpenFile, ShardWriter
+
+root, meta_eps, stream, name, blocks = sys.argv[1:6]
+with open(blocks, "rb") as f:
+    first, second = f.read().split(b"|SPLIT|")
+real_write = store_mod.Appender.write
+
+
+def stalling_write(self, data):
+    # Inside DurableFile.append, the append lock held and the file's length checked: the
+    # test stops the process here.
+    if data == second:
+        print("STALLED", flush=True)
+        sys.stdin.readline()
+    return real_write(self, data)
+
+
+store_mod.Appender.write = stalling_write
+meta = MetadataCache(client_for(meta_eps, "metadata cache", []))
+w = ShardWriter(DurableStore(root), stream, 0, "driver-1", meta=meta, lease_seconds=0.6)
+w.acquire()
+w.recover(resume=OpenFile(name, 0, 0))
+w.append(first, 1)
+print("FIRST", flush=True)
+try:
+    w.append(second, 1)
+    print("ACKNOWLEDGED", flush=True)
+except WriterConflictError as exc:
+    print("CONFLICT " + " ".join(str(exc).split()), flush=True)
+w.close(seal=False)
+"""
+
+
+def test_a_retry_that_passes_a_stopped_writers_append_lock_never_duplicates_its_identical_bytes(
+        tmp_path, root, python_exe, subprocess_env):
+    """Review of 01be342 (the append lock waits LOCK_WAIT_SECONDS, then the block runs
+    unlocked). A writer (here the sink's commit: a batch continued from its intent, with
+    deterministic bytes; a copy operation appending the same source bytes is the same case)
+    is stopped inside its append after the file-length check, the lock held. Its successor
+    continues the same file with the same bytes (recover(resume=...)) once the lease is its
+    own. No seal separates the two: if the successor appends unlocked, the stopped writer's
+    append lands right after it on SIGCONT, its post-append check reads the successor's
+    identical bytes at its position and acknowledges, and readers get the messages twice.
+    Whatever either writer is told, readers must see every message exactly once."""
+    from pyspark_acs.cache.client import client_for
+    from pyspark_acs.cache.metadata import MetadataCache
+    from pyspark_acs.server.local.deploy import LocalDeployment
+    from pyspark_acs.write.shard import OpenFile
+
+    from pyspark_acs.format.names import next_file_name
+
+    stream, name = "resumed", next_file_name([], "sink")
+    store = DurableStore(root)
+    store.create_stream(stream, 1)
+    first = encode_block([b"m-0"], first_index=0, timestamps=[1])
+    second = encode_block([b"m-1"], first_index=1, timestamps=[2])
+    blocks = tmp_path / "blocks.bin"
+    blocks.write_bytes(first + b"|SPLIT|" + second)
+    with LocalDeployment(tmp_path / "dep", data_replicas=1, metadata_replicas=3, capacity="16MiB") as dep:
+        child_log = tmp_path / "child.log"
+        with open(child_log, "wb") as err_file:
+            child = subprocess.Popen([python_exe, "-c", _RESUMING_CHILD, root, dep.metadata_endpoints, stream, name,
+                                      str(blocks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err_file,
+                                     env=subprocess_env, text=True)
+        try:
+            assert child.stdout.readline().strip() == "FIRST", child_log.read_text()
+            assert child.stdout.readline().strip() == "STALLED", child_log.read_text()
+            _stop(child)
+            meta = MetadataCache(client_for(dep.metadata_endpoints, "metadata cache", []))
+            successor = ShardWriter(store, stream, 0, "driver-2", meta=meta, lease_seconds=0.6)
+            successor.acquire()  # poisons the stopped writer's cache lease, forces the store lease
+            successor.recover(resume=OpenFile(name, len(first), 1))
+            assert successor.current() is not None and successor.file == name
+            try:
+                successor.append(second, 1)
+                successor_acked = True
+            except WriterConflictError:
+                successor_acked = False
+            finally:
+                successor.close(seal=False)
+                meta.client.close()
+            child.send_signal(signal.SIGCONT)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            verdict = child.stdout.readline().strip()
+            assert child.wait(WAIT_S) == 0, child_log.read_text()
+        finally:
+            _end(None, child)
+    values = fresh_values(root, stream)
+    assert values == [b"m-0", b"m-1"], (values, verdict, successor_acked, store.length(f"{shard_dir(stream, 0)}/{name}"))
+    assert not (successor_acked and verdict == "ACKNOWLEDGED"), "both writers acknowledged the same messages"
+
+
+def test_the_holder_of_the_cache_lease_keeps_its_shard_when_it_opens_a_file_after_a_stale_store_lease_write(
+        tmp_path, root):
+    """Review of 01be342: a deposed writer stopped inside its store-lease renewal writes its
+    record over ours when it resumes; the holder of the authoritative metadata-cache lease
+    takes it back at its next check_leases (renew with force) -- but the check a new file's
+    claim makes (ShardWriter._claim, every roll-over) renewed the store lease without force:
+    the legitimate writer sealed its new file unused and stopped as 'deposed', and the
+    resumed writer stops at its own cache-lease check, so nobody wrote the shard."""
+    from pyspark_acs.cache.client import client_for
+    from pyspark_acs.cache.metadata import MetadataCache
+    from pyspark_acs.server.local.deploy import LocalDeployment
+    from pyspark_acs.storage.leases import LeaseRecord
+    from pyspark_acs.write.shard import LEASE_FILE
+
+    store = DurableStore(root)
+    store.create_stream("kept", 1)
+    with LocalDeployment(tmp_path / "dep", data_replicas=1, metadata_replicas=3, capacity="16MiB") as dep:
+        meta = MetadataCache(client_for(dep.metadata_endpoints, "metadata cache", []))
+        try:
+            w = ShardWriter(store, "kept", 0, "writer_new", meta=meta, lease_seconds=30)
+            w.acquire()
+            w.recover()
+            w.append(encode_block([b"a"], first_index=0), 1)
+            # The deposed writer resumes inside its renewal and writes its record over ours.
+            store.write_small(f"{shard_dir('kept', 0)}/{LEASE_FILE}", LeaseRecord.new("writer_old", 30).encode())
+            w.open_new()  # a roll-over: the claim checks the leases
+            w.append(encode_block([b"b"], first_index=0), 1)
+            w.close()
+        finally:
+            meta.client.close()
+    assert fresh_values(root, "kept") == [b"a", b"b"]
+    assert not store.exists(f"{shard_dir('kept', 0)}/{LEASE_FILE}")  # released: it was ours again

@@ -119,7 +119,12 @@ class ChunkFeed:
     def follow(self, uri: str, reader: int, position: int,
                on_grow: Optional[Callable[[str, int], None]] = None) -> None:
         """Reader ``reader`` reads ``uri`` from ``position`` on: have its bytes pushed. A
-        position outside what the buffer holds or will get next moves the file's cursor there.
+        position outside what the buffer holds or will get next moves the file's cursor there,
+        unless another reader of the file is inside it (a reader joining far behind, e.g. a
+        copy to a destination added late, must not make the replica push the file again and
+        the readers at the tail wait for that: it reads from the cache until it reaches the
+        buffer, as a slow follower does; :meth:`consumed` moves the cursor on when every
+        reader is past the buffer).
 
         ``on_grow(uri, end)`` is called (on the stream's thread) whenever pushed bytes extend
         the buffer to ``end``: every byte below it is in the data cache, so it is a length the
@@ -140,7 +145,8 @@ class ChunkFeed:
             f.readers[reader] = position
             if on_grow is not None:
                 f.listeners[reader] = on_grow
-            if not (f.base <= position <= f.end):
+            inside = [r for r, at in f.readers.items() if r != reader and f.base <= at <= f.end]
+            if not (f.base <= position <= f.end) and not inside:
                 f.base, f.buf = position, bytearray()
                 self._stream(f.endpoint).follow(file_id(uri), position)
 

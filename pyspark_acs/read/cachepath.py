@@ -403,10 +403,12 @@ class CachedReadPath:
         file's other state stays until :meth:`forget`)."""
         with self._lock:
             readers = self._fed.get(rel)
-            if readers is None or reader not in readers:
-                return
-            readers.discard(reader)  # an empty set stays: the poller's cover goes with forget()
+            if readers is not None:
+                readers.discard(reader)  # an empty set stays: the poller's cover goes with forget()
         if self.feed is not None:
+            # Also when not recorded: a forget() (the file's last other reader leaving, on its
+            # thread) may land between a read recording the reader and following the file in
+            # the feed (outside _lock); the feed would follow the file for nobody.
             self.feed.unfollow(self.store.uri(rel), reader)
 
     def _grown(self, uri: str, end: int) -> None:

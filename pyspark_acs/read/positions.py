@@ -80,7 +80,10 @@ class BlockRead(NamedTuple):
 def read_blocks(
     path: ReadPath, rel: str, start: int, limit: int, max_bytes: int, *, postpone: bool = True
 ) -> BlockRead:
-    """The complete blocks of ``rel`` from ``start`` (a block boundary) below ``limit``.
+    """The complete blocks of ``rel`` from ``start`` (a block boundary) below ``limit``, up
+    to and including the first seal: nothing after a seal is read (a deposed writer's late
+    append lands there, e.g. one stopped holding its append lock and passed by its
+    successor's recovery seal).
 
     Reads at most ``max_bytes`` -- or, when the first block is larger, that block whole once
     it is all readable. ``postpone`` is passed to the read path (Algorithm 1).
@@ -93,6 +96,8 @@ def read_blocks(
     try:
         for item in scan_blocks(data, path=uri, base=start):
             blocks.append(item)
+            if item[1].sealed:
+                break
     except CorruptFileError as exc:
         if not blocks:
             return BlockRead(data, [], exc, len(data) < asked)

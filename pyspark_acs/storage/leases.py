@@ -59,11 +59,12 @@ def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS) ->
     block runs: ``flock`` on local files, which every process of the machine honours. On
     other filesystems ``pyarrow.fs`` has no lock: the block runs unlocked.
 
-    The lock narrows races; it is not what makes writes safe (every append is verified after
-    it lands, and seals fence). So a holder that keeps the lock more than ``wait`` seconds --
-    a stopped or hung process, which would otherwise block the writer taking its shard over
-    forever -- is passed by: the block then runs unlocked, like on HDFS, with a warning.
-    Yields whether the lock is held.
+    A holder that keeps the lock more than ``wait`` seconds -- a stopped or hung process,
+    which would otherwise block the writer taking its shard over forever -- is passed by:
+    the block then runs unlocked, like on HDFS, with a warning. Yields whether the lock is
+    held: the block decides whether going on unlocked is safe (an append is only when it is a
+    recovery seal, see :meth:`pyspark_acs.write.file.DurableFile.append`; the holder resumes
+    inside its block and finishes it).
     """
     if not store.local:
         yield False
@@ -210,10 +211,14 @@ class StoreLease:
         metadata-cache lease; the old holder sees the change at its next check and stops).
         """
         with exclusive(self.store, self._lock):
-            current = LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))
+            read_at = time.monotonic()  # before the read: a stop inside it counts
+            current = self._read()
             if not force and current is not None and current.live() and current.get("writer") != self.writer:
                 raise WriterConflictError(f"{self.what} is held by {current.describe()}; stop that writer or wait")
             record = LeaseRecord.new(self.writer, self.seconds)
+            if not force and self._changed_since(current, read_at):
+                raise WriterConflictError(f"{self.what}: another writer took the lease while this one was held up "
+                                          f"taking it")
             self.store.write_small(self.rel, record.encode())
             if not record.same_holder(LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))):
                 raise WriterConflictError(f"{self.what}: another writer took the lease at the same moment")
@@ -233,7 +238,8 @@ class StoreLease:
         resumes; it then stops at its next cache-lease check, and we must not.
         """
         with exclusive(self.store, self._lock):
-            current = LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))
+            read_at = time.monotonic()  # before the read: a stop inside it counts
+            current = self._read()
             if force and self.record is not None and not self.record.same_holder(current):
                 log.warning("%s: the store lease was overwritten by %s; taking it back (we hold the cache lease)",
                             self.what, current.describe() if current else "nobody")
@@ -241,11 +247,27 @@ class StoreLease:
             if self.record is None or not self.record.same_holder(current) or current.get("poisoned"):
                 holder = current.describe() if current else "nobody"
                 raise LeasePoisonedError(f"{self.what}: our lease was taken over (now held by {holder}); stopping")
+            if not force and self._changed_since(current, read_at):
+                raise LeasePoisonedError(f"{self.what}: our lease was taken over while this writer was held up "
+                                         f"renewing it; stopping")
             self.record = LeaseRecord(self.record, expires=time.time() + self.seconds)
             self.store.write_small(self.rel, self.record.encode())
         self._renewed = time.monotonic()
 
     check = renew
+
+    def _read(self) -> Optional[LeaseRecord]:
+        return LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))
+
+    def _changed_since(self, current: Optional[LeaseRecord], read_at: float) -> bool:
+        """Whether the record read as ``current`` (the read began at monotonic ``read_at``)
+        may have been replaced: when this read-decide-write took :data:`LOCK_WAIT_SECONDS` or
+        more (this process was stopped or hung inside it, lock held), another writer may have
+        passed the lock (:func:`exclusive`) and taken the expired lease meanwhile; writing over
+        its record would make both believe they hold it (the tier mover has no seal to fence
+        it). Read again then. (A stop inside the write itself is not seen: a few system calls
+        instead of the whole block.)"""
+        return time.monotonic() - read_at >= LOCK_WAIT_SECONDS and self._read() != current
 
     def release(self) -> None:
         """Give the lease up if it is still ours."""

@@ -26,9 +26,17 @@ length (a *recovery seal*); a deposed writer that appends afterwards must find o
 With the lock the check-then-append is atomic among writers of this package on one
 machine, so a second writer (a deposed producer, a stale copy operation) never appends at
 all. Without it the post-append check is the fence: it cannot tell two writers that
-appended *identical* bytes concurrently apart, which only a stale copy writer could do
-(both copy the same source bytes); copy operations are serialised by their lease and
-per-process generation, and HDFS refuses the second appender.
+appended *identical* bytes concurrently apart (a stale copy writer and its successor copy
+the same source bytes; a sink batch continued from its intent is the same bytes again); HDFS
+refuses the second appender.
+
+The lock waits at most :data:`~pyspark_acs.storage.leases.LOCK_WAIT_SECONDS` (a holder
+stopped inside its append must not block a take-over forever). Going on without it is safe
+only for a recovery seal (``past_a_stopped_writer``): the stopped holder has checked the
+length already, so its bytes land after whatever we append once it resumes, and after a
+seal nothing is read. Any other append whose lock is held that long is refused
+(:class:`AppendLockBusyError`, nothing appended): the holder's identical bytes would land
+right after ours and pass its post-append check, and readers would get them twice.
 
 Only verified bytes are mirrored to the data cache (so a deposed writer never puts bytes
 into the cache at positions a seal occupies) and only then are lengths published. A cache
@@ -44,11 +52,12 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from pyspark_acs.errors import CacheError, CorruptFileError, WriterConflictError
 from pyspark_acs.format.block import HEADER_SIZE, parse_header
-from pyspark_acs.storage.leases import exclusive
+from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS, exclusive
 from pyspark_acs.storage.store import Appender, DurableStore
 
 __all__ = [
     "AppendConflictError",
+    "AppendLockBusyError",
     "CacheMirror",
     "DurableFile",
     "FileTail",
@@ -87,6 +96,12 @@ class AppendConflictError(WriterConflictError):
         self.end = end
         self.actual_length = actual_length
         self.seal_at = seal_at
+
+
+class AppendLockBusyError(AppendConflictError):
+    """The file's append lock was held longer than
+    :data:`~pyspark_acs.storage.leases.LOCK_WAIT_SECONDS` (its holder is stopped or hung inside
+    an append): nothing was appended. Only a recovery seal goes on without the lock."""
 
 
 class FileTail(NamedTuple):
@@ -144,10 +159,11 @@ def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int
     return FileTail(length, at, index, None)
 
 
-def append_lock(store: DurableStore, rel: str) -> "contextlib.AbstractContextManager[None]":
+def append_lock(store: DurableStore, rel: str) -> "contextlib.AbstractContextManager[bool]":
     """The append lock of ``rel``: ``flock`` on the file itself where the filesystem is local
     (:func:`~pyspark_acs.storage.leases.exclusive`), nothing elsewhere (``pyarrow.fs`` has no
-    lock; HDFS itself allows one appender per file)."""
+    lock; HDFS itself allows one appender per file). Yields whether it is held (False on a
+    local file: its holder kept it past ``LOCK_WAIT_SECONDS``)."""
     return exclusive(store, rel)
 
 
@@ -180,7 +196,8 @@ class DurableFile:
         self._appender: Optional[Appender] = store.open_appender(rel)
         self.position = self._appender.position if position is None else position
 
-    def append(self, data: bytes, *, messages: Optional[Tuple[int, int]] = None) -> int:
+    def append(self, data: bytes, *, messages: Optional[Tuple[int, int]] = None,
+               past_a_stopped_writer: bool = False) -> int:
         """Append ``data`` at :attr:`position`; return the new position once verified.
 
         Parameters
@@ -189,17 +206,29 @@ class DurableFile:
             Whole blocks (or the rest of one, when completing a planned append).
         messages : (first index, count), optional
             The messages ``data`` holds, for the error message.
+        past_a_stopped_writer : bool
+            ``data`` is a recovery seal: appended even when the append lock's holder keeps it
+            past ``LOCK_WAIT_SECONDS`` (what it appends after the seal is never read).
 
         Raises
         ------
+        AppendLockBusyError
+            The append lock was held too long and ``data`` is not a recovery seal (nothing
+            was appended).
         AppendConflictError
             The file does not end at :attr:`position` (nothing was appended), or the bytes
             landed after foreign bytes (not acknowledged; they lie after a seal).
         """
         start, end = self.position, self.position + len(data)
-        with append_lock(self.store, self.rel):
+        with append_lock(self.store, self.rel) as locked:
             if self.store.local:
                 actual = self.store.length(self.rel)
+                if not locked and not past_a_stopped_writer:
+                    raise AppendLockBusyError(
+                        f"{self.uri}: {_describe(start, end, messages)} not appended: another writer holds the "
+                        f"file's append lock for more than {LOCK_WAIT_SECONDS:.1f} s (stopped or hung inside "
+                        f"its append, which lands once it resumes; identical bytes appended now would be "
+                        f"read twice)", path=self.uri, start=start, end=end, actual_length=actual)
                 if actual != start:
                     raise self._conflict(start, end, actual, messages, appended=False)
             if data:
@@ -319,7 +348,8 @@ class FileWriter:
         """The verified length of the file (this writer's bytes end there)."""
         return self.durable.position
 
-    def append(self, data: bytes, *, messages: Optional[Tuple[int, int]] = None) -> int:
+    def append(self, data: bytes, *, messages: Optional[Tuple[int, int]] = None,
+               past_a_stopped_writer: bool = False) -> int:
         """Append ``data`` (fenced, see :class:`DurableFile`), mirror it, publish; return the length.
 
         Raises
@@ -327,7 +357,7 @@ class FileWriter:
         AppendConflictError
             From :meth:`DurableFile.append`: nothing is mirrored or published then.
         """
-        end = self.durable.append(data, messages=messages)
+        end = self.durable.append(data, messages=messages, past_a_stopped_writer=past_a_stopped_writer)
         self.publish(data)
         return end
 

@@ -144,19 +144,23 @@ class ShardWriter:
             raise
         self.leases.append(store_lease)
 
-    def check_leases(self) -> None:
-        """Renew due leases; a lost one raises LeasePoisonedError (stop writing at once).
+    def check_leases(self, *, every: bool = False) -> None:
+        """Renew due leases (``every``: all of them now); a lost one raises
+        LeasePoisonedError (stop writing at once).
 
         A metadata cache that does not answer does not stop writes (availability first,
-        paper section 3): the seal fence still protects the shard.
+        paper section 3): the seal fence still protects the shard. While the metadata-cache
+        lease is ours, the store lease is renewed with ``force`` (a resumed deposed writer
+        may have written its record over ours: it stops at its own cache-lease check).
         """
         authority = False  # the cache lease was ours at its last check (it comes first in the list)
         for lease in self.leases:
+            due = every or lease.due()
             if isinstance(lease, StoreLease):
-                if lease.due():
+                if due:
                     lease.renew(force=authority)
                 continue
-            if lease.due():
+            if due:
                 try:
                     lease.check()
                 except CacheError as exc:
@@ -220,7 +224,9 @@ class ShardWriter:
             writer = FileWriter(self.store, rel, data=self.data, meta=self.meta, position=tail.length,
                                 on_cache_error=self.on_cache_error)
             try:
-                writer.append(encode_seal(tail.next_index, void_from=void_from))
+                # The fence itself: it must land even past a writer stopped holding the
+                # file's append lock (its late bytes land after the seal, never read).
+                writer.append(encode_seal(tail.next_index, void_from=void_from), past_a_stopped_writer=True)
             except AppendConflictError as exc:
                 log.info("%s: the predecessor appended while we sealed %s; walking it again: %s", self.what, rel, exc)
                 continue
@@ -287,12 +293,9 @@ class ShardWriter:
         why = f"{later[0]} was created after it" if later else None
         if why is None:
             try:
-                for lease in self.leases:
-                    lease.check()
+                self.check_leases(every=True)
             except LeaseError as exc:
                 why = str(exc)
-            except CacheError as exc:  # availability first: the seal fence still protects the shard
-                log.warning("%s: lease check skipped, metadata cache unavailable: %s", self.what, exc)
         if why is not None:
             self.seal()
             raise WriterConflictError(

@@ -13,7 +13,8 @@ Durable operations (paper section 2.4, "Writers"): single-threaded appends throu
 :class:`~pyspark_acs.write.file.DurableFile` (the delta must start exactly at the destination
 file's length, checked under the file's append lock together with the append, so two
 operations on one file, e.g. a stale one and its successor, cannot both append: the
-check-then-append is atomic; and verified after it), then ``durable_length`` published in the
+check-then-append is atomic -- a lock held past ``LOCK_WAIT_SECONDS`` fails the delta, nothing
+appended --; and verified after it), then ``durable_length`` published in the
 metadata cache (a failure there is logged and counted, never fails the delta). A gap or
 overlap is answered with RESTART and the destination length, and the reader continues from
 there. Seals are bytes like any other: a source's recovery seal reaches every hop.
@@ -72,7 +73,7 @@ from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import raise_retention_floor, retention_floor, tiered_store
-from pyspark_acs.write.file import AppendConflictError, CacheMirror, FileWriter
+from pyspark_acs.write.file import AppendConflictError, AppendLockBusyError, CacheMirror, FileWriter
 
 __all__ = ["COPY_STREAMS_RESERVE", "DELAY_PUBLISH_INTERVAL_S", "HELLO_TIMEOUT_S", "CopyServicer", "validate_delta"]
 
@@ -385,6 +386,11 @@ class _DurableWriter(_OpWriter):
         self.out.durable.position = req.start
         try:
             self.position = self.out.append(req.data)
+        except AppendLockBusyError as exc:
+            # A writer stopped inside its append (an older operation's daemon, frozen) may
+            # still land the same bytes: nothing is appended until it did or died.
+            self.s.metrics.inc("errors_total", kind="durable_lock_busy")
+            return _ack(copy_pb2.FAILED, self.position, str(exc))
         except AppendConflictError as exc:
             self.position = exc.actual_length
             return self._restart(req.start, exc.actual_length)
