@@ -278,6 +278,50 @@ def test_a_relaxed_read_where_every_replica_holds_every_key_is_one_call_to_one_r
         assert len(picked) >= 2  # random picks, not always the same replica
 
 
+def test_a_relaxed_read_that_fails_reports_what_each_replica_said(cluster):
+    """Review of 400ec98/1de8f62, finding 1: when the one-call read (every replica holds every
+    key) failed, the general path ran after it and found the replicas it had just tried marked
+    down, so the error named the mark ("marked down after a failure; next probe in 1.5 s")
+    instead of the call's own failure: no gRPC cause (raise ... from), and a read every replica
+    of which timed out raised CacheUnavailableError, not the CacheTimeoutError get() promises
+    (and the general path gave)."""
+    dead = f"127.0.0.1:{free_port()}"
+    with CacheClient(dead, deadline=0.5) as c:
+        with pytest.raises(CacheUnavailableError) as info:
+            c.get([b"k"])
+        assert "marked down" not in str(info.value), info.value
+        assert info.value.__cause__ is not None
+    with CacheClient(cluster.data_endpoints, deadline=0.5) as c:
+        c.put([(b"timed-out", b"v", 1)])  # connected while they answer
+        stopped = [cluster.server("data", i) for i in range(3)]
+        for server in stopped:
+            os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CacheTimeoutError) as info:
+                c.get([b"timed-out"])
+        finally:
+            for server in stopped:
+                os.kill(server.pid, signal.SIGCONT)
+        assert "DEADLINE_EXCEEDED" in str(info.value) and "marked down" not in str(info.value), info.value
+        assert info.value.__cause__ is not None
+
+
+def test_a_relaxed_read_probes_a_replica_whose_back_off_ended(cluster):
+    """Review of 400ec98/1de8f62, finding 2: the one-call read claimed the probe of every replica
+    whose back-off had ended (``_usable`` lets one request through and holds the others off for
+    a deadline) but sent to one or two of the three, so 2 times in 3 no probe went out and the
+    recovered replica stayed out of reads for another deadline. The probe goes out first."""
+    eps = list(cluster.endpoints("data"))
+    with CacheClient(cluster.data_endpoints, deadline=0.5) as c:
+        c.put([(b"probe#%d" % i, b"v", 1) for i in range(10)])
+        for _ in range(6):
+            rep = c._replicas[eps[0]]
+            with c._lock:  # as _mark leaves it after a failure, its back-off just ended
+                rep.down_until = time.monotonic() - 0.001
+            assert c.get([b"probe#%d" % i for i in range(10)]) == [Entry(b"v", 1)] * 10
+            assert eps[0] not in c.down_endpoints()  # probed, answered: up again
+
+
 def test_nothing_listening_fails_fast_naming_the_endpoint():
     dead = f"127.0.0.1:{free_port()}"
     with CacheClient(dead, deadline=0.5) as c:

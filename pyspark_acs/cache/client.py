@@ -358,6 +358,12 @@ class CacheClient:
         for channel in channels:
             channel.close()
 
+    def holds_every_key(self) -> bool:
+        """Whether every replica holds every key: no more endpoints than copies per key (the
+        data cache's default three of three, or one server). The one rule for it: a relaxed
+        read is then one call to any replica, and a feed's replica holds whole files."""
+        return len(self.endpoints) <= self.replication
+
     def replicas_for(self, key: bytes) -> Tuple[str, ...]:
         """The endpoints holding ``key``, primary first."""
         return self._ring.replicas_for(key, self.replication)
@@ -584,8 +590,12 @@ class CacheClient:
         pb = self._pb2()
         start = time.monotonic()
         end = start + self.deadline
-        if not consistent and n <= MAX_BATCH_KEYS and len(self.endpoints) <= self.replication:
-            got = self._get_anywhere(keys, pb, start, end)
+        # Replicas the one-call read below asked and that failed, with their errors: the general
+        # path fails over to the others and reports these as they failed (not as the down mark
+        # their failure left, which would lose the cause and call a timeout "unavailable").
+        tried_first: Dict[str, BaseException] = {}
+        if not consistent and n <= MAX_BATCH_KEYS and self.holds_every_key():
+            got = self._get_anywhere(keys, pb, start, end, tried_first)
             if got is not None:
                 return got
         ring_reps = self._ring.replicas_for_many(keys, self.replication)
@@ -599,6 +609,10 @@ class CacheClient:
         skipped: Dict[str, BaseException] = {}
         for ep in {ep for reps in distinct for ep in reps}:
             rep = self._replicas[ep]
+            if ep in tried_first:  # asked already; the same request would fail the same way
+                alive[ep] = False
+                skipped[ep] = tried_first[ep]
+                continue
             alive[ep] = self._usable(rep, start)
             if not alive[ep]:
                 skipped[ep] = _Down(self._retry_in(rep, start))
@@ -722,39 +736,59 @@ class CacheClient:
             )
         return best
 
-    def _get_anywhere(self, keys: List[bytes], pb: Any, start: float, end: float) -> Optional[List[Optional[Entry]]]:
-        """A relaxed get where every replica holds every key (no more replicas than copies):
-        one call to one usable replica picked at random -- hedged to a second one after
+    def _get_anywhere(self, keys: List[bytes], pb: Any, start: float, end: float,
+                      failed: Dict[str, BaseException]) -> Optional[List[Optional[Entry]]]:
+        """A relaxed get where every replica holds every key (:meth:`holds_every_key`): one
+        call to one usable replica picked at random -- hedged to a second one after
         ``hedge_after``, the first answer wins -- answered without the per-key bookkeeping of
         :meth:`get` (which cost about as much client CPU as the call itself on a 256-key
-        read). ``None`` when every call sent failed: the caller then runs the general path,
-        which fails over to the replicas left (those that failed are marked down) or raises
-        naming them."""
-        usable = [rep for rep in self._replicas.values() if self._usable(rep, start)]
-        if not usable:
+        read). ``None`` when every call sent failed, each replica's error then in ``failed``
+        (unanswered ones as timed out): the caller runs the general path, which fails over to
+        the replicas not asked or raises naming what each said.
+
+        A replica whose back-off ended is asked first: :meth:`_usable` gave this call its probe
+        (and holds other calls off it for a deadline), so the probe must go out; a still dead
+        one fails at once, a stalled one is hedged like any other."""
+        usable: List[_Replica] = []
+        probes: List[_Replica] = []
+        for rep in self._replicas.values():
+            was_down = rep.down_until != 0.0  # read without _lock: it only orders the picks
+            if self._usable(rep, start):
+                (probes if was_down else usable).append(rep)
+        if not usable and not probes:
             return None
         random.shuffle(usable)
+        usable = probes + usable
         request = pb.GetRequest(keys=keys)
         out: "queue.SimpleQueue" = queue.SimpleQueue()
         self._send(usable[0], "Get", request, end, out, None)
-        sent, answered = 1, 0
+        sent = [usable[0]]
+        answered = 0
+        good = None
         hedge_at = start + self.hedge_after if self.hedge_after > 0 and len(usable) > 1 else None
-        while answered < sent:
+        while answered < len(sent):
             wait_until = hedge_at if hedge_at is not None else end + 0.25
             try:
-                _, _, response, exc = out.get(timeout=max(0.0, wait_until - time.monotonic()))
+                _, rep, response, exc = out.get(timeout=max(0.0, wait_until - time.monotonic()))
             except queue.Empty:
                 if hedge_at is None:
-                    return None  # past the deadline: the general path names the replicas
+                    break  # past the deadline (gRPC's fire at `end`: only a safety bound)
                 hedge_at = None
                 self._send(usable[1], "Get", request, end, out, None)
-                sent += 1
+                sent.append(usable[1])
                 continue
             answered += 1
             if exc is None and len(response.found) == len(keys):
+                good = response
                 break
-        else:
+            if exc is not None:
+                failed[rep.endpoint] = exc
+        if good is None:
+            for rep in sent:
+                if rep.endpoint not in failed and answered < len(sent):
+                    failed[rep.endpoint] = _deadline_error(rep.endpoint, self.deadline)
             return None
+        response = good
         data = response.data
         result: List[Optional[Entry]] = []
         append = result.append

@@ -53,7 +53,7 @@ def holds_whole_files(client: CacheClient) -> bool:
     """Whether every replica of a file's first chunk holds all of the file's chunks: no more
     data replicas than copies per chunk. Otherwise a file's chunks are spread (each 4 KiB chunk
     placed by its own key) and a feed's replica lacks some of them."""
-    return len(client.endpoints) <= client.replication
+    return client.holds_every_key()
 
 
 def pick_replica(replicas: Tuple[str, ...], uri: str) -> str:
