@@ -322,6 +322,41 @@ def test_a_relaxed_read_probes_a_replica_whose_back_off_ended(cluster):
             assert eps[0] not in c.down_endpoints()  # probed, answered: up again
 
 
+def test_a_fail_over_sent_past_the_deadline_marks_no_healthy_replica_down(cluster):
+    """Review of 400ec98/1de8f62, finding 3 (the general path's; the one-call read's fallback
+    reaches it too, when both replicas it asked stalled): keys whose first two replicas stalled
+    failed over, once those timed out at the deadline, to the third with no time left -- a
+    call with gRPC's 1 ms minimum, whose DEADLINE_EXCEEDED marked the one healthy replica
+    down, so for the next back-off every read found all three down (6 of 6 runs with 5 MB to
+    fail over; about 1 in 10 with small answers, which sometimes come within the 1 ms). A call
+    sent after its deadline says nothing of its replica and marks nothing.
+    (More than MAX_BATCH_KEYS keys take the general path; its random rotation gives the keys of
+    some replica orders the healthy replica last, whatever the rotation.)"""
+    import itertools
+
+    from pyspark_acs.cache.client import MAX_BATCH_KEYS
+
+    healthy = cluster.server("data", 2)
+    with CacheClient(cluster.data_endpoints, deadline=0.5) as c:
+        by_order = {}  # one key per replica order: all six orders, whatever the rotation
+        for i in itertools.count():
+            by_order.setdefault(c.replicas_for(b"late#%d" % i), b"late#%d" % i)
+            if len(by_order) == 6:
+                break
+        c.put([(k, bytes(16384), 1) for k in by_order.values()])  # connected while they answer
+        keys = (list(by_order.values()) * MAX_BATCH_KEYS)[:MAX_BATCH_KEYS + 1]
+        stopped = [cluster.server("data", i) for i in range(2)]
+        for server in stopped:
+            os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CacheTimeoutError):
+                c.get(keys)
+        finally:
+            for server in stopped:
+                os.kill(server.pid, signal.SIGCONT)
+        assert healthy.endpoint not in c.down_endpoints()
+
+
 def test_nothing_listening_fails_fast_naming_the_endpoint():
     dead = f"127.0.0.1:{free_port()}"
     with CacheClient(dead, deadline=0.5) as c:

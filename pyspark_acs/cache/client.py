@@ -508,14 +508,21 @@ class CacheClient:
         """
         stub = self._stub(rep)
         call = self._raw_call(rep, method) if isinstance(request, bytes) else getattr(stub, method)
-        timeout = max(0.001, end - time.monotonic())
+        left = end - time.monotonic()
+        timeout = max(0.001, left)
+        # A call sent once its deadline passed (a read failing over when the keys' earlier
+        # replicas timed out at it) gets gRPC's minimum: missing that says nothing of the
+        # replica, and marking it down took the one healthy replica out of every read for a
+        # back-off. Its other failures (a refused connection) still count.
+        judged = left > 0
         metadata = self._metadata
 
         def run() -> None:
             try:
                 response = call(request, timeout=timeout, metadata=metadata)
             except Exception as exc:  # grpc.RpcError mostly; handed to the waiting caller
-                self._mark(rep, exc)
+                if judged or _code_name(exc) != "DEADLINE_EXCEEDED":
+                    self._mark(rep, exc)
                 out.put((tag, rep, None, exc))
                 return
             self._mark(rep, None)
