@@ -76,3 +76,71 @@ def test_a_dead_replica_still_fails_fast_and_the_others_answer(metadata, subproc
         assert time.monotonic() - t0 < CONNECT_TIMEOUT_S  # no wait for the refused one
         assert client.get([b"k"], consistent=True)[0].value == b"v"
         assert dead in client.down_endpoints()
+
+
+class _SlowLink:
+    """A TCP relay that delays every byte ``one_way_s`` in each direction: a long-distance link
+    (the round trip is twice that) between a client and a real cache server, which cannot be
+    had on one machine otherwise."""
+
+    def __init__(self, target: str, one_way_s: float) -> None:
+        import asyncio
+        import socket
+        import threading
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+        host, port = target.rsplit(":", 1)
+        self._loop = asyncio.new_event_loop()
+
+        async def pipe(reader, writer):
+            try:
+                while True:
+                    data = await reader.read(65536)
+                    if not data:
+                        break
+                    await asyncio.sleep(one_way_s)
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+        async def handle(client_reader, client_writer):
+            server_reader, server_writer = await asyncio.open_connection(host, int(port))
+            await asyncio.gather(pipe(client_reader, server_writer), pipe(server_reader, client_writer))
+
+        async def serve():
+            self._server = await asyncio.start_server(handle, sock=sock)
+
+        self._loop.run_until_complete(serve())
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def test_a_replica_behind_a_long_round_trip_connects(metadata):
+    """Review finding: the client's channel option ``grpc.min_reconnect_backoff_ms`` (100 ms) is
+    also gRPC's connect timeout, so a replica whose HTTP/2 handshake took longer -- a 300 ms
+    round trip, or a slow TLS handshake -- was never connected ("connection attempt timed out
+    before receiving SETTINGS frame") and every call failed at once, marking it down. Through a
+    relay with a 300 ms round trip, calls succeed (within their deadline)."""
+    from pyspark_acs.cache.client import CacheClient
+    from pyspark_acs.cache.metadata import MetadataCache
+
+    link = _SlowLink(metadata.endpoints("metadata")[0], one_way_s=0.15)
+    try:
+        with CacheClient(link.endpoint, replication=1, deadline=5.0, name="metadata cache") as client:
+            client.connect()
+            meta = MetadataCache(client)
+            meta.publish("file:///far/a.acs", cache_length=100, durable_length=100)
+            assert meta.lengths(["file:///far/a.acs"]) == {"file:///far/a.acs": (100, 100)}
+            assert client.down_endpoints() == ()
+    finally:
+        link.close()

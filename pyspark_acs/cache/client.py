@@ -103,9 +103,12 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # A restarted replica must be reachable again within about a second, not after gRPC's
-    # default reconnect back-off of up to two minutes.
+    # default reconnect back-off of up to two minutes. Not "grpc.min_reconnect_backoff_ms":
+    # gRPC takes it as the connect timeout too, and with 100 ms every connection whose
+    # HTTP/2 handshake needs longer (a 300 ms round trip, a slow TLS handshake) failed with
+    # "timed out before receiving SETTINGS frame" and the replica was marked down (test:
+    # test_cache_connect.py, through a relay that delays every byte).
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     # Failover and hedging happen here, across replicas; gRPC retrying one replica would only
     # spend the deadline.
