@@ -120,9 +120,19 @@ class _SlowLink:
         self._thread.start()
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        import asyncio
+
+        async def shutdown():
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
 
 def test_a_replica_behind_a_long_round_trip_connects(metadata):
