@@ -16,7 +16,7 @@ import datetime as dt
 import os
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -24,6 +24,7 @@ from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.cache.metadata import MetadataCache, MetadataLease
 from pyspark_acs.format.block import encode_block, encode_seal
 from pyspark_acs.format.names import file_name, new_writer_id, shard_dir
+from pyspark_acs.errors import StoreFileNotFoundError
 from pyspark_acs.storage.store import DurableStore
 
 from _harness import CHAIN, Env, LiveConsumer, check_histories, metric, source_history, start_caches
@@ -90,6 +91,7 @@ class OrderWatcher:
         self.cluster = cluster
         self.shards = shards
         self.violations: List[str] = []
+        self.error: Optional[BaseException] = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -100,7 +102,10 @@ class OrderWatcher:
         try:
             while not self._stop.is_set():
                 for shard in range(self.shards):
-                    here = dst.list_files(self.env.stream, shard)
+                    try:
+                        here = dst.list_files(self.env.stream, shard)
+                    except StoreFileNotFoundError:
+                        continue  # the shard's folder is not there yet: no file either
                     if not here:
                         continue
                     # Source files listed after the destination's: a superset of what existed then.
@@ -109,13 +114,17 @@ class OrderWatcher:
                     if missing:
                         self.violations.append(f"shard {shard}: {here[-1]} exists in {self.cluster} before {missing}")
                 self._stop.wait(0.002)
+        except BaseException as exc:  # a watcher that died would watch nothing: stop() says so
+            self.error = exc
         finally:
             src.close()
             dst.close()
 
-    def stop(self) -> None:
+    def stop(self, check: bool = True) -> None:
+        """Stop watching; with ``check``, fail if the watcher itself failed (then it watched nothing)."""
         self._stop.set()
         self.thread.join(timeout=10)
+        assert not check or self.error is None, f"the order watcher of {self.cluster} failed: {self.error!r}"
 
 
 def test_files_appear_at_destinations_in_order_while_copied_side_by_side(make_env, caches):
@@ -155,7 +164,7 @@ def test_files_appear_at_destinations_in_order_while_copied_side_by_side(make_en
         assert not watcher.violations, watcher.violations[:5]
     finally:
         if watcher is not None:
-            watcher.stop()
+            watcher.stop(check=False)
         for c in live:
             c.stop()
 
@@ -271,7 +280,7 @@ def test_relay_daemon_sigkilled_mid_stream_loses_no_file(make_env, caches2, down
         wait_quiet(env, live, acknowledged, timeout=30)
     finally:
         for w in watchers:
-            w.stop()
+            w.stop(check=False)
         for c in live:
             c.stop()
 
@@ -381,6 +390,6 @@ def test_restarted_daemons_ask_children_what_they_have(make_env, caches):
             assert ran <= new * max(1, len(children)), (c, ran, new, children)
     finally:
         for w in watchers:
-            w.stop()
+            w.stop(check=False)
         for c in live:
             c.stop()
