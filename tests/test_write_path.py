@@ -1009,3 +1009,39 @@ def test_the_holder_of_the_cache_lease_keeps_its_shard_when_it_opens_a_file_afte
             meta.client.close()
     assert fresh_values(root, "kept") == [b"a", b"b"]
     assert not store.exists(f"{shard_dir('kept', 0)}/{LEASE_FILE}")  # released: it was ours again
+
+
+def test_an_append_past_a_lock_held_by_a_stopped_process_is_refused_and_appends_nothing(
+        root, python_exe, subprocess_env):
+    """The refusal of an append whose lock a stopped process keeps (AppendLockBusyError, what
+    the copy writer answers FAILED on and the sink's commit fails with): it names the file, the
+    bytes and the lock, and nothing lands; a recovery seal (past_a_stopped_writer) lands."""
+    from test_store import _LOCK_HOLDER
+
+    from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS
+    from pyspark_acs.write.file import AppendLockBusyError
+
+    store = DurableStore(root)
+    store.create_stream("busy", 1)
+    rel = "busy/00000/20260101T000000000000Z-w.acs"
+    block = encode_block([b"a", b"b"], None, [1, 2])
+    f = DurableFile(store, rel, position=0)
+    f.append(block, messages=(0, 2))
+    holder = subprocess.Popen([python_exe, "-c", _LOCK_HOLDER, store.path(rel)], stdout=subprocess.PIPE,
+                              env=subprocess_env, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        _stop(holder)
+        began = time.monotonic()
+        with pytest.raises(AppendLockBusyError) as err:
+            f.append(encode_block([b"c"], None, [3], first_index=2), messages=(2, 1))
+        assert time.monotonic() - began >= LOCK_WAIT_SECONDS * 0.9
+        msg = str(err.value)
+        assert rel in msg and "messages 2..2" in msg and "append lock" in msg, msg
+        assert store.length(rel) == len(block)  # nothing appended
+        f.append(encode_seal(2), past_a_stopped_writer=True)  # the fence goes through
+        assert store.length(rel) == len(block) + len(encode_seal(2))
+    finally:
+        _end(None, holder)
+        f.close()
+    assert fresh_values(root, "busy") == [b"a", b"b"]

@@ -83,8 +83,9 @@ def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS) ->
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    log.warning("%s: the lock is held for more than %.1f s (a stopped or hung writer?); going on "
-                                "without it: appends are verified and seals fence", store.uri(rel), wait)
+                    log.warning("%s: the lock is held for more than %.1f s (a stopped or hung writer?); not "
+                                "waiting longer (a recovery seal or a lease re-checked after the wait goes on "
+                                "without it, any other append is refused)", store.uri(rel), wait)
                     locked = False
                     break
                 time.sleep(pause)
