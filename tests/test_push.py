@@ -807,6 +807,25 @@ def _read_all(view, rel: str, start: int, end: int) -> bytes:
     return got
 
 
+@contextlib.contextmanager
+def _shared_path_on(dep, root: str, stream: str, values=(msg(0),)):
+    """A Producer that wrote ``values`` to one shard of ``stream``, and one pushed read path
+    shared by several readers (as the copy daemon's operations share theirs): yields
+    ``(producer, path, rel of the producer's file)``."""
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.read.readpath import open_read_path
+
+    with Producer(root, stream, shards=1, **endpoints(dep)) as p:
+        for v in values:
+            p.send(v)
+        p.flush()
+        path = open_read_path(root, push=True, **endpoints(dep))
+        try:
+            yield p, path, f"{shard_dir(stream, 0)}/{p.current_files()[0]}"
+        finally:
+            path.close()
+
+
 def test_readers_sharing_a_path_keep_their_own_feed_positions(dep, root):
     """Left alone last session, fixed now: the copy daemon's operations share one read path,
     and every read moved the one position the path held in the feed. Two destinations of one
@@ -814,47 +833,37 @@ def test_readers_sharing_a_path_keep_their_own_feed_positions(dep, root):
     the lagging one still needed, so the laggard asked the cache for every byte instead of
     being pushed them. With a position per reader (:meth:`CachedReadPath.for_reader`) the
     laggard reads them from the feed; once it leaves, the feed keeps nothing for it."""
-    from pyspark_acs.format.names import shard_dir
-    from pyspark_acs.read.readpath import open_read_path
+    with _shared_path_on(dep, root, "twodest") as (p, path, rel):
+        lead, lag = path.for_reader("to-B"), path.for_reader("to-C")
+        first = path.lengths([rel])[rel]
 
-    with Producer(root, "twodest", shards=1, **endpoints(dep)) as p:
-        p.send(msg(0))
-        p.flush()
-        path = open_read_path(root, push=True, **endpoints(dep))
-        try:
-            rel = f"{shard_dir('twodest', 0)}/{p.current_files()[0]}"
-            lead, lag = path.for_reader("to-B"), path.for_reader("to-C")
-            first = path.lengths([rel])[rel]
+        def read_all(view, start, end):
+            return _read_all(view, rel, start, end)
 
-            def read_all(view, start, end):
-                return _read_all(view, rel, start, end)
-
-            assert read_all(lead, 0, first) == read_all(lag, 0, first)
-            uri = path.store.uri(rel)
-            wait_until(lambda: path.feed.live(uri, first), 20, "the feed is live")
-            at = first
-            for i in range(1, 41):
-                p.send(msg(i))
-                p.flush()
-                wait_until(lambda: path.lengths([rel])[rel] > at, 20, f"message {i}")
-                now = path.lengths([rel])[rel]
-                read_all(lead, at, now)  # the leading destination keeps up
-                at = now
-            before = path.stats()
-            caught_up = lag.read(rel, first, at)  # the lagging destination's next delta
-            after = path.stats()
-            assert caught_up == path.store.read(rel, first, at)
-            assert after["pushed_bytes"] - before["pushed_bytes"] == at - first  # from the feed
-            assert after["cache_bytes"] - after["pushed_bytes"] == before["cache_bytes"] - before["pushed_bytes"]
-            assert after["durable_bytes"] == before["durable_bytes"]
-            lag.leave(rel)
-            with path.feed._lock:
-                assert set(path.feed._files[uri].readers) == {"to-B"}
-            path.forget(rel)
-            with path.feed._lock:
-                assert uri not in path.feed._files
-        finally:
-            path.close()
+        assert read_all(lead, 0, first) == read_all(lag, 0, first)
+        uri = path.store.uri(rel)
+        wait_until(lambda: path.feed.live(uri, first), 20, "the feed is live")
+        at = first
+        for i in range(1, 41):
+            p.send(msg(i))
+            p.flush()
+            wait_until(lambda: path.lengths([rel])[rel] > at, 20, f"message {i}")
+            now = path.lengths([rel])[rel]
+            read_all(lead, at, now)  # the leading destination keeps up
+            at = now
+        before = path.stats()
+        caught_up = lag.read(rel, first, at)  # the lagging destination's next delta
+        after = path.stats()
+        assert caught_up == path.store.read(rel, first, at)
+        assert after["pushed_bytes"] - before["pushed_bytes"] == at - first  # from the feed
+        assert after["cache_bytes"] - after["pushed_bytes"] == before["cache_bytes"] - before["pushed_bytes"]
+        assert after["durable_bytes"] == before["durable_bytes"]
+        lag.leave(rel)
+        with path.feed._lock:
+            assert set(path.feed._files[uri].readers) == {"to-B"}
+        path.forget(rel)
+        with path.feed._lock:
+            assert uri not in path.feed._files
 
 
 def test_a_consumer_connects_to_its_caches_when_created(dep, root):
@@ -903,33 +912,22 @@ def test_a_reader_joining_a_followed_file_far_behind_does_not_pull_the_feed_back
     feed's rule is that a slow follower only costs itself (module docstring of
     cache/feed.py): the newcomer reads from the cache until it reaches the feed's bytes, and
     nothing already pushed is pushed again."""
-    from pyspark_acs.format.names import shard_dir
-    from pyspark_acs.read.readpath import open_read_path
+    with _shared_path_on(dep, root, "latedest", [msg(i) * 200 for i in range(40)]) as (p, path, rel):
+        uri = path.store.uri(rel)
+        lead = path.for_reader("to-B")
+        length = path.lengths([rel])[rel]
 
-    with Producer(root, "latedest", shards=1, **endpoints(dep)) as p:
-        for i in range(40):
-            p.send(msg(i) * 200)
+        _read_all(lead, rel, 0, length)
+        wait_until(lambda: path.feed.live(uri, length), 20, "the feed is live at the tail")
+        late = path.for_reader("to-C")
+        before = path.feed.received
+        assert _read_all(late, rel, 0, 4096) == path.store.read(rel, 0, 4096)  # a new destination's first read
+        p.send(msg(40))
         p.flush()
-        path = open_read_path(root, push=True, **endpoints(dep))
-        try:
-            rel = f"{shard_dir('latedest', 0)}/{p.current_files()[0]}"
-            uri = path.store.uri(rel)
-            lead = path.for_reader("to-B")
-            length = path.lengths([rel])[rel]
-
-            _read_all(lead, rel, 0, length)
-            wait_until(lambda: path.feed.live(uri, length), 20, "the feed is live at the tail")
-            late = path.for_reader("to-C")
-            before = path.feed.received
-            assert _read_all(late, rel, 0, 4096) == path.store.read(rel, 0, 4096)  # a new destination's first read
-            p.send(msg(40))
-            p.flush()
-            grown = path.store.length(rel)
-            wait_until(lambda: path.feed.live(uri, grown), 20, "the new message was pushed")
-            pushed = path.feed.received - before
-            assert pushed < length, f"the feed received {pushed} bytes for a {grown - length}-byte append"
-        finally:
-            path.close()
+        grown = path.store.length(rel)
+        wait_until(lambda: path.feed.live(uri, grown), 20, "the new message was pushed")
+        pushed = path.feed.received - before
+        assert pushed < length, f"the feed received {pushed} bytes for a {grown - length}-byte append"
 
 
 def test_a_reader_that_leaves_after_a_concurrent_forget_is_not_left_in_the_feed(dep, root):
@@ -940,29 +938,19 @@ def test_a_reader_that_leaves_after_a_concurrent_forget_is_not_left_in_the_feed(
     longer in the path's record; its leave() then found nothing to do and the feed kept
     following the file for nobody: a push stream and a buffer of up to FEED_MAX_BYTES per
     file, for as long as the daemon runs."""
-    from pyspark_acs.format.names import shard_dir
-    from pyspark_acs.read.readpath import open_read_path
+    with _shared_path_on(dep, root, "leaked") as (p, path, rel):
+        uri = path.store.uri(rel)
+        length = path.lengths([rel])[rel]
+        real_follow = path.feed.follow
 
-    with Producer(root, "leaked", shards=1, **endpoints(dep)) as p:
-        p.send(msg(0))
-        p.flush()
-        path = open_read_path(root, push=True, **endpoints(dep))
-        try:
-            rel = f"{shard_dir('leaked', 0)}/{p.current_files()[0]}"
-            uri = path.store.uri(rel)
-            length = path.lengths([rel])[rel]
-            real_follow = path.feed.follow
+        def follow_after_a_forget(*args, **kwargs):
+            path.forget(rel)  # the last other operation of the file unfollows it, on its thread
+            return real_follow(*args, **kwargs)
 
-            def follow_after_a_forget(*args, **kwargs):
-                path.forget(rel)  # the last other operation of the file unfollows it, on its thread
-                return real_follow(*args, **kwargs)
-
-            path.feed.follow = follow_after_a_forget
-            op = path.for_reader("op-2")
-            op.read(rel, 0, length)
-            path.feed.follow = real_follow
-            op.leave(rel)
-            with path.feed._lock:
-                assert uri not in path.feed._files, dict(path.feed._files[uri].readers)
-        finally:
-            path.close()
+        path.feed.follow = follow_after_a_forget
+        op = path.for_reader("op-2")
+        op.read(rel, 0, length)
+        path.feed.follow = real_follow
+        op.leave(rel)
+        with path.feed._lock:
+            assert uri not in path.feed._files, dict(path.feed._files[uri].readers)

@@ -798,12 +798,11 @@ class CacheClient:
                 if rep.endpoint not in failed and answered < len(sent):
                     failed[rep.endpoint] = _deadline_error(rep.endpoint, self.deadline)
             return None
-        response = good
-        data = response.data
+        data = good.data
         result: List[Optional[Entry]] = []
         append = result.append
         offset = 0
-        for found, size, version in zip(response.found, response.sizes, response.versions):
+        for found, size, version in zip(good.found, good.sizes, good.versions):
             append(Entry(data[offset:offset + size], version) if found else None)
             offset += size
         return result

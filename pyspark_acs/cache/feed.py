@@ -145,7 +145,7 @@ class ChunkFeed:
             f.readers[reader] = position
             if on_grow is not None:
                 f.listeners[reader] = on_grow
-            inside = [r for r, at in f.readers.items() if r != reader and f.base <= at <= f.end]
+            inside = any(f.base <= at <= f.end for r, at in f.readers.items() if r != reader)
             if not (f.base <= position <= f.end) and not inside:
                 f.base, f.buf = position, bytearray()
                 self._stream(f.endpoint).follow(file_id(uri), position)

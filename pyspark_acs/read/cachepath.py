@@ -506,11 +506,19 @@ class CachedReadPath:
             self._delays.pop(rel, None)
             self._durable_cache.pop(rel, None)
             self._standing.pop(rel, None)
-        if fed is not None and self.feed is not None:
-            for reader in fed:
-                self.feed.unfollow(self.store.uri(rel), reader)
-            if self.poller is not None:
-                self.poller.uncover(self.store.uri(rel))
+        if fed is not None:
+            self._unfeed(rel, fed)
+
+    def _unfeed(self, rel: str, readers: Set[Hashable]) -> None:
+        """Stop following ``rel`` in the feed for ``readers`` and undo the poller's cover of it
+        (the path's last state of the file there: :meth:`forget`, :meth:`close`)."""
+        if self.feed is None:
+            return
+        uri = self.store.uri(rel)
+        for reader in readers:
+            self.feed.unfollow(uri, reader)
+        if self.poller is not None:
+            self.poller.uncover(uri)
 
     def close(self) -> None:
         """Close the cache clients this path created from endpoint strings, and the store's open files.
@@ -526,10 +534,7 @@ class CachedReadPath:
             with self._lock:
                 fed, self._fed = self._fed, {}
             for r, readers in fed.items():
-                for reader in readers:
-                    self.feed.unfollow(self.store.uri(r), reader)
-                if self.poller is not None:
-                    self.poller.uncover(self.store.uri(r))
+                self._unfeed(r, readers)
         for c in self._own:
             c.close()
         self.store.close()

@@ -221,7 +221,7 @@ class StoreLease:
                 raise WriterConflictError(f"{self.what}: another writer took the lease while this one was held up "
                                           f"taking it")
             self.store.write_small(self.rel, record.encode())
-            if not record.same_holder(LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))):
+            if not record.same_holder(self._read()):
                 raise WriterConflictError(f"{self.what}: another writer took the lease at the same moment")
         self.record = record
         self._renewed = time.monotonic()
@@ -258,6 +258,7 @@ class StoreLease:
     check = renew
 
     def _read(self) -> Optional[LeaseRecord]:
+        """The stored record (``None``: none, or torn)."""
         return LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))
 
     def _changed_since(self, current: Optional[LeaseRecord], read_at: float) -> bool:
@@ -275,7 +276,6 @@ class StoreLease:
         if self.record is None:
             return
         with exclusive(self.store, self._lock):
-            current = LeaseRecord.decode(self.store.read_small(self.rel), self.store.uri(self.rel))
-            if self.record.same_holder(current):
+            if self.record.same_holder(self._read()):
                 self.store.delete(self.rel)
         self.record = None
