@@ -109,3 +109,42 @@ def test_closing_a_reader_releases_its_files(root, deployment):
     assert uri in path.poller._asked
     path.close()
     assert uri not in path.poller._asked
+
+
+def test_safety_polls_of_pushed_files_are_spread_not_in_step(deployment):
+    """A file whose lengths are pushed is still polled, every PUSH_SAFETY_POLL_S on average, at
+    a period drawn afresh each time: pollers started together (a fleet of consumers) must not
+    poll in step (measured: 32 consumers' synchronized polls hit the metadata replicas in one
+    burst each second and held the producer's length puts up ~50 ms)."""
+    from pyspark_acs.cache.poller import PUSH_SAFETY_JITTER, PUSH_SAFETY_POLL_S
+
+    uri = "file:///spread/00000.acs"
+    pollers = [LengthPoller(tuple(deployment.metadata_endpoints.split(","))) for _ in range(4)]
+    seen = {i: [] for i in range(len(pollers))}
+    for i, poller in enumerate(pollers):
+        real = poller.meta.lengths
+
+        def traced(uris, real=real, i=i):
+            if uri in uris:
+                seen[i].append(time.monotonic())
+            return real(uris)
+
+        poller.meta.lengths = traced
+    try:
+        for poller in pollers:
+            poller.follow(uri)
+        time.sleep(6 * PUSH_SAFETY_POLL_S)
+    finally:
+        for poller in pollers:
+            poller.unfollow(uri)
+    lo, hi = (1 - PUSH_SAFETY_JITTER) * PUSH_SAFETY_POLL_S, (1 + PUSH_SAFETY_JITTER) * PUSH_SAFETY_POLL_S
+    gaps = []
+    for i, times in seen.items():
+        # The first polls come at once (a new file) until the watch confirms the keys; after
+        # that only safety polls: keep the gaps of at least half a period.
+        safety = [b - a for a, b in zip(times, times[1:]) if b - a >= lo - 0.05]
+        assert len(safety) >= 2, f"poller {i} made no safety polls: {times}"
+        assert all(g <= hi + 0.25 for g in safety), (i, safety)
+        gaps += safety
+    # Drawn, not fixed: the periods differ (a fixed period gives gaps within a few ms).
+    assert max(gaps) - min(gaps) > 0.1, gaps

@@ -77,6 +77,16 @@ def live_feed_after_msg0(p: Producer, c: Consumer):
     return col, t, feed, uri
 
 
+def learn_from_the_safety_poll(c: Consumer, t, uri: str, published: int) -> None:
+    """Wait until the consumer's poller read the published cache length ``published`` (its
+    safety poll: nothing is pushed), then hand it to the read path. Waiting on the path's own
+    lengths instead could end on the store's length (a published length that stands still is
+    checked against the store) with the cache length still old, and Algorithm 1 then reads
+    from the store."""
+    wait_until(lambda: (c.path.poller.lengths([uri])[uri][0] or 0) >= published, 10, "the safety poll")
+    c.path.lengths([t.rel])
+
+
 def server_stats(eps: str) -> dict:
     with CacheClient(eps) as c:
         return c.stats()
@@ -513,8 +523,7 @@ def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, roo
         start = t.length
         published = c.path.meta.lengths([uri])[uri][0]
         assert published > start
-        # The reader learns the length from the poller's safety poll (nothing is pushed).
-        wait_until(lambda: c.path.lengths([t.rel])[t.rel] >= published, 10, "the safety poll")
+        learn_from_the_safety_poll(c, t, uri, published)  # nothing is pushed
         with feed._lock:
             feed._files[uri].short_since = None  # the looks above started a grace long ago
         before = c.path.stats()["cache_bytes"]
@@ -600,7 +609,7 @@ def test_a_reader_waiting_for_a_push_reads_nothing_from_the_store(dep, root):
         p.send(msg(1))
         p.flush()
         published = c.path.meta.lengths([uri])[uri][0]
-        wait_until(lambda: c.path.lengths([t.rel])[t.rel] >= published, 10, "the safety poll")
+        learn_from_the_safety_poll(c, t, uri, published)
         store_reads = []
         real_read = c.store.read
         c.store.read = lambda rel, start, end: (store_reads.append((start, end)), real_read(rel, start, end))[1]

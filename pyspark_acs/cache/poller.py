@@ -28,6 +28,7 @@ as fresh as the consistent read it replaces; with fewer, the file is polled as b
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -39,14 +40,20 @@ from pyspark_acs.cache.metadata import MetadataCache, length_keys, parse_length_
 if TYPE_CHECKING:
     from pyspark_acs.cache.push import WatchStream
 
-__all__ = ["DEFAULT_POLL_INTERVAL_S", "FORGET_AFTER_S", "PUSH_SAFETY_POLL_S", "LengthPoller"]
+__all__ = ["DEFAULT_POLL_INTERVAL_S", "FORGET_AFTER_S", "PUSH_SAFETY_JITTER", "PUSH_SAFETY_POLL_S", "LengthPoller"]
 
 #: How often the shared poller reads all followed lengths (the consumer's 10 ms).
 DEFAULT_POLL_INTERVAL_S = 0.01
 #: A file no reader asked about for this long is no longer polled.
 FORGET_AFTER_S = 5.0
-#: How often a file whose lengths push streams deliver is polled all the same (seconds).
+#: How often a file whose lengths push streams deliver is polled all the same (seconds, on
+#: average: each wait is drawn from +-PUSH_SAFETY_JITTER of it).
 PUSH_SAFETY_POLL_S = 1.0
+#: Spread of the safety poll's period (fraction). Readers started together (a fleet of
+#: consumers, a job's tasks) otherwise poll in step forever: measured at 32 consumers, their
+#: synchronized consistent reads (96 Gets) reached the metadata replicas in one burst each
+#: second and stalled the producer's length puts behind them for ~50 ms.
+PUSH_SAFETY_JITTER = 0.5
 
 Lengths = Tuple[Optional[int], Optional[int]]  # (cache length, durable length)
 
@@ -78,7 +85,8 @@ class LengthPoller:
         # The push streams, by endpoint, and the files whose keys they watch (poller thread only).
         self._streams: Dict[str, "WatchStream"] = {}
         self._watched: Dict[str, Tuple[Tuple[bytes, Tuple[str, ...]], ...]] = {}
-        self._last_full_poll = 0.0
+        #: When the next safety poll is due (monotonic; poller thread only).
+        self._next_full_poll = 0.0
         #: Set when the poller thread must look again before its next round: a file asked for
         #: the first time (to watch it), a push stream broke (to poll what it covered).
         self._kick = threading.Event()
@@ -368,8 +376,9 @@ class LengthPoller:
                     with self._lock:
                         self._thread = None
                     return
-                if started - self._last_full_poll >= PUSH_SAFETY_POLL_S:
-                    self._last_full_poll = started
+                if started >= self._next_full_poll:
+                    self._next_full_poll = started + PUSH_SAFETY_POLL_S * random.uniform(
+                        1.0 - PUSH_SAFETY_JITTER, 1.0 + PUSH_SAFETY_JITTER)
                 else:
                     poll = [u for u in uris if not self._covered(u)]
             try:
@@ -399,8 +408,7 @@ class LengthPoller:
             if self.push and not poll and uris:
                 # Every file is pushed: nothing to do until the safety poll, a new file or a
                 # broken stream (a round every interval cost a tailing reader ~10 % of its CPU).
-                self._kick.wait(max(0.0, min(PUSH_SAFETY_POLL_S - (time.monotonic() - self._last_full_poll),
-                                             PUSH_SAFETY_POLL_S)))
+                self._kick.wait(max(0.0, self._next_full_poll - time.monotonic()))
                 self._kick.clear()
             else:
                 time.sleep(max(0.0, self.interval - (time.monotonic() - started)))
