@@ -164,15 +164,18 @@ def build_spark(confs: Optional[List[str]] = None, *, python: str = sys.executab
 #: Rows per pre-built batch of the ceiling probe, and its partitions (the issue's shapes).
 CEILING_BATCH_ROWS = 1000
 CEILING_PARTITIONS = 4
+#: Collects of the trivial source's DataFrame timed for the delay run's job floor.
+FLOOR_RUNS = 15
 
 
-def ceiling_source(n: int, value_only: bool):
+def ceiling_source(n: int, value_only: bool, partitions: int = CEILING_PARTITIONS, name: str = ""):
     """A trivial Python DataSource whose ``read()`` yields pre-built Arrow batches: the ceiling
     of Spark's Python DataSource API on this machine (no decoding, no I/O).
 
     With ``value_only`` one binary column of 1 KiB values; otherwise the acs source's schema
     (same columns, same row count per batch as a 1 MiB acs block), so that the acs batch read is
     compared with a source that hands the JVM exactly the same shape and does nothing else.
+    ``partitions`` splits the ``n`` rows into that many tasks; ``name`` overrides the format name.
     """
     from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
@@ -184,8 +187,8 @@ def ceiling_source(n: int, value_only: bool):
 
     class CeilingReader(DataSourceReader):
         def partitions(self):
-            per = -(-n // CEILING_PARTITIONS)
-            return [InputPartition((i * per, min(n, (i + 1) * per))) for i in range(CEILING_PARTITIONS)]
+            per = -(-n // partitions)
+            return [InputPartition((i * per, min(n, (i + 1) * per))) for i in range(partitions)]
 
         def read(self, partition):
             lo, hi = partition.value
@@ -210,7 +213,7 @@ def ceiling_source(n: int, value_only: bool):
     class CeilingSource(DataSource):
         @classmethod
         def name(cls):
-            return "acs_ceiling_value" if value_only else "acs_ceiling"
+            return name or ("acs_ceiling_value" if value_only else "acs_ceiling")
 
         def schema(self):
             return "value binary" if value_only else SCHEMA_DDL
@@ -409,11 +412,18 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
     lock = threading.Lock()
     samples: List[tuple] = []  # (arrival s, delay ms)
 
+    jobs: List[float] = []  # seconds each batch's collect (a Spark job) took, batches with rows
+    sizes: List[int] = []  # rows of those batches
+
     def collect(df, batch_id):
+        began = time.time()
         ts = df.select("timestamp").toArrow().column("timestamp").cast("int64").to_pylist()
         now = time.time()
         with lock:
             samples.extend((now, (now * 1e6 - t) / 1000.0) for t in ts)
+            if ts:
+                jobs.append(now - began)
+                sizes.append(len(ts))
 
     source = (
         spark.readStream.format("acs").options(**opts).option("startingOffsets", "earliest").load()
@@ -474,6 +484,24 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
         rows["sink micro-batch p50"] = f"{percentile(durations, 50):.0f} ms"
     rows["sink phases p50 (ms)"] = phases(reports)
     rows["source phases p50 (ms)"] = phases(source.recentProgress)
+    if jobs:
+        # The floor of that job: the same collect of a trivial Python data source's rows (one
+        # planned DataFrame collected again and again, as each micro-batch's is planned before
+        # foreachBatch), as many rows and tasks as a median batch. What the acs job costs above
+        # it is ours; the floor is Spark's Python data source API on this machine.
+        per_batch = max(1, int(percentile(sizes, 50)))
+        spark.dataSource.register(ceiling_source(per_batch, value_only=False, partitions=SHARDS,
+                                                 name="acs_delay_floor"))
+        floor_df = spark.read.format("acs_delay_floor").load().select("timestamp")
+        floor_df.toArrow()  # planned and the workers warm
+        floor = []
+        for _ in range(FLOOR_RUNS):
+            began = time.time()
+            floor_df.toArrow()
+            floor.append(time.time() - began)
+        rows["source batch's collect job p50"] = (
+            f"{1000 * percentile(jobs, 50):.0f} ms; a trivial Python source's ({per_batch} rows, {SHARDS} tasks): "
+            f"{1000 * percentile(floor, 50):.0f} ms (ratio {percentile(jobs, 50) / percentile(floor, 50):.2f})")
     rows["load average"] = load_average()
     rows.update(CONDITIONS)
     report(f"End-to-end delay, sink write -> source row (processingTime=0, caches, {rate} msg/s)", rows)
