@@ -159,6 +159,26 @@ def test_a_caught_up_reader_waits_for_pushes_instead_of_polling(dep, root):
         assert got == [msg(0), msg(1)]
 
 
+def test_an_idle_pushed_reader_waits_a_drawn_period_not_in_step(dep, root):
+    """The idle loop's bound is drawn afresh for each wait (PUSHED_WAIT_S on average, within
+    +-PUSH_SAFETY_JITTER): consumers woken by the same last push must not look at the store in
+    step every second (on HDFS, a burst of NameNode calls per second from every consumer)."""
+    from pyspark_acs.cache.poller import PUSH_SAFETY_JITTER
+    from pyspark_acs.read.consumer import PUSHED_WAIT_S
+
+    with Producer(root, "drawn", shards=1, **endpoints(dep)) as p, Consumer(root, "drawn", **endpoints(dep)) as c:
+        first_message_pushed(p, c, timeout=5)
+        waits = []
+        real = c.path.wait
+        c.path.wait = lambda seconds, since=None: (waits.append(seconds), real(seconds, since=since))[1]
+        assert list(c.batches(timeout=5 * PUSHED_WAIT_S)) == []  # idle: nothing is sent
+        lo, hi = (1 - PUSH_SAFETY_JITTER) * PUSHED_WAIT_S, (1 + PUSH_SAFETY_JITTER) * PUSHED_WAIT_S
+        drawn = waits[:-1]  # the last one is cut to what is left of the timeout
+        assert len(drawn) >= 2, waits
+        assert all(lo <= w <= hi for w in drawn), waits
+        assert max(drawn) - min(drawn) > 0.01, waits  # drawn, not the fixed bound
+
+
 def test_a_caught_up_reader_looks_once_per_push(dep, root):
     """After a round that read everything readable, the loop waits at once instead of looking
     again (the second look found nothing and cost a tailing consumer a third of its main

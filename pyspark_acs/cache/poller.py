@@ -40,7 +40,7 @@ from pyspark_acs.cache.metadata import MetadataCache, length_keys, parse_length_
 if TYPE_CHECKING:
     from pyspark_acs.cache.push import WatchStream
 
-__all__ = ["DEFAULT_POLL_INTERVAL_S", "FORGET_AFTER_S", "PUSH_SAFETY_JITTER", "PUSH_SAFETY_POLL_S", "LengthPoller"]
+__all__ = ["DEFAULT_POLL_INTERVAL_S", "FORGET_AFTER_S", "PUSH_SAFETY_JITTER", "PUSH_SAFETY_POLL_S", "LengthPoller", "safety_period"]
 
 #: How often the shared poller reads all followed lengths (the consumer's 10 ms).
 DEFAULT_POLL_INTERVAL_S = 0.01
@@ -56,6 +56,13 @@ PUSH_SAFETY_POLL_S = 1.0
 PUSH_SAFETY_JITTER = 0.5
 
 Lengths = Tuple[Optional[int], Optional[int]]  # (cache length, durable length)
+
+
+def safety_period() -> float:
+    """One period of a pushed reader's safety net (seconds): :data:`PUSH_SAFETY_POLL_S` on
+    average, drawn from +-:data:`PUSH_SAFETY_JITTER` of it each time, so that readers started
+    together (or woken by the same push) do not poll, or look at the store, in step."""
+    return PUSH_SAFETY_POLL_S * random.uniform(1.0 - PUSH_SAFETY_JITTER, 1.0 + PUSH_SAFETY_JITTER)
 
 
 def _max_known(a: Optional[int], b: Optional[int]) -> Optional[int]:
@@ -377,8 +384,7 @@ class LengthPoller:
                         self._thread = None
                     return
                 if started >= self._next_full_poll:
-                    self._next_full_poll = started + PUSH_SAFETY_POLL_S * random.uniform(
-                        1.0 - PUSH_SAFETY_JITTER, 1.0 + PUSH_SAFETY_JITTER)
+                    self._next_full_poll = started + safety_period()
                 else:
                     poll = [u for u in uris if not self._covered(u)]
             try:

@@ -24,7 +24,7 @@ from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence
 import pyarrow as pa
 
 from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
-from pyspark_acs.cache.poller import PUSH_SAFETY_POLL_S
+from pyspark_acs.cache.poller import PUSH_SAFETY_POLL_S, safety_period
 from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError
 from pyspark_acs.format.arrays import ConstantColumns
 from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, decode_block
@@ -57,8 +57,11 @@ DEFAULT_POLL_INTERVAL_S = 0.01
 #: says so once: a writer or copy still at work, a crashed writer whose shard nobody took over
 #: yet, or a file damaged after the fact. It waits for a seal; it never skips the bytes.
 STUCK_WARN_AFTER_S = 30.0
-#: Longest wait of a consumer whose followed files all have their lengths pushed: pushes wake it
-#: at once; this bound is the same safety net as the poller's (Algorithm 1's maxDelay, 1 s).
+#: How long a consumer whose followed files all have their lengths pushed waits at most, on
+#: average (seconds): pushes wake it at once; this bound is the same safety net as the poller's
+#: (Algorithm 1's maxDelay, 1 s), drawn afresh for each wait like the poller's
+#: (:func:`~pyspark_acs.cache.poller.safety_period`): idle consumers woken by the same last push
+#: would otherwise look at the store in step each second.
 PUSHED_WAIT_S = PUSH_SAFETY_POLL_S
 #: Bytes read from one shard in one step: bounds memory when a consumer is far behind.
 DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
@@ -609,7 +612,7 @@ class Consumer:
             if wait is not None:
                 if pushed is None:
                     pushed = self._all_pushed()
-                seconds = PUSHED_WAIT_S if pushed else self.poll_interval
+                seconds = safety_period() if pushed else self.poll_interval
                 seconds = seconds if timeout is None else min(seconds, timeout - idle)
                 if since is None:
                     wait(seconds)
