@@ -335,19 +335,21 @@ def test_bad_topology_and_unknown_cluster_exit_2(tmp_path):
     assert r.returncode == 2 and "cannot read topology file" in r.stderr, r.stderr
 
 
-def test_a_late_block_after_a_recovery_seal_does_not_stop_the_copy_of_the_file(make_env, caches):
-    """Review of 01be342: a writer stopped holding its append lock is now passed by its
-    successor's recovery seal, and its append lands after that seal once it resumes (refused
-    by its own check, but the bytes are in the file; readers never read past a seal). The copy
-    reader sent every complete block of the range, the late block too, and the destination
-    refused the whole delta ('bytes after the seal'), every time: the messages before the seal
-    -- acknowledged, readable in the source -- never reached the destination."""
+def _deposed_file_with_late_block(env, caches):
+    """A source shard of two sealed files: the first (the deposed writer's) holds messages
+    0-9, its successor's recovery seal, then a late block the deposed writer appended after
+    that seal once it resumed; the second holds messages 10-19.
+
+    Returns
+    -------
+    (rel, values, seal_end) : the first file, the 20 messages readers of the source read, and
+    where the recovery seal ends (the file's end by the seal rule; the late block follows it).
+    """
     from pyspark_acs.cache.client import client_for
     from pyspark_acs.cache.metadata import MetadataCache
     from pyspark_acs.format.block import encode_block
     from pyspark_acs.write.shard import ShardWriter
 
-    env = make_env(CHAIN, dests=("B",))
     src = env.clusters[0]
     store = DurableStore(env.roots[src])
     store.create_stream(env.stream, 1)
@@ -365,10 +367,12 @@ def test_a_late_block_after_a_recovery_seal_does_not_stop_the_copy_of_the_file(m
         second.acquire()
         second.recover()  # the recovery seal of the first writer's file
         assert second.recovered == [deposed_file.rsplit("/", 1)[1]]
+        seal_end = store.length(deposed_file)
         # The first writer resumes: its append lands after the seal (its check refuses it).
         late = store.open_appender(deposed_file)
         late.write(encode_block([b"late, never acknowledged"], first_index=10))
         late.close()
+        assert store.length(deposed_file) > seal_end
         for i in range(10, 20):
             second.append(encode_block([values[i]], first_index=i - 10), 1)
         second.close()
@@ -376,6 +380,18 @@ def test_a_late_block_after_a_recovery_seal_does_not_stop_the_copy_of_the_file(m
         meta.client.close()
         store.close()
     assert [v for v in _fresh(env.roots[src], env.stream)] == values
+    return deposed_file, values, seal_end
+
+
+def test_a_late_block_after_a_recovery_seal_does_not_stop_the_copy_of_the_file(make_env, caches):
+    """Review of 01be342: a writer stopped holding its append lock is now passed by its
+    successor's recovery seal, and its append lands after that seal once it resumes (refused
+    by its own check, but the bytes are in the file; readers never read past a seal). The copy
+    reader sent every complete block of the range, the late block too, and the destination
+    refused the whole delta ('bytes after the seal'), every time: the messages before the seal
+    -- acknowledged, readable in the source -- never reached the destination."""
+    env = make_env(CHAIN, dests=("B",))
+    _, values, _ = _deposed_file_with_late_block(env, caches)
     for c in ("A", "B"):
         env.start_daemon(c)
     deadline = time.monotonic() + ARRIVE_S
@@ -384,6 +400,94 @@ def test_a_late_block_after_a_recovery_seal_does_not_stop_the_copy_of_the_file(m
         time.sleep(0.05)
     got = consume_all(env, "B", 20)
     assert got == values, f"{len(got)} of 20 messages reached B\n{env.logs()}"
+
+
+def test_an_operation_on_a_file_complete_at_the_destination_ends_at_its_first_seal(make_env, caches):
+    """Review of CopyOperation._complete: a source file holding messages, a recovery seal,
+    then a late block. Its copy ends at the seal (the read path's rule: a file ends at its
+    first seal). A second operation on that file -- the destination already holds it whole,
+    e.g. a reader reconnecting after the seal's acknowledgement was lost, or a restarted
+    daemon whose Files survey could not ask the child -- must finish at once and write
+    nothing: it used to look for a seal at the source's store length (past the late block),
+    found none, then sent the late block (the durable writer refused it every session until
+    the operation gave up, again and again; the cache writer wrote it past the seal and the
+    operation never finished)."""
+    import threading
+
+    import grpc
+
+    from pyspark_acs.cache.chunks import ChunkReader
+    from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, OpKey
+    from pyspark_acs.server.copy.metrics import CopyMetrics
+    from pyspark_acs.server.copy.options import CopyDaemonOptions
+    from pyspark_acs.server.copy.proto import copy_pb2_grpc
+    from pyspark_acs.server.copy.reader import CopyOperation, SourceFiles
+    from pyspark_acs.server.copy.topology import load_topology
+
+    env = make_env(CHAIN, dests=("B",))
+    rel, values, seal_end = _deposed_file_with_late_block(env, caches)
+    source = env.files("A")[rel]
+    daemon_a = env.start_daemon("A")
+    daemon_b = env.start_daemon("B")
+    topology = load_topology(env.topology)
+    b_io = ClusterIO(topology.cluster("B"), cache_deadline=5.0)
+    a_io = ClusterIO(topology.cluster("A"), cache_deadline=5.0)
+    uri = b_io.uri(rel)
+
+    def cache_length():
+        return b_io.meta.lengths([uri])[uri][0]
+
+    files = SourceFiles(a_io, interval=0.02)
+    channel = grpc.insecure_channel(f"127.0.0.1:{env.ports['B']}")
+    try:
+        # The daemons copy the file: exactly the bytes through the seal, in both storages.
+        deadline = time.monotonic() + ARRIVE_S
+        while env.files("B").get(rel) != source[:seal_end] or cache_length() != seal_end:
+            assert time.monotonic() < deadline, (
+                f"B holds {len(env.files('B').get(rel, b''))} bytes, cache length {cache_length()}; "
+                f"the file ends at its seal at {seal_end}\n{env.logs()}")
+            time.sleep(0.05)
+        assert consume_all(env, "B", 20) == values
+        env.kill_daemon("A")
+
+        # A second operation per storage on the file complete at B (no survey in front of it).
+        options = CopyDaemonOptions(lease_seconds=1.5, retry=0.05)
+        name = rel.rsplit("/", 1)[1]
+        ops = []
+        for storage in (DURABLE, CACHE):
+            op = CopyOperation(OpKey(env.stream, 0, name, storage, "B"), 1, a_io, files,
+                               lambda _child: copy_pb2_grpc.CopyStub(channel), options, CopyMetrics("A"),
+                               "again", is_source=True)
+            thread = threading.Thread(target=op.run, daemon=True)
+            thread.start()
+            ops.append((op, thread))
+        for op, thread in ops:
+            thread.join(ARRIVE_S)
+            running = thread.is_alive()
+            op.stop()
+            thread.join(10)
+            assert not running and op.finished and not op.gave_up, (
+                f"{op.key}: running={running} finished={op.finished} gave_up={op.gave_up} acked={op.acked}; "
+                f"the file ends at {seal_end}\n{env.logs()}")
+        assert env.files("B")[rel] == source[:seal_end]
+        assert cache_length() == seal_end
+        late_chunks = ChunkReader(b_io.data).read(uri, seal_end, len(source))
+        assert all(part is None for _, _, part in late_chunks), late_chunks  # no late bytes in B's cache
+
+        # A restarted daemon finds the file complete at B (its survey) and copies nothing.
+        daemon_a = env.start_daemon("A")
+        deadline = time.monotonic() + ARRIVE_S
+        while metric(daemon_a, "files_surveyed_total", state="complete") < 2:
+            assert time.monotonic() < deadline, f"A never surveyed B\n{env.logs()}"
+            time.sleep(0.05)
+        assert env.files("B")[rel] == source[:seal_end]
+        assert metric(daemon_b, "errors_total", kind="delta_refused") == 0, env.logs()
+        assert consume_all(env, "B", 20) == values
+    finally:
+        channel.close()
+        files.stop()
+        a_io.close()
+        b_io.close()
 
 
 def _fresh(root: str, stream: str) -> list:

@@ -422,19 +422,23 @@ class CopyOperation:
             self._wake.wait(self.options.poll_interval * 2)
 
     def _complete(self, pos: int) -> bool:
-        """Whether the file is finished although no delta we sent carried its seal (the
-        destination already had the bytes when this operation started): the source ends with
-        a seal at ``pos``. Nothing else finishes a file."""
-        # The store is the truth here (a published length can lag it).
+        """Whether the file is finished at ``pos`` although no delta we sent carried its seal
+        (the destination already had the bytes when this operation started): the source is
+        sealed at ``pos`` by the read side's seal rule (:func:`ends_with_seal`). A file ends at
+        its FIRST seal, so this asks about ``pos``, not about the source's length: bytes after
+        the seal (a deposed writer's late block) are no part of the file and never copied.
+        Nothing else finishes a file."""
+        # The store is the truth here (a published length can lag it): the seal must be in it,
+        # and then the bytes below pos never change, so one answer per pos holds.
         durable = self.path.durable_length(self.rel) or 0
-        if pos < durable or durable == 0:
+        if pos == 0 or pos > durable:
             return False
-        if durable != self._tail_checked:
-            self._tail_checked = durable
+        if pos != self._tail_checked:
+            self._tail_checked = pos
             # Walk from the last block boundary known before it (a whole-file walk each
             # time the copy catches up would cost O(n^2) on a long file).
-            start = max((b for b in self._boundaries if b < durable), default=0)
-            self._tail_sealed = ends_with_seal(self.path, self.rel, durable, start=start)
+            start = max((b for b in self._boundaries if b < pos), default=0)
+            self._tail_sealed = ends_with_seal(self.path, self.rel, pos, start=start)
         return self._tail_sealed
 
     # -- reading the source ----------------------------------------------------------------
