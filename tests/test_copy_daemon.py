@@ -335,10 +335,12 @@ def test_bad_topology_and_unknown_cluster_exit_2(tmp_path):
     assert r.returncode == 2 and "cannot read topology file" in r.stderr, r.stderr
 
 
-def _deposed_file_with_late_block(env, caches):
+def _deposed_file_with_late_block(env, caches, data_cache=False):
     """A source shard of two sealed files: the first (the deposed writer's) holds messages
     0-9, its successor's recovery seal, then a late block the deposed writer appended after
-    that seal once it resumed; the second holds messages 10-19.
+    that seal once it resumed; the second holds messages 10-19. With ``data_cache`` both
+    writers mirror their verified bytes to the source's data cache too (the late block, never
+    verified, is only in the store): the first file's cache length is its seal's end.
 
     Returns
     -------
@@ -354,16 +356,17 @@ def _deposed_file_with_late_block(env, caches):
     store = DurableStore(env.roots[src])
     store.create_stream(env.stream, 1)
     meta = MetadataCache(client_for(caches[src].metadata_endpoints, "metadata cache", []))
+    data = client_for(caches[src].data_endpoints, "data cache", []) if data_cache else None
     values = [f"m{i:06d}-".encode() + b"x" * 100 for i in range(20)]
     try:
-        first = ShardWriter(store, env.stream, 0, "first", meta=meta, lease_seconds=0.6)
+        first = ShardWriter(store, env.stream, 0, "first", data=data, meta=meta, lease_seconds=0.6)
         first.acquire()
         first.recover()
         for i in range(10):
             first.append(encode_block([values[i]], first_index=i), 1)
         deposed_file = f"{shard_dir(env.stream, 0)}/{first.file}"
         first.close_file()  # it stops here (stopped inside its next append, the lock held)
-        second = ShardWriter(store, env.stream, 0, "second", meta=meta, lease_seconds=0.6)
+        second = ShardWriter(store, env.stream, 0, "second", data=data, meta=meta, lease_seconds=0.6)
         second.acquire()
         second.recover()  # the recovery seal of the first writer's file
         assert second.recovered == [deposed_file.rsplit("/", 1)[1]]
@@ -378,6 +381,8 @@ def _deposed_file_with_late_block(env, caches):
         second.close()
     finally:
         meta.client.close()
+        if data is not None:
+            data.close()
         store.close()
     assert [v for v in _fresh(env.roots[src], env.stream)] == values
     return deposed_file, values, seal_end
@@ -412,16 +417,12 @@ def test_an_operation_on_a_file_complete_at_the_destination_ends_at_its_first_se
     found none, then sent the late block (the durable writer refused it every session until
     the operation gave up, again and again; the cache writer wrote it past the seal and the
     operation never finished)."""
-    import threading
-
     import grpc
 
     from pyspark_acs.cache.chunks import ChunkReader
-    from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, OpKey
-    from pyspark_acs.server.copy.metrics import CopyMetrics
+    from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO
     from pyspark_acs.server.copy.options import CopyDaemonOptions
-    from pyspark_acs.server.copy.proto import copy_pb2_grpc
-    from pyspark_acs.server.copy.reader import CopyOperation, SourceFiles
+    from pyspark_acs.server.copy.reader import SourceFiles
     from pyspark_acs.server.copy.topology import load_topology
 
     env = make_env(CHAIN, dests=("B",))
@@ -451,24 +452,8 @@ def test_an_operation_on_a_file_complete_at_the_destination_ends_at_its_first_se
         env.kill_daemon("A")
 
         # A second operation per storage on the file complete at B (no survey in front of it).
-        options = CopyDaemonOptions(lease_seconds=1.5, retry=0.05)
-        name = rel.rsplit("/", 1)[1]
-        ops = []
-        for storage in (DURABLE, CACHE):
-            op = CopyOperation(OpKey(env.stream, 0, name, storage, "B"), 1, a_io, files,
-                               lambda _child: copy_pb2_grpc.CopyStub(channel), options, CopyMetrics("A"),
-                               "again", is_source=True)
-            thread = threading.Thread(target=op.run, daemon=True)
-            thread.start()
-            ops.append((op, thread))
-        for op, thread in ops:
-            thread.join(ARRIVE_S)
-            running = thread.is_alive()
-            op.stop()
-            thread.join(10)
-            assert not running and op.finished and not op.gave_up, (
-                f"{op.key}: running={running} finished={op.finished} gave_up={op.gave_up} acked={op.acked}; "
-                f"the file ends at {seal_end}\n{env.logs()}")
+        _operations_to_b(env, a_io, files, channel, rel, (DURABLE, CACHE), seal_end,
+                         CopyDaemonOptions(lease_seconds=1.5, retry=0.05), "again")
         assert env.files("B")[rel] == source[:seal_end]
         assert cache_length() == seal_end
         late_chunks = ChunkReader(b_io.data).read(uri, seal_end, len(source))
@@ -488,6 +473,128 @@ def test_an_operation_on_a_file_complete_at_the_destination_ends_at_its_first_se
         files.stop()
         a_io.close()
         b_io.close()
+
+
+@pytest.mark.parametrize("storages", [("cache",), ("durable", "cache")], ids=["cache-only", "durable+cache"])
+def test_nothing_after_a_seal_reaches_the_destination_cache(make_env, caches, storages):
+    """A source file with messages, a recovery seal, then a deposed writer's late block (in
+    the store only; the source's cache ends at the seal). Copied to B -- by its cache
+    operation alone, or by both operations; the cache one in catch-up mode, a jump to the
+    chunk holding the source's cache length, the seal's end --, B's data cache and lengths
+    end at the seal and no reader sends the late block. A reader that sends it all the same
+    (before c1e84cc, a reader resuming at the seal did): B's durable writer refused it
+    ('nothing may follow the seal'), but B's cache writer did not check deltas after a
+    resume or a jump, wrote it into B's data cache and published the cache length past the
+    seal. Both writers now refuse it alike, and B's consumers read the messages before the
+    seal, then the next file's."""
+    import grpc
+
+    from pyspark_acs.cache.chunks import ChunkReader
+    from pyspark_acs.server.copy.cluster import ClusterIO
+    from pyspark_acs.server.copy.options import CopyDaemonOptions
+    from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
+    from pyspark_acs.server.copy.reader import SourceFiles
+    from pyspark_acs.server.copy.topology import load_topology
+
+    env = make_env(CHAIN, dests=("B",))
+    rel, values, seal_end = _deposed_file_with_late_block(env, caches, data_cache=True)
+    source = env.files("A")[rel]
+    name = rel.rsplit("/", 1)[1]
+    daemon_b = env.start_daemon("B")
+    topology = load_topology(env.topology)
+    b_io = ClusterIO(topology.cluster("B"), cache_deadline=5.0)
+    a_io = ClusterIO(topology.cluster("A"), cache_deadline=5.0)
+    uri = b_io.uri(rel)
+    files = SourceFiles(a_io, interval=0.02)
+    channel = grpc.insecure_channel(f"127.0.0.1:{env.ports['B']}")
+
+    def published():
+        return b_io.meta.lengths([uri])[uri]
+
+    def check_b(when):
+        cache_length, durable_length = published()
+        assert cache_length == seal_end, f"{when}: B's cache length {cache_length}; the file ends at {seal_end}"
+        assert durable_length is None or durable_length <= seal_end, f"{when}: B's durable length {durable_length}"
+        chunks = ChunkReader(b_io.data)
+        assert b"".join(part for _, _, part in chunks.read(uri, 0, seal_end)) == source[:seal_end], when
+        late = chunks.read(uri, seal_end, len(source))
+        assert all(part is None for _, _, part in late), f"{when}: late bytes in B's data cache: {late}"
+        held = env.files("B").get(rel)
+        assert held is None or held == source[:len(held)] and len(held) <= seal_end, when
+
+    try:
+        # The source's read path knows the store's real size (the late block) before the copy starts.
+        files.follow(rel)
+        deadline = time.monotonic() + ARRIVE_S
+        while files.lengths(rel) != (seal_end, len(source)):
+            assert time.monotonic() < deadline, f"A's lengths {files.lengths(rel)}; expected ({seal_end}, {len(source)})"
+            time.sleep(0.02)
+
+        # Real readers copy the file; the cache copy in catch-up mode (a jump to the seal's chunk).
+        _operations_to_b(env, a_io, files, channel, rel, storages, seal_end,
+                         CopyDaemonOptions(lease_seconds=1.5, retry=0.05, catchup_bytes=1), "first")
+        check_b("copied")
+        assert metric(daemon_b, "errors_total", kind="delta_refused") == 0, f"a reader sent bytes after the seal\n{env.logs()}"
+
+        # A reader that sends the late block all the same: each of B's writers refuses it alike.
+        stub = copy_pb2_grpc.CopyStub(channel)
+        for n, storage in enumerate(storages, 1):
+            fields = dict(stream=env.stream, shard=0, file=name, shards=1, operation=f"late_{storage}",
+                          source_cluster="A", storage=copy_pb2.DURABLE if storage == "durable" else copy_pb2.CACHE)
+            acks = list(stub.Copy(iter([copy_pb2.CopyRequest(hello=True, **fields),
+                                        copy_pb2.CopyRequest(start=seal_end, data=source[seal_end:], **fields)]),
+                                  timeout=ARRIVE_S))
+            assert [(a.status, a.length) for a in acks] == [(copy_pb2.OK, seal_end), (copy_pb2.FAILED, seal_end)], acks
+            assert "nothing may follow the seal" in acks[1].message, acks[1].message
+            assert metric(daemon_b, "errors_total", kind="delta_refused") == n, env.logs()
+            check_b(f"late block sent to B's {storage} writer")
+
+        # The daemons copy the shard (a cache-only copy gets its durable copy now, so that a
+        # consumer of B finds the file): B's consumers read the messages before the seal, then
+        # the next file's.
+        env.start_daemon("A")
+        assert consume_all(env, "B", 20) == values, env.logs()
+        deadline = time.monotonic() + ARRIVE_S
+        while env.files("B").get(rel) != source[:seal_end]:
+            assert time.monotonic() < deadline, f"B holds {len(env.files('B').get(rel, b''))} bytes\n{env.logs()}"
+            time.sleep(0.05)
+        check_b("after the daemons' copy")
+        assert metric(daemon_b, "errors_total", kind="delta_refused") == len(storages), env.logs()
+    finally:
+        channel.close()
+        files.unfollow(rel)
+        files.stop()
+        a_io.close()
+        b_io.close()
+
+
+def _operations_to_b(env, a_io, files, channel, rel, storages, seal_end, options, prefix) -> None:
+    """Run one :class:`CopyOperation` per storage of ``rel`` from A to B (in this process, through
+    ``files``, A's read path, and ``channel``, B's daemon) and check that each finishes."""
+    import threading
+
+    from pyspark_acs.server.copy.cluster import OpKey
+    from pyspark_acs.server.copy.metrics import CopyMetrics
+    from pyspark_acs.server.copy.proto import copy_pb2_grpc
+    from pyspark_acs.server.copy.reader import CopyOperation
+
+    name = rel.rsplit("/", 1)[1]
+    ops = []
+    for storage in storages:
+        op = CopyOperation(OpKey(env.stream, 0, name, storage, "B"), 1, a_io, files,
+                           lambda _child: copy_pb2_grpc.CopyStub(channel), options, CopyMetrics("A"),
+                           prefix, is_source=True)
+        thread = threading.Thread(target=op.run, daemon=True)
+        thread.start()
+        ops.append((op, thread))
+    for op, thread in ops:
+        thread.join(ARRIVE_S)
+        running = thread.is_alive()
+        op.stop()
+        thread.join(10)
+        assert not running and op.finished and not op.gave_up, (
+            f"{op.key}: running={running} finished={op.finished} gave_up={op.gave_up} acked={op.acked}; "
+            f"the file ends at {seal_end}\n{env.logs()}")
 
 
 def _fresh(root: str, stream: str) -> list:

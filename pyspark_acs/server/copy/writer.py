@@ -37,11 +37,20 @@ What a writer accepts (issue 10: the ``Copy`` RPC is the way into a cluster's st
   cluster's durable store (found through the topology) must hold the file; a durable delta
   may not reach past the source file's length. A hello for a file the source does not hold
   is answered FAILED and creates nothing.
+* **Nothing follows a seal, in either storage** (:meth:`_OpWriter.after_seal`, the one rule
+  both writers ask): a file ends at its first seal, so a delta reaching past the seal the
+  file is known to have is refused. Where the file's blocks end and whether it is sealed
+  there is found by a header walk at the hello (and, for a cache copy, through the bytes a
+  catch-up jump skips), through this cluster's durable copy and past it the source's store
+  (:meth:`_OpWriter.walk`): a cache copy resuming after its seal (a reader reconnecting after
+  the seal's acknowledgement was lost) cannot write a deposed writer's late block past it.
 * **Every durable delta is whole, valid blocks** (:func:`validate_delta`): header and body
   checksums, ``first_index`` continuing the blocks before it, nothing after a seal; a torn
   block only together with the recovery seal that voids it. A delta that resumes inside a
-  block is checked together with the block's bytes the destination already holds. A refused
-  delta is answered FAILED and appends nothing.
+  block is checked together with the block's bytes the destination already holds. Cache
+  deltas from the known block boundary are checked alike; after a jump, or a resume inside
+  a block, they are not. A refused delta is answered FAILED (``delta_refused``) and nothing of
+  it is written or published.
 * **A bounded number of streams** (:data:`COPY_STREAMS_RESERVE`): ``Copy`` streams beyond the
   server's threads minus a reserve are refused with RESOURCE_EXHAUSTED at once, so ``Files``
   and ``Health`` always find a thread, and a stream that sends no hello within
@@ -191,10 +200,53 @@ class _OpWriter:
         self.lease: Optional[MetadataLease] = None
         self.generation = 0
         self.position = 0
+        #: The last block boundary of the file known at or before where this operation writes
+        #: (a header walk, :meth:`walk`, or the end of a checked delta), whether the file is
+        #: sealed there, and the message index after it (``None``: unknown; a file's first block
+        #: holds its message 0). Once ``sealed``, nothing goes after ``boundary`` (:meth:`after_seal`).
+        self.boundary = 0
+        self.sealed = False
+        self.next_index: Optional[int] = 0
         self._delay_published = 0.0
 
     def what(self) -> str:
         return f"copy of {self.uri} [{self.storage}] from {self.source}"
+
+    def walk(self, stop: int) -> None:
+        """Walk the file's block headers from :attr:`boundary` towards ``stop`` (the read side's
+        block walk, :func:`walk_blocks`), moving :attr:`boundary`, :attr:`sealed` and
+        :attr:`next_index`: through this cluster's durable copy of the file, then, past its
+        end, through the source's store, which vouches for the file (a cache copy may lead the
+        durable copy here, or be the only one). Stops at the file's first seal, or where
+        neither store holds more."""
+        paths = [self.s.durable_path]
+        if self.s.source_store is not None:
+            paths.append(DurableReadPath(self.s.source_store(self.source)))
+        for path in paths:
+            if self.sealed or self.boundary >= stop:
+                return
+            held = path.lengths([self.rel])[self.rel] or 0
+            if held <= self.boundary:
+                continue
+            self.boundary, rows, _, self.sealed = walk_blocks(path, self.rel, self.boundary, min(stop, held))
+            if self.next_index is not None:
+                self.next_index += rows
+
+    def after_seal(self, end: int) -> Optional[str]:
+        """Why the bytes of a delta ending at ``end`` must not be written, or ``None``: the one
+        rule of both writers that nothing may follow a seal. A file ends at its first seal
+        (:mod:`pyspark_acs.read.positions`); bytes after it (a deposed writer's late block) are
+        no part of the file, in no storage."""
+        if self.sealed and end > self.boundary:
+            return f"{self.uri} is sealed at byte {self.boundary}; nothing may follow the seal"
+        return None
+
+    def refuse(self, why: str) -> copy_pb2.CopyAck:
+        """The answer to a delta that must not be written (nothing of it was written or
+        published): FAILED, counted as ``delta_refused``, the same for both writers."""
+        self.s.metrics.inc("errors_total", kind="delta_refused")
+        log.warning("%s: delta refused: %s", self.what(), why)
+        return _ack(copy_pb2.FAILED, self.position, f"delta refused: {why}")
 
     def vouch(self) -> Optional[int]:
         """The source's durable length of the file: the source must hold it (before anything
@@ -284,11 +336,6 @@ class _DurableWriter(_OpWriter):
     def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
         super().__init__(servicer, hello)
         self.out: Optional[FileWriter] = None
-        #: The last block boundary of the destination file at or before ``position``, whether
-        #: the file is sealed there, and the message index after it (unknown: ``None``).
-        self.boundary = 0
-        self.sealed = False
-        self.next_index: Optional[int] = None
 
     def _publish_failed(self, what: str, exc: Exception) -> None:
         # Never fails the delta: readers of this cluster fall back to the store's length.
@@ -307,12 +354,8 @@ class _DurableWriter(_OpWriter):
         # may have left a partial delta; its bytes are a correct prefix of the source's).
         self.out = FileWriter(self.io.store, self.rel, meta=self.io.meta, on_cache_error=self._publish_failed)
         self.position = self.out.position
-        if self.position:
-            # Where the blocks the destination holds end (a header walk): deltas are checked from there.
-            self.boundary, rows, _, self.sealed = walk_blocks(self.s.durable_path, self.rel, 0, self.position)
-            self.next_index = rows if self.boundary == self.position and not self.sealed else None
-        else:
-            self.next_index = 0  # a file's first block holds its message 0
+        # Where the blocks the destination holds end (a header walk): deltas are checked from there.
+        self.walk(self.position)
         if self.position:
             # A writer killed between append and publish left the published length behind.
             self.out.publish()
@@ -377,9 +420,7 @@ class _DurableWriter(_OpWriter):
                 return self._restart(req.start, actual)
         refused = self._check_delta(req)
         if refused is not None:
-            self.s.metrics.inc("errors_total", kind="delta_refused")
-            log.warning("%s: delta refused: %s", self.what(), refused)
-            return _ack(copy_pb2.FAILED, self.position, f"delta refused: {refused}")
+            return self.refuse(refused)
         # The delta must land exactly at the file's end: checked and appended under the
         # file's append lock, verified after, then the durable length is published
         # (FileWriter.append).
@@ -402,10 +443,11 @@ class _DurableWriter(_OpWriter):
 
     def _check_delta(self, req: copy_pb2.CopyRequest) -> Optional[str]:
         """Why the delta at ``req.start`` (the file's end) must not be appended, or ``None``."""
-        if self.sealed:
-            return f"{self.uri} is sealed at byte {self.boundary}; nothing may follow the seal"
-        source_length = self.vouch()
         end = req.start + len(req.data)
+        refused = self.after_seal(end)
+        if refused is not None:
+            return refused
+        source_length = self.vouch()
         if source_length is not None and end > source_length:
             return (f"the delta ends at byte {end} of {self.uri} but the source {self.source} holds "
                     f"{source_length} bytes of it")
@@ -446,20 +488,25 @@ class _CacheWriter(_OpWriter):
     def __init__(self, servicer: "CopyServicer", hello: copy_pb2.CopyRequest) -> None:
         super().__init__(servicer, hello)
         self.mirror: Optional[CacheMirror] = None
-        #: Whether ``position`` is known to be a block boundary (a copy from byte 0, or the end of
-        #: a checked delta) and the message index there: deltas from a known boundary are checked
-        #: like durable ones; after a jump or a resume inside the file they are not.
-        self.checked_from: Optional[int] = None
-        self.next_index: Optional[int] = None
+        #: ``(sealed, next_index)`` after the delta being written, when it was checked from the
+        #: known block boundary (it then becomes the boundary once written).
+        self._checked: Optional[Tuple[bool, Optional[int]]] = None
 
     def _check_delta(self, req: copy_pb2.CopyRequest) -> Optional[str]:
-        """Why a cache delta must not be written, or ``None``: from a known block boundary it must
-        be whole valid blocks continuing the file (:func:`validate_delta`), each header equal to the
-        source's where the source's store already holds it; elsewhere (after a jump, a resume
-        inside the file) it is not checked."""
-        if req.jump or self.checked_from is None or req.start != self.checked_from:
-            self.checked_from = None
-            return None
+        """Why a cache delta (or jump) must not be written, or ``None``.
+
+        Nothing may follow the file's seal (:meth:`after_seal`, the durable writer's rule); a
+        jump first walks the bytes it skips and its own (:meth:`walk`). From the known block
+        boundary a delta must also be whole valid blocks continuing the file
+        (:func:`validate_delta`), each header equal to the source's where the source's store
+        already holds it; elsewhere (a jump, a resume inside a block the walk could not reach)
+        its bytes are not checked."""
+        end = req.start + len(req.data)
+        if req.jump:
+            self.walk(end)
+        refused = self.after_seal(end)
+        if refused is not None or req.jump or req.start != self.boundary:
+            return refused
         try:
             sealed, next_index, blocks = validate_delta(b"", req.data, base=req.start, path=self.uri,
                                                         next_index=self.next_index)
@@ -474,8 +521,7 @@ class _CacheWriter(_OpWriter):
                         store.read(self.rel, position, position + HEADER_SIZE) != req.data[at:at + HEADER_SIZE]:
                     return (f"{self.uri} at byte {position}: the block differs from the source {self.source}'s "
                             f"block at that position")
-        self.checked_from = None if sealed else req.start + len(req.data)
-        self.next_index = next_index
+        self._checked = (sealed, next_index)
         return None
 
     def _mirror(self, position: int, prefix: Optional[bytes] = b"") -> CacheMirror:
@@ -518,8 +564,10 @@ class _CacheWriter(_OpWriter):
             position = durable
         self.mirror = self._mirror(position, prefix)
         self.position = position
-        if position == 0:
-            self.checked_from, self.next_index = 0, 0
+        # Where the file's blocks end below the position, and whether it is sealed there: the
+        # copy may resume after the seal (a reader reconnecting after its acknowledgement was
+        # lost); nothing may follow it.
+        self.walk(position)
         if jumped and position > (cache_len or 0):
             # "... and the length in the metadata cache is updated accordingly" (paper
             # section 3): publish the jump now. Waiting for the next delta is not enough: when
@@ -540,16 +588,16 @@ class _CacheWriter(_OpWriter):
         if req.jump:
             if req.start % CHUNK_SIZE or req.start < self.position:
                 return _ack(copy_pb2.RESTART, self.position, f"bad jump to {req.start}")
-            self.mirror = self._mirror(req.start)
-            self.position = req.start
         elif req.start != self.position:
             self.s.metrics.inc("errors_total", kind="cache_restart")
             return _ack(copy_pb2.RESTART, self.position, f"delta starts at {req.start}, cache copy is at {self.position}")
-        refused = self._check_delta(req) if req.data else None
+        self._checked = None
+        refused = self._check_delta(req) if req.data or req.jump else None
         if refused is not None:
-            self.s.metrics.inc("errors_total", kind="delta_refused")
-            log.warning("%s: delta refused: %s", self.what(), refused)
-            return _ack(copy_pb2.FAILED, self.position, f"delta refused: {refused}")
+            return self.refuse(refused)  # before the mirror moves: nothing written, nothing published
+        if req.jump:
+            self.mirror = self._mirror(req.start)
+            self.position = req.start
         try:
             if req.data:
                 self.mirror.append(req.data)
@@ -560,8 +608,9 @@ class _CacheWriter(_OpWriter):
             self.s.metrics.inc("errors_total", kind="cache_write")
             return _ack(copy_pb2.FAILED, self.position, f"cache write failed: {exc}")
         self.position = self.mirror.position
-        if req.jump:
-            self.checked_from = None
+        if self._checked is not None:
+            self.boundary = self.position
+            self.sealed, self.next_index = self._checked
         self.s.published(self.rel, cache_length=self.position, data=(req.start, req.data))
         self.note_delay(req, len(req.data))
         return _ack(copy_pb2.OK, self.position)
