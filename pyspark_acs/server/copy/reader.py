@@ -275,6 +275,9 @@ class CopyOperation:
         self._boundaries: Set[int] = {0}
         self._tail_checked = -1
         self._tail_sealed = False
+        #: Where the last catch-up jump ended (the source's cache length then): not a position
+        #: this operation reached by reading blocks, so it may be the file's seal.
+        self._jumped_to = -1
         #: Set when the file's length moves (a poll, a length this daemon's writer published) and by acks.
         self._wake = threading.Event()
         #: Set once a hello was answered OK: for a durable operation the file exists at the
@@ -448,6 +451,11 @@ class CopyOperation:
         """Send the whole blocks in ``[pos, source_len)``; return (new position, sealed)."""
         if pos not in self._boundaries:
             return self._resync(session, pos, source_len, inflight)
+        if pos == self._jumped_to and self._complete(pos):
+            # The jump, maybe still unacknowledged (the window lets deltas follow it at once),
+            # ended at the file's seal: what follows it (a deposed writer's late block) is no
+            # part of the file. read_blocks stops after a seal, but cannot know it starts at one.
+            return pos, True
         data, blocks, corrupt, short = read_blocks(self.path, self.rel, pos, source_len,
                                                    self.options.max_delta_bytes, postpone=self.key.storage == CACHE)
         if not blocks and short and corrupt is None:
@@ -506,6 +514,7 @@ class CopyOperation:
         self.metrics.inc("errors_total", kind="catchup_jump")
         self._emit(session, chunk_start, data, 0, False, inflight, jump=True)
         self._boundaries.add(cache_len)
+        self._jumped_to = cache_len
         return cache_len
 
     def _emit(self, session: _Session, start: int, data: bytes, last_ts: int, sealed: bool,
