@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import os
 import random
 import signal
@@ -897,3 +898,34 @@ print(n, "pandas" in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["5", "False"]
+
+
+def test_a_shard_waiting_for_a_file_is_listed_with_back_off_and_the_file_still_found(root, monkeypatch):
+    """A consumer of a shard with no file yet (and one past a seal waiting for the next file)
+    lists the shard folder at once, then less and less often (LISTING_BACKOFF_S), not once per
+    poll interval: 32 waiting consumers listed the store 3,200 times a second (on HDFS, NameNode
+    calls). The file is still found, and a roll-over's next file too, in order."""
+    first, most = consumer_mod.LISTING_BACKOFF_S
+    store = DurableStore(root)
+    store.create_stream("idle", 1)
+    listings = []
+    real = DurableStore.list_files
+    monkeypatch.setattr(DurableStore, "list_files",
+                        lambda self, *a, **k: (listings.append(time.monotonic()), real(self, *a, **k))[1])
+    c = Consumer(root, "idle", poll_interval=0.001)
+    waited = 1.5
+    assert list(c.batches(timeout=waited)) == []
+    # At the 1 ms poll interval: ~1,500 listings. Backed off: the doubling steps up to the
+    # longest wait, then one per longest wait.
+    steps = math.ceil(math.log2(most / first)) + 1
+    assert len(listings) <= steps + waited / most + 2, len(listings)
+    gaps = [b - a for a, b in zip(listings, listings[1:])]
+    assert max(gaps) <= most + 0.05, gaps
+    with Producer(root, "idle", shards=1, roll_bytes=2000) as p:
+        for i in range(6):  # a few files: each roll-over's next file is found too
+            p.send(b"m-%d" % i + b"." * 900)
+            p.flush()
+    got = consume(c, 6)
+    assert [r["value"][:3] for r in got] == [b"m-%d" % i for i in range(6)]
+    assert len({r["file"] for r in got}) >= 2
+    c.close()
