@@ -568,6 +568,64 @@ def test_nothing_after_a_seal_reaches_the_destination_cache(make_env, caches, st
         b_io.close()
 
 
+def test_a_cache_copy_resumed_past_the_seal_finishes(make_env, caches):
+    """Review of c1e84cc: B's metadata cache holds a cache length inside a chunk its data cache
+    lost (a data cache replica restarted), so B's cache writer answers a hello with the next
+    chunk boundary (paper section 3: readers fetch the gap from the durable store) -- here past
+    the end of A's sealed file (files smaller than a chunk, or sealed within one). The operation
+    has nothing more to copy and must finish: _complete asked the seal rule only at positions the
+    source's store reaches, so it waited forever (a worker slot held, the file never done)."""
+    import grpc
+
+    from pyspark_acs.cache.chunks import CHUNK_SIZE
+    from pyspark_acs.cache.client import client_for
+    from pyspark_acs.cache.metadata import MetadataCache
+    from pyspark_acs.format.block import encode_block
+    from pyspark_acs.server.copy.cluster import CACHE, ClusterIO
+    from pyspark_acs.server.copy.options import CopyDaemonOptions
+    from pyspark_acs.server.copy.reader import SourceFiles
+    from pyspark_acs.server.copy.topology import load_topology
+    from pyspark_acs.write.shard import ShardWriter
+
+    env = make_env(CHAIN, dests=("B",))
+    store = DurableStore(env.roots["A"])
+    store.create_stream(env.stream, 1)
+    meta = MetadataCache(client_for(caches["A"].metadata_endpoints, "metadata cache", []))
+    try:
+        writer = ShardWriter(store, env.stream, 0, "w", meta=meta, lease_seconds=0.6)
+        writer.acquire()
+        writer.recover()
+        for i in range(10):
+            writer.append(encode_block([f"m{i}".encode() * 10], first_index=i), 1)
+        rel = f"{shard_dir(env.stream, 0)}/{writer.file}"
+        half = store.length(rel) // 2
+        writer.close()  # sealed
+    finally:
+        meta.client.close()
+        store.close()
+    seal_end = len(env.files("A")[rel])
+    assert seal_end < CHUNK_SIZE
+    env.start_daemon("B")
+    topology = load_topology(env.topology)
+    b_io = ClusterIO(topology.cluster("B"), cache_deadline=5.0)
+    a_io = ClusterIO(topology.cluster("A"), cache_deadline=5.0)
+    uri = b_io.uri(rel)
+    files = SourceFiles(a_io, interval=0.02)
+    channel = grpc.insecure_channel(f"127.0.0.1:{env.ports['B']}")
+    try:
+        # B's lengths say a cache copy reached the middle of the file's first chunk; B's data
+        # cache does not hold that chunk (lost with a restarted replica).
+        b_io.meta.publish(uri, cache_length=half)
+        _operations_to_b(env, a_io, files, channel, rel, (CACHE,), seal_end,
+                         CopyDaemonOptions(lease_seconds=1.5, retry=0.05), "resumed")
+        assert b_io.meta.lengths([uri])[uri][0] <= seal_end
+    finally:
+        channel.close()
+        files.stop()
+        a_io.close()
+        b_io.close()
+
+
 def _operations_to_b(env, a_io, files, channel, rel, storages, seal_end, options, prefix) -> None:
     """Run one :class:`CopyOperation` per storage of ``rel`` from A to B (in this process, through
     ``files``, A's read path, and ``channel``, B's daemon) and check that each finishes."""

@@ -38,7 +38,7 @@ from pyspark_acs.cache.chunks import CHUNK_SIZE
 from pyspark_acs.cache.poller import LengthPoller
 from pyspark_acs.errors import AcsError
 from pyspark_acs.read.cachepath import CachedReadPath
-from pyspark_acs.read.positions import ends_with_seal, read_blocks, skip_void, walk_blocks
+from pyspark_acs.read.positions import read_blocks, skip_void, walk_blocks
 from pyspark_acs.read.readpath import RateLimiter, open_read_path
 from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, OpKey
 from pyspark_acs.server.copy.metrics import CopyMetrics
@@ -273,7 +273,7 @@ class CopyOperation:
         self.path = poller.path.for_reader(self.operation)
         #: Positions known to be block boundaries of the source (acked delta ends).
         self._boundaries: Set[int] = {0}
-        self._tail_checked = -1
+        self._tail_checked: Tuple[int, int] = (-1, -1)
         self._tail_sealed = False
         #: Where the last catch-up jump ended (the source's cache length then): not a position
         #: this operation reached by reading blocks, so it may be the file's seal.
@@ -426,22 +426,28 @@ class CopyOperation:
 
     def _complete(self, pos: int) -> bool:
         """Whether the file is finished at ``pos`` although no delta we sent carried its seal
-        (the destination already had the bytes when this operation started): the source is
-        sealed at ``pos`` by the read side's seal rule (:func:`ends_with_seal`). A file ends at
-        its FIRST seal, so this asks about ``pos``, not about the source's length: bytes after
-        the seal (a deposed writer's late block) are no part of the file and never copied.
-        Nothing else finishes a file."""
+        (the destination already had the bytes when this operation started): the source's
+        first seal lies at or below ``pos`` by the read side's seal rule (the header walk,
+        :func:`walk_blocks`, passed it). A file ends at its FIRST seal, so this asks about
+        ``pos``, not about the source's length: bytes after the seal (a deposed writer's late
+        block) are no part of the file and never copied. Nothing else finishes a file."""
         # The store is the truth here (a published length can lag it): the seal must be in it,
-        # and then the bytes below pos never change, so one answer per pos holds.
+        # and then the bytes below it never change, so one answer per (pos, store length) holds.
+        # The position may lie past the seal, or past the store's length altogether: a cache
+        # writer whose data cache lost the partial chunk at its cache length resumes at the next
+        # chunk boundary (readers fetch the gap from the durable store), which may be past the
+        # end of a file sealed below it; nothing is left to copy then either.
         durable = self.path.durable_length(self.rel) or 0
-        if pos == 0 or pos > durable:
+        at = min(pos, durable)
+        if at == 0:
             return False
-        if pos != self._tail_checked:
-            self._tail_checked = pos
+        if (pos, at) != self._tail_checked:
+            self._tail_checked = (pos, at)
             # Walk from the last block boundary known before it (a whole-file walk each
-            # time the copy catches up would cost O(n^2) on a long file).
-            start = max((b for b in self._boundaries if b < pos), default=0)
-            self._tail_sealed = ends_with_seal(self.path, self.rel, pos, start=start)
+            # time the copy catches up would cost O(n^2) on a long file); the walk stops
+            # after the file's first seal (the read side's seal rule).
+            start = max((b for b in self._boundaries if b < at), default=0)
+            self._tail_sealed = walk_blocks(self.path, self.rel, start, at)[3]
         return self._tail_sealed
 
     # -- reading the source ----------------------------------------------------------------
