@@ -487,26 +487,16 @@ def test_nothing_after_a_seal_reaches_the_destination_cache(make_env, caches, st
     resume or a jump, wrote it into B's data cache and published the cache length past the
     seal. Both writers now refuse it alike, and B's consumers read the messages before the
     seal, then the next file's."""
-    import grpc
-
     from pyspark_acs.cache.chunks import ChunkReader
-    from pyspark_acs.server.copy.cluster import ClusterIO
     from pyspark_acs.server.copy.options import CopyDaemonOptions
     from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
-    from pyspark_acs.server.copy.reader import SourceFiles
-    from pyspark_acs.server.copy.topology import load_topology
 
     env = make_env(CHAIN, dests=("B",))
     rel, values, seal_end = _deposed_file_with_late_block(env, caches, data_cache=True)
     source = env.files("A")[rel]
     name = rel.rsplit("/", 1)[1]
     daemon_b = env.start_daemon("B")
-    topology = load_topology(env.topology)
-    b_io = ClusterIO(topology.cluster("B"), cache_deadline=5.0)
-    a_io = ClusterIO(topology.cluster("A"), cache_deadline=5.0)
-    uri = b_io.uri(rel)
-    files = SourceFiles(a_io, interval=0.02)
-    channel = grpc.insecure_channel(f"127.0.0.1:{env.ports['B']}")
+    b_io, a_io, uri, files, channel = _a_to_b(env, rel)
 
     def published():
         return b_io.meta.lengths([uri])[uri]
@@ -575,16 +565,12 @@ def test_a_cache_copy_resumed_past_the_seal_finishes(make_env, caches):
     the end of A's sealed file (files smaller than a chunk, or sealed within one). The operation
     has nothing more to copy and must finish: _complete asked the seal rule only at positions the
     source's store reaches, so it waited forever (a worker slot held, the file never done)."""
-    import grpc
-
     from pyspark_acs.cache.chunks import CHUNK_SIZE
     from pyspark_acs.cache.client import client_for
     from pyspark_acs.cache.metadata import MetadataCache
     from pyspark_acs.format.block import encode_block
-    from pyspark_acs.server.copy.cluster import CACHE, ClusterIO
+    from pyspark_acs.server.copy.cluster import CACHE
     from pyspark_acs.server.copy.options import CopyDaemonOptions
-    from pyspark_acs.server.copy.reader import SourceFiles
-    from pyspark_acs.server.copy.topology import load_topology
     from pyspark_acs.write.shard import ShardWriter
 
     env = make_env(CHAIN, dests=("B",))
@@ -606,12 +592,7 @@ def test_a_cache_copy_resumed_past_the_seal_finishes(make_env, caches):
     seal_end = len(env.files("A")[rel])
     assert seal_end < CHUNK_SIZE
     env.start_daemon("B")
-    topology = load_topology(env.topology)
-    b_io = ClusterIO(topology.cluster("B"), cache_deadline=5.0)
-    a_io = ClusterIO(topology.cluster("A"), cache_deadline=5.0)
-    uri = b_io.uri(rel)
-    files = SourceFiles(a_io, interval=0.02)
-    channel = grpc.insecure_channel(f"127.0.0.1:{env.ports['B']}")
+    b_io, a_io, uri, files, channel = _a_to_b(env, rel)
     try:
         # B's lengths say a cache copy reached the middle of the file's first chunk; B's data
         # cache does not hold that chunk (lost with a restarted replica).
@@ -624,6 +605,23 @@ def test_a_cache_copy_resumed_past_the_seal_finishes(make_env, caches):
         files.stop()
         a_io.close()
         b_io.close()
+
+
+def _a_to_b(env, rel):
+    """B's and A's cluster IO (this process), ``rel``'s URI at B, A's source files (its read
+    path) and a channel to B's daemon: what a test needs to run copy operations of ``rel`` from
+    A to B itself (:func:`_operations_to_b`) or to talk to B's writers."""
+    import grpc
+
+    from pyspark_acs.server.copy.cluster import ClusterIO
+    from pyspark_acs.server.copy.reader import SourceFiles
+    from pyspark_acs.server.copy.topology import load_topology
+
+    topology = load_topology(env.topology)
+    b_io = ClusterIO(topology.cluster("B"), cache_deadline=5.0)
+    a_io = ClusterIO(topology.cluster("A"), cache_deadline=5.0)
+    files = SourceFiles(a_io, interval=0.02)
+    return b_io, a_io, b_io.uri(rel), files, grpc.insecure_channel(f"127.0.0.1:{env.ports['B']}")
 
 
 def _operations_to_b(env, a_io, files, channel, rel, storages, seal_end, options, prefix) -> None:
