@@ -443,11 +443,13 @@ class CopyOperation:
             return False
         if (pos, at) != self._tail_checked:
             self._tail_checked = (pos, at)
-            # Walk from the last block boundary known before it (a whole-file walk each
-            # time the copy catches up would cost O(n^2) on a long file); the walk stops
-            # after the file's first seal (the read side's seal rule).
+            # Walk from the last block boundary known before it, and remember where the walk
+            # ended (a whole-file walk each time the copy catches up would cost O(n^2) on a
+            # long file, e.g. a cache copy ahead of the store, whose acknowledged boundaries
+            # lie past it); the walk stops after the file's first seal (the seal rule).
             start = max((b for b in self._boundaries if b < at), default=0)
-            self._tail_sealed = walk_blocks(self.path, self.rel, start, at)[3]
+            end, _, _, self._tail_sealed = walk_blocks(self.path, self.rel, start, at)
+            self._boundaries.add(end)
         return self._tail_sealed
 
     # -- reading the source ----------------------------------------------------------------
