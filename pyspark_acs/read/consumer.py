@@ -650,7 +650,8 @@ class Consumer:
 
     def _all_pushed(self) -> bool:
         """Whether every shard follows a file whose length changes are pushed to this process:
-        then the loop waits for a wake (at most :data:`PUSHED_WAIT_S`) instead of polling every
+        then the loop waits for a wake (at most a drawn :func:`~pyspark_acs.cache.poller.safety_period`,
+        :data:`PUSHED_WAIT_S` on average) instead of polling every
         ``poll_interval``. A shard before its first file, or after a seal waiting for the next
         file, needs a listing: it keeps the loop polling."""
         pushed = getattr(self.path, "pushed", None)
