@@ -40,7 +40,14 @@ from pyspark_acs.cache.metadata import MetadataCache, length_keys, parse_length_
 if TYPE_CHECKING:
     from pyspark_acs.cache.push import WatchStream
 
-__all__ = ["DEFAULT_POLL_INTERVAL_S", "FORGET_AFTER_S", "PUSH_SAFETY_JITTER", "PUSH_SAFETY_POLL_S", "LengthPoller", "safety_period"]
+__all__ = [
+    "DEFAULT_POLL_INTERVAL_S",
+    "FORGET_AFTER_S",
+    "PUSH_SAFETY_JITTER",
+    "PUSH_SAFETY_POLL_S",
+    "LengthPoller",
+    "safety_period",
+]
 
 #: How often the shared poller reads all followed lengths (the consumer's 10 ms).
 DEFAULT_POLL_INTERVAL_S = 0.01
