@@ -144,7 +144,7 @@ def test_safety_polls_of_pushed_files_are_spread_not_in_step(deployment):
         # that only safety polls: keep the gaps of at least half a period.
         safety = [b - a for a, b in zip(times, times[1:]) if b - a >= lo - 0.05]
         assert len(safety) >= 2, f"poller {i} made no safety polls: {times}"
-        assert all(g <= hi + 0.25 for g in safety), (i, safety)
+        assert all(g <= hi + 0.5 for g in safety), (i, safety)  # slack: a loaded machine
         gaps += safety
     # Drawn, not fixed: the periods differ (a fixed period gives gaps within a few ms).
     assert max(gaps) - min(gaps) > 0.1, gaps
