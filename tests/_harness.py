@@ -129,7 +129,8 @@ class Env:
         """Start ``python -m pyspark_acs.server.copy.daemon`` for ``cluster`` and wait for its banner."""
         n = self._started.get(cluster, 0)
         self._started[cluster] = n + 1
-        log = open(self.tmp / f"daemon-{cluster}-{n}.log", "ab")
+        log_path = self.tmp / f"daemon-{cluster}-{n}.log"
+        log = open(log_path, "ab")
         # ACS_TEST_DAEMON_ROOT runs the daemons from another checkout (to show a test fails on old code).
         code = os.environ.get("ACS_TEST_DAEMON_ROOT", ROOT)
         env = dict(os.environ, PYTHONPATH=code + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
@@ -142,7 +143,11 @@ class Env:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=code)
         log.close()
         line = _readline(proc, 30.0)
-        assert line.startswith(f"acs-copy-daemon cluster={cluster} listening on"), line
+        if not line.startswith(f"acs-copy-daemon cluster={cluster} listening on"):
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"copy daemon {cluster} did not start (port {self.ports.get(cluster)}; first line "
+                                 f"{line!r}); its log:\n{log_path.read_text(errors='replace')[-4000:]}")
         proc.banner = line
         self.daemons.setdefault(cluster, []).append(proc)
         return proc
