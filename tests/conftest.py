@@ -9,6 +9,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Heap of the test session's one Spark driver JVM (local mode: driver and executors share it).
+TEST_SPARK_DRIVER_MEMORY = "2g"
 
 
 def free_port() -> int:
@@ -55,6 +57,9 @@ def spark():
         .config("spark.default.parallelism", "2")
         .config("spark.python.worker.reuse", "true")
         .config("spark.sql.streaming.stopTimeout", "30s")
+        # The one session runs every Spark test of the suite: at local mode's default 1 GiB heap
+        # a full run once ended a streaming query with "Java heap space" at 80 % of the suite.
+        .config("spark.driver.memory", TEST_SPARK_DRIVER_MEMORY)
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")
