@@ -423,3 +423,121 @@ def test_replica_failures_and_recovery(fragile):
         for endpoint in eps[:2]:
             assert stats[endpoint]["stored_total"] >= len(keys) * 2 // 3 - 20
         assert c.get(keys, consistent=True) == [Entry(chunk(i), CHUNK + 2) for i in range(len(keys))]
+
+
+# -- pipelined puts (PutStream) -------------------------------------------------------------
+
+
+def test_puts_are_pipelined_on_one_stream_per_replica(cluster):
+    """Every put of a client to a replica goes on the replica's one PutStream, answers matched
+    to requests by order: threads putting batches of different sizes at once each get their own
+    acknowledgements (a mismatched answer would leave keys unacknowledged and fail the put)."""
+    eps = cluster.endpoints("data")
+    with CacheClient(cluster.data_endpoints, name="data cache") as probe:
+        before = {ep: s["put_streams"] for ep, s in probe.stats().items()}
+        errors = []
+        with CacheClient(cluster.data_endpoints, name="data cache") as c:
+
+            def work(t: int) -> None:
+                try:
+                    for n in range(25):
+                        c.put([(b"pipe/%d/%d/%d" % (t, n, i), b"%d.%d.%d" % (t, n, i), n + 1)
+                               for i in range(t + 1)])
+                except BaseException as exc:  # re-raised in the main thread
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert not errors, errors[0]
+            keys = [b"pipe/%d/%d/%d" % (t, n, i) for t in range(6) for n in range(25) for i in range(t + 1)]
+            want = [Entry(b"%d.%d.%d" % (t, n, i), n + 1) for t in range(6) for n in range(25) for i in range(t + 1)]
+            assert c.get(keys, consistent=True) == want
+            opened = probe.stats()
+            assert {ep: opened[ep]["put_streams"] - before[ep] for ep in eps} == {ep: 1 for ep in eps}
+        # closing the client ends its streams
+        wait_until(lambda: {ep: s["put_streams"] for ep, s in probe.stats().items()} == before)
+
+
+def test_a_stalled_replica_ends_its_put_stream_at_the_deadline_and_rejoins(cluster):
+    """A replica that stops answering (SIGSTOP) while a writer puts every 10 ms: puts go on at a
+    majority; the stalled replica's stream is ended once a request on it is past its deadline
+    (the replica is marked down, as a unary call's deadline would mark it), so requests do not
+    pile up behind it; once it answers again, a new stream takes the writer's puts to it."""
+    stalled = cluster.server("data", 2)
+    with CacheClient(cluster.data_endpoints, deadline=0.3, name="data cache") as c:
+        c.put([(b"stall#0", b"v", 1)])
+        puts = c._put_stream(c._replicas[stalled.endpoint])
+        most_waiting = 0
+        os.kill(stalled.pid, signal.SIGSTOP)
+        try:
+            until = time.monotonic() + 1.5
+            n = 0
+            while time.monotonic() < until:
+                n += 1
+                c.put([(b"stall#%d" % n, b"v", 1)])  # two of three answer
+                most_waiting = max(most_waiting, puts.waiting)
+                time.sleep(0.01)
+            assert stalled.endpoint in c.down_endpoints()
+            # 10 ms apart, 0.3 s deadline: about 30 requests wait before the stream is ended;
+            # without the deadline all of them (~100+) would
+            assert most_waiting <= 60, most_waiting
+            assert n > 60
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+
+        def rejoined():
+            c.put([(b"stall#after", b"w", 2)])
+            with single(stalled.endpoint) as look:
+                return look.get([b"stall#after"]) == [Entry(b"w", 2)]
+
+        wait_until(rejoined, timeout=20, interval=0.1)
+
+
+def test_a_replica_without_put_stream_gets_unary_puts(tmp_path):
+    """A replica from before PutStream (a rolling upgrade) answers it UNIMPLEMENTED: the client
+    sends that put again as a unary Put, and every later put to it unary. The old server is
+    stood in for by a gRPC server with the Put method alone (the real one has both)."""
+    import grpc
+    from concurrent import futures
+
+    from pyspark_acs.cache.proto import acs_pb2
+
+    stored = {}
+    calls = []
+
+    def put(request, context):
+        calls.append(len(request.keys))
+        offset = 0
+        for key, size in zip(request.keys, request.sizes):
+            stored[key] = request.data[offset:offset + size]
+            offset += size
+        return acs_pb2.PutResponse(status=[acs_pb2.STORED] * len(request.keys))
+
+    def health(request, context):
+        return acs_pb2.HealthResponse(serving=True, role="data")
+
+    handlers = {
+        "Put": grpc.unary_unary_rpc_method_handler(
+            put, request_deserializer=acs_pb2.PutRequest.FromString,
+            response_serializer=acs_pb2.PutResponse.SerializeToString),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            health, request_deserializer=acs_pb2.HealthRequest.FromString,
+            response_serializer=acs_pb2.HealthResponse.SerializeToString),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pyspark_acs.cache.Cache", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with CacheClient(f"127.0.0.1:{port}", replication=1, name="old cache") as c:
+            c.put([(b"a", b"1", 1), (b"b", b"22", 1)])
+            c.put([(b"c", b"333", 1)])
+            assert stored == {b"a": b"1", b"b": b"22", b"c": b"333"}
+            assert calls == [2, 1]
+            assert c._replicas[f"127.0.0.1:{port}"].unary_puts
+            assert c.down_endpoints() == ()
+    finally:
+        server.stop(0)

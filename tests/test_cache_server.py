@@ -222,6 +222,31 @@ def test_put_get_versions_over_grpc(deployments):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_put_stream_answers_in_order_and_ends_at_a_refused_put(deployments):
+    """PutStream: one PutResponse per PutRequest, in order; a refused request ends the stream
+    with its status (INVALID_ARGUMENT naming the disagreement) after the answers before it, and
+    stores nothing after it."""
+    channel, stub = stub_for(deployments["plain"].data_endpoints)
+    with channel:
+        requests = [
+            acs_pb2.PutRequest(keys=[b"ps#1"], data=b"1", sizes=[1], versions=[1]),
+            acs_pb2.PutRequest(keys=[b"ps#2", b"ps#3"], data=b"223", sizes=[2, 1], versions=[1, 1]),
+            acs_pb2.PutRequest(keys=[b"ps#1"], data=b"0", sizes=[1], versions=[0]),  # stale
+            acs_pb2.PutRequest(keys=[b"ps#4"], data=b"xy", sizes=[1], versions=[1]),  # refused
+            acs_pb2.PutRequest(keys=[b"ps#5"], data=b"5", sizes=[1], versions=[1]),
+        ]
+        answers = []
+        with pytest.raises(grpc.RpcError) as info:
+            for answer in stub.PutStream(iter(requests), timeout=5):
+                answers.append(list(answer.status))
+        assert answers == [[acs_pb2.STORED], [acs_pb2.STORED, acs_pb2.STORED], [acs_pb2.STALE]]
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sizes summing to 1 for 2 data bytes" in info.value.details()
+        got = stub.Get(acs_pb2.GetRequest(keys=[b"ps#1", b"ps#2", b"ps#3", b"ps#4", b"ps#5"]), timeout=2)
+        assert list(got.found) == [True, True, True, False, False]
+        assert got.data == b"1223"
+
+
 def test_client_roundtrip_cas_delete_stats_health(plain):
     plain.put([(b"file#0", chunk(0), CHUNK), (b"file#1", b"part", 4)])
     assert plain.get([b"file#0", b"file#1", b"file#2"]) == [Entry(chunk(0), CHUNK), Entry(b"part", 4), None]
@@ -342,6 +367,12 @@ def test_token_auth_rejects_a_wrong_or_missing_token(deployments):
         with CacheClient(endpoints, token=token) as bad:
             with pytest.raises(CacheError) as info:
                 bad.get([b"k"])
+            assert not isinstance(info.value, CacheUnavailableError)
+            assert endpoints in str(info.value) and "UNAUTHENTICATED" in str(info.value)
+            assert isinstance(info.value.__cause__, grpc.RpcError)
+            # Puts go on a PutStream: refused the same way, naming the status, as a CacheError
+            with pytest.raises(CacheError) as info:
+                bad.put([(b"k", b"w", 2)])
             assert not isinstance(info.value, CacheUnavailableError)
             assert endpoints in str(info.value) and "UNAUTHENTICATED" in str(info.value)
             assert isinstance(info.value.__cause__, grpc.RpcError)

@@ -132,6 +132,7 @@ CACHE_METRICS: Dict[str, MetricSpec] = {
     "gc_runs_total": MetricSpec("counter", "GC runs."),
     "watch_streams": MetricSpec("gauge", "Watch push streams open now (metadata readers)."),
     "follow_streams": MetricSpec("gauge", "Follow push streams open now (data readers)."),
+    "put_streams": MetricSpec("gauge", "PutStream calls open now (writers: one per client process)."),
     "pushed_messages_total": MetricSpec("counter", "Messages sent on push streams."),
     "pushed_bytes_total": MetricSpec("counter", "File bytes sent on Follow streams."),
 }
@@ -144,8 +145,8 @@ CACHE_LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
 #: Cache-server metrics updated per call, ``acs_cache_<name>{role, method}``.
 CACHE_CALL_METRICS: Dict[str, MetricSpec] = {
     "request_seconds": MetricSpec(
-        "histogram", "Seconds the server spent handling one unary call, by method (Get: reads; Put, "
-        "CompareAndSet, Delete: writes).", ("method",), CACHE_LATENCY_BUCKETS),
+        "histogram", "Seconds the server spent handling one request, by method (Get: reads; Put, "
+        "CompareAndSet, Delete: writes; a put on a PutStream counts as a Put).", ("method",), CACHE_LATENCY_BUCKETS),
 }
 
 #: Copy-daemon metrics, ``acs_copy_<name>{cluster, ...}`` (``cluster`` is the daemon's own).

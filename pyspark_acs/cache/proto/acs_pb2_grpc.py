@@ -44,6 +44,11 @@ class CacheStub:
                 request_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutRequest.SerializeToString,
                 response_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.PutStream = channel.stream_stream(
+                '/pyspark_acs.cache.Cache/PutStream',
+                request_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutRequest.SerializeToString,
+                response_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutResponse.FromString,
+                _registered_method=True)
         self.CompareAndSet = channel.unary_unary(
                 '/pyspark_acs.cache.Cache/CompareAndSet',
                 request_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.CompareAndSetRequest.SerializeToString,
@@ -87,6 +92,16 @@ class CacheServicer:
 
     def Put(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutStream(self, request_iterator, context):
+        """The same puts pipelined on one long-lived stream per (client, replica): one PutResponse per
+        PutRequest, in order. A writer that puts every flush (a producer: a chunk put and a length
+        put per flush) costs a replica about half the CPU of a unary Put per message (issue 9:
+        ~160 vs ~330 us measured on grpc.aio); a refused request ends the stream with its status.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -137,6 +152,11 @@ def add_CacheServicer_to_server(servicer, server):
             ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
+                    request_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutRequest.FromString,
+                    response_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutResponse.SerializeToString,
+            ),
+            'PutStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PutStream,
                     request_deserializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutRequest.FromString,
                     response_serializer=pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutResponse.SerializeToString,
             ),
@@ -223,6 +243,33 @@ class Cache:
             request,
             target,
             '/pyspark_acs.cache.Cache/Put',
+            pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutRequest.SerializeToString,
+            pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pyspark_acs.cache.Cache/PutStream',
             pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutRequest.SerializeToString,
             pyspark__acs_dot_cache_dot_proto_dot_acs__pb2.PutResponse.FromString,
             options,

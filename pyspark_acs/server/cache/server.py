@@ -120,6 +120,16 @@ def _rss_bytes() -> int:
         return 0
 
 
+class _Refused(Exception):
+    """A request the servicer refuses, with the status to end its call with (by default
+    RESOURCE_EXHAUSTED: a request over a bound)."""
+
+    def __init__(self, message: str, status: "grpc.StatusCode" = grpc.StatusCode.RESOURCE_EXHAUSTED) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
 class CacheServicer(acs_pb2_grpc.CacheServicer):
     """The gRPC handlers: thin translations between protobuf messages and :class:`Store` calls.
 
@@ -134,6 +144,8 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         self.role = role
         self.started_at = time.monotonic()
         self.watchers = Watchers(store)
+        # Open PutStream calls (the event loop's thread alone touches it).
+        self.put_streams = 0
         # The latency histogram's series per method, looked up once (observed on every call).
         metrics = metrics or Metrics(CACHE_PREFIX, CACHE_CALL_METRICS, {"role": role})
         self._latency = {m: metrics.series("request_seconds", method=m)
@@ -171,25 +183,26 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             versions=[e.version if e is not None else 0 for e in entries],
         )
 
-    async def Put(self, request, context):  # noqa: N802
-        """Batched versioned put; answers one ``PutStatus`` per key.
+    def _put(self, request) -> "acs_pb2.PutResponse":
+        """Store one batched put (the one rule of :meth:`Put` and :meth:`PutStream`).
 
-        Values come concatenated in ``data`` and are split by ``sizes``; ``ttl_ms`` 0 means the
-        server's default TTL. Aborts with ``INVALID_ARGUMENT`` when the counts of keys, sizes and
-        versions, or the sizes and the data length, disagree. Stored keys that a push stream
-        watches or follows are marked for it.
+        Raises
+        ------
+        _Refused
+            With the status to end the call with: more keys than ``MAX_KEYS_PER_CALL``
+            (``RESOURCE_EXHAUSTED``), or counts of keys, sizes and versions, or the sizes and
+            the data length, that disagree (``INVALID_ARGUMENT``).
         """
         started = time.perf_counter()
         if len(request.keys) > MAX_KEYS_PER_CALL:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"put: {len(request.keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
+            raise _Refused(f"put: {len(request.keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
         keys, sizes, versions = request.keys, list(request.sizes), request.versions
         data = request.data
         if not (len(keys) == len(sizes) == len(versions)) or sum(sizes) != len(data):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise _Refused(
                 f"put: {len(keys)} keys, {len(sizes)} sizes and {len(versions)} versions, "
                 f"sizes summing to {sum(sizes)} for {len(data)} data bytes; they must agree",
+                grpc.StatusCode.INVALID_ARGUMENT,
             )
         values = []
         offset = 0
@@ -202,6 +215,39 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             self.watchers.stored(k for k, r in zip(keys, results) if r == PutResult.STORED)
         self._latency["Put"].observe(time.perf_counter() - started)
         return acs_pb2.PutResponse(status=results)
+
+    async def Put(self, request, context):  # noqa: N802
+        """Batched versioned put; answers one ``PutStatus`` per key.
+
+        Values come concatenated in ``data`` and are split by ``sizes``; ``ttl_ms`` 0 means the
+        server's default TTL. Aborts with ``INVALID_ARGUMENT`` when the counts of keys, sizes and
+        versions, or the sizes and the data length, disagree. Stored keys that a push stream
+        watches or follows are marked for it.
+        """
+        try:
+            return self._put(request)
+        except _Refused as exc:
+            refused = exc
+        await context.abort(refused.status, refused.message)
+
+    async def PutStream(self, requests, context):  # noqa: N802
+        """:meth:`Put` pipelined: one ``PutResponse`` per request, in order, on one long-lived
+        stream. A refused request ends the stream with its status (requests after it in the
+        stream are not stored: the client fails them with that status)."""
+        self.put_streams += 1
+        try:
+            async for request in requests:
+                try:
+                    response = self._put(request)
+                except _Refused as exc:
+                    refused = exc
+                    break
+                yield response
+            else:
+                return
+        finally:
+            self.put_streams -= 1
+        await context.abort(refused.status, refused.message)
 
     async def CompareAndSet(self, request, context):  # noqa: N802
         """Set a key to ``value`` if it holds ``expected`` (or is absent, with ``expect_absent``).
@@ -241,6 +287,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         """The store's stats, the push streams' counters and this process's ``rss_bytes``."""
         values = self.store.stats()
         values.update(self.watchers.counts)
+        values["put_streams"] = self.put_streams
         values["rss_bytes"] = _rss_bytes()
         return values
 
@@ -333,17 +380,12 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             failed = reader.exception() if not reader.cancelled() else None
             if failed is not None and context is not None:
                 # A refused or malformed request ends the stream with a status naming why.
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(failed, _Refused) \
-                    else grpc.StatusCode.INVALID_ARGUMENT
+                code = failed.status if isinstance(failed, _Refused) else grpc.StatusCode.INVALID_ARGUMENT
                 await context.abort(code, str(failed))
         finally:
             reader.cancel()
             counts[gauge] -= 1
             drop(stream)
-
-
-class _Refused(Exception):
-    """A push-stream request over a bound (RESOURCE_EXHAUSTED)."""
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -363,6 +405,7 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
         # The Cache service's streaming methods are denied with a handler of their own shape.
         self._deny_streams = {"Watch": grpc.stream_stream_rpc_method_handler(deny_stream),
+                              "PutStream": grpc.stream_stream_rpc_method_handler(deny_stream),
                               "Follow": grpc.unary_stream_rpc_method_handler(deny_stream)}
 
     async def intercept_service(self, continuation, handler_call_details):
