@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
+import threading
 
 import pytest
 
@@ -13,11 +15,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_SPARK_DRIVER_MEMORY = "2g"
 
 
+#: How many ports below the kernel's ephemeral range :func:`free_port` picks from.
+PICKED_PORTS = 8000
+_picked_lock = threading.Lock()
+_next_pick = [0]  # the next candidate port (0: not started yet); guarded by _picked_lock
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (may race with other processes; good enough for tests)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 for a server a test starts later.
+
+    Picked below the kernel's ephemeral range: binds to port 0 (every cache server's) and
+    outgoing connections take their ports from that range, so a port picked there could be
+    taken between picking it and the server binding it (a copy daemon of a full run once failed
+    to start that way). Ports are handed out in turn from a random start, each checked free and
+    never twice in this process.
+    """
+    low = max(1024, _ephemeral_low() - PICKED_PORTS)
+    with _picked_lock:
+        if _next_pick[0] == 0:
+            _next_pick[0] = low + random.randrange(PICKED_PORTS)
+        for _ in range(PICKED_PORTS):
+            port = _next_pick[0]
+            _next_pick[0] = low + (port + 1 - low) % PICKED_PORTS
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError(f"no free port in 127.0.0.1:{low}-{low + PICKED_PORTS - 1}")
 
 
 @pytest.fixture

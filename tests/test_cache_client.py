@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import threading
 import time
 
 import pytest
 
+from conftest import free_port
 from pyspark_acs.cache.client import (
     DOWN_BACKOFF_INITIAL_S,
     CacheClient,
@@ -32,11 +32,6 @@ CHUNK = 4096
 def chunk(i: int) -> bytes:
     return (b"%08d" % i) * (CHUNK // 8)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05):

@@ -43,11 +43,6 @@ def chunk(i: int) -> bytes:
     return (b"%08d" % i) * (CHUNK // 8)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def env() -> dict:
     e = dict(os.environ)
