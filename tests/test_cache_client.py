@@ -66,6 +66,24 @@ def client(cluster):
         yield c
 
 
+def in_threads(work, count: int, timeout: float) -> None:
+    """Run ``work(t)`` for t in range(count) on as many threads; re-raise the first error."""
+    errors = []
+
+    def run(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as exc:  # re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not errors, errors[0]
+
+
 def single(endpoint: str) -> CacheClient:
     """A client of one replica, to look at (or skew) what one replica holds."""
     return CacheClient(endpoint, replication=1)
@@ -195,27 +213,17 @@ def test_too_large_is_a_cache_error_not_unavailable(tmp_path):
 
 
 def test_many_threads_share_one_client(client):
-    errors = []
-
     def work(t: int) -> None:
-        try:
-            for n in range(30):
-                items = [(b"t%d/%d/%d" % (t, n, i), chunk(i), CHUNK) for i in range(16)]
-                client.put(items)
-                want = [Entry(v, CHUNK) for _, v, _ in items]
-                assert client.get([k for k, _, _ in items], consistent=True) == want
-                # relaxed: a replica that has not stored it yet may miss (never a wrong value)
-                got = client.get([k for k, _, _ in items])
-                assert all(g is None or g == w for g, w in zip(got, want))
-        except BaseException as exc:  # collected and re-raised in the main thread
-            errors.append(exc)
+        for n in range(30):
+            items = [(b"t%d/%d/%d" % (t, n, i), chunk(i), CHUNK) for i in range(16)]
+            client.put(items)
+            want = [Entry(v, CHUNK) for _, v, _ in items]
+            assert client.get([k for k, _, _ in items], consistent=True) == want
+            # relaxed: a replica that has not stored it yet may miss (never a wrong value)
+            got = client.get([k for k, _, _ in items])
+            assert all(g is None or g == w for g, w in zip(got, want))
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not errors, errors[0]
+    in_threads(work, 8, timeout=30)
 
 
 # -- slow and dead replicas -----------------------------------------------------------------
@@ -430,23 +438,14 @@ def test_puts_are_pipelined_on_one_stream_per_replica(cluster):
     eps = cluster.endpoints("data")
     with CacheClient(cluster.data_endpoints, name="data cache") as probe:
         before = {ep: s["put_streams"] for ep, s in probe.stats().items()}
-        errors = []
         with CacheClient(cluster.data_endpoints, name="data cache") as c:
 
             def work(t: int) -> None:
-                try:
-                    for n in range(25):
-                        c.put([(b"pipe/%d/%d/%d" % (t, n, i), b"%d.%d.%d" % (t, n, i), n + 1)
-                               for i in range(t + 1)])
-                except BaseException as exc:  # re-raised in the main thread
-                    errors.append(exc)
+                for n in range(25):
+                    c.put([(b"pipe/%d/%d/%d" % (t, n, i), b"%d.%d.%d" % (t, n, i), n + 1)
+                           for i in range(t + 1)])
 
-            threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=60)
-            assert not errors, errors[0]
+            in_threads(work, 6, timeout=60)
             keys = [b"pipe/%d/%d/%d" % (t, n, i) for t in range(6) for n in range(25) for i in range(t + 1)]
             want = [Entry(b"%d.%d.%d" % (t, n, i), n + 1) for t in range(6) for n in range(25) for i in range(t + 1)]
             assert c.get(keys, consistent=True) == want
