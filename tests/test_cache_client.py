@@ -479,6 +479,10 @@ def test_a_stalled_replica_ends_its_put_stream_at_the_deadline_and_rejoins(clust
             # without the deadline all of them (~100+) would
             assert most_waiting <= 60, most_waiting
             assert n > 60
+            # Those ~30 failed together: one failure, not 30 failed probes. The back-off grows
+            # only when a probe fails (at most once or twice in 1.5 s), not to its 10 s maximum,
+            # which left the replica out of every call for 10 s after it recovered.
+            assert c._replicas[stalled.endpoint].backoff <= 2 * DOWN_BACKOFF_INITIAL_S
         finally:
             os.kill(stalled.pid, signal.SIGCONT)
 

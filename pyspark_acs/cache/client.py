@@ -255,7 +255,7 @@ class _TooLarge(Exception):
 class _Replica:
     """Per-endpoint connection and health state; fields guarded by ``CacheClient._lock``."""
 
-    __slots__ = ("endpoint", "channel", "stub", "raw", "puts", "unary_puts", "down_until", "backoff")
+    __slots__ = ("endpoint", "channel", "stub", "raw", "puts", "unary_puts", "down_until", "backoff", "marked_at")
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -266,6 +266,7 @@ class _Replica:
         self.unary_puts = False  # it answered PutStream UNIMPLEMENTED (a server from before it)
         self.down_until = 0.0  # 0: up; else monotonic time before which it is skipped
         self.backoff = DOWN_BACKOFF_INITIAL_S
+        self.marked_at = 0.0  # monotonic time it was last marked down
 
 
 class CacheClient:
@@ -503,15 +504,26 @@ class CacheClient:
         with self._lock:
             return max(0.0, rep.down_until - now)
 
-    def _mark(self, rep: _Replica, exc: Optional[BaseException]) -> None:
-        """Record the outcome of a call to ``rep`` (runs in gRPC callback threads too)."""
+    def _mark(self, rep: _Replica, exc: Optional[BaseException], sent: Optional[float] = None) -> None:
+        """Record the outcome of a call to ``rep`` sent at ``sent`` (runs in gRPC callback threads too).
+
+        A transport failure marks the replica down for its back-off. The back-off doubles only
+        when a call sent while the replica was already down fails (a failed probe): calls that
+        were in flight when the first failure marked it down say nothing new. Counting each of
+        them doubled it to the 10 s maximum after a stall of one deadline (a writer putting every
+        10 ms has ~30 puts in flight), leaving a recovered replica out of every call that long.
+        """
         with self._lock:
             if exc is None:
                 rep.down_until = 0.0
                 rep.backoff = DOWN_BACKOFF_INITIAL_S
             elif _code_name(exc) in _TRANSPORT_CODES:
                 was_down = rep.down_until != 0.0
-                rep.down_until = time.monotonic() + rep.backoff
+                if was_down and sent is not None and sent < rep.marked_at:
+                    return  # in flight before the mark: the same failure, already counted
+                now = time.monotonic()
+                rep.down_until = now + rep.backoff
+                rep.marked_at = now
                 if was_down:  # a failed probe: wait longer next time
                     rep.backoff = min(rep.backoff * 2.0, DOWN_BACKOFF_MAX_S)
 
@@ -541,7 +553,8 @@ class CacheClient:
         half a unary Put's server CPU); a replica that answers it UNIMPLEMENTED gets unary Puts.
         """
         stub = self._stub(rep)
-        left = end - time.monotonic()
+        sent = time.monotonic()
+        left = end - sent
         timeout = max(0.001, left)
         # A call sent once its deadline passed (a read failing over when the keys' earlier
         # replicas timed out at it) gets gRPC's minimum: missing that says nothing of the
@@ -554,7 +567,7 @@ class CacheClient:
             if exc is None:
                 self._mark(rep, None)
             elif judged or _code_name(exc) != "DEADLINE_EXCEEDED":
-                self._mark(rep, exc)
+                self._mark(rep, exc, sent)
             out.put((tag, rep, response, exc))
 
         if method == "Put" and not rep.unary_puts:
