@@ -274,11 +274,12 @@ def test_a_push_landing_while_the_reader_reads_is_not_lost(dep, root):
         assert waited < PUSHED_WAIT_S * 0.5, f"the pushed message waited {waited:.2f} s"
 
 
-@pytest.mark.parametrize("role", ["data", "metadata", "both"])
-def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, role):
-    """One data and/or one metadata replica is SIGKILLed mid-stream and restarted: the reader
-    hedges (bytes from another replica, lengths polled while no majority of streams is live),
-    gets every message in order, and is pushed to again after the restart."""
+@pytest.mark.parametrize("role, how", [("data", "kill"), ("metadata", "kill"), ("both", "kill"), ("both", "stop")])
+def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, role, how):
+    """One data and/or one metadata replica is SIGKILLed mid-stream and restarted, or stopped
+    (SIGSTOP: alive but silent, the producer's pipelined puts to it unanswered) and resumed:
+    the reader hedges (bytes from another replica, lengths polled while no majority of streams
+    is live), gets every message in order, and is pushed to again afterwards."""
     roles = ["data", "metadata"] if role == "both" else [role]
     with Producer(root, "faults", shards=1, **endpoints(dep)) as p, Consumer(root, "faults", **endpoints(dep)) as c:
         col = Collector(c)
@@ -298,11 +299,19 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
             # The data replica killed is the one this process's feed follows the file on.
             index = {"data": followed_replica(dep, c), "metadata": 0}
             for r in roles:
-                dep.kill(r, index[r], signal.SIGKILL)
+                if how == "kill":
+                    dep.kill(r, index[r], signal.SIGKILL)
+                else:
+                    os.kill(dep.server(r, index[r]).pid, signal.SIGSTOP)
             seen = len(col.values)
-            col.until(lambda: len(col.values) >= seen + 1000, 30, "messages with a replica dead")
-            for r in roles:
-                dep.restart(r, index[r])
+            try:
+                col.until(lambda: len(col.values) >= seen + 1000, 30, "messages with a replica dead")
+            finally:
+                for r in roles:
+                    if how == "kill":
+                        dep.restart(r, index[r])
+                    else:
+                        os.kill(dep.server(r, index[r]).pid, signal.SIGCONT)
             pushed = col.stat("pushed_bytes")
             seen = len(col.values)
             col.until(lambda: len(col.values) >= seen + 1000, 30, "messages after the restart")
