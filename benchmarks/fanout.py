@@ -182,7 +182,7 @@ def run_consumer(args: argparse.Namespace) -> int:
             extra = c.stats()
     tally.tick(force=True)
     result = {"n": tally.n, "bytes": tally.nbytes, "samples": tally.samples, "last_at": tally.last_at,
-              "durable_bytes": extra.get("durable_bytes", 0), "pushed_bytes": extra.get("pushed_bytes", 0)}
+              "durable_bytes": extra.get("durable_bytes", 0), "pushed_bytes": extra.get("pushed_bytes", 0), "store_holds": extra.get("store_holds", 0)}
     with open(args.count_file + ".json", "w") as f:
         json.dump(result, f)
     return 0
@@ -323,6 +323,7 @@ def run_point(args: argparse.Namespace, kind: str, n: int, server_pids: List[int
         "missing": sum(max(0, sent - r["n"]) for r in results),
         "durable_bytes": sum(r["durable_bytes"] for r in results),
         "pushed_bytes": sum(r["pushed_bytes"] for r in results),
+        "store_holds": sum(r.get("store_holds", 0) for r in results),
         "cpu_per_gb": (cpu1 - cpu0) / max(delivered / 1e9, 1e-9),
         "client_cpu_per_gb": (ccpu1 - ccpu0) / max(delivered / 1e9, 1e-9),
     }
@@ -423,7 +424,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\n== fan-out: 1 producer of {MESSAGE_BYTES} B messages at {args.rate_mb} MB/s, N consumers, "
           f"{args.seconds:g} s per point")
     header = (f"{'column':<8} {'N':>3} {'MB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'missing':>8} {'durable B':>10} "
-              f"{'pushed MB':>9} {'CPU s/GB':>9} {'client s/GB':>11} {'producer MB/s':>13}")
+              f"{'pushed MB':>9} {'holds':>5} {'CPU s/GB':>9} {'client s/GB':>11} {'producer MB/s':>13}")
     print(header)
     for n in ns:
         for kind in table:
@@ -432,7 +433,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             cpu = f"{r['cpu_per_gb']:.1f}" if kind != "durable" else "-"
             print(f"{kind:<8} {n:>3} {r['mb_s']:>7.1f} {r['p50']:>8.1f} {r['p99']:>8.1f} {r['missing']:>8} "
-                  f"{r['durable_bytes']:>10} {r['pushed_bytes'] / 1e6:>9.1f} {cpu:>9} "
+                  f"{r['durable_bytes']:>10} {r['pushed_bytes'] / 1e6:>9.1f} {r['store_holds']:>5} {cpu:>9} "
                   f"{r['client_cpu_per_gb']:>11.1f} {r['producer_mb_s']:>13.2f}")
     if "redis" in table:
         print("\nours / redis (MB/s: higher is better; p99 and CPU/GB: lower is better)")

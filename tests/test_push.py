@@ -16,6 +16,9 @@ import pytest
 from pyspark_acs.cache.chunks import ChunkWriter, file_id
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.cache.push import FollowStream, WatchStream
+from pyspark_acs.format.names import shard_dir
+from pyspark_acs.read.cachepath import (STORE_HOLD_JITTER, STORE_HOLD_MAX_S, STORE_HOLD_MIN_S,
+                                        STORE_HOLD_RESET_S, StoreHold)
 from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.server.local.deploy import LocalDeployment
 from pyspark_acs.write.producer import Producer
@@ -325,6 +328,77 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
         assert_exact(col.values, count)
         assert c.stats()["durable_bytes"] == 0
         assert store_bytes[0] == 0
+
+
+def test_a_reader_the_caches_fail_reads_the_store_alone_for_a_hold_then_returns(dep, root):
+    """Every data replica stopped (SIGSTOP: calls to them only time out): the reader's first
+    failed read starts a store hold -- lengths and bytes from the store alone, its file no
+    longer pushed to the process -- and it keeps getting every message in order. Failing again
+    after each hold doubles the next, so a long outage costs a few holds, not a timed-out call
+    per read. Once the replicas answer, the reader is back on the caches within a hold."""
+    with Producer(root, "held", shards=1, **endpoints(dep)) as p, Consumer(root, "held", **endpoints(dep)) as c:
+        col = Collector(c)
+        sender = Sender(p)
+        sender.start()
+        pids = [dep.server("data", i).pid for i in range(3)]
+        try:
+            col.until(lambda: len(col.values) >= 500 and col.stat("pushed_bytes") > 0, 30, "first pushed messages")
+            uri = p.store.uri(f"{shard_dir('held', 0)}/{p.current_files()[0]}")
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                col.until(lambda: col.stat("store_holds") >= 1, 30, "a store hold")
+                # The hold drops the file from the process's feed: nothing is pushed to it.
+                col.until(lambda: c.path.holding() and not c.path.feed.follows(uri), 30,
+                          "the file dropped from the feed during a hold")
+                seen = len(col.values)
+                col.until(lambda: len(col.values) >= seen + 1000, 30, "messages from the store alone")
+                holds, outage = col.stat("store_holds"), time.monotonic() - stopped
+                # Holds of 1, 2, 4, 8, 8 ... s, each at least 75 % of that: four within the first
+                # 5.25 s, then one per 6 s at most -- not one per read.
+                assert holds <= 4 + outage / (STORE_HOLD_MAX_S * (1 - STORE_HOLD_JITTER)), (holds, outage)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+            # Back on the caches: bytes pushed again and durable reads stop.
+            pushed = col.stat("pushed_bytes")
+            col.until(lambda: col.stat("pushed_bytes") > pushed, 30, "bytes pushed after the outage")
+            deadline = time.monotonic() + 30
+            while True:
+                d0, n0 = col.stat("durable_bytes"), len(col.values)
+                col.pump(1.5)
+                if col.stat("durable_bytes") == d0 and len(col.values) > n0:
+                    break
+                assert time.monotonic() < deadline, f"store reads did not stop: {c.stats()}"
+        finally:
+            count = sender.stop()
+        col.until(lambda: len(col.values) >= count, 30, "every message")
+        col.pump(0.2)
+        assert_exact(col.values, count)
+
+
+def test_store_hold_doubles_while_failures_recur_and_starts_over_after_a_quiet_spell():
+    """The hold rule alone: the first failure holds STORE_HOLD_MIN_S, a failure soon after a
+    hold ended doubles it up to STORE_HOLD_MAX_S, one after STORE_HOLD_RESET_S starts over;
+    failures during a hold change nothing; each hold is drawn within the jitter."""
+    lo, hi = 1 - STORE_HOLD_JITTER, 1 + STORE_HOLD_JITTER
+    for _ in range(20):
+        h = StoreHold()
+        now = 100.0
+        assert not h.holding(now)
+        want = STORE_HOLD_MIN_S
+        for _ in range(6):
+            got = h.trip(now)
+            assert want * lo <= got <= want * hi
+            assert h.holding(now + got * 0.99) and h.trip(now + got * 0.5) is None
+            now += got + 0.1  # fails again just after the hold
+            want = min(want * 2, STORE_HOLD_MAX_S)
+        assert want == STORE_HOLD_MAX_S
+        got = h.trip(now)
+        assert STORE_HOLD_MAX_S * lo <= got <= STORE_HOLD_MAX_S * hi
+        got = h.trip(now + got + STORE_HOLD_RESET_S + 0.1)
+        assert STORE_HOLD_MIN_S * lo <= got <= STORE_HOLD_MIN_S * hi
 
 
 def test_reader_that_connects_late_resumes_by_offset(dep, root):

@@ -234,6 +234,11 @@ class ChunkFeed:
         spread, and a replica never pushes past a chunk it is not placed on)."""
         return self._whole_files or f.endpoint in self.client.replicas_for(chunk_key(f.uri, f.end // CHUNK_SIZE))
 
+    def follows(self, uri: str) -> bool:
+        """Whether some reader of this process has ``uri``'s bytes pushed now."""
+        with self._lock:
+            return uri in self._files
+
     def following(self) -> int:
         """How many files are followed now."""
         with self._lock:
