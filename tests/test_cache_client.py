@@ -494,6 +494,27 @@ def test_a_stalled_replica_ends_its_put_stream_at_the_deadline_and_rejoins(clust
         wait_until(rejoined, timeout=20, interval=0.1)
 
 
+def test_a_straggler_of_an_old_failure_does_not_mark_a_recovered_replica_down(cluster):
+    """The marking rule alone, on a real client: a call sent before a replica was marked down
+    that fails after it recovered is the old failure's straggler (it says nothing new) and
+    leaves the replica up; a call sent after the recovery that fails marks it down."""
+    from pyspark_acs.cache.pipeline import _StreamEnded
+
+    ep = cluster.data_endpoints.split(",")[0]
+    with CacheClient(ep, name="data cache") as c:
+        rep = c._replicas[ep]
+        sent_before = time.monotonic()
+        c._mark(rep, _StreamEnded("stalled", "DEADLINE_EXCEEDED"), sent=time.monotonic())
+        assert ep in c.down_endpoints()
+        c._mark(rep, None)  # a probe answered: up again
+        assert ep not in c.down_endpoints()
+        c._mark(rep, _StreamEnded("stalled", "DEADLINE_EXCEEDED"), sent=sent_before)
+        assert ep not in c.down_endpoints()
+        c._mark(rep, _StreamEnded("died", "UNAVAILABLE"), sent=time.monotonic())
+        assert ep in c.down_endpoints()
+        assert rep.backoff == DOWN_BACKOFF_INITIAL_S  # a fresh failure, not a failed probe
+
+
 def test_a_replica_without_put_stream_gets_unary_puts(tmp_path):
     """A replica from before PutStream (a rolling upgrade) answers it UNIMPLEMENTED: the client
     sends that put again as a unary Put, and every later put to it unary. The old server is

@@ -512,6 +512,8 @@ class CacheClient:
         were in flight when the first failure marked it down say nothing new. Counting each of
         them doubled it to the 10 s maximum after a stall of one deadline (a writer putting every
         10 ms has ~30 puts in flight), leaving a recovered replica out of every call that long.
+        Nor does such a call mark the replica down again when it fails after the replica
+        recovered (a straggler of the old failure): a new failure shows in the calls sent since.
         """
         with self._lock:
             if exc is None:
@@ -519,7 +521,7 @@ class CacheClient:
                 rep.backoff = DOWN_BACKOFF_INITIAL_S
             elif _code_name(exc) in _TRANSPORT_CODES:
                 was_down = rep.down_until != 0.0
-                if was_down and sent is not None and sent < rep.marked_at:
+                if sent is not None and sent < rep.marked_at:
                     return  # in flight before the mark: the same failure, already counted
                 now = time.monotonic()
                 rep.down_until = now + rep.backoff
