@@ -10,6 +10,7 @@ cross-cluster fault tests.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -658,3 +659,43 @@ def _fresh(root: str, stream: str) -> list:
 
     with Consumer(root, stream) as c:
         return [r["value"] for b in c.batches(timeout=0.5) for r in b.to_pylist()]
+
+
+def test_a_destination_file_locked_by_a_stopped_process_fails_the_copy_then_resumes(
+        make_env, python_exe, subprocess_env):
+    """A process stopped inside its append keeps the destination file's append lock (flock):
+    B's copy writer must not append past it (the holder may still land the same bytes), so it
+    answers FAILED after LOCK_WAIT_SECONDS (``errors_total{kind="durable_lock_busy"}``) and B's
+    file stays a prefix of A's. Once the holder is gone, the copy resumes and B ends byte-exact."""
+    from test_store import _LOCK_HOLDER
+    from test_write_path import _stop
+
+    env = make_env(CHAIN, dests=("B",))
+    env.start_daemon("A")
+    daemon_b = env.start_daemon("B")
+    with env.producer(shards=1, roll_bytes=10_000_000) as p:
+        produce(p, 0, 50)
+        p.flush()
+        env.wait_same("B")
+        (rel,) = env.files("B")
+        store_b = DurableStore(env.roots["B"])
+        holder = subprocess.Popen([python_exe, "-c", _LOCK_HOLDER, store_b.path(rel)], stdout=subprocess.PIPE,
+                                  env=subprocess_env, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "LOCKED"
+            _stop(holder)
+            produce(p, 50, 100)
+            p.flush()
+            deadline = time.monotonic() + 30
+            while metric(daemon_b, "errors_total", kind="durable_lock_busy") < 1:
+                assert time.monotonic() < deadline, f"no FAILED append on the locked file\n{env.logs()}"
+                time.sleep(0.2)
+            env.check_prefixes("B")
+            assert store_b.length(rel) < DurableStore(env.roots["A"]).length(rel)  # nothing went past the lock
+        finally:
+            holder.send_signal(signal.SIGCONT)
+            holder.kill()
+            holder.wait(10)
+            store_b.close()
+    env.wait_same("B")
+    check_order(consume_all(env, "B", 150), 150)
