@@ -487,3 +487,26 @@ def test_acs_up_then_acs_down_from_another_process(tmp_path):
         assert acs_down(tmp_path) == []
     finally:
         dep.stop()
+
+
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and glibc's mallopt")
+def test_a_large_get_is_answered_from_reused_memory_not_fresh_pages(deployments, plain):
+    """acs-cache-server tunes glibc's mmap and trim thresholds at start (server/malloc.py): a
+    1 MiB answer's buffers come from the heap, reused, instead of a fresh mmap faulted in page by
+    page and unmapped after (measured: ~1,250 minor page faults per 1 MiB Get without, ~1 with;
+    2.4 against 0.6 ms of server CPU)."""
+    keys = [b"malloc/%04d" % i for i in range(256)]
+    plain.put([(k, bytes([i % 251]) * 4096, 1) for i, k in enumerate(keys)])
+    pid = deployments["plain"].server("data", 0).pid
+    for _ in range(20):  # the heap grows to its working size
+        plain.get(keys)
+    before = _minor_faults(pid)
+    for _ in range(50):
+        assert len(plain.get(keys)) == 256
+    per_get = (_minor_faults(pid) - before) / 50
+    assert per_get < 64, f"{per_get:.0f} page faults per 1 MiB Get (256 pages): buffers are mapped afresh"

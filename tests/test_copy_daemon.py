@@ -280,6 +280,12 @@ def test_kill_a_metadata_cache_copy_continues_from_durable(make_env, caches):
             produce(p, 100, 200, pause=0.002)
             env.wait_same("B")
             env.wait_same("C")
+            # A's daemon could not read lengths from its metadata cache: it held to its store
+            # (counted once its operations account their reads, every few seconds).
+            deadline = time.monotonic() + 30
+            while metric(env.daemons["A"][0], "store_holds_total") < 1:
+                assert time.monotonic() < deadline, f"no store hold counted\n{env.logs()}"
+                time.sleep(0.2)
         finally:
             caches["A"].restart("metadata", 0)
     env.wait_same("C")

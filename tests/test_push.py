@@ -551,39 +551,57 @@ def test_watch_stream_pushes_lengths_and_resends_after_restart(dep):
 
 def test_a_long_chunk_read_goes_in_pieces_and_keeps_what_answered(dep):
     """A reader catching up asks for at most READ_PIECE_CHUNKS chunks per Get (each piece is
-    answered within the deadline by a loaded replica); when a later piece fails, the pieces
-    read stay and only the rest reads as missing (the caller takes it from the store)."""
-    from pyspark_acs.cache.chunks import CHUNK_SIZE, READ_PIECE_CHUNKS, ChunkReader
+    answered within the deadline by a loaded replica), READ_PIECES_IN_FLIGHT pieces at once
+    (each on a replica of its own pick); when a later piece fails, the pieces before it stay and
+    the rest reads as missing (the caller takes it from the store)."""
+    from pyspark_acs.cache.chunks import CHUNK_SIZE, READ_PIECE_CHUNKS, READ_PIECES_IN_FLIGHT, ChunkReader, chunk_key
     from pyspark_acs.errors import CacheUnavailableError
 
     uri = "file:///pieces/s/0/000001.acs"
     n = 2 * READ_PIECE_CHUNKS + 10
     data = bytes(range(256)) * (n * CHUNK_SIZE // 256)
+    first_keys = {chunk_key(uri, i * READ_PIECE_CHUNKS): i for i in range(3)}
     with CacheClient(dep.data_endpoints) as client:
         ChunkWriter(client, uri).append(data)
-        calls = []
+        asked = []  # (piece, keys), in the order the calls started
+        lock = threading.Lock()
+        state = {"fail": None, "in_flight": 0, "most": 0}
         real = client.get
-        fail_call = [0]  # the call number that fails (0: none)
 
         def recording_get(keys, **kw):
-            calls.append(len(keys))
-            if len(calls) == fail_call[0]:
-                raise CacheUnavailableError("injected: this piece timed out")
-            return real(keys, **kw)
+            piece = first_keys[keys[0]]
+            with lock:
+                asked.append((piece, len(keys)))
+                state["in_flight"] += 1
+                state["most"] = max(state["most"], state["in_flight"])
+            try:
+                time.sleep(0.1)  # long enough for the others to start meanwhile
+                if piece == state["fail"]:
+                    raise CacheUnavailableError("injected: this piece timed out")
+                return real(keys, **kw)
+            finally:
+                with lock:
+                    state["in_flight"] -= 1
 
         client.get = recording_get
         got = ChunkReader(client).read(uri, 0, len(data))
         assert b"".join(part for _, _, part in got) == data
-        assert calls == [READ_PIECE_CHUNKS, READ_PIECE_CHUNKS, 10]
+        assert sorted(asked) == [(0, READ_PIECE_CHUNKS), (1, READ_PIECE_CHUNKS), (2, 10)]
+        assert state["most"] == min(3, READ_PIECES_IN_FLIGHT)  # in flight together, not one by one
 
-        calls.clear()
-        fail_call[0] = 2
+        asked.clear()
+        state["fail"] = 1
         got = ChunkReader(client).read(uri, 0, len(data))
-        assert calls == [READ_PIECE_CHUNKS, READ_PIECE_CHUNKS]  # nothing asked after the failure
         head = READ_PIECE_CHUNKS * CHUNK_SIZE
         assert b"".join(part for _, _, part in got[:READ_PIECE_CHUNKS]) == data[:head]
+        # the piece after the failed one may have been answered: it is dropped with the rest
         assert all(part is None for _, _, part in got[READ_PIECE_CHUNKS:])
         assert got[-1][1] == len(data)
+
+        asked.clear()
+        state["fail"] = 0  # the first piece failing fails the read: nothing was read
+        with pytest.raises(CacheUnavailableError):
+            ChunkReader(client).read(uri, 0, len(data))
 
 
 def test_reader_processes_spread_their_follow_streams_over_the_replicas():

@@ -11,9 +11,11 @@ present yields the right bytes, even if the chunk is only partly filled.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import threading
-from typing import Dict, List, Optional, Tuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.client import CacheClient, Entry
 from pyspark_acs.errors import CacheError
@@ -30,6 +32,10 @@ CHUNK_SIZE = 4096
 #: (4,097 keys) missed its 0.5 s deadline on every replica at 32 consumers on 2 cores
 #: (benchmarks/fanout.py), and the whole range then went to the durable store.
 READ_PIECE_CHUNKS = 256
+#: Pieces of one long read in flight at once, each on a replica picked for it: one piece at a
+#: time left the reader waiting on each round trip in turn (a Spark task reading a 100 MiB range
+#: through the caches made 240k rows/s against 1.5M from the store, 0.6 of its 0.9 s waiting).
+READ_PIECES_IN_FLIGHT = 4
 
 #: Bytes of a file id (the blake2b digest of its URI) in its chunk keys.
 FILE_ID_BYTES = 16
@@ -125,6 +131,26 @@ class ChunkWriter:
             return end
 
 
+# Threads that wait for the pieces of long reads (each piece's Get waits for its answer), one
+# pool per process, created at first use (a forked Spark worker makes its own).
+# _piece_pool_lock guards _piece_pool_state.
+_piece_pool_lock = threading.Lock()
+_piece_pool_state: Dict[int, ThreadPoolExecutor] = {}
+
+
+def _piece_pool() -> ThreadPoolExecutor:
+    import os
+
+    pid = os.getpid()
+    with _piece_pool_lock:
+        pool = _piece_pool_state.get(pid)
+        if pool is None:
+            _piece_pool_state.clear()  # a parent's pool does not survive a fork
+            pool = _piece_pool_state[pid] = ThreadPoolExecutor(
+                max_workers=4 * READ_PIECES_IN_FLIGHT, thread_name_prefix="acs-chunk-pieces")
+        return pool
+
+
 class ChunkReader:
     """Reads byte ranges of files from the data cache: relaxed first, then consistent.
 
@@ -154,16 +180,7 @@ class ChunkReader:
         keys = [chunk_key(uri, n, file_id=fid) for n in numbers]
         spans = [(max(start, n * CHUNK_SIZE), min(end, (n + 1) * CHUNK_SIZE)) for n in numbers]
         need = [e - n * CHUNK_SIZE for n, (_, e) in zip(numbers, spans)]
-        entries: List[Optional[Entry]] = []
-        for at in range(0, len(keys), READ_PIECE_CHUNKS):
-            try:
-                entries += self.client.get(keys[at:at + READ_PIECE_CHUNKS])
-            except CacheError:
-                if not entries:
-                    raise
-                # Later pieces failed: the pieces read stay; the rest reads as missing (the
-                # caller reads it from the store), so one slow piece does not void the others.
-                break
+        entries = self._pieces(keys)
         answered = len(entries)
         entries += [None] * (len(keys) - answered)
         short = [i for i, ent in enumerate(entries[:answered]) if ent is None or len(ent.value) < need[i]]
@@ -190,6 +207,40 @@ class ChunkReader:
             self.counters["cache_bytes"] += got
             self.counters["missing_chunks"] += missing
         return out
+
+    def _pieces(self, keys: Sequence[bytes]) -> List[Optional[Entry]]:
+        """Relaxed reads of ``keys`` in pieces of :data:`READ_PIECE_CHUNKS`, up to
+        :data:`READ_PIECES_IN_FLIGHT` at once, answered in order. The entries of the pieces
+        before the first that failed; the caller reads the rest as missing (from the store),
+        so one slow piece does not void the others.
+
+        Raises
+        ------
+        CacheError
+            When the first piece failed.
+        """
+        if len(keys) <= READ_PIECE_CHUNKS:
+            return self.client.get(keys)
+        pieces = [keys[at:at + READ_PIECE_CHUNKS] for at in range(0, len(keys), READ_PIECE_CHUNKS)]
+        pool = _piece_pool()
+        waiting: Deque["Future[List[Optional[Entry]]]"] = collections.deque()
+        entries: List[Optional[Entry]] = []
+        sent = 0
+        try:
+            while sent < len(pieces) or waiting:
+                while sent < len(pieces) and len(waiting) < READ_PIECES_IN_FLIGHT:
+                    waiting.append(pool.submit(self.client.get, pieces[sent]))
+                    sent += 1
+                try:
+                    entries += waiting.popleft().result()
+                except CacheError:
+                    if not entries:
+                        raise
+                    break
+        finally:
+            for f in waiting:  # after a failure: pieces not started are not sent
+                f.cancel()
+        return entries
 
     def stats(self) -> Dict[str, int]:
         """A snapshot of the counters since creation.

@@ -171,6 +171,10 @@ COPY_METRICS: Dict[str, MetricSpec] = {
         "counter", "Bytes this daemon's operations read from its own cluster, by way: pushed (the data "
         "cache pushed them, no request), asked (chunk reads of the data cache), durable (the store).",
         ("way",)),
+    "store_holds_total": MetricSpec(
+        "counter", "Times the caches failed this daemon's reads of its own cluster (a failed data-cache read, "
+        "a cache trailing the store past maxDelay, an unreadable metadata cache) and it read from the store "
+        "alone for a hold."),
     "tree_rebuilds_total": MetricSpec("counter", "Copy-tree rebuilds after health or topology changes."),
     "files_surveyed_total": MetricSpec(
         "counter", "Files a child reported holding when this daemon started feeding it (Files RPC), "

@@ -45,6 +45,7 @@ from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, PutResult
 from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Watchers
 from pyspark_acs.server.strict import add_servicer
 from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
+from pyspark_acs.server.malloc import tune_malloc
 from pyspark_acs.server.metrics import CACHE_CALL_METRICS, CACHE_METRICS, Metrics, MetricsEndpoint, StatsCollector
 
 __all__ = [
@@ -692,6 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``acs-cache-server``; returns the exit status (2 for bad flags)."""
     args = build_parser().parse_args(argv)  # exits 2 with a message naming the flag
+    tune_malloc()  # large answers from the heap, not a fresh mmap each (server/malloc.py)
     token = args.token
     if token is not None and not token.strip():
         print("acs-cache-server: error: argument --token: must not be empty", file=sys.stderr)

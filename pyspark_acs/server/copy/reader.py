@@ -88,7 +88,7 @@ class SourceFiles:
         )
         self._lock = threading.Lock()
         self._follows: Dict[str, int] = {}
-        self._accounted: Dict[str, int] = {}  # read-path byte counts already added to the metrics
+        self._accounted: Dict[Tuple[str, Optional[str]], int] = {}  # read-path counts already added to the metrics
 
     @property
     def store(self):
@@ -111,15 +111,19 @@ class SourceFiles:
 
     def account(self, metrics: "CopyMetrics") -> None:
         """Add the bytes read through the read path since the last call to
-        ``source_read_bytes_total`` by way (pushed, asked, durable)."""
+        ``source_read_bytes_total`` by way (pushed, asked, durable), and its store holds to
+        ``store_holds_total``."""
         stats = self.path.stats()
-        now = {"pushed": stats["pushed_bytes"], "asked": stats["cache_bytes"] - stats["pushed_bytes"],
-               "durable": stats["durable_bytes"]}
+        now = {("source_read_bytes_total", "pushed"): stats["pushed_bytes"],
+               ("source_read_bytes_total", "asked"): stats["cache_bytes"] - stats["pushed_bytes"],
+               ("source_read_bytes_total", "durable"): stats["durable_bytes"],
+               ("store_holds_total", None): stats["store_holds"]}
         with self._lock:
             last, self._accounted = self._accounted, now
-        for way, value in now.items():
-            if value > last.get(way, 0):
-                metrics.inc("source_read_bytes_total", value - last.get(way, 0), way=way)
+        for (name, way), value in now.items():
+            added = value - last.get((name, way), 0)
+            if added > 0:
+                metrics.inc(name, added, **({"way": way} if way else {}))
 
     def follow(self, rel: str, wake: Optional[threading.Event] = None) -> threading.Event:
         """Follow ``rel`` from now on; ``wake`` (returned; a new event if None) is set when its
