@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 #: glibc's own ceiling for its dynamic threshold on 64-bit, and above the largest gRPC message
 #: the servers build in normal operation (a 1 MiB read piece, a push of at most a few MiB).
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
-#: Free memory kept at the top of the heap for the next buffers instead of being returned to
-#: the kernel (at most this much of a server's resident memory is such free memory).
+#: Free memory kept at the top of a heap for the next buffers instead of being returned to the
+#: kernel: a server's resident memory may hold up to this much free memory per malloc arena
+#: (the event loop's thread and gRPC's few threads each may use one).
 TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 
 # mallopt(3) parameter numbers (glibc's malloc.h).
