@@ -76,5 +76,3 @@ class TracedSource(AcsDataSource):
         from pyspark_acs.datasource.options import parse_source_options
 
         return TracedReader(parse_source_options(self.options))
-
-

@@ -401,10 +401,43 @@ def throughput(spark, paths: Dict[str, str], n: int, repeat: int, tmp: str, dep:
     report(f"Spark source throughput: {n} messages of {SIZE} B ({mb:.0f} MB), {spark.sparkContext.master}", rows)
 
 
-def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warmup: float) -> None:
-    root = os.path.join(tmp, "delay")
+def start_delay_queries(spark, opts: Dict[str, str], collect: Callable, checkpoints: str, rate: int,
+                        fmt: str = "acs") -> tuple:
+    """``(source, sink)`` of the delay run, both at ``processingTime="0 seconds"``: the source
+    (``fmt`` with ``opts``, from the earliest offsets, into ``foreachBatch(collect)``) is started
+    first and has run its first (empty) batch, so its workers are warm, when the sink (``rate``
+    rows/s of ``SIZE`` B from Spark's rate source into ``fmt``) starts. Checkpoints go to
+    ``checkpoints``-source and -sink."""
     from pyspark.sql import functions as F
 
+    source = (
+        spark.readStream.format(fmt).options(**opts).option("startingOffsets", "earliest").load()
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", checkpoints + "-source")
+        .trigger(processingTime="0 seconds").start()
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while source.lastProgress is None:  # first (empty) batch: workers warm
+            if source.exception() or time.monotonic() > deadline:
+                raise RuntimeError(f"source query did not start: {source.exception()}")
+            time.sleep(0.2)
+        sink = (
+            spark.readStream.format("rate").option("rowsPerSecond", rate).option("numPartitions", 1).load()
+            .select(F.concat(F.lpad(F.col("value").cast("string"), 12, "0"), F.lit(" "), F.repeat(F.lit("y"), SIZE - 13))
+                    .cast("binary").alias("value"))
+            .writeStream.format(fmt).options(**opts)
+            .option("checkpointLocation", checkpoints + "-sink")
+            .trigger(processingTime="0 seconds").start()
+        )
+    except BaseException:
+        source.stop()
+        raise
+    return source, sink
+
+
+def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warmup: float) -> None:
+    root = os.path.join(tmp, "delay")
     from pyspark_acs.storage.store import open_store
 
     opts = {"root": root, "stream": "live", "dataCache": dep.data_endpoints, "metadataCache": dep.metadata_endpoints}
@@ -425,27 +458,8 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
                 jobs.append(now - began)
                 sizes.append(len(ts))
 
-    source = (
-        spark.readStream.format("acs").options(**opts).option("startingOffsets", "earliest").load()
-        .writeStream.foreachBatch(collect)
-        .option("checkpointLocation", os.path.join(tmp, "ckpt-delay-source"))
-        .trigger(processingTime="0 seconds").start()
-    )
-    sink = None
+    source, sink = start_delay_queries(spark, opts, collect, os.path.join(tmp, "ckpt-delay"), rate)
     try:
-        deadline = time.monotonic() + 180
-        while source.lastProgress is None:  # first (empty) batch: workers warm
-            if source.exception() or time.monotonic() > deadline:
-                raise RuntimeError(f"source query did not start: {source.exception()}")
-            time.sleep(0.2)
-        sink = (
-            spark.readStream.format("rate").option("rowsPerSecond", rate).option("numPartitions", 1).load()
-            .select(F.concat(F.lpad(F.col("value").cast("string"), 12, "0"), F.lit(" "), F.repeat(F.lit("y"), SIZE - 13))
-                    .cast("binary").alias("value"))
-            .writeStream.format("acs").options(**opts)
-            .option("checkpointLocation", os.path.join(tmp, "ckpt-delay-sink"))
-            .trigger(processingTime="0 seconds").start()
-        )
         progress(f"sink ({rate} rows/s of {SIZE} B) and source queries running for {seconds:.0f} s "
                  f"(arrivals in the first {warmup:.0f} s after the first one are warm-up)")
         start = time.time()
@@ -459,13 +473,12 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
             if recent:
                 progress(f"  {len(samples)} rows arrived; last 5 s: p50 {percentile(recent, 50):.0f} ms")
     finally:
-        if sink is not None:
-            sink.stop()
+        sink.stop()
         source.stop()
     with lock:
         first = min((t for t, _ in samples), default=start)
         steady = [d for t, d in samples if t >= first + warmup]
-    reports = sink.recentProgress if sink is not None else []
+    reports = sink.recentProgress
     durations = [r["durationMs"].get("triggerExecution", 0) for r in reports]
 
     def phases(progress: list) -> str:

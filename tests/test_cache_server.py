@@ -72,6 +72,41 @@ def test_store_versions_never_go_backwards():
     assert s.stats()["stale_total"] == 1
 
 
+def test_store_read_many_answers_a_get_in_its_shape_and_drops_what_expired():
+    """read_many (the Get handler's lookup) gives found, value and version per key in order
+    -- b"" and 0 for an absent or expired key -- drops and counts what expired, and counts the
+    read; with every key live it takes its no-test path and agrees with get_many."""
+    clock = FakeClock()
+    s = Store(1 << 20, 60, clock=clock)
+    s.put(b"live", b"abc", 3)
+    s.put(b"short", b"xy", 5, ttl_s=1)
+    s.put(b"other", b"q", 1)
+    assert s.read_many([b"live", b"other"]) == ([True, True], [b"abc", b"q"], [3, 1])
+    clock.now += 1.5
+    before = s.stats()
+    assert s.read_many([b"short", b"live", b"absent"]) == ([False, True, False], [b"", b"abc", b""], [0, 3, 0])
+    after = s.stats()
+    assert after["expired_total"] - before["expired_total"] == 1 and len(s) == 2  # dropped
+    assert after["gets_total"] - before["gets_total"] == 3
+    assert after["hits_total"] - before["hits_total"] == 1
+    assert after["misses_total"] - before["misses_total"] == 2
+    assert after["read_bytes_total"] - before["read_bytes_total"] == 3
+    assert s.get_many([b"live", b"absent"]) == [StoredEntry(b"abc", 3), None]
+    # peek: a push stream's uncounted read of one key, by the same liveness rule.
+    s.put(b"brief", b"z", 1, ttl_s=1)
+    counted = s.stats()["gets_total"]
+    assert s.peek(b"live") == StoredEntry(b"abc", 3) and s.peek(b"absent") is None
+    clock.now += 1.5
+    assert s.peek(b"brief") is None and s.stats()["expired_total"] == after["expired_total"] + 1
+    assert s.stats()["gets_total"] == counted
+    # A put meeting an expired entry counts it as expired too (one rule for all three).
+    s.put(b"gone", b"v", 9, ttl_s=1)
+    clock.now += 1.5
+    expired = s.stats()["expired_total"]
+    assert s.put(b"gone", b"w", 1) is PutResult.STORED
+    assert s.stats()["expired_total"] == expired + 1
+
+
 def test_store_compare_and_set_on_exact_bytes_or_absence():
     s = Store(1 << 20, 60)
     assert s.compare_and_set(b"lease", None, b"w1", version=1) == (True, StoredEntry(b"w1", 1))

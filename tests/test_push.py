@@ -566,7 +566,7 @@ def test_a_long_chunk_read_goes_in_pieces_and_keeps_what_answered(dep):
         asked = []  # (piece, keys), in the order the calls started
         lock = threading.Lock()
         state = {"fail": None, "in_flight": 0, "most": 0}
-        real = client.get
+        real = client.get_joined
 
         def recording_get(keys, **kw):
             piece = first_keys[keys[0]]
@@ -583,9 +583,13 @@ def test_a_long_chunk_read_goes_in_pieces_and_keeps_what_answered(dep):
                 with lock:
                     state["in_flight"] -= 1
 
-        client.get = recording_get
+        client.get_joined = recording_get
         got = ChunkReader(client).read(uri, 0, len(data))
         assert b"".join(part for _, _, part in got) == data
+        # every chunk there in full: one run per piece, no object per chunk
+        assert [(s, e) for s, e, _ in got] == [(0, READ_PIECE_CHUNKS * CHUNK_SIZE),
+                                               (READ_PIECE_CHUNKS * CHUNK_SIZE, 2 * READ_PIECE_CHUNKS * CHUNK_SIZE),
+                                               (2 * READ_PIECE_CHUNKS * CHUNK_SIZE, len(data))]
         assert sorted(asked) == [(0, READ_PIECE_CHUNKS), (1, READ_PIECE_CHUNKS), (2, 10)]
         assert state["most"] == min(3, READ_PIECES_IN_FLIGHT)  # in flight together, not one by one
 
@@ -593,15 +597,44 @@ def test_a_long_chunk_read_goes_in_pieces_and_keeps_what_answered(dep):
         state["fail"] = 1
         got = ChunkReader(client).read(uri, 0, len(data))
         head = READ_PIECE_CHUNKS * CHUNK_SIZE
-        assert b"".join(part for _, _, part in got[:READ_PIECE_CHUNKS]) == data[:head]
-        # the piece after the failed one may have been answered: it is dropped with the rest
-        assert all(part is None for _, _, part in got[READ_PIECE_CHUNKS:])
+        assert got[0] == (0, head, data[:head])
+        # the piece after the failed one may have been answered: it is dropped with the rest,
+        # chunk by chunk (the caller reads them from the store)
+        assert all(part is None for _, _, part in got[1:]) and len(got) == 1 + READ_PIECE_CHUNKS + 10
         assert got[-1][1] == len(data)
 
         asked.clear()
         state["fail"] = 0  # the first piece failing fails the read: nothing was read
         with pytest.raises(CacheUnavailableError):
             ChunkReader(client).read(uri, 0, len(data))
+
+
+def test_a_chunk_read_keeps_exact_bytes_around_a_lost_chunk_and_a_partial_last_chunk(dep):
+    """The runs a ChunkReader returns are the file's bytes exactly: a piece with a chunk lost
+    from every replica goes chunk by chunk (the lost one None, for the store), a piece whose
+    chunks are all there is one run, a range may start and end inside chunks, and the file's
+    last chunk may be partial."""
+    from pyspark_acs.cache.chunks import CHUNK_SIZE, READ_PIECE_CHUNKS, ChunkReader, chunk_key
+
+    uri = "file:///pieces/s/0/000002.acs"
+    data = os.urandom((READ_PIECE_CHUNKS + 20) * CHUNK_SIZE - 100)
+    lost = 7
+    with CacheClient(dep.data_endpoints) as client:
+        ChunkWriter(client, uri).append(data)
+        client.delete([chunk_key(uri, lost)])
+        for start, end in [(0, len(data)), (1000, len(data) - 5), (CHUNK_SIZE * (lost + 1) + 3, len(data)),
+                           (5, CHUNK_SIZE * lost), (len(data) - 50, len(data))]:
+            got = ChunkReader(client).read(uri, start, end)
+            assert got[0][0] == start and got[-1][1] == end
+            assert all(a[1] == b[0] for a, b in zip(got, got[1:])), "runs must be contiguous"
+            for s, e, part in got:
+                if part is None:
+                    assert (s // CHUNK_SIZE, (e - 1) // CHUNK_SIZE) == (lost, lost), (s, e)
+                else:
+                    assert part == data[s:e], (s, e)
+            if start > CHUNK_SIZE * (lost + 1) or end <= CHUNK_SIZE * lost:
+                assert all(part is not None for _, _, part in got)
+                assert len(got) <= 2  # whole pieces: one run each
 
 
 def test_reader_processes_spread_their_follow_streams_over_the_replicas():

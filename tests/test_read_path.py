@@ -526,3 +526,40 @@ def test_planner_walks_new_large_blocks_by_their_headers_alone(root):
         assert path.asked == HEADER_SIZE
     finally:
         path.close()
+
+
+def test_planner_does_not_read_again_the_headers_its_boundary_walk_just_read(root):
+    """latestOffset walks to the readable end (BoundaryCache) and then asks whether the range
+    holds a message (carries_messages): handed the same BoundaryCache, that answer comes from
+    the walk (it passed a block of messages within the range), with no header read of its own
+    -- one read less per shard and trigger, on the path of a new batch. A range the walk did
+    not cover is still read."""
+    from pyspark_acs.format.block import HEADER_SIZE
+    from pyspark_acs.read.positions import BoundaryCache, carries_messages, shard_extent
+    from pyspark_acs.read.readpath import DurableReadPath
+
+    DurableStore(root).create_stream("walked", 1)
+    name = _name(0)
+    b1 = encode_block([b"a" * 100] * 3, None, [1, 2, 3], first_index=0)
+    b2 = encode_block([b"b" * 100] * 3, None, [4, 5, 6], first_index=3)
+    _append(root, "walked", name, b1)
+    path = _CountingReads(DurableReadPath(DurableStore(root)))
+    boundaries = BoundaryCache()
+    try:
+        extent = shard_extent(path, "walked", 0, Offset(name, 0))
+        assert extent.latest(boundaries, path, Offset(name, 0)) == Offset(name, len(b1))
+        path.asked = 0
+        assert carries_messages(path, extent, Offset(name, 0), Offset(name, len(b1)), boundaries)
+        assert path.asked == 0
+        _append(root, "walked", name, b2)  # the next trigger: the walk resumes after b1
+        extent = shard_extent(path, "walked", 0, Offset(name, len(b1)))
+        end = extent.latest(boundaries, path, Offset(name, len(b1)))
+        assert end == Offset(name, len(b1) + len(b2))
+        path.asked = 0
+        assert carries_messages(path, extent, Offset(name, len(b1)), end, boundaries)
+        assert path.asked == 0
+        # b1 lies before the last walk's span: the planner's cache says nothing, the header is read
+        assert carries_messages(path, extent, Offset(name, 0), Offset(name, len(b1)), boundaries)
+        assert path.asked == HEADER_SIZE
+    finally:
+        path.close()

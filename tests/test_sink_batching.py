@@ -114,9 +114,9 @@ def test_a_batch_publishes_the_lengths_of_its_shards_together(root, tmp_path, mo
     writes = []
     real = MetadataCache.publish_many
 
-    def recording(self, lengths):
+    def recording(self, lengths, heads=()):
         writes.append(list(lengths))
-        return real(self, lengths)
+        return real(self, lengths, heads)
 
     monkeypatch.setattr(MetadataCache, "publish_many", recording)
     dep = LocalDeployment(tmp_path / "caches", data_replicas=1, metadata_replicas=1, capacity="32MiB").start()
@@ -136,3 +136,78 @@ def test_a_batch_publishes_the_lengths_of_its_shards_together(root, tmp_path, mo
             == expected(range(2))
     finally:
         dep.stop()
+
+
+@pytest.fixture
+def caches(tmp_path):
+    dep = LocalDeployment(tmp_path / "caches", data_replicas=1, metadata_replicas=1, capacity="32MiB").start()
+    try:
+        yield dep
+    finally:
+        dep.stop()
+
+
+def test_the_shard_heads_go_out_with_the_lengths_in_one_write(root, caches, monkeypatch):
+    """Each shard's writer records its head (the file it writes) every batch; the commit sends
+    the heads in the batch's one write of lengths instead of one metadata write per shard
+    before its first append."""
+    from pyspark_acs.cache.client import client_for
+    from pyspark_acs.cache.metadata import MetadataCache
+    from pyspark_acs.storage.store import open_store
+
+    own_writes, published = [], []
+    real_publish, real_head = MetadataCache.publish_many, MetadataCache.set_head
+
+    def recording_publish(self, lengths, heads=()):
+        published.append((list(lengths), list(heads)))
+        return real_publish(self, lengths, heads)
+
+    def recording_head(self, shard_uri, file_name):
+        own_writes.append((shard_uri, file_name))
+        return real_head(self, shard_uri, file_name)
+
+    monkeypatch.setattr(MetadataCache, "publish_many", recording_publish)
+    monkeypatch.setattr(MetadataCache, "set_head", recording_head)
+    w = writer(root, dataCache=caches.data_endpoints, metadataCache=caches.metadata_endpoints)
+    for batch_id in range(2):
+        w.commit(task_messages(w, batch_id), batch_id)
+    assert own_writes == []  # no head write of its own ...
+    assert len(published) == 2
+    store = open_store(root)
+    shard_uris = [store.uri(f"out/{s:05d}") for s in (0, 1)]
+    for lengths, heads in published:  # ... each batch's write holds both shards' heads: their files
+        assert [u for u, _ in heads] == shard_uris
+        assert sorted(f"{u}/{name}" for u, name in heads) == sorted(uri for uri, _, _ in lengths)
+    meta = MetadataCache(client_for(caches.metadata_endpoints, "metadata cache", []))
+    try:
+        assert meta.heads(shard_uris) == {u: store.list_files("out", s)[-1] for s, u in enumerate(shard_uris)}
+    finally:
+        meta.client.close()
+    assert stream_values(root, data_cache=caches.data_endpoints, metadata_cache=caches.metadata_endpoints) \
+        == expected(range(2))
+
+
+def test_the_lengths_go_out_before_the_leases_are_released(root, caches, monkeypatch):
+    """A reader waits for the batch's lengths, not for the shards' lease releases (a metadata
+    write and a store file each): the commit publishes first, then releases."""
+    from pyspark_acs.cache.metadata import MetadataCache, MetadataLease
+
+    events = []
+    real_publish, real_release = MetadataCache.publish_many, MetadataLease.release
+
+    def recording_publish(self, lengths, heads=()):
+        events.append("publish")
+        return real_publish(self, lengths, heads)
+
+    def recording_release(self):
+        events.append("release")
+        return real_release(self)
+
+    monkeypatch.setattr(MetadataCache, "publish_many", recording_publish)
+    monkeypatch.setattr(MetadataLease, "release", recording_release)
+    w = writer(root, dataCache=caches.data_endpoints, metadataCache=caches.metadata_endpoints)
+    for batch_id in range(2):
+        w.commit(task_messages(w, batch_id), batch_id)
+    assert events == ["publish", "release", "release"] * 2
+    assert stream_values(root, data_cache=caches.data_endpoints, metadata_cache=caches.metadata_endpoints) \
+        == expected(range(2))

@@ -804,6 +804,47 @@ def test_metadata_lease_records_carry_increasing_versions(tmp_path):
             client.close()
 
 
+def test_a_free_metadata_lease_is_taken_with_one_compare_and_set(tmp_path):
+    """A free lease key (never taken, released, expired: what each batch of a sink meets) is
+    taken with one compare-and-set and no read before it; a key another writer holds refuses
+    it and is still poisoned and taken over."""
+    from pyspark_acs.cache.client import CacheClient
+    from pyspark_acs.errors import LeasePoisonedError
+    from pyspark_acs.cache.metadata import MetadataCache
+    from pyspark_acs.server.local.deploy import LocalDeployment
+
+    with LocalDeployment(tmp_path / "dep", data_replicas=1, metadata_replicas=3, capacity="16MiB") as dep:
+        client = CacheClient(dep.metadata_endpoints, name="metadata cache", deadline=10.0)
+        calls = []
+        real_get, real_cas = client.get, client.compare_and_set
+        client.get = lambda *a, **k: (calls.append("get"), real_get(*a, **k))[1]
+        client.compare_and_set = lambda *a, **k: (calls.append("cas"), real_cas(*a, **k))[1]
+        try:
+            meta = MetadataCache(client)
+            uri = "file:///free/00000"
+            for attempt in range(2):  # never taken, then released
+                lease = meta.lease(uri, "w1", "shard 0", seconds=0.6)
+                calls.clear()
+                lease.acquire()
+                assert calls == ["cas"], (attempt, calls)
+                lease.release()
+                # A released lease is an empty value that lives 1 ms (MetadataLease.release); its third replica's
+                # release may still be on its way: a sink's next batch meets the key tens of ms
+                # later; taken within the millisecond, the key is not free yet (rounds converge).
+                time.sleep(0.05)
+            first = meta.lease(uri, "w1", "shard 0", seconds=0.6)
+            first.acquire()
+            second = meta.lease(uri, "w2", "shard 0", seconds=0.6)
+            second.acquire()  # refused as free, then poisons w1 and takes over once w1 may be gone
+            assert b"w2" in real_get([first.key], consistent=True)[0].value
+            with pytest.raises(LeasePoisonedError):
+                first._checked -= 10
+                first.check()
+            second.release()
+        finally:
+            client.close()
+
+
 # -- suspected: df.write reruns -------------------------------------------------------------------
 
 

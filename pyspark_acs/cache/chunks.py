@@ -165,10 +165,12 @@ class ChunkReader:
         self.counters: Dict[str, int] = {"relaxed_chunks": 0, "consistent_chunks": 0, "cache_bytes": 0, "missing_chunks": 0}
 
     def read(self, uri: str, start: int, end: int) -> List[Tuple[int, int, Optional[bytes]]]:
-        """Chunks covering ``[start, end)`` as ``(chunk_start, chunk_end, bytes or None)``.
+        """Runs covering ``[start, end)`` in order, as ``(run_start, run_end, bytes or None)``.
 
-        ``bytes`` is exactly ``[chunk_start, chunk_end)`` (clipped to the range). A chunk
-        that is absent or shorter than needed after a consistent read is None.
+        ``bytes`` is exactly ``[run_start, run_end)``. A run is a whole piece of
+        :data:`READ_PIECE_CHUNKS` chunks (clipped to the range) when every chunk of it was
+        there in full, else one chunk; a chunk absent or shorter than needed after a
+        consistent read is a run of its own with None.
 
         Raises
         ------
@@ -176,43 +178,66 @@ class ChunkReader:
             Only when no replica of some chunk answered at all (all dead).
         """
         fid = file_id(uri)
-        numbers = list(chunk_range(start, end))
+        numbers = chunk_range(start, end)
+        if not numbers:
+            return []
         keys = [chunk_key(uri, n, file_id=fid) for n in numbers]
-        spans = [(max(start, n * CHUNK_SIZE), min(end, (n + 1) * CHUNK_SIZE)) for n in numbers]
-        need = [e - n * CHUNK_SIZE for n, (_, e) in zip(numbers, spans)]
-        entries = self._pieces(keys)
-        answered = len(entries)
-        entries += [None] * (len(keys) - answered)
-        short = [i for i, ent in enumerate(entries[:answered]) if ent is None or len(ent.value) < need[i]]
-        consistent = 0
+        out: List[Optional[Tuple[int, int, Optional[bytes]]]] = []
+        short: List[Tuple[int, int]] = []  # (index in out, chunk number) to read again, consistently
+        got = 0
+        at = numbers[0]  # the next piece's first chunk
+        for data, sizes in self._pieces(keys):
+            k = len(sizes)
+            base = at * CHUNK_SIZE
+            lo, hi = max(start, base), min(end, (at + k) * CHUNK_SIZE)
+            if sizes[:-1].count(CHUNK_SIZE) == k - 1 and sizes[-1] >= hi - (at + k - 1) * CHUNK_SIZE:
+                # Every chunk but the last is full and the last reaches the range's end: the
+                # values, joined, are the file's bytes from the piece's first chunk on.
+                out.append((lo, hi, data[lo - base:hi - base]))
+                got += hi - lo
+            else:
+                offset = 0
+                for n in range(at, at + k):
+                    size = sizes[n - at]
+                    chunk = n * CHUNK_SIZE
+                    s, e = max(start, chunk), min(end, chunk + CHUNK_SIZE)
+                    if size < e - chunk:  # a miss (-1) or an older, shorter version
+                        short.append((len(out), n))
+                        out.append(None)
+                    else:
+                        out.append((s, e, data[offset + s - chunk:offset + e - chunk]))
+                        got += e - s
+                    offset += max(size, 0)
+            at += k
+        unanswered = numbers.stop - at  # pieces after one that failed
+        for n in range(at, numbers.stop):
+            out.append((max(start, n * CHUNK_SIZE), min(end, (n + 1) * CHUNK_SIZE), None))
+        missing = unanswered
         if short:
             # A lagging replica answered an older (shorter) version, or missed: ask a majority (Fig. 5).
-            again = self.client.get([keys[i] for i in short], consistent=True)
-            consistent = len(short)
-            for i, ent in zip(short, again):
-                entries[i] = ent
-        out: List[Tuple[int, int, Optional[bytes]]] = []
-        got = missing = 0
-        for n, (s, e), ent, k in zip(numbers, spans, entries, need):
-            if ent is None or len(ent.value) < k:
-                out.append((s, e, None))
-                missing += 1
-            else:
-                base = n * CHUNK_SIZE
-                out.append((s, e, ent.value[s - base : e - base]))
-                got += e - s
+            again = self.client.get([keys[n - numbers[0]] for _, n in short], consistent=True)
+            for (i, n), ent in zip(short, again):
+                chunk = n * CHUNK_SIZE
+                s, e = max(start, chunk), min(end, chunk + CHUNK_SIZE)
+                if ent is None or len(ent.value) < e - chunk:
+                    out[i] = (s, e, None)
+                    missing += 1
+                else:
+                    out[i] = (s, e, ent.value[s - chunk:e - chunk])
+                    got += e - s
         with self._lock:
             self.counters["relaxed_chunks"] += len(numbers)
-            self.counters["consistent_chunks"] += consistent
+            self.counters["consistent_chunks"] += len(short)
             self.counters["cache_bytes"] += got
             self.counters["missing_chunks"] += missing
-        return out
+        return out  # type: ignore[return-value]  (every None was filled in above)
 
-    def _pieces(self, keys: Sequence[bytes]) -> List[Optional[Entry]]:
+    def _pieces(self, keys: Sequence[bytes]) -> List[Tuple[bytes, List[int]]]:
         """Relaxed reads of ``keys`` in pieces of :data:`READ_PIECE_CHUNKS`, up to
-        :data:`READ_PIECES_IN_FLIGHT` at once, answered in order. The entries of the pieces
-        before the first that failed; the caller reads the rest as missing (from the store),
-        so one slow piece does not void the others.
+        :data:`READ_PIECES_IN_FLIGHT` at once, answered in order, each as
+        :meth:`CacheClient.get_joined` gives it. The pieces before the first that failed;
+        the caller reads the rest as missing (from the store), so one slow piece does not
+        void the others.
 
         Raises
         ------
@@ -220,27 +245,27 @@ class ChunkReader:
             When the first piece failed.
         """
         if len(keys) <= READ_PIECE_CHUNKS:
-            return self.client.get(keys)
+            return [self.client.get_joined(keys)]
         pieces = [keys[at:at + READ_PIECE_CHUNKS] for at in range(0, len(keys), READ_PIECE_CHUNKS)]
         pool = _piece_pool()
-        waiting: Deque["Future[List[Optional[Entry]]]"] = collections.deque()
-        entries: List[Optional[Entry]] = []
+        waiting: Deque["Future[Tuple[bytes, List[int]]]"] = collections.deque()
+        answers: List[Tuple[bytes, List[int]]] = []
         sent = 0
         try:
             while sent < len(pieces) or waiting:
                 while sent < len(pieces) and len(waiting) < READ_PIECES_IN_FLIGHT:
-                    waiting.append(pool.submit(self.client.get, pieces[sent]))
+                    waiting.append(pool.submit(self.client.get_joined, pieces[sent]))
                     sent += 1
                 try:
-                    entries += waiting.popleft().result()
+                    answers.append(waiting.popleft().result())
                 except CacheError:
-                    if not entries:
+                    if not answers:
                         raise
                     break
         finally:
             for f in waiting:  # after a failure: pieces not started are not sent
                 f.cancel()
-        return entries
+        return answers
 
     def stats(self) -> Dict[str, int]:
         """A snapshot of the counters since creation.

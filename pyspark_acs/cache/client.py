@@ -659,10 +659,20 @@ class CacheClient:
         ClosedError
             After :meth:`close`.
         """
-        keys = list(keys)
+        return self._get(list(keys), consistent, joined=False)
+
+    def get_joined(self, keys: Sequence[bytes]) -> Tuple[bytes, List[int]]:
+        """A relaxed :meth:`get` of ``keys`` as ``(values concatenated, size of each)``, the size
+        ``-1`` for a miss: the values of a run of chunks as one bytes object, with no Python
+        object per key (on a 256-key read that bookkeeping cost ~140 us of the client's ~500).
+        Raises as :meth:`get`."""
+        return self._get(list(keys), False, joined=True)
+
+    def _get(self, keys: List[bytes], consistent: bool, joined: bool) -> Any:
+        """:meth:`get` (``joined`` False) or :meth:`get_joined` (True)."""
         n = len(keys)
         if n == 0:
-            return []
+            return (b"", []) if joined else []
         self._check_open()
         pb = self._pb2()
         start = time.monotonic()
@@ -672,9 +682,11 @@ class CacheClient:
         # their failure left, which would lose the cause and call a timeout "unavailable").
         tried_first: Dict[str, BaseException] = {}
         if not consistent and n <= MAX_BATCH_KEYS and self.holds_every_key():
-            got = self._get_anywhere(keys, pb, start, end, tried_first)
-            if got is not None:
-                return got
+            good = self._get_anywhere(keys, pb, start, end, tried_first)
+            if good is not None:
+                if joined:
+                    return good.data, [size if found else -1 for found, size in zip(good.found, good.sizes)]
+                return _entries(good)
         ring_reps = self._ring.replicas_for_many(keys, self.replication)
 
         # Candidate order per distinct replica tuple: usable replicas, rotated by a random offset
@@ -811,10 +823,12 @@ class CacheClient:
                 bad,
                 errors,
             )
+        if joined:
+            return b"".join(e.value for e in best if e is not None), [len(e.value) if e is not None else -1 for e in best]
         return best
 
     def _get_anywhere(self, keys: List[bytes], pb: Any, start: float, end: float,
-                      failed: Dict[str, BaseException]) -> Optional[List[Optional[Entry]]]:
+                      failed: Dict[str, BaseException]) -> Any:
         """A relaxed get where every replica holds every key (:meth:`holds_every_key`): one
         call to one usable replica picked at random -- hedged to a second one after
         ``hedge_after``, the first answer wins -- answered without the per-key bookkeeping of
@@ -825,7 +839,9 @@ class CacheClient:
 
         A replica whose back-off ended is asked first: :meth:`_usable` gave this call its probe
         (and holds other calls off it for a deadline), so the probe must go out; a still dead
-        one fails at once, a stalled one is hedged like any other."""
+        one fails at once, a stalled one is hedged like any other.
+
+        Returns the answering replica's ``GetResponse`` (:func:`_entries` reads it)."""
         usable: List[_Replica] = []
         probes: List[_Replica] = []
         for rep in self._replicas.values():
@@ -864,15 +880,7 @@ class CacheClient:
             for rep in sent:
                 if rep.endpoint not in failed and answered < len(sent):
                     failed[rep.endpoint] = _deadline_error(rep.endpoint, self.deadline)
-            return None
-        data = good.data
-        result: List[Optional[Entry]] = []
-        append = result.append
-        offset = 0
-        for found, size, version in zip(good.found, good.sizes, good.versions):
-            append(Entry(data[offset:offset + size], version) if found else None)
-            offset += size
-        return result
+        return good
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -1216,6 +1224,18 @@ class _DeadlineCode:
 class _NoAnswer(Exception):
     def code(self):
         return _DeadlineCode
+
+
+def _entries(response: Any) -> List[Optional[Entry]]:
+    """The entries of one ``GetResponse``, in the order of its keys (``None`` for a miss)."""
+    data = response.data
+    result: List[Optional[Entry]] = []
+    append = result.append
+    offset = 0
+    for found, size, version in zip(response.found, response.sizes, response.versions):
+        append(Entry(data[offset:offset + size], version) if found else None)
+        offset += size
+    return result
 
 
 def _deadline_error(endpoint: str, deadline: float) -> BaseException:

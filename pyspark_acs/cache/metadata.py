@@ -64,6 +64,13 @@ def lease_version(current: Optional[Entry]) -> int:
     return max((current.version + 1) if current is not None else 1, time.time_ns() // 1000)
 
 
+def _head_item(shard_uri: str, file_name: str) -> Tuple[bytes, bytes, int]:
+    """The put item recording ``file_name`` as the shard's head: versioned by the file's
+    creation time (µs), so the head never moves backwards."""
+    created = parse_file_name(file_name).created
+    return (b"h:" + shard_uri.encode(), file_name.encode(), int(created.timestamp() * 1_000_000))
+
+
 class MetadataCache:
     """Typed access to a cluster's metadata cache.
 
@@ -82,10 +89,13 @@ class MetadataCache:
         """Publish a file's cache and/or durable length (majority write)."""
         self.publish_many([(uri, cache_length, durable_length)])
 
-    def publish_many(self, lengths: Sequence[Tuple[str, Optional[int], Optional[int]]]) -> None:
+    def publish_many(self, lengths: Sequence[Tuple[str, Optional[int], Optional[int]]],
+                     heads: Sequence[Tuple[str, str]] = ()) -> None:
         """Publish ``(uri, cache length, durable length)`` of several files in one majority
-        write (``None``: that length is not published), so readers see them move together."""
-        items = []
+        write (``None``: that length is not published), so readers see them move together;
+        with ``heads``, ``(shard uri, file name)`` pairs recorded as by :meth:`set_head` in
+        the same write."""
+        items = [_head_item(shard_uri, file_name) for shard_uri, file_name in heads]
         for uri, cache_length, durable_length in lengths:
             lc, ld = length_keys(uri)
             if cache_length is not None:
@@ -111,9 +121,7 @@ class MetadataCache:
 
     def set_head(self, shard_uri: str, file_name: str) -> None:
         """Record ``file_name`` as the shard's current file (never moves backwards)."""
-        created = parse_file_name(file_name).created
-        version = int(created.timestamp() * 1_000_000)
-        self.client.put([(b"h:" + shard_uri.encode(), file_name.encode(), version)], ttl=LENGTH_TTL_S)
+        self.client.put([_head_item(shard_uri, file_name)], ttl=LENGTH_TTL_S)
 
     def heads(self, shard_uris: Sequence[str]) -> Dict[str, Optional[str]]:
         """``{shard uri: head file name or None}`` in one consistent read."""
@@ -195,14 +203,23 @@ class MetadataLease:
         limit = time.monotonic() + (timeout if timeout is not None else 5 * self.check_interval + 1.0)
         #: poisoned record (raw) -> monotonic time it was first seen poisoned (or poisoned by us)
         poisoned_at: Dict[bytes, float] = {}
+        # The first round takes the key as absent without reading it: a free lease (released,
+        # expired, never taken: what every batch of a sink and every start of a producer meets)
+        # is then one compare-and-set, not a consistent read and one. A key that is not free
+        # refuses it and names its value, which the round goes on with as after a read; a
+        # round that does not converge is followed at once by one that reads.
+        optimistic = True
         while True:
-            cur = self._current()
+            cur = None if optimistic else self._current()
             now = time.monotonic()
             mine = LeaseRecord.new(self.writer, self.seconds)
             if self._converge(cur, mine, poisoned_at, now):
                 self.record = mine
                 self._checked = time.monotonic()
                 return
+            if optimistic:
+                optimistic = False
+                continue
             if now >= limit:
                 old = LeaseRecord.decode(cur.value, self._where) if cur else None
                 holder = old.describe() if old else "another writer"

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -421,6 +421,7 @@ class SinkCommitter:
         self.writer_id = f"sink{sink_id}"
         self.dir = f"{opts.stream}/_sinks/{sink_id}"
         self._held: Optional[_HeldLengths] = None  # length publications of the commit under way
+        self._writers: List[ShardWriter] = []  # shard writers of the commit under way (see _append_shard)
 
     def _load(self, store: DurableStore, name: str) -> Optional[Dict[str, Any]]:
         raw = store.read_small(f"{self.dir}/{name}")
@@ -492,21 +493,30 @@ class SinkCommitter:
         plans = {shard_s: intent["shards"][shard_s] for shard_s in order}
         _, meta = self._cache_clients()  # before the threads: they share the clients
         self._held = _HeldLengths(meta) if meta is not None else None
+        writers = self._writers = []  # the shards' writers, closed once the batch's lengths are out
+        pool = ThreadPoolExecutor(min(COMMIT_THREADS, len(order)), thread_name_prefix="acs-sink-commit") \
+            if len(order) > 1 else None
         try:
-            if len(order) <= 1:
+            if pool is None:
                 for shard_s in order:
                     shards_state[shard_s] = self._append_shard(store, int(shard_s), plans[shard_s])
             else:
                 # Shards are independent (own writer, lease, file): append them at once. Every shard
                 # is tried even when one fails; the intent makes a retry complete the ones that did
                 # not land.
-                with ThreadPoolExecutor(min(COMMIT_THREADS, len(order)), thread_name_prefix="acs-sink-commit") as pool:
-                    futures = {s_: pool.submit(self._append_shard, store, int(s_), plans[s_]) for s_ in order}
+                futures = {s_: pool.submit(self._append_shard, store, int(s_), plans[s_]) for s_ in order}
+                wait(futures.values())
                 for shard_s in order:
                     shards_state[shard_s] = futures[shard_s].result()
         finally:
-            if self._held is not None:
-                self._held.flush(self._cache_failed)  # what landed, even when a shard failed
+            try:
+                if self._held is not None:
+                    self._held.flush(self._cache_failed)  # what landed, even when a shard failed
+            finally:
+                # The leases are given up after the lengths are out, not before: their release
+                # (a metadata-cache write and a store file per shard) is not on the path of a
+                # reader waiting for the batch.
+                self._close_writers(writers, pool)
         new_state = {"last_batch": batch_id if batch_id is not None else last, "shards": shards_state,
                      "updated": time.time()}
         store.write_small(f"{self.dir}/state.json", json.dumps(new_state).encode())
@@ -588,7 +598,11 @@ class SinkCommitter:
         return {"file": file, "start_length": start_length, "start_index": start_index, "staged": [], "seal": False}
 
     def _append_shard(self, store: DurableStore, shard: int, segments: List[Dict[str, Any]]) -> Dict[str, Any]:
-        """Append a shard's segments through its shard writer; return the shard's new sink state."""
+        """Append a shard's segments through its shard writer; return the shard's new sink state.
+
+        The writer, once it holds the shard's lease, is added to ``self._writers``: the commit closes
+        it (without sealing: an unsealed last file is continued by the next batch) after
+        publishing the batch's lengths, whether or not the append succeeded."""
         data, meta = self._cache_clients()
         writer = ShardWriter(
             store, self.opts.stream, shard, self.writer_id, data=data, meta=self._held or meta, roll_bytes=2**62,
@@ -596,23 +610,38 @@ class SinkCommitter:
             on_cache_error=self._cache_failed,
         )
         writer.acquire()
-        try:
-            i = 0
-            result: Dict[str, Any] = {}
-            while i < len(segments):
-                outcome = self._append_segment(store, shard, segments[i], writer)
-                if isinstance(outcome, _Redirect):
-                    segments = segments[:i] + self._redirect(store, shard, writer, outcome, segments[i + 1:])
-                    with self._intent_lock:
-                        self._intent["shards"][str(shard)] = segments
-                        # Recorded before the first byte goes to the new file: a retry finds it.
-                        store.write_small(self._intent_rel, json.dumps(self._intent).encode())
-                    continue
-                result = outcome
-                i += 1
-        finally:
-            writer.close(seal=False)  # an unsealed last file is continued by the next batch
+        self._writers.append(writer)  # list.append is atomic: shard threads add theirs at once
+        i = 0
+        result: Dict[str, Any] = {}
+        while i < len(segments):
+            outcome = self._append_segment(store, shard, segments[i], writer)
+            if isinstance(outcome, _Redirect):
+                segments = segments[:i] + self._redirect(store, shard, writer, outcome, segments[i + 1:])
+                with self._intent_lock:
+                    self._intent["shards"][str(shard)] = segments
+                    # Recorded before the first byte goes to the new file: a retry finds it.
+                    store.write_small(self._intent_rel, json.dumps(self._intent).encode())
+                continue
+            result = outcome
+            i += 1
         return result
+
+    @staticmethod
+    def _close_writers(writers: List[ShardWriter], pool: Optional[ThreadPoolExecutor]) -> None:
+        """Close the shards' writers without sealing and release their leases (on ``pool``'s
+        threads when given, then shut it down); the first failure is raised after all closed."""
+        try:
+            if pool is None:  # one shard at most
+                for w in writers:
+                    w.close(seal=False)
+            else:
+                futures = [pool.submit(w.close, seal=False) for w in writers]
+                wait(futures)
+                for f in futures:
+                    f.result()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def _redirect(self, store: DurableStore, shard: int, writer: ShardWriter, redirect: "_Redirect",
                   later: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -779,20 +808,30 @@ class SinkCommitter:
 
 
 class _HeldLengths:
-    """A metadata cache whose length publications are held until :meth:`flush`, then sent in
-    one write; everything else (leases, shard heads) goes through at once.
+    """A metadata cache whose length publications and shard heads are held until
+    :meth:`flush`, then sent in one write; everything else (leases) goes through at once.
 
     The commit appends a batch's shards in parallel; published one by one, their lengths
     reached a streaming reader tens of milliseconds apart, and it read the batch in one
     micro-batch per shard (the last shard's rows a whole micro-batch later). Held and sent
     together, they move together. Publishing later is always safe: a length only promises
-    that the bytes below it are written. ``_lock`` guards ``_lengths`` (shard threads publish).
+    that the bytes below it are written, and a head (the file a shard's writer writes, for
+    the copy daemons) only names a file that exists. Each shard's writer records its head
+    when it opens its file, every batch; sent on their own, the heads cost a metadata-cache
+    write per shard before the batch's first append. ``_lock`` guards ``_lengths`` and
+    ``_heads`` (shard threads publish).
     """
 
     def __init__(self, meta: Any) -> None:
         self._meta = meta
         self._lock = threading.Lock()
         self._lengths: Dict[str, List[Optional[int]]] = {}  # uri -> [cache length, durable length]
+        self._heads: Dict[str, str] = {}  # shard uri -> newest file name recorded as its head
+
+    def set_head(self, shard_uri: str, file_name: str) -> None:
+        with self._lock:
+            # file names sort by creation time: the newest is the head (it never moves back)
+            self._heads[shard_uri] = max(file_name, self._heads.get(shard_uri, file_name))
 
     def publish(self, uri: str, *, cache_length: Optional[int] = None, durable_length: Optional[int] = None) -> None:
         with self._lock:
@@ -802,13 +841,15 @@ class _HeldLengths:
                     held[i] = n if held[i] is None else max(held[i], n)
 
     def flush(self, on_error: Any) -> None:
-        """Publish the held lengths in one write; a cache failure goes to ``on_error("lengths", exc)``."""
+        """Publish the held lengths and heads in one write; a cache failure goes to
+        ``on_error("lengths", exc)``."""
         with self._lock:
             lengths, self._lengths = self._lengths, {}
-        if not lengths:
+            heads, self._heads = self._heads, {}
+        if not lengths and not heads:
             return
         try:
-            self._meta.publish_many([(uri, c, d) for uri, (c, d) in lengths.items()])
+            self._meta.publish_many([(uri, c, d) for uri, (c, d) in lengths.items()], heads=sorted(heads.items()))
         except CacheError as exc:
             on_error("lengths", exc)
 

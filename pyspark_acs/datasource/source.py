@@ -579,13 +579,38 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         shards = self.planner.shards()
         self._available_now = self.planner.latest(shards)
 
-    def latestOffset(self, start: dict, limit: ReadLimit, idle_waited: bool = False) -> dict:
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         """End offsets of the next micro-batch from ``start`` under ``limit`` (block boundaries per shard).
 
         With caches, when nothing new is readable it first waits up to :data:`IDLE_WAIT_S` for
-        a published length to move (woken at once when one does), then looks again."""
-        token = self._idle_token(idle_waited)  # before looking: see _idle_token
-        read_limit = limit
+        a published length to move (woken at once when one does), then looks again. When some
+        shards moved and others did not, and a length moved while it looked, it looks once more
+        (see :meth:`_look`)."""
+        waited = relooked = False
+        while True:
+            token = self._change_token()  # before looking: a change from now on is noticed
+            begin, end = self._look(start, limit)
+            if end == begin:
+                if token is None or waited:
+                    return format_offsets(end)
+                # Nothing new: wait for the caches to push a length change before answering, so
+                # an idle query (processingTime=0 asks again every 10 ms) costs a call per change
+                # or per IDLE_WAIT_S rather than a hundred a second -- the CPU its writers need.
+                # The token was taken before looking: a change since then ends the wait at once.
+                self.planner.path.wait(IDLE_WAIT_S, since=token)
+                waited = True
+                continue
+            if (token is None or relooked or all(end[s] > begin[s] for s in end)
+                    or self.planner.path.change_token() == token):
+                return format_offsets(end)
+            # Lengths published together (a sink's batch, all its shards in one write) reach
+            # this process as separate pushes (their keys live on different replicas): answered
+            # on the first, the other shards' rows would wait a whole micro-batch more. One
+            # arrived while we looked: look again.
+            relooked = True
+
+    def _look(self, start: dict, limit: ReadLimit) -> Tuple[OffsetMap, OffsetMap]:
+        """``(begin, end)``: the micro-batch from ``start`` under ``limit`` as the lengths stand now."""
         begin = parse_offsets(start, option="start offset")
         for s in self.planner.shards():  # shards a stream gained since the checkpoint
             if s not in begin:
@@ -596,31 +621,26 @@ class AcsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             latest_cap = {s: min(o, self._available_now.get(s, begin[s])) for s, o in latest_cap.items()}
             end = {s: min(o, self._available_now.get(s, begin[s])) if o > begin[s] else o for s, o in end.items()}
             end = {s: max(o, begin[s]) for s, o in end.items()}
+        path, boundaries = self.planner.path, self.planner._boundaries  # its walk to `latest` just now
         for s, o in end.items():
             # A range of nothing but a seal (and an empty next file) is no batch: the offset
             # moves on with the next message, so no empty micro-batch runs after each file.
             # When a budget cut the range right after a seal or voided bytes while messages
             # follow, it takes the next message block too: a seal never holds a shard back.
-            path, extent = self.planner.path, self.planner.extents[s]
-            if o > begin[s] and not carries_messages(path, extent, begin[s], o):
-                limit = latest_cap.get(s, o)
-                if limit > o and carries_messages(path, extent, o, limit):
-                    end[s] = advance(path, extent, begin[s], limit, max_rows=1)
+            extent = self.planner.extents[s]
+            if o > begin[s] and not carries_messages(path, extent, begin[s], o, boundaries):
+                cap = latest_cap.get(s, o)
+                if cap > o and carries_messages(path, extent, o, cap, boundaries):
+                    end[s] = advance(path, extent, begin[s], cap, max_rows=1)
                 else:
                     end[s] = begin[s]
-        if end == begin and token is not None:
-            # Nothing new: wait for the caches to push a length change before answering, so an
-            # idle query (processingTime=0 asks again every 10 ms) costs a call per change or per
-            # IDLE_WAIT_S rather than a hundred a second -- the CPU its writers need. The token
-            # was taken before looking: a change since then ends the wait at once.
-            self.planner.path.wait(IDLE_WAIT_S, since=token)
-            return self.latestOffset(start, read_limit, idle_waited=True)
-        return format_offsets(end)
+        return begin, end
 
-    def _idle_token(self, idle_waited: bool) -> Optional[int]:
-        """A change token of the metadata cache's lengths when an idle answer may wait for a
-        change (with the metadata cache, once per call); None: answer at once."""
-        if idle_waited or self._available_now is not None or self.opts.metadata_cache is None:
+    def _change_token(self) -> Optional[int]:
+        """A change token of the metadata cache's lengths (see :meth:`latestOffset`), taken
+        before looking; None: answer at once (no metadata cache, or AvailableNow: its end is
+        fixed)."""
+        if self._available_now is not None or self.opts.metadata_cache is None:
             return None
         take = getattr(self.planner.path, "change_token", None)
         return take() if take is not None else None

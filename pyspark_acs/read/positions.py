@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from pyspark_acs.errors import CorruptFileError
 from pyspark_acs.format.block import HEADER_SIZE, BlockHeader, find_recovery_seal, parse_header, scan_blocks
@@ -226,11 +226,14 @@ def walk_blocks(
 
 class BoundaryCache:
     """Remembers the last block boundary found per file, and whether it is the file's seal,
-    so walks resume there (a sealed file is never walked again)."""
+    so walks resume there (a sealed file is never walked again); and per file the span of the
+    last walk that passed a block holding messages, so :func:`carries_messages` need not read
+    those headers again."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # guards _known
+        self._lock = threading.Lock()  # guards _known and _with_messages
         self._known: "OrderedDict[str, Tuple[int, bool]]" = OrderedDict()
+        self._with_messages: Dict[str, Tuple[int, int]] = {}  # rel -> [start, end) walked past a message
 
     def boundary(self, path: ReadPath, rel: str, length: int, start: int = 0) -> Tuple[int, bool]:
         """The last block boundary at or below ``length`` in ``rel`` walking from ``start`` (a
@@ -246,15 +249,25 @@ class BoundaryCache:
         settled = known is not None and at == start
         if at > length or at < start:
             at = start
-        end, _, _, sealed = walk_blocks(path, rel, at, length, first_read=HEADER_SIZE)
+        end, rows, _, sealed = walk_blocks(path, rel, at, length, first_read=HEADER_SIZE)
         if not sealed and end == at and at > 0 and at == start and not settled:
             sealed = ends_with_seal(path, rel, at)  # a position saved right after a seal
         with self._lock:
             self._known[rel] = (end, sealed)
             self._known.move_to_end(rel)  # least recently used files go first
+            if rows:
+                self._with_messages[rel] = (at, end)
             if len(self._known) > MAX_KNOWN_FILES:
-                self._known.popitem(last=False)
+                gone, _ = self._known.popitem(last=False)
+                self._with_messages.pop(gone, None)
         return end, sealed
+
+    def passed_messages(self, rel: str, start: int, stop: int) -> bool:
+        """Whether a walk of ``rel`` within ``[start, stop]`` passed a block holding messages
+        (bytes below a readable length never change: what a walk saw there stays true)."""
+        with self._lock:
+            span = self._with_messages.get(rel)
+        return span is not None and start <= span[0] and span[1] <= stop
 
 
 class ShardExtent:
@@ -344,16 +357,21 @@ def advance(
     return at
 
 
-def carries_messages(path: ReadPath, extent: ShardExtent, start: Offset, end: Offset) -> bool:
+def carries_messages(path: ReadPath, extent: ShardExtent, start: Offset, end: Offset,
+                     boundaries: Optional[BoundaryCache] = None) -> bool:
     """Whether any message lies between two offsets of a shard.
 
     A header walk that stops at the first block holding a message (usually the first header
     read), so a range of nothing but seals, voided torn bytes and empty files -- what a reader
-    passes going from one file to the next -- is told apart from one with data.
+    passes going from one file to the next -- is told apart from one with data. With
+    ``boundaries`` (whose walk found ``end``, as a streaming planner's did just before), a
+    file its last walk saw messages in within the range is not read again.
     """
     if end <= start:
         return False
     for _, rel, begin, stop in extent.ranges(start, end):
+        if boundaries is not None and boundaries.passed_messages(rel, begin, stop):
+            return True
         found: List[BlockHeader] = []
 
         def first_message(header: BlockHeader) -> bool:

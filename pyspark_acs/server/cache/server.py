@@ -165,24 +165,24 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         unique = dict.fromkeys(keys)
         if len(unique) < len(keys):
             # Each key is looked up once however often it is named.
-            found = dict(zip(unique, self.store.get_many(list(unique))))
-            entries = [found[k] for k in keys]
+            names = list(unique)
+            at = {k: i for i, k in enumerate(names)}
+            found_u, values_u, versions_u = self.store.read_many(names)
+            idx = [at[k] for k in keys]
+            found = [found_u[i] for i in idx]
+            values = [values_u[i] for i in idx]
+            versions = [versions_u[i] for i in idx]
         else:
-            entries = self.store.get_many(keys)
-        values = [e.value if e is not None else b"" for e in entries]
+            found, values, versions = self.store.read_many(keys)
+        sizes = [len(v) for v in values]
         # Bound the response before assembling it: a small request naming big values many
         # times must not make the server build a huge message (issue 10, finding 4).
-        total = sum(map(len, values))
+        total = sum(sizes)
         if total > MAX_RESPONSE_BYTES:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"get: the answer would hold {total} bytes; at most {MAX_RESPONSE_BYTES} per call")
         self._latency["Get"].observe(time.perf_counter() - started)
-        return acs_pb2.GetResponse(
-            found=[e is not None for e in entries],
-            data=b"".join(values),
-            sizes=[len(v) for v in values],
-            versions=[e.version if e is not None else 0 for e in entries],
-        )
+        return acs_pb2.GetResponse(found=found, data=b"".join(values), sizes=sizes, versions=versions)
 
     def _put(self, request) -> "acs_pb2.PutResponse":
         """Store one batched put (the one rule of :meth:`Put` and :meth:`PutStream`).

@@ -225,37 +225,57 @@ class Store:
         ``count=False`` leaves the get/hit/miss counters alone (the push streams' reads: they
         are counted as pushed messages and bytes instead).
         """
+        found, values, versions = self.read_many(keys, count=count)
+        return [StoredEntry(v, ver) if f else None for f, v, ver in zip(found, values, versions)]
+
+    def read_many(self, keys: Sequence[bytes], *,
+                  count: bool = True) -> Tuple[List[bool], List[bytes], List[int]]:
+        """:meth:`get_many` as three lists, one item per key: found, value (``b""`` when not)
+        and version (``0`` when not) -- the shape of a ``GetResponse``, built with no object
+        per key (a 256-chunk Get's lookups: ~90 -> ~35 us).
+        """
         now = self._clock()
-        out: List[Optional[StoredEntry]] = []
-        append = out.append
-        hits = 0
-        nbytes = 0
         with self._lock:
             entries = self._entries
-            for key in keys:
-                item = entries[key]  # None when absent; a read leaves the eviction order alone
-                if item is None:
-                    append(None)
-                elif item.expires_at <= now:
-                    self._drop(key, item)
-                    self._counts["expired_total"] += 1
-                    append(None)
-                else:
-                    hits += 1
-                    nbytes += len(item.value)
-                    append(StoredEntry(item.value, item.version))
-            counts = self._counts
-            if not count:
-                return out
-            counts["gets_total"] += len(keys)
-            counts["hits_total"] += hits
-            counts["misses_total"] += len(keys) - hits
-            counts["read_bytes_total"] += nbytes
-        return out
+            items = [entries[key] for key in keys]  # None when absent; the eviction order stays
+            if [it for it in items if it is None or it.expires_at <= now]:
+                items = [self._live(key, item, now) for key, item in zip(keys, items)]
+                found = [it is not None for it in items]
+                values = [it.value if it is not None else b"" for it in items]
+                versions = [it.version if it is not None else 0 for it in items]
+            else:  # all found and live: no test per key
+                found = [True] * len(items)
+                values = [it.value for it in items]
+                versions = [it.version for it in items]
+            if count:
+                counts = self._counts
+                hits = sum(found)
+                counts["gets_total"] += len(keys)
+                counts["hits_total"] += hits
+                counts["misses_total"] += len(keys) - hits
+                counts["read_bytes_total"] += sum(map(len, values))
+        return found, values, versions
 
     def get(self, key: bytes) -> Optional[StoredEntry]:
         """Look up one key (see :meth:`get_many`)."""
         return self.get_many((key,))[0]
+
+    def peek(self, key: bytes) -> Optional[StoredEntry]:
+        """One key as :meth:`get`, uncounted: a push stream's read of a chunk (counted as
+        pushed bytes instead), with none of a batch's lists (it runs per pushed chunk)."""
+        now = self._clock()
+        with self._lock:
+            item = self._live(key, self._entries[key], now)
+        return None if item is None else StoredEntry(item.value, item.version)
+
+    def _live(self, key: bytes, item: Optional[_Item], now: float) -> Optional[_Item]:
+        """``item`` (``key``'s) if it is live at ``now``; an expired one is dropped and
+        counted, and gives None. The caller holds ``_lock``."""
+        if item is not None and item.expires_at <= now:
+            self._drop(key, item)
+            self._counts["expired_total"] += 1
+            return None
+        return item
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -306,12 +326,10 @@ class Store:
                     counts["too_large_total"] += 1
                     append(PutResult.TOO_LARGE)
                     continue
-                old = entries[key] if key in entries else None
+                # Expired: as if absent, any version replaces it.
+                old = self._live(key, entries[key] if key in entries else None, now)
                 if old is not None:
-                    if old.expires_at <= now:
-                        self._drop(key, old)  # expired: as if absent, any version replaces it
-                        old = None
-                    elif version < old.version:
+                    if version < old.version:
                         counts["stale_total"] += 1
                         append(PutResult.STALE)
                         continue
@@ -380,11 +398,7 @@ class Store:
         now = self._clock()
         with self._lock:
             self._counts["cas_total"] += 1
-            old = self._entries[key]
-            if old is not None and old.expires_at <= now:
-                self._drop(key, old)
-                self._counts["expired_total"] += 1
-                old = None
+            old = self._live(key, self._entries[key], now)
             matches = old is None if expected is None else (old is not None and old.value == expected)
             if not matches:
                 return False, (None if old is None else StoredEntry(old.value, old.version))

@@ -87,7 +87,7 @@ class FileFollow:
             parts: List[bytes] = []
             while left > 0:
                 n, skip = divmod(pos, CHUNK_SIZE)
-                entry = store.get_many([chunk_key("", n, file_id=fid)], count=False)[0]
+                entry = store.peek(chunk_key("", n, file_id=fid))
                 if entry is None or entry.version <= skip:
                     break  # not here (yet): the next put of the chunk marks the file again
                 piece = entry.value[skip:entry.version]
