@@ -18,6 +18,7 @@ import pytest
 
 from pyspark_acs.server.local.deploy import LocalDeployment
 from pyspark_acs.write.producer import Producer
+from _spark import start_query
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,9 +73,9 @@ def test_lag_reads_a_spark_checkpoint_and_counts_what_is_behind(spark, root, tmp
     ckpt = str(tmp_path / "ckpt")
 
     def run_query():
-        q = (spark.readStream.format("acs").option("root", root).option("stream", "orders")
+        q = start_query(spark.readStream.format("acs").option("root", root).option("stream", "orders")
              .option("startingOffsets", "earliest").load()
-             .writeStream.format("noop").option("checkpointLocation", ckpt).trigger(availableNow=True).start())
+             .writeStream.format("noop").option("checkpointLocation", ckpt).trigger(availableNow=True))
         q.awaitTermination(120)
         assert q.exception() is None
 

@@ -14,6 +14,7 @@ from chispa import assert_df_equality
 from pyspark_acs import Producer
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.read.consumer import Consumer
+from _spark import start_query
 
 pytestmark = pytest.mark.spark
 
@@ -92,7 +93,7 @@ def test_streaming_sink_to_source_restart_exactly_once(spark, root, tmp_path):
             .writeStream.queryName("relay").format("acs").option("root", root).option("stream", "dst")
             .option("shards", 2).option("checkpointLocation", ckpt)
         )
-        return q.trigger(**trigger).start()
+        return start_query(q.trigger(**trigger))
 
     q = start({"processingTime": "0 seconds"})
     wait_for(lambda: sum(p["numInputRows"] for p in q.recentProgress) >= 150, 120, "the first batches")
@@ -117,28 +118,28 @@ def test_streaming_sink_to_source_restart_exactly_once(spark, root, tmp_path):
 
 def test_admission_control_bounds_batches_and_available_now_drains(spark, root, tmp_path):
     produce(root, "adm", [(i % 2, None, b"x" * 100) for i in range(600)], max_block_bytes=1024)
-    q = (
+    q = start_query(
         spark.readStream.format("acs").option("root", root).option("stream", "adm")
         .option("startingOffsets", "earliest").option("maxRowsPerTrigger", 100).load()
-        .writeStream.format("memory").queryName("adm_rows").trigger(availableNow=True).start()
+        .writeStream.format("memory").queryName("adm_rows").trigger(availableNow=True)
     )
     q.awaitTermination(180)
     sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
     assert sum(sizes) == 600 and spark.table("adm_rows").count() == 600
     assert len(sizes) >= 6 and max(sizes) <= 100, sizes
-    q = (
+    q = start_query(
         spark.readStream.format("acs").option("root", root).option("stream", "adm")
         .option("startingOffsets", "earliest").option("maxBytesPerTrigger", "20KiB").load()
-        .writeStream.format("memory").queryName("adm_bytes").trigger(availableNow=True).start()
+        .writeStream.format("memory").queryName("adm_bytes").trigger(availableNow=True)
     )
     q.awaitTermination(180)
     sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
     # 20 KiB of ~1 KiB blocks of 9 messages of 100 B: at most ~20 blocks a batch.
     assert sum(sizes) == 600 and len(sizes) >= 3 and max(sizes) <= 200, sizes
-    q = (
+    q = start_query(
         spark.readStream.format("acs").option("root", root).option("stream", "adm")
         .option("startingOffsets", "earliest").option("maxRowsPerTrigger", 100).load()
-        .writeStream.format("memory").queryName("adm_once").trigger(once=True).start()
+        .writeStream.format("memory").queryName("adm_once").trigger(once=True)
     )
     q.awaitTermination(180)
     assert [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]] == [600]
@@ -262,8 +263,8 @@ def test_cache_replica_killed_during_streaming_query(spark, tmp_path):
         reader = spark.readStream.format("acs").option("root", root).option("stream", "live")
         for k, v in caches.items():
             reader = reader.option(k, v)
-        q = (reader.option("startingOffsets", "earliest").load()
-             .writeStream.format("memory").queryName("live_rows").trigger(processingTime="0 seconds").start())
+        q = start_query(reader.option("startingOffsets", "earliest").load()
+                        .writeStream.format("memory").queryName("live_rows").trigger(processingTime="0 seconds"))
         try:
             feeder = threading.Thread(target=feed)
             feeder.start()

@@ -38,6 +38,7 @@ from pyspark_acs.storage.tier import (
     stream_tier_settings,
 )
 from tests.conftest import free_port
+from _spark import start_query
 
 BUCKET = "acs-tier"
 KEY, SECRET = "testing", "testing"
@@ -378,11 +379,10 @@ def test_spark_batch_and_stream_read_history_from_s3(root, s3, spark, tmp_path):
         rows = df.orderBy("file", "position").select("value").collect()
         assert [bytes(r.value) for r in rows] == want
         for policy in ("not_in_disk", "not_in_mem"):
-            query = (spark.readStream.format("acs").option("root", root).option("stream", "hist")
+            query = start_query(spark.readStream.format("acs").option("root", root).option("stream", "hist")
                      .options(**caches).option("startingOffsets", "earliest").option("tierReadPolicy", policy)
                      .load().writeStream.format("memory").queryName(f"tiered_hist_{policy}")
-                     .option("checkpointLocation", str(tmp_path / f"ckpt-{policy}")).trigger(availableNow=True)
-                     .start())
+                     .option("checkpointLocation", str(tmp_path / f"ckpt-{policy}")).trigger(availableNow=True))
             query.awaitTermination(120)
             got = spark.sql(f"select value from tiered_hist_{policy} order by file, position").collect()
             assert [bytes(r.value) for r in got] == want
