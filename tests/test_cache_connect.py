@@ -154,3 +154,32 @@ def test_a_replica_behind_a_long_round_trip_connects(metadata):
             assert client.down_endpoints() == ()
     finally:
         link.close()
+
+
+def test_a_client_made_after_a_replica_came_back_connects_afresh(tmp_path):
+    """gRPC shares one connection per address among a process's channels with the same
+    settings, and with it that connection's failure and back-off. A client made after a
+    replica came back on its address then failed at once with the "Connection refused" of an
+    older client's failed connection (a full test run: a server of an earlier test had had the
+    port). Each client's channels now connect on their own."""
+    from pyspark_acs.cache.client import CacheClient
+    from pyspark_acs.cache.metadata import MetadataCache
+
+    with LocalDeployment(tmp_path / "caches", data_replicas=0, metadata_replicas=1) as dep:
+        endpoint = dep.metadata_endpoints
+        older = CacheClient(endpoint, name="metadata cache")
+        try:
+            MetadataCache(older).heads(["file:///x/s"])  # connected
+            dep.kill("metadata", 0)
+            for _ in range(2):  # its connection fails and backs off
+                with pytest.raises(Exception):
+                    MetadataCache(older).heads(["file:///x/s"])
+            dep.restart("metadata", 0)  # the same address
+            fresh = CacheClient(endpoint, name="metadata cache")
+            try:
+                assert MetadataCache(fresh).heads(["file:///x/s"]) == {"file:///x/s": None}
+                assert fresh.down_endpoints() == ()
+            finally:
+                fresh.close()
+        finally:
+            older.close()

@@ -111,6 +111,11 @@ _CHANNEL_OPTIONS = [
     # test_cache_connect.py, through a relay that delays every byte).
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Each channel connects on its own. gRPC otherwise shares one connection per address among
+    # a process's channels with the same settings, and with it the connection's failure: a client
+    # made after a replica came back on its address failed at once with the "Connection refused"
+    # of an older client's back-off (tests/test_cache_connect.py).
+    ("grpc.use_local_subchannel_pool", 1),
     # Failover and hedging happen here, across replicas; gRPC retrying one replica would only
     # spend the deadline.
     ("grpc.enable_retries", 0),
