@@ -54,6 +54,20 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in 127.0.0.1:{low}-{low + PICKED_PORTS - 1}")
 
 
+@pytest.fixture(autouse=True)
+def _process_security_default_restored():
+    """Parsing source or sink options installs their token and TLS settings as the process's
+    default (``security.install_default``: a Spark worker's environment is not the driver's).
+    In the one test process that default outlived its test: after test_poller's token test,
+    every later LocalDeployment started token-protected servers ("s3cret") whose copy daemons,
+    started with the plain environment, got UNAUTHENTICATED (test_cross_cluster, run after it)."""
+    from pyspark_acs import security
+
+    before = security._installed
+    yield
+    security.install_default(before)
+
+
 @pytest.fixture
 def root(tmp_path):
     """A fresh durable store root (a local folder)."""
