@@ -815,6 +815,44 @@ def test_a_stream_that_came_back_backs_off_from_the_start_when_it_breaks_again(d
             dep.restart("data", index)
 
 
+def test_a_broken_stream_that_follows_nothing_waits_for_a_subscription_not_reconnects(dep):
+    """A process keeps its shared feeds and pollers after its readers of a cluster are gone
+    (after test_model, three feeds of stopped deployments were still reconnecting every 2 s).
+    A broken stream that follows nothing now waits for a subscription; the next follow()
+    reconnects it at once, and close() ends it."""
+    import pyspark_acs.cache.push as push
+
+    client = CacheClient(dep.data_endpoints, name="data cache")
+    endpoint = client.endpoints[0]
+    index = dep.endpoints("data").index(endpoint)
+    fid = file_id(f"file:///idle/{time.time_ns()}.acs")
+    stream = FollowStream(client, endpoint, lambda fid, start, run: None)
+    try:
+        stream.follow(fid, 0)
+        wait_until(stream.live.is_set, 20, "the stream up")
+        stream.unfollow(fid)
+        dep.kill("data", index, signal.SIGKILL)
+        wait_until(lambda: not stream.live.is_set(), 20, "the break noticed")
+        time.sleep(0.5)
+        parked = stream.reconnects
+        time.sleep(3 * push.RECONNECT_MAX_S)  # a stream with files would retry every 2 s
+        assert stream.reconnects == parked
+        dep.restart("data", index)
+        stream.follow(fid, 0)
+        wait_until(stream.live.is_set, 20, "the stream up again after follow()")
+        stream.unfollow(fid)
+        dep.kill("data", index, signal.SIGKILL)
+        wait_until(lambda: not stream.live.is_set(), 20, "the second break noticed")
+        time.sleep(0.5)
+    finally:
+        stream.close()
+        client.close()
+        if not dep.is_running("data", index):
+            dep.restart("data", index)
+    stream._thread.join(10)
+    assert not stream._thread.is_alive()  # close() woke the waiting stream and it ended
+
+
 def test_a_seek_between_batches_is_read_at_once(dep, root):
     """Review finding: the loop skipped its next look after a settled round while no length
     moved, and a seek() between two batches moves no length: the batch generator then slept the

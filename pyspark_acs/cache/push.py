@@ -60,6 +60,9 @@ class _PushStream:
         self._restart = False
         #: Set while the stream is up and has answered since it (re)connected.
         self.live = threading.Event()
+        #: Set (under _lock) by a new subscription and by close(): wakes a broken stream that
+        #: subscribes to nothing, which waits for it instead of reconnecting (see _run).
+        self._wanted = threading.Event()
         self.reconnects = 0
         self._thread = threading.Thread(target=self._run, name=f"acs-push-{self.method.lower()}-{endpoint}",
                                         daemon=True)
@@ -76,6 +79,10 @@ class _PushStream:
 
     def _reset(self) -> None:
         """The stream broke: forget what it had confirmed (caller holds no lock)."""
+
+    def _subscribed(self) -> bool:
+        """Whether the subscription holds anything (caller holds _lock)."""
+        return True
 
     def _open(self, stub: Any, requests: "queue.SimpleQueue[Any]") -> Any:
         """Start the call (bidirectional: its requests are ``requests``); return it once the
@@ -108,6 +115,7 @@ class _PushStream:
             self._closed = True
             requests, call = self._requests, self._call
             self._requests = None
+            self._wanted.set()
         if requests is not None:
             requests.put(_END)
         if call is not None:
@@ -166,6 +174,17 @@ class _PushStream:
                     self.on_state(self.endpoint, False)
             self._reset()
             self.reconnects += 1
+            with self._lock:
+                self._wanted.clear()
+                idle = not self._subscribed()
+            if idle:
+                # Nothing to follow or watch: wait for a subscription rather than reconnect
+                # every RECONNECT_MAX_S for ever. A process keeps its shared feeds and pollers
+                # (ChunkFeed.shared, LengthPoller.shared) after its readers of a cluster are
+                # gone, and that cluster's replicas may be gone for good.
+                self._wanted.wait()
+                wait = RECONNECT_INITIAL_S
+                continue
             stop.wait(wait)
             wait = min(wait * 2.0, RECONNECT_MAX_S)
 
@@ -210,6 +229,8 @@ class WatchStream(_PushStream):
             self._keys.difference_update(remove)
             self._confirmed.difference_update(remove)
             self._send(self.client._pb2().WatchRequest(add=add, remove=remove))
+            if add:
+                self._wanted.set()
 
     def confirmed(self, key: bytes) -> bool:
         """Whether this live stream has pushed ``key`` since it (re)connected (so later changes
@@ -219,6 +240,9 @@ class WatchStream(_PushStream):
 
     def _initial(self) -> Any:
         return self.client._pb2().WatchRequest(add=sorted(self._keys))
+
+    def _subscribed(self) -> bool:
+        return bool(self._keys)
 
     def _handle(self, message: Any) -> None:
         with self._lock:
@@ -258,6 +282,7 @@ class FollowStream(_PushStream):
                 return
             self._cursors[fid] = offset
             self._resubscribe()
+            self._wanted.set()
 
     def unfollow(self, fid: bytes) -> None:
         with self._lock:
@@ -284,6 +309,9 @@ class FollowStream(_PushStream):
                 # call (a bidirectional one ends with its requests).
                 call.cancel()
         return call  # up with its first (empty) message
+
+    def _subscribed(self) -> bool:
+        return bool(self._cursors)
 
     def _initial(self) -> Any:
         fids = sorted(self._cursors)
