@@ -827,23 +827,22 @@ def test_a_broken_stream_that_follows_nothing_waits_for_a_subscription_not_recon
     index = dep.endpoints("data").index(endpoint)
     fid = file_id(f"file:///idle/{time.time_ns()}.acs")
     stream = FollowStream(client, endpoint, lambda fid, start, run: None)
-    try:
+
+    def up_then_idle_and_broken(what: str) -> None:
         stream.follow(fid, 0)
-        wait_until(stream.live.is_set, 20, "the stream up")
+        wait_until(stream.live.is_set, 20, f"the stream up{what}")
         stream.unfollow(fid)
         dep.kill("data", index, signal.SIGKILL)
-        wait_until(lambda: not stream.live.is_set(), 20, "the break noticed")
+        wait_until(lambda: not stream.live.is_set(), 20, f"the break noticed{what}")
         time.sleep(0.5)
+
+    try:
+        up_then_idle_and_broken("")
         parked = stream.reconnects
         time.sleep(3 * push.RECONNECT_MAX_S)  # a stream with files would retry every 2 s
         assert stream.reconnects == parked
         dep.restart("data", index)
-        stream.follow(fid, 0)
-        wait_until(stream.live.is_set, 20, "the stream up again after follow()")
-        stream.unfollow(fid)
-        dep.kill("data", index, signal.SIGKILL)
-        wait_until(lambda: not stream.live.is_set(), 20, "the second break noticed")
-        time.sleep(0.5)
+        up_then_idle_and_broken(" again, after follow()")  # follow() woke it: it reconnected
     finally:
         stream.close()
         client.close()
