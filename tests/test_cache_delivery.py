@@ -726,3 +726,122 @@ def test_dueling_writers_reads_stay_a_prefix_and_complete(dep, root):
             for c in singles["data"] + singles["metadata"]:
                 c.close()
             _heal(dep)
+
+
+# -- bursts: a block's cache writes overlap the next block's durable append ------------------
+
+
+def test_a_burst_overlaps_its_cache_writes_and_every_length_is_out_when_flush_returns(dep, root):
+    """A send_many backlog of many blocks, with a consumer already following: blocks but the
+    last of each round hand their cache writes to the file's shadow thread; the consumer gets
+    every message in order from the caches alone, and once flush() returns the published
+    lengths are the file's durable length (a burst leaves no cached length behind)."""
+    count = 8000
+    values = [msg(i, b"b") for i in range(count)]
+    clients = caches(dep)
+    with Producer(root, "burst", max_block_bytes=32 * 1024, **clients) as p, \
+            Consumer(root, "burst", **caches(dep)) as c:
+        col = Collector(c)
+        sent: List[BaseException] = []
+
+        def send() -> None:
+            try:
+                p.send_many(values)
+                p.flush(timeout=30)
+            except BaseException as exc:  # surfaced below
+                sent.append(exc)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        col.until(lambda: len(col.values) >= count, 30, "the burst")
+        sender.join(30)
+        assert not sender.is_alive() and not sent, sent
+        stats = p.stats()
+        rel = f"{shard_dir('burst', 0)}/{p.current_files()[0]}"
+        store = open_store(root)
+        lengths = MetadataCache(clients["metadata_cache"]).lengths([store.uri(rel)])[store.uri(rel)]
+        assert lengths == (store.length(rel), store.length(rel))
+        consumer_stats = c.stats()
+    assert_exact(col.values, count, b"b")
+    assert stats["overlapped_blocks"] > 0, stats
+    assert stats["cache_errors"] == 0, stats
+    assert consumer_stats["durable_bytes"] == 0, consumer_stats
+
+
+def test_a_burst_whose_cache_writes_stall_waits_at_the_bound_and_then_publishes_everything(dep, root):
+    """Two of three data replicas are stopped (SIGSTOP), so the shadow thread's chunk put waits
+    for its majority: the writer goes on appending durably until SHADOW_MAX_BYTES wait for the
+    thread, and then waits too. Resumed, every byte reaches the cache and the lengths are
+    published at the file's end."""
+    from pyspark_acs.cache.chunks import ChunkReader
+    from pyspark_acs.write.file import SHADOW_MAX_BYTES, FileWriter
+
+    store = open_store(root)
+    rel = "stall/f.acs"
+    store.write_small(rel, b"")
+    clients = caches(dep)
+    errors: List[str] = []
+    writer = FileWriter(store, rel, data=clients["data_cache"], meta=MetadataCache(clients["metadata_cache"]),
+                        on_cache_error=lambda what, exc: errors.append(f"{what}: {exc}"))
+    block = 1024 * 1024
+    content = os.urandom(block) * 7 + os.urandom(block // 2)
+    pieces = [content[i:i + block] for i in range(0, len(content), block)]
+    stopped = [dep.server("data", i).pid for i in (0, 1)]
+    done: List[BaseException] = []
+
+    def write() -> None:
+        try:
+            for i, piece in enumerate(pieces):
+                writer.append(piece, more_follows=i < len(pieces) - 1)
+        except BaseException as exc:  # surfaced below
+            done.append(exc)
+
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=write, daemon=True)
+        thread.start()
+        # Durable appends run ahead of the stalled thread by at most the bound (plus the block
+        # appended before it waits): they stop there.
+        wait_until(lambda: writer.position >= SHADOW_MAX_BYTES, 10, "the appends up to the bound")
+        time.sleep(0.5)
+        assert thread.is_alive()
+        assert writer.position <= SHADOW_MAX_BYTES + block, writer.position
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    thread.join(30)
+    assert not thread.is_alive() and not done, done
+    writer.close()
+    assert writer.position == len(content) == store.length(rel)
+    uri = store.uri(rel)
+    assert MetadataCache(clients["metadata_cache"]).lengths([uri])[uri][1] == len(content)
+    if not errors:  # the stall stayed within the put deadline: the cache has every byte
+        reader = ChunkReader(clients["data_cache"])
+        got = reader.read(uri, 0, len(content))
+        assert b"".join(b for _, _, b in got if b is not None) == content
+    cached = MetadataCache(clients["metadata_cache"]).lengths([uri])[uri][0]
+    assert cached is None or cached <= len(content)
+
+
+def test_an_unexpected_error_of_the_shadow_thread_reaches_the_writer(dep, root, monkeypatch):
+    """Cache errors are the caller's to count (on_cache_error); anything else the shadow thread
+    meets is raised by the writer's next append without more_follows, not lost."""
+    from pyspark_acs.write.file import CacheMirror, FileWriter
+
+    store = open_store(root)
+    rel = "boom/f.acs"
+    store.write_small(rel, b"")
+    clients = caches(dep)
+    writer = FileWriter(store, rel, data=clients["data_cache"], meta=MetadataCache(clients["metadata_cache"]))
+
+    def broken(self, data):
+        raise RuntimeError("a bug in the mirror")
+
+    monkeypatch.setattr(CacheMirror, "append", broken)
+    writer.append(b"x" * 5000, more_follows=True)
+    with pytest.raises(RuntimeError, match="a bug in the mirror"):
+        writer.append(b"y" * 10)
+    monkeypatch.undo()
+    writer.close()
+    assert store.length(rel) == 5010

@@ -42,13 +42,29 @@ Only verified bytes are mirrored to the data cache (so a deposed writer never pu
 into the cache at positions a seal occupies) and only then are lengths published. A cache
 failure never fails a write: it is reported to ``on_cache_error`` (logged and counted by
 the caller) and readers fall back to the durable store.
+
+Bursts
+------
+A writer with more blocks right behind this one (a Producer's ``send_many`` backlog) may
+append with ``more_follows=True``: the verified bytes are handed to the file's shadow thread,
+which mirrors and publishes them (coalescing what queued while it was busy) while the writer
+verifies its next block. The order of each byte's steps is unchanged (durable and verified,
+then chunks, then lengths: the thread only gets verified bytes, and publishes the durable
+length they end at); what overlaps is one block's cache writes with the next block's durable
+append. At most :data:`SHADOW_MAX_BYTES` wait for the thread. Every append without
+``more_follows`` (the last block of a burst, a seal) first waits until the thread has
+published everything before it and then publishes inline, so when a burst's writer returns,
+its lengths are out, as after a plain append. (A writer that handed *every* block to a thread
+and returned after the durable append alone was measured and not kept, issue 9: cached lengths
+lagging the durable ones sent Algorithm 1's readers to the store.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+import threading
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from pyspark_acs.errors import CacheError, CorruptFileError, WriterConflictError
 from pyspark_acs.format.block import HEADER_SIZE, parse_header
@@ -62,6 +78,7 @@ __all__ = [
     "DurableFile",
     "FileTail",
     "FileWriter",
+    "SHADOW_MAX_BYTES",
     "append_lock",
     "scan_file",
 ]
@@ -70,6 +87,12 @@ log = logging.getLogger(__name__)
 
 #: Bytes read at a time when walking a file's block headers.
 _SCAN_WINDOW = 1024 * 1024
+
+#: Verified bytes a :class:`FileWriter` holds for its shadow thread at most (``more_follows``
+#: appends); the writer waits when more are queued. 4 MiB is one data-cache put request
+#: (``cache.client.MAX_BATCH_BYTES``) and four default blocks: enough to keep the thread busy
+#: through a block's durable append, and how far a burst's cached length trails its durable one.
+SHADOW_MAX_BYTES = 4 * 1024 * 1024
 
 
 class AppendConflictError(WriterConflictError):
@@ -342,15 +365,33 @@ class FileWriter:
                 self.mirror = CacheMirror(data, self.uri, self.durable.position, store=store, rel=rel, ttl=chunk_ttl)
             except CacheError as exc:  # pragma: no cover - constructing reads only the store
                 self._on_cache_error("chunks", exc)
+        # _shadow guards the shadow thread's state below: the verified bytes queued for it, their
+        # size (counted until they are published), the durable length they end at, whether the
+        # thread runs, and an unexpected error it met (raised by the next settle()).
+        self._shadow = threading.Condition()
+        self._queued: List[bytes] = []
+        self._queued_bytes = 0
+        self._queued_end = 0
+        self._shadow_running = False
+        self._shadow_error: Optional[BaseException] = None
 
     @property
     def position(self) -> int:
         """The verified length of the file (this writer's bytes end there)."""
         return self.durable.position
 
+    @property
+    def has_caches(self) -> bool:
+        """Whether appends mirror chunks or publish lengths (else the shadow thread never runs)."""
+        return self.mirror is not None or self.meta is not None
+
     def append(self, data: bytes, *, messages: Optional[Tuple[int, int]] = None,
-               past_a_stopped_writer: bool = False) -> int:
+               past_a_stopped_writer: bool = False, more_follows: bool = False) -> int:
         """Append ``data`` (fenced, see :class:`DurableFile`), mirror it, publish; return the length.
+
+        ``more_follows``: the caller appends again right away (a burst); the cache writes of
+        ``data`` then run on the shadow thread while it does (see the module's "Bursts").
+        Without it, everything queued is published first and ``data`` inline.
 
         Raises
         ------
@@ -358,11 +399,16 @@ class FileWriter:
             From :meth:`DurableFile.append`: nothing is mirrored or published then.
         """
         end = self.durable.append(data, messages=messages, past_a_stopped_writer=past_a_stopped_writer)
-        self.publish(data)
+        if more_follows and self.has_caches:
+            self._hand_over(data, end)
+        else:
+            self.settle()
+            self.publish(data)
         return end
 
-    def publish(self, data: bytes = b"") -> None:
-        """Mirror ``data`` (the verified bytes ending at :attr:`position`) and publish both lengths."""
+    def publish(self, data: bytes = b"", durable_length: Optional[int] = None) -> None:
+        """Mirror ``data`` (the verified bytes ending at ``durable_length``, by default
+        :attr:`position`) and publish both lengths."""
         cache_length = None
         if self.mirror is not None:
             try:
@@ -371,13 +417,64 @@ class FileWriter:
                 self._on_cache_error("chunks", exc)
         if self.meta is not None:
             try:
-                self.meta.publish(self.uri, cache_length=cache_length, durable_length=self.position)
+                self.meta.publish(self.uri, cache_length=cache_length,
+                                  durable_length=self.position if durable_length is None else durable_length)
             except CacheError as exc:
                 self._on_cache_error("lengths", exc)
+
+    def settle(self) -> None:
+        """Wait until the shadow thread has published every byte handed to it.
+
+        Raises
+        ------
+        Exception
+            An unexpected error the thread met (cache errors go to ``on_cache_error``).
+        """
+        with self._shadow:
+            while self._shadow_running:
+                self._shadow.wait()
+            error, self._shadow_error = self._shadow_error, None
+        if error is not None:
+            raise error
+
+    def _hand_over(self, data: bytes, end: int) -> None:
+        """Queue verified ``data`` (ending at ``end``) for the shadow thread; start it if idle."""
+        with self._shadow:
+            while self._queued_bytes >= SHADOW_MAX_BYTES and self._shadow_running:
+                self._shadow.wait()
+            self._queued.append(data)
+            self._queued_bytes += len(data)
+            self._queued_end = end
+            if self._shadow_running:
+                return
+            self._shadow_running = True
+        threading.Thread(target=self._shadow_run, name=f"acs-shadow {self.uri}", daemon=True).start()
+
+    def _shadow_run(self) -> None:
+        """The shadow thread: publish what is queued, coalesced, in order; end when none is."""
+        while True:
+            with self._shadow:
+                if not self._queued:
+                    self._shadow_running = False
+                    self._shadow.notify_all()
+                    return
+                pieces, end, size = self._queued, self._queued_end, self._queued_bytes
+                self._queued = []
+            try:
+                self.publish(pieces[0] if len(pieces) == 1 else b"".join(pieces), durable_length=end)
+            except BaseException as exc:  # handed to the writer by settle()
+                with self._shadow:
+                    self._shadow_error = self._shadow_error or exc
+            with self._shadow:
+                self._queued_bytes -= size
+                self._shadow.notify_all()
 
     def _log_cache_error(self, what: str, exc: Exception) -> None:
         log.warning("%s: cache write of %s failed, readers use the durable store: %s", self.uri, what, exc)
 
     def close(self) -> None:
-        """Close the durable append stream."""
-        self.durable.close()
+        """Publish what the shadow thread holds, then close the durable append stream."""
+        try:
+            self.settle()
+        finally:
+            self.durable.close()

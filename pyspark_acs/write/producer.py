@@ -433,10 +433,14 @@ class Producer:
             raise self._error
 
     def stats(self) -> Dict[str, float]:
-        """Counters: messages, blocks, bytes and files written; batching averages."""
+        """Counters: messages, blocks, bytes and files written; blocks whose cache writes
+        overlapped the next block's durable append (``overlapped_blocks``, a backlog's blocks
+        but the last of each round); batching averages."""
         with self._lock:
             files = sum(sh.writer.files_opened for sh in self._shards)
-            return dict(self._stats, files=files, write_latency_s=self._latency_ewma, avg_block_bytes=self._block_ewma)
+            overlapped = sum(sh.writer.overlapped_appends for sh in self._shards)
+            return dict(self._stats, files=files, overlapped_blocks=overlapped, write_latency_s=self._latency_ewma,
+                        avg_block_bytes=self._block_ewma)
 
     def current_files(self) -> Dict[int, str]:
         """The file each shard is writing now ('' before its first block)."""
@@ -534,7 +538,8 @@ class Producer:
                     sh.pending_bytes -= size
                     self._pending_bytes -= size
                 budgets[i] -= take
-                self._write_block(sh, values, keys, stamps, headers)
+                # More of this shard's round follows: its cache writes may overlap the next block.
+                self._write_block(sh, values, keys, stamps, headers, more_follows=budgets[i] > 0)
                 written += take
                 with self._cond:
                     self._written += take
@@ -557,8 +562,10 @@ class Producer:
             total += size
         return limit, total
 
-    def _write_block(self, sh: _Shard, values: list, keys: list, stamps: list, headers: list) -> None:
-        """Write one block through the shard writer (verified against seals before it counts).
+    def _write_block(self, sh: _Shard, values: list, keys: list, stamps: list, headers: list, *,
+                     more_follows: bool = False) -> None:
+        """Write one block through the shard writer (verified against seals before it counts);
+        ``more_follows``: the shard's next block comes right after it (:meth:`ShardWriter.append`).
 
         Cache failures never fail the producer (the durable store has the bytes and readers
         fall back to it); they are logged and counted in ``stats()["cache_errors"]``.
@@ -572,7 +579,7 @@ class Producer:
         block = encode_block(values, keys if any_key else None, stamps, first_index=writer.next_index,
                              headers=headers if any_headers else None)
         started = time.perf_counter()
-        writer.append(block, len(values))
+        writer.append(block, len(values), more_follows=more_follows)
         latency = time.perf_counter() - started
         with self._lock:
             self._latency_ewma += _EWMA_ALPHA * (latency - self._latency_ewma)

@@ -114,6 +114,7 @@ class ShardWriter:
         self.next_index = 0  # the next message's index in the open file
         self.opened_at = 0.0  # monotonic time the open file was opened
         self.files_opened = 0
+        self.overlapped_appends = 0  # appends whose cache writes overlapped the next (more_follows)
         self.recovered: List[str] = []  # files this writer sealed for a predecessor
         self._checked_upto: Optional[str] = None  # newest file recover() examined (sealed or resumed)
 
@@ -313,11 +314,12 @@ class ShardWriter:
         """Length of the open file (0 when none is open)."""
         return self.writer.position if self.writer is not None else 0
 
-    def append(self, data: bytes, messages: int) -> int:
+    def append(self, data: bytes, messages: int, *, more_follows: bool = False) -> int:
         """Append whole blocks holding ``messages`` messages; return the file's new length.
 
         Opens a new file when none is open; rolls over after the append when the file reached
-        ``roll_bytes``.
+        ``roll_bytes``. ``more_follows``: another append comes right away, so this one's cache
+        writes may overlap it (:meth:`FileWriter.append`); the last of a burst leaves it False.
 
         Raises
         ------
@@ -326,7 +328,9 @@ class ShardWriter:
         """
         if self.writer is None:
             self.open_new()
-        end = self.writer.append(data, messages=(self.next_index, messages))
+        if more_follows and self.writer.has_caches:
+            self.overlapped_appends += 1
+        end = self.writer.append(data, messages=(self.next_index, messages), more_follows=more_follows)
         self.next_index += messages
         if end >= self.roll_bytes:
             self.seal()
