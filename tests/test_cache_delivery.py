@@ -826,7 +826,8 @@ def test_a_burst_whose_cache_writes_stall_waits_at_the_bound_and_then_publishes_
 
 def test_an_unexpected_error_of_the_shadow_thread_reaches_the_writer(dep, root, monkeypatch):
     """Cache errors are the caller's to count (on_cache_error); anything else the shadow thread
-    meets is raised by the writer's next append without more_follows, not lost."""
+    meets fails the writer's next append before it appends (those bytes are not acknowledged),
+    and every append and the close after it: not lost, never attributed to durable bytes."""
     from pyspark_acs.write.file import CacheMirror, FileWriter
 
     store = open_store(root)
@@ -843,5 +844,37 @@ def test_an_unexpected_error_of_the_shadow_thread_reaches_the_writer(dep, root, 
     with pytest.raises(RuntimeError, match="a bug in the mirror"):
         writer.append(b"y" * 10)
     monkeypatch.undo()
-    writer.close()
-    assert store.length(rel) == 5010
+    with pytest.raises(RuntimeError, match="a bug in the mirror"):
+        writer.append(b"z" * 10, more_follows=True)
+    with pytest.raises(RuntimeError, match="a bug in the mirror"):
+        writer.close()
+    assert store.length(rel) == 5000
+
+
+def test_a_producer_whose_shadow_thread_fails_reports_it_and_closes_every_shard(dep, root, monkeypatch):
+    """The producer stops with the shadow thread's error; its cleanup still closes every shard
+    and releases the leases, so a new producer takes the stream over at once."""
+    from pyspark_acs.write.file import CacheMirror
+
+    real = CacheMirror.append
+    calls = []
+
+    def broken_once(self, data):
+        calls.append(len(data))
+        if len(calls) == 3:
+            raise RuntimeError("a bug in the mirror")
+        return real(self, data)
+
+    monkeypatch.setattr(CacheMirror, "append", broken_once)
+    p = Producer(root, "shadowfail", shards=2, max_block_bytes=4096, **caches(dep))
+    p.send_many([msg(i) for i in range(2000)])
+    with pytest.raises(RuntimeError, match="a bug in the mirror"):
+        p.flush(timeout=30)
+    with pytest.raises(RuntimeError):
+        p.close(timeout=30)
+    assert all(sh.writer.writer is None and sh.writer.leases == [] for sh in p._shards)
+    monkeypatch.undo()
+    with Producer(root, "shadowfail", shards=2, lease_seconds=30, **caches(dep)) as again:
+        again.send(msg(0, b"n"), shard=0)
+        again.send(msg(0, b"n"), shard=1)
+        again.flush(timeout=30)

@@ -50,13 +50,16 @@ append with ``more_follows=True``: the verified bytes are handed to the file's s
 which mirrors and publishes them (coalescing what queued while it was busy) while the writer
 verifies its next block. The order of each byte's steps is unchanged (durable and verified,
 then chunks, then lengths: the thread only gets verified bytes, and publishes the durable
-length they end at); what overlaps is one block's cache writes with the next block's durable
-append. At most :data:`SHADOW_MAX_BYTES` wait for the thread. Every append without
-``more_follows`` (the last block of a burst, a seal) first waits until the thread has
-published everything before it and then publishes inline, so when a burst's writer returns,
-its lengths are out, as after a plain append. (A writer that handed *every* block to a thread
-and returned after the durable append alone was measured and not kept, issue 9: cached lengths
-lagging the durable ones sent Algorithm 1's readers to the store.)
+length they end at); what overlaps is one block's cache writes with the next appends. The
+writer waits when :data:`SHADOW_MAX_BYTES` wait for the thread already (so at most that plus
+one block do). Every append without ``more_follows`` (the last block of a burst, a seal) first
+waits until the thread has published everything queued, then appends and publishes inline, so
+when a burst's writer returns its lengths are out, as after a plain append. An unexpected
+error of the thread (a cache error is not one: it goes to ``on_cache_error``) fails the
+writer's next append before that appends anything, and every append after it. (A writer that
+handed *every* block to a thread and returned after the durable append alone was measured and
+not kept, issue 9: cached lengths lagging the durable ones sent Algorithm 1's readers to the
+store.)
 """
 
 from __future__ import annotations
@@ -347,7 +350,8 @@ class FileWriter:
     position : int, optional
         Where the file is expected to end (default: its length now).
     on_cache_error : callable(what, exc), optional
-        Called for each cache failure (default: log a warning). Never raised.
+        Called for each cache failure (default: log a warning). Never raised. Called from the
+        shadow thread for a burst's blocks (``more_follows``), so it must be thread-safe.
     chunk_ttl : float, optional
         Time to live of the data-cache chunks (default: the server's).
     """
@@ -398,11 +402,15 @@ class FileWriter:
         AppendConflictError
             From :meth:`DurableFile.append`: nothing is mirrored or published then.
         """
+        shadowed = more_follows and self.has_caches
+        # An unexpected error of the shadow thread fails this append before its bytes are
+        # appended (they are not acknowledged); without more_follows, everything queued is
+        # published first, so this block's cache writes come after them.
+        self._raise_shadow_error() if shadowed else self.settle()
         end = self.durable.append(data, messages=messages, past_a_stopped_writer=past_a_stopped_writer)
-        if more_follows and self.has_caches:
+        if shadowed:
             self._hand_over(data, end)
         else:
-            self.settle()
             self.publish(data)
         return end
 
@@ -428,30 +436,47 @@ class FileWriter:
         Raises
         ------
         Exception
-            An unexpected error the thread met (cache errors go to ``on_cache_error``).
+            An unexpected error the thread met (cache errors go to ``on_cache_error``). The
+            writer stays failed: every later append raises it too, before appending.
         """
         with self._shadow:
             while self._shadow_running:
                 self._shadow.wait()
-            error, self._shadow_error = self._shadow_error, None
+        self._raise_shadow_error()
+
+    def _raise_shadow_error(self) -> None:
+        with self._shadow:
+            error = self._shadow_error
         if error is not None:
             raise error
 
     def _hand_over(self, data: bytes, end: int) -> None:
-        """Queue verified ``data`` (ending at ``end``) for the shadow thread; start it if idle."""
+        """Queue verified ``data`` (ending at ``end``) for the shadow thread; start it if idle.
+
+        After an unexpected error of the thread nothing is queued: ``data`` is durable and
+        acknowledged, its lengths are not published (as after a cache failure), and the next
+        append raises the error.
+        """
         with self._shadow:
             while self._queued_bytes >= SHADOW_MAX_BYTES and self._shadow_running:
                 self._shadow.wait()
+            if self._shadow_error is not None:
+                return
             self._queued.append(data)
             self._queued_bytes += len(data)
             self._queued_end = end
             if self._shadow_running:
                 return
             self._shadow_running = True
-        threading.Thread(target=self._shadow_run, name=f"acs-shadow {self.uri}", daemon=True).start()
+        try:
+            threading.Thread(target=self._shadow_run, name=f"acs-shadow {self.uri}", daemon=True).start()
+        except RuntimeError:  # no thread to be had (the process is at its limit): publish here
+            self._shadow_run()
 
     def _shadow_run(self) -> None:
-        """The shadow thread: publish what is queued, coalesced, in order; end when none is."""
+        """The shadow thread: publish what is queued, coalesced, in order; end when none is, or
+        at an unexpected error (kept for the writer; what is queued then is not published:
+        the mirror's position may no longer be where those bytes start)."""
         while True:
             with self._shadow:
                 if not self._queued:
@@ -462,9 +487,14 @@ class FileWriter:
                 self._queued = []
             try:
                 self.publish(pieces[0] if len(pieces) == 1 else b"".join(pieces), durable_length=end)
-            except BaseException as exc:  # handed to the writer by settle()
+            except BaseException as exc:  # raised by the writer's next append, settle() or close()
                 with self._shadow:
-                    self._shadow_error = self._shadow_error or exc
+                    self._shadow_error = exc
+                    self._queued = []
+                    self._queued_bytes = 0
+                    self._shadow_running = False
+                    self._shadow.notify_all()
+                return
             with self._shadow:
                 self._queued_bytes -= size
                 self._shadow.notify_all()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
-from pyspark_acs.errors import AcsError, AcsOptionError, AcsTimeoutError, ClosedError, LeaseError
+from pyspark_acs.errors import AcsOptionError, AcsTimeoutError, ClosedError, LeaseError
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block
 from pyspark_acs.format.names import MAX_SHARDS, new_writer_id, validate_shard, validate_stream
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS
@@ -600,7 +600,7 @@ class Producer:
         for sh in self._shards:
             try:
                 sh.writer.close(seal=self._error is None)
-            except AcsError as exc:
+            except Exception as exc:  # any: every shard still gets closed and its leases released
                 log.warning("producer for stream %r: cleanup of shard %d failed: %s", self.stream, sh.index, exc)
                 with self._cond:
                     if self._error is None:

@@ -328,9 +328,9 @@ class ShardWriter:
         """
         if self.writer is None:
             self.open_new()
+        end = self.writer.append(data, messages=(self.next_index, messages), more_follows=more_follows)
         if more_follows and self.writer.has_caches:
             self.overlapped_appends += 1
-        end = self.writer.append(data, messages=(self.next_index, messages), more_follows=more_follows)
         self.next_index += messages
         if end >= self.roll_bytes:
             self.seal()
@@ -381,8 +381,10 @@ class ShardWriter:
 
     def _close_writer(self) -> None:
         if self.writer is not None:
-            self.writer.close()
-            self.writer = None  # self.file keeps the last file's name (Producer.current_files)
+            try:
+                self.writer.close()
+            finally:
+                self.writer = None  # self.file keeps the last file's name (Producer.current_files)
 
     def close(self, seal: bool = True) -> None:
         """Seal the open file (unless ``seal`` is false) and release the leases."""
