@@ -786,7 +786,9 @@ def test_short_read_of_a_block_larger_than_max_read_is_retried_not_corrupt(root)
 
 
 def test_a_hot_shard_does_not_starve_the_others(root):
-    with Producer(root, "hot", shards=2, max_block_bytes=1024) as p:
+    # A 1 MiB backlog bound keeps the hot shard busy without leaving tens of MB of 1 KiB blocks
+    # for close() to write (that took ~30 s and tested nothing more).
+    with Producer(root, "hot", shards=2, max_block_bytes=1024, max_pending_bytes=1024 * 1024) as p:
         stop = threading.Event()
 
         def hammer():
