@@ -771,21 +771,28 @@ def test_a_burst_overlaps_its_cache_writes_and_every_length_is_out_when_flush_re
 def test_a_burst_whose_cache_writes_stall_waits_at_the_bound_and_then_publishes_everything(dep, root):
     """Two of three data replicas are stopped (SIGSTOP), so the shadow thread's chunk put waits
     for its majority: the writer goes on appending durably until SHADOW_MAX_BYTES wait for the
-    thread, and then waits too. Resumed, every byte reaches the cache and the lengths are
-    published at the file's end."""
+    thread, and then waits too. A consumer follows the file through the stall; resumed, it has
+    every message exactly, the lengths are published at the file's end, and every chunk the
+    data cache holds is the file's bytes at its offset."""
+    import datetime as dt
+
     from pyspark_acs.cache.chunks import ChunkReader
+    from pyspark_acs.format.block import encode_block
+    from pyspark_acs.format.names import file_name
     from pyspark_acs.write.file import SHADOW_MAX_BYTES, FileWriter
 
     store = open_store(root)
-    rel = "stall/f.acs"
+    store.create_stream("stall", 1)
+    rel = f"{shard_dir('stall', 0)}/{file_name(dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc), 'w')}"
     store.write_small(rel, b"")
+    per_block = 5000  # messages of ~190 bytes: blocks of ~1 MiB
+    values = [msg(i, b"s") for i in range(8 * per_block)]
+    pieces = [encode_block(values[i:i + per_block], first_index=i) for i in range(0, len(values), per_block)]
+    block = max(map(len, pieces))
     clients = caches(dep)
     errors: List[str] = []
     writer = FileWriter(store, rel, data=clients["data_cache"], meta=MetadataCache(clients["metadata_cache"]),
                         on_cache_error=lambda what, exc: errors.append(f"{what}: {exc}"))
-    block = 1024 * 1024
-    content = os.urandom(block) * 7 + os.urandom(block // 2)
-    pieces = [content[i:i + block] for i in range(0, len(content), block)]
     stopped = [dep.server("data", i).pid for i in (0, 1)]
     done: List[BaseException] = []
 
@@ -796,32 +803,45 @@ def test_a_burst_whose_cache_writes_stall_waits_at_the_bound_and_then_publishes_
         except BaseException as exc:  # surfaced below
             done.append(exc)
 
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        thread = threading.Thread(target=write, daemon=True)
-        thread.start()
-        # Durable appends run ahead of the stalled thread by at most the bound (plus the block
-        # appended before it waits): they stop there.
-        wait_until(lambda: writer.position >= SHADOW_MAX_BYTES, 10, "the appends up to the bound")
-        time.sleep(0.5)
-        assert thread.is_alive()
-        assert writer.position <= SHADOW_MAX_BYTES + block, writer.position
-    finally:
+    with Consumer(root, "stall", **caches(dep)) as c:
+        col = Collector(c)
+        following = threading.Thread(
+            target=col.until, args=(lambda: len(col.values) >= len(values), 60, "every message"), daemon=True)
+        following.start()  # the consumer follows the file from before the stall to its end
         for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
-    thread.join(30)
-    assert not thread.is_alive() and not done, done
-    writer.close()
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            thread = threading.Thread(target=write, daemon=True)
+            thread.start()
+            # Durable appends run ahead of the stalled thread by at most what may wait for it
+            # (under the bound, plus the block that crossed it) and the block appended before
+            # the writer waits: they stop there.
+            wait_until(lambda: writer.position >= SHADOW_MAX_BYTES, 10, "the appends up to the bound")
+            time.sleep(0.5)
+            assert thread.is_alive()
+            assert writer.position <= SHADOW_MAX_BYTES + 2 * block, writer.position
+            assert writer.position < len(b"".join(pieces))
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        thread.join(30)
+        assert not thread.is_alive() and not done, done
+        writer.close()
+        following.join(60)
+        assert not following.is_alive()
+    assert_exact(col.values, len(values), b"s")
+    content = b"".join(pieces)
     assert writer.position == len(content) == store.length(rel)
     uri = store.uri(rel)
-    assert MetadataCache(clients["metadata_cache"]).lengths([uri])[uri][1] == len(content)
+    cached, durable = MetadataCache(clients["metadata_cache"]).lengths([uri])[uri]
+    assert durable == len(content)
+    assert cached is not None and cached <= len(content)
+    runs = ChunkReader(clients["data_cache"]).read(uri, 0, cached)
+    for run_start, run_end, got in runs:  # never a byte that is not the file's
+        assert got is None or got == content[run_start:run_end], (run_start, run_end)
     if not errors:  # the stall stayed within the put deadline: the cache has every byte
-        reader = ChunkReader(clients["data_cache"])
-        got = reader.read(uri, 0, len(content))
-        assert b"".join(b for _, _, b in got if b is not None) == content
-    cached = MetadataCache(clients["metadata_cache"]).lengths([uri])[uri][0]
-    assert cached is None or cached <= len(content)
+        assert cached == len(content)
+        assert all(got is not None for _, _, got in runs)
 
 
 def test_an_unexpected_error_of_the_shadow_thread_reaches_the_writer(dep, root, monkeypatch):

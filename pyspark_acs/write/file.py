@@ -51,8 +51,8 @@ which mirrors and publishes them (coalescing what queued while it was busy) whil
 verifies its next block. The order of each byte's steps is unchanged (durable and verified,
 then chunks, then lengths: the thread only gets verified bytes, and publishes the durable
 length they end at); what overlaps is one block's cache writes with the next appends. The
-writer waits when :data:`SHADOW_MAX_BYTES` wait for the thread already (so at most that plus
-one block do). Every append without ``more_follows`` (the last block of a burst, a seal) first
+writer waits once :data:`SHADOW_MAX_BYTES` wait for the thread (so less than that plus one
+block wait, and the durable store leads the caches by at most that and one block more). Every append without ``more_follows`` (the last block of a burst, a seal) first
 waits until the thread has published everything queued, then appends and publishes inline, so
 when a burst's writer returns its lengths are out, as after a plain append. An unexpected
 error of the thread (a cache error is not one: it goes to ``on_cache_error``) fails the
@@ -406,7 +406,10 @@ class FileWriter:
         # An unexpected error of the shadow thread fails this append before its bytes are
         # appended (they are not acknowledged); without more_follows, everything queued is
         # published first, so this block's cache writes come after them.
-        self._raise_shadow_error() if shadowed else self.settle()
+        if shadowed:
+            self._raise_shadow_error()
+        else:
+            self.settle()
         end = self.durable.append(data, messages=messages, past_a_stopped_writer=past_a_stopped_writer)
         if shadowed:
             self._hand_over(data, end)
