@@ -180,7 +180,7 @@ class SecuritySettings:
         """A gRPC channel to ``address``: TLS when a CA bundle is set, else plaintext; with
         ``with_token`` every call on it carries the token (callers that pass
         :meth:`call_metadata` themselves leave it off)."""
-        import grpc
+        from pyspark_acs._grpc import grpc
 
         if not self.client_tls:
             channel = grpc.insecure_channel(address, options=list(options))
@@ -197,7 +197,7 @@ class SecuritySettings:
 
     def server_credentials(self):
         """grpcio server credentials (``None`` without a certificate: plaintext)."""
-        import grpc
+        from pyspark_acs._grpc import grpc
 
         if not self.server_tls:
             return None
@@ -337,7 +337,7 @@ def check_bind(host: str, settings: SecuritySettings, insecure: bool, *, what: s
 @functools.lru_cache(maxsize=None)
 def _grpc_classes():
     """The gRPC interceptor classes, built on first use (importing pyspark_acs must not import grpc)."""
-    import grpc
+    from pyspark_acs._grpc import grpc
 
     class CallDetails(
         collections.namedtuple("CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",

@@ -10,6 +10,10 @@ import threading
 
 import pytest
 
+# Before any test module imports grpc: this package's fork-handler setting (pyspark_acs._grpc),
+# without which the Spark fixture's Java gateway could die at launch after earlier tests' channels.
+import pyspark_acs._grpc  # noqa: F401,E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Heap of the test session's one Spark driver JVM (local mode: driver and executors share it).
 TEST_SPARK_DRIVER_MEMORY = "2g"

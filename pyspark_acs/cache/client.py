@@ -393,7 +393,7 @@ class CacheClient:
         stub = rep.stub
         if stub is not None:
             return stub
-        import grpc  # deferred: importing pyspark_acs must not import grpc
+        from pyspark_acs._grpc import grpc  # deferred: importing pyspark_acs must not import grpc
 
         from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 

@@ -129,7 +129,7 @@ class _PushStream:
             yield item
 
     def _run(self) -> None:
-        import grpc  # deferred like the client's own import
+        from pyspark_acs._grpc import grpc  # deferred like the client's own import
 
         wait = RECONNECT_INITIAL_S
         stop = threading.Event()

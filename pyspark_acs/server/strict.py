@@ -37,7 +37,7 @@ class _Capture:
 
 
 def _strict(service: str, name: str, handler: Any, aio: bool) -> Any:
-    import grpc
+    from pyspark_acs._grpc import grpc
 
     decode = handler.request_deserializer
     what = f"{service}/{name}"
@@ -111,7 +111,7 @@ def _strict(service: str, name: str, handler: Any, aio: bool) -> Any:
 def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: Any, server: Any, *, aio: bool) -> None:
     """``add_to_server(servicer, server)`` (the generated function), with malformed request
     bodies answered ``INVALID_ARGUMENT``."""
-    import grpc
+    from pyspark_acs._grpc import grpc
 
     capture = _Capture()
     add_to_server(servicer, capture)

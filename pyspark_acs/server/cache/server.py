@@ -35,7 +35,7 @@ import time
 from concurrent import futures
 from typing import Callable, Dict, List, Optional, Sequence
 
-import grpc
+from pyspark_acs._grpc import grpc
 
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.security import SecuritySettings, check_bind, metadata_has_token, resolve_security

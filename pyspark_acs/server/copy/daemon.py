@@ -37,7 +37,7 @@ import threading
 from concurrent import futures
 from typing import Dict, Optional, Sequence
 
-import grpc
+from pyspark_acs._grpc import grpc
 
 from pyspark_acs.errors import AcsError, AcsOptionError, TopologyError
 from pyspark_acs.options import parse_options

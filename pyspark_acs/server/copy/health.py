@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable, Dict, FrozenSet, Optional
 
-import grpc
+from pyspark_acs._grpc import grpc
 
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.errors import AcsError

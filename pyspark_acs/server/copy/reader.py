@@ -32,7 +32,7 @@ import threading
 from collections import deque
 from typing import Callable, Deque, Dict, Optional, Set, Tuple
 
-import grpc
+from pyspark_acs._grpc import grpc
 
 from pyspark_acs.cache.chunks import CHUNK_SIZE
 from pyspark_acs.cache.poller import LengthPoller

@@ -44,7 +44,7 @@ import time
 import zlib
 from typing import Callable, Dict, FrozenSet, List, Set, Tuple
 
-import grpc
+from pyspark_acs._grpc import grpc
 
 from pyspark_acs.errors import AcsError, CacheError, TopologyError
 from pyspark_acs.server.copy.cluster import DURABLE, STORAGES, ClusterIO, OpKey

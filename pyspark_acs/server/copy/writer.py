@@ -65,7 +65,7 @@ import time
 import zlib
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-import grpc
+from pyspark_acs._grpc import grpc
 from cachetools import LRUCache
 
 from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader
