@@ -189,6 +189,8 @@ def test_producer_job_then_consumer_job_available_now(env, tmp_path):
     )
     assert produced.returncode == 0, explain(produced)
     assert "done: 2500 messages written to 'events'" in produced.stdout, explain(produced)
+    # Stopping the never-ending rate query once done logs no aborted write at ERROR.
+    assert " ERROR " not in produced.stdout, explain(produced)
 
     consumed = run(
         [sys.executable, str(EXAMPLES / "consumer_job.py"), "--root", root, "--stream", "events", "--available-now",

@@ -43,6 +43,9 @@ from _spark import start_query
 BUCKET = "acs-tier"
 KEY, SECRET = "testing", "testing"
 WAIT_S = 30.0
+#: How long a check that nothing arrives watches (seconds): the daemons' copy polls run every
+#: 50 ms, so a copy that should not happen would show well within it.
+NOTHING_ARRIVES_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -703,8 +706,8 @@ def test_copy_daemon_delivers_files_the_source_tiered_before_the_destination_cop
     env = clusters_ab
     got: List[bytes] = []
 
-    def read_until(c, n: int) -> None:
-        deadline = time.monotonic() + WAIT_S
+    def read_until(c, n: int, wait: float = WAIT_S) -> None:
+        deadline = time.monotonic() + wait
         while len(got) < n and time.monotonic() < deadline:
             for batch in c.poll():
                 got.extend(batch.column("value").to_pylist())
@@ -728,7 +731,7 @@ def test_copy_daemon_delivers_files_the_source_tiered_before_the_destination_cop
             report = run_pass(env.roots["A"])
             assert report.uploaded_files == len(source) and report.hot_deleted == len(source) - 1
             assert hot_files(env.roots["A"], env.stream) == sorted(source)[-1:]
-            read_until(c, 41)  # nothing more arrives while the daemons are down
+            read_until(c, 41, NOTHING_ARRIVES_S)  # nothing more arrives while the daemons are down
             assert len(got) == 40
             env.start_daemon("B")
             env.start_daemon("A")
