@@ -768,6 +768,68 @@ def test_a_burst_overlaps_its_cache_writes_and_every_length_is_out_when_flush_re
     assert consumer_stats["durable_bytes"] == 0, consumer_stats
 
 
+def test_a_flush_waits_for_its_own_shards_blocks_not_for_a_count_of_anybodys(dep, root, monkeypatch):
+    """Thread A queues four blocks' worth to shard 0 and flushes; then thread B queues two
+    blocks' worth to shard 1. The writer's next round interleaves the shards (s0, s1, s0, s1,
+    s0, s0), so B's messages are written before A's last block. Before the fix flush() counted
+    messages of all shards and returned there, with A's last block not yet appended. Here that
+    block is held: flush must still wait; released, flush returns with every one of A's
+    messages durable and shard 0's published lengths equal to its durable length."""
+    clients = caches(dep)
+    value = b"v" * 1024  # 1040 accounted bytes: three messages per 4 KiB block
+    calls: List[int] = []
+    first_held, first_go = threading.Event(), threading.Event()
+    last_held, last_go = threading.Event(), threading.Event()
+    flushed = threading.Event()
+    errors: List[BaseException] = []
+    with Producer(root, "perflush", shards=2, max_block_bytes=4096, **clients) as p:
+        append = p._shards[0].writer.append
+
+        def gated(data, messages, **kw):
+            calls.append(messages)
+            if len(calls) == 1:  # the warm-up message's round: keep the writer here
+                first_held.set()
+                first_go.wait(30)
+            elif len(calls) == 5:  # A's fourth block, the last of its round
+                last_held.set()
+                last_go.wait(30)
+            return append(data, messages, **kw)
+
+        def flush() -> None:
+            try:
+                p.flush(timeout=60)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+            flushed.set()
+
+        monkeypatch.setattr(p._shards[0].writer, "append", gated)
+        try:
+            p.send(b"warm", shard=0)
+            assert first_held.wait(30)
+            for i in range(12):
+                p.send(b"A%02d" % i + value[3:], shard=0)
+            threading.Thread(target=flush, daemon=True).start()
+            time.sleep(0.2)  # the flush took its targets
+            for i in range(4):
+                p.send(b"B%02d" % i + value[3:], shard=1)
+            first_go.set()
+            assert last_held.wait(30), calls
+            assert not flushed.wait(1.0), "flush returned while the last block of its messages was unwritten"
+        finally:  # never leave the writer held (a failed check would else wait out close())
+            first_go.set()
+            last_go.set()
+        assert flushed.wait(30) and not errors, errors
+        assert calls == [1, 3, 3, 3, 3], calls
+        store = open_store(root)
+        rel = f"{shard_dir('perflush', 0)}/{p.current_files()[0]}"
+        lengths = MetadataCache(clients["metadata_cache"]).lengths([store.uri(rel)])[store.uri(rel)]
+        assert lengths == (store.length(rel), store.length(rel))
+        with Consumer(root, "perflush", shards=[0], **caches(dep)) as c:
+            col = Collector(c)
+            col.until(lambda: len(col.values) >= 13, 20, "shard 0's messages")
+    assert col.values == [b"warm"] + [b"A%02d" % i + value[3:] for i in range(12)]
+
+
 def test_a_burst_whose_cache_writes_stall_waits_at_the_bound_and_then_publishes_everything(dep, root):
     """Two of three data replicas are stopped (SIGSTOP), so the shadow thread's chunk put waits
     for its majority: the writer goes on appending durably until SHADOW_MAX_BYTES wait for the

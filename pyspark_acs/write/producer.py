@@ -138,6 +138,16 @@ class _Shard:
         self.timestamps: List[int] = []  # (lock)
         self.headers: List[Optional[list]] = []  # (lock) per message: None or [(key, value)]
         self.pending_bytes = 0  # (lock)
+        # Messages ever queued to this shard, and how many of them are acknowledged: durable,
+        # verified and their lengths published. Both count in queue order, so a flush waits on
+        # each shard's own count (a global count let messages queued to another shard after
+        # the flush stand in for this shard's last blocks).
+        self.queued = 0  # (lock)
+        self.acknowledged = 0  # (lock)
+        # Messages of this shard's current round appended with more_follows: durable, their
+        # lengths still with the file's shadow thread; acknowledged at the round's last block
+        # of the shard, which settles them first. Writer thread only.
+        self.unsettled = 0
         self.writer = writer  # writer thread (and the constructor before it starts)
 
 
@@ -330,6 +340,7 @@ class Producer:
             sh.timestamps.append(ts)
             sh.headers.append(hdrs)
             sh.pending_bytes += size + 16
+            sh.queued += 1
             self._pending_bytes += size + 16
             self._sent += 1
             # Wake the writer only when it sleeps: a notify per message costs more than the
@@ -379,6 +390,7 @@ class Producer:
                 sh.timestamps.append(ts)
                 sh.headers.append(None)
                 sh.pending_bytes += size
+                sh.queued += 1
                 added += size
             self._pending_bytes += added
             self._sent += len(vals)
@@ -387,7 +399,9 @@ class Producer:
                 self._cond.notify_all()
 
     def flush(self, timeout: Optional[float] = None) -> None:
-        """Block until every message sent so far is written; raise the writer's error if any.
+        """Block until every message sent so far is acknowledged: durable, verified against the
+        seals, and its file's length published to the caches (when there are caches); raise the
+        writer's error if any. Messages other threads send meanwhile are not waited for.
 
         Raises
         ------
@@ -396,13 +410,14 @@ class Producer:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            target = self._sent
-            while self._written < target and self._error is None:
+            targets = [(sh, sh.queued) for sh in self._shards]
+            while self._error is None:
+                short = sum(max(0, t - sh.acknowledged) for sh, t in targets)
+                if not short:
+                    break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise AcsTimeoutError(
-                        f"flush: {target - self._written} messages still unwritten after {timeout} s"
-                    )
+                    raise AcsTimeoutError(f"flush: {short} messages still unwritten after {timeout} s")
                 self._cond.wait(left if left is not None else 0.5)
             if self._error is not None:
                 raise self._error
@@ -539,11 +554,17 @@ class Producer:
                     self._pending_bytes -= size
                 budgets[i] -= take
                 # More of this shard's round follows: its cache writes may overlap the next block.
-                self._write_block(sh, values, keys, stamps, headers, more_follows=budgets[i] > 0)
+                more_follows = budgets[i] > 0
+                self._write_block(sh, values, keys, stamps, headers, more_follows=more_follows)
                 written += take
                 with self._cond:
                     self._written += take
                     self._stats["messages"] += take
+                    if more_follows:
+                        sh.unsettled += take
+                    else:  # this append settled the shard's earlier blocks of the round first
+                        sh.acknowledged += sh.unsettled + take
+                        sh.unsettled = 0
                     self._cond.notify_all()
             self._housekeeping()
         return written
