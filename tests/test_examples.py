@@ -136,10 +136,10 @@ def test_a_launcher_under_spark_submit_exits_with_the_jvm(env, tmp_path, launche
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(tmp_path))
     try:
         child = int(_first_line(parent, 30.0))
-        deadline = time.monotonic() + 30
-        while not os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(2.0)  # let it start serving
+        # Serving (it shares the parent's stdout): it has read its parent's pid by then. A fixed
+        # sleep here lost that race on a loaded machine, where importing grpc alone takes 2 s.
+        listening = _first_line(parent, 60.0)
+        assert "listening on" in listening, listening
         assert _alive(child)
         parent.kill()
         parent.wait(10)
