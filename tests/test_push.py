@@ -160,13 +160,15 @@ def test_a_caught_up_reader_waits_for_pushes_instead_of_polling(dep, root):
 
         def later():
             time.sleep(2.0)
-            sent_at["t"] = time.monotonic()
             p.send(msg(1))
             p.flush()
+            sent_at["t"] = time.monotonic()  # published: from here a push wakes the reader
 
-        threading.Thread(target=later, daemon=True).start()
+        sender = threading.Thread(target=later, daemon=True)
+        sender.start()
         got.extend(next(batches).column("value").to_pylist())
         arrived = time.monotonic()
+        sender.join(30)
         # 2 s idle at the 10 ms poll interval would be ~200 loop rounds; pushed, a handful.
         assert len(calls) <= 2.0 / PUSHED_WAIT_S + 8, len(calls)
         assert arrived - sent_at["t"] < PUSHED_WAIT_S  # woken by the push, not by the bound
@@ -1100,7 +1102,9 @@ def test_a_consumer_connects_to_its_caches_when_created(dep, root):
         c = Consumer(root, "early", **endpoints(dep))
         took = time.monotonic() - began
         try:
-            assert took < 2.5 * CONNECT_TIMEOUT_S, took  # not once per client (four of them)
+            # Once, not once per client (four of them: 4 x CONNECT_TIMEOUT_S); the rest of the
+            # bound is the Consumer's own set-up on a loaded machine.
+            assert took < 3.5 * CONNECT_TIMEOUT_S, took
             with Producer(root, "early", shards=1, **endpoints(dep)) as p:
                 col = Collector(c)
                 for i in range(20):
