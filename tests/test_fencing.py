@@ -26,11 +26,14 @@ def _drain(consumer: Consumer, timeout: float) -> list:
 def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
     deposed = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
     writer = deposed._shards[0].writer
+    # The stall ends once the successor holds the shard (not after a fixed 1.6 s, which a loaded
+    # machine could reach before the successor's take-over: then nobody would depose the writer).
+    taken_over = threading.Event()
     if variant == "stall_before_naming":
         original = writer.open_new
 
         def slow_open_new(name=None):
-            time.sleep(1.6)  # past the 1 s lease: another writer takes the shard over meanwhile
+            taken_over.wait(30)  # past the 1 s lease: another writer takes the shard over meanwhile
             return original(name)
 
         writer.open_new = slow_open_new
@@ -38,7 +41,7 @@ def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
         original = writer._open
 
         def slow_open(name, length, index):
-            time.sleep(1.6)
+            taken_over.wait(30)
             return original(name, length, index)
 
         writer._open = slow_open
@@ -57,6 +60,7 @@ def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
     flusher.start()
     time.sleep(1.2)
     successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r", roll_bytes=1)  # every block rolls
+    taken_over.set()
     successor.send(b"r1")
     successor.flush()
     seen = _drain(live, 0.3)

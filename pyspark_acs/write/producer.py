@@ -400,8 +400,10 @@ class Producer:
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Block until every message sent so far is acknowledged: durable, verified against the
-        seals, and its file's length published to the caches (when there are caches); raise the
-        writer's error if any. Messages other threads send meanwhile are not waited for.
+        seals, and its file's length published to the caches (when there are caches; a failed
+        cache write is counted in ``stats()["cache_errors"]``, never fails the message: readers
+        fall back to the store); raise the writer's error if any. Messages other threads send
+        meanwhile are not waited for.
 
         Raises
         ------
@@ -417,7 +419,7 @@ class Producer:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise AcsTimeoutError(f"flush: {short} messages still unwritten after {timeout} s")
+                    raise AcsTimeoutError(f"flush: {short} messages not yet acknowledged after {timeout} s")
                 self._cond.wait(left if left is not None else 0.5)
             if self._error is not None:
                 raise self._error
