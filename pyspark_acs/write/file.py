@@ -52,11 +52,12 @@ verifies its next block. The order of each byte's steps is unchanged (durable an
 then chunks, then lengths: the thread only gets verified bytes, and publishes the durable
 length they end at); what overlaps is one block's cache writes with the next appends. The
 writer waits once :data:`SHADOW_MAX_BYTES` wait for the thread (so less than that plus one
-block wait, and the durable store leads the caches by at most that and one block more). Every append without ``more_follows`` (the last block of a burst, a seal) first
-waits until the thread has published everything queued, then appends and publishes inline, so
-when a burst's writer returns its lengths are out, as after a plain append. An unexpected
-error of the thread (a cache error is not one: it goes to ``on_cache_error``) fails the
-writer's next append before that appends anything, and every append after it. (A writer that
+block wait, and the durable store leads the caches by at most that and one block more).
+Every append without ``more_follows`` (the last block of a burst, a seal) first waits until
+the thread has published everything queued, then appends and publishes inline, so when a
+burst's writer returns its lengths are out, as after a plain append. An unexpected error of
+the thread (a cache error is not one: it goes to ``on_cache_error``) fails the writer's next
+append before that appends anything, and every append after it. (A writer that
 handed *every* block to a thread and returned after the durable append alone was measured and
 not kept, issue 9: cached lengths lagging the durable ones sent Algorithm 1's readers to the
 store.)
@@ -384,10 +385,10 @@ class FileWriter:
         """The verified length of the file (this writer's bytes end there)."""
         return self.durable.position
 
-    @property
-    def has_caches(self) -> bool:
-        """Whether appends mirror chunks or publish lengths (else the shadow thread never runs)."""
-        return self.mirror is not None or self.meta is not None
+    def shadows(self, more_follows: bool) -> bool:
+        """Whether an append with this ``more_follows`` hands its cache writes to the shadow
+        thread: a burst's block, when there are caches to write."""
+        return more_follows and (self.mirror is not None or self.meta is not None)
 
     def append(self, data: bytes, *, messages: Optional[Tuple[int, int]] = None,
                past_a_stopped_writer: bool = False, more_follows: bool = False) -> int:
@@ -402,7 +403,7 @@ class FileWriter:
         AppendConflictError
             From :meth:`DurableFile.append`: nothing is mirrored or published then.
         """
-        shadowed = more_follows and self.has_caches
+        shadowed = self.shadows(more_follows)
         # An unexpected error of the shadow thread fails this append before its bytes are
         # appended (they are not acknowledged); without more_follows, everything queued is
         # published first, so this block's cache writes come after them.

@@ -238,14 +238,13 @@ class Producer:
         self.store = open_store(root)
         self.writer_id = writer_id or new_writer_id()
         self.shards = self.store.create_stream(stream, shards)
-        # _lock guards the pending lists of every _Shard, _pending_bytes, _sent, _written,
+        # _lock guards the pending lists of every _Shard, _pending_bytes, _sent, _stats,
         # _error, _closed and _round_robin; _cond (on _lock) signals the writer thread and
         # waiters in flush()/send().
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pending_bytes = 0
         self._sent = 0
-        self._written = 0
         self._round_robin = 0
         self._writer_idle = False  # (lock) the writer thread waits for messages
         self._error: Optional[BaseException] = None
@@ -511,7 +510,7 @@ class Producer:
         file) found this producer deposed before it wrote the pending messages. (An append the
         seal fence refused names its messages itself: AppendConflictError.)"""
         with self._cond:
-            unwritten = self._sent - self._written
+            unwritten = self._sent - self._stats["messages"]
         files = ", ".join(f"shard {sh.index} {sh.writer.file}" for sh in self._shards if sh.writer.file)
         named = type(exc)(
             f"{exc}; {unwritten} message(s) sent since the last acknowledged one are not acknowledged and were "
@@ -560,7 +559,6 @@ class Producer:
                 self._write_block(sh, values, keys, stamps, headers, more_follows=more_follows)
                 written += take
                 with self._cond:
-                    self._written += take
                     self._stats["messages"] += take
                     if more_follows:
                         sh.unsettled += take

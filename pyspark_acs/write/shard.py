@@ -329,7 +329,7 @@ class ShardWriter:
         if self.writer is None:
             self.open_new()
         end = self.writer.append(data, messages=(self.next_index, messages), more_follows=more_follows)
-        if more_follows and self.writer.has_caches:
+        if self.writer.shadows(more_follows):
             self.overlapped_appends += 1
         self.next_index += messages
         if end >= self.roll_bytes:
