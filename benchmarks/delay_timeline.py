@@ -123,6 +123,7 @@ def analyse(r: Dict, trace: str, warmup: float, show: int) -> None:
             "LO answers": rel(answers[0]["begin"] + answers[0]["dur"]) if answers else float("nan"),
             "src batch begins": rel(_ts(src[0]["timestamp"])) if src else float("nan"),
             "partitions": rel(parts[0]["begin"]) if parts else float("nan"),
+            "collect begins": rel(min(a["begin"] for a in got)),
             "reads begin": rel(min(e["begin"] for e in reads)) if reads else float("nan"),
             "reads end": rel(max(e["begin"] + e["dur"] for e in reads)) if reads else float("nan"),
             "arrival": rel(arrive),
@@ -137,7 +138,7 @@ def analyse(r: Dict, trace: str, warmup: float, show: int) -> None:
         print("no bursts matched")
         return
     keys = ["encode", "tasks end", "commit begins", "published", "commit ends", "sink batch ends", "LO answers",
-            "src batch begins", "partitions", "reads begin", "reads end", "arrival", "delay max"]
+            "src batch begins", "partitions", "collect begins", "reads begin", "reads end", "arrival", "delay max"]
     print(f"\n== {len(bursts)} bursts; times in ms after the sink micro-batch began")
     print("  " + " | ".join(f"{k[:10]:>10}" for k in ["sink batch"] + keys) + " | src batches")
 
@@ -155,7 +156,8 @@ def analyse(r: Dict, trace: str, warmup: float, show: int) -> None:
     print("\n== stretches over all bursts (ms): p50 / p90 / max")
     pairs = [("encode", "tasks end"), ("tasks end", "commit begins"), ("commit begins", "published"),
              ("published", "commit ends"), ("commit ends", "sink batch ends"), ("published", "LO answers"),
-             ("LO answers", "src batch begins"), ("src batch begins", "partitions"), ("partitions", "reads begin"),
+             ("LO answers", "src batch begins"), ("src batch begins", "partitions"), ("partitions", "collect begins"),
+             ("collect begins", "reads begin"),
              ("reads begin", "reads end"), ("reads end", "arrival"), ("published", "arrival"), ("encode", "arrival")]
     for a, b in pairs:
         v = [x[b] - x[a] for x in bursts if x[a] == x[a] and x[b] == x[b]]
