@@ -12,8 +12,13 @@ from typing import Any
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader
 from pyspark.sql.types import StructType
 
+from pyspark_acs.datasource import workergc
 from pyspark_acs.datasource.options import SinkOptions, SourceOptions, parse_sink_options, parse_source_options
 from pyspark_acs.options import option, parse_bool, parse_options
+
+# A reused Spark worker collects garbage after every task: the objects imported by now live as
+# long as the worker, so later collections need not walk them (see workergc).
+workergc.freeze_long_lived()
 
 
 @dataclass(frozen=True)
