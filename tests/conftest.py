@@ -17,6 +17,11 @@ import pyspark_acs._grpc  # noqa: F401,E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Heap of the test session's one Spark driver JVM (local mode: driver and executors share it).
 TEST_SPARK_DRIVER_MEMORY = "2g"
+#: The JVM compiles with C1 only: the suite is hundreds of short queries, and on 2 cores the
+#: JIT compiler threads took about half of the JVM's CPU in a one-minute streaming run
+#: (make demo, per-thread /proc). The Spark test files ran in 123 s instead of 140 s (two
+#: interleaved pairs); nothing a test checks depends on how hot code is compiled.
+TEST_SPARK_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
 
 
 #: How many ports below the kernel's ephemeral range :func:`free_port` picks from.
@@ -112,6 +117,7 @@ def spark():
         # The one session runs every Spark test of the suite: at local mode's default 1 GiB heap
         # a full run once ended a streaming query with "Java heap space" at 80 % of the suite.
         .config("spark.driver.memory", TEST_SPARK_DRIVER_MEMORY)
+        .config("spark.driver.extraJavaOptions", TEST_SPARK_JAVA_OPTIONS)
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")
