@@ -46,6 +46,7 @@ from typing import Any, Dict, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import RedisServer, percentile, progress  # noqa: E402
+from pyspark_acs.server.local.cpu import cpu_seconds  # noqa: E402
 
 #: Message size (bytes) and how often the producer flushes / pipelines (seconds).
 MESSAGE_BYTES = 1024
@@ -231,20 +232,6 @@ def run_producer(args: argparse.Namespace) -> int:
 # -- the parent -------------------------------------------------------------------------------
 
 
-def cpu_seconds(pids: List[int]) -> float:
-    """utime + stime of processes, in seconds (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
-
-
 def _child(args: argparse.Namespace, role: str, kind: str, stream: str, extra: List[str]) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--role", role, "--kind", kind, "--stream", stream, "--root", args.root,
            "--rate-mb", str(args.rate_mb), "--seconds", str(args.seconds)] + extra
@@ -273,8 +260,8 @@ def run_point(args: argparse.Namespace, kind: str, n: int, server_pids: List[int
             if line != "ready":
                 raise RuntimeError(f"a {kind} consumer did not start: {line!r}")
         progress(f"{kind}: {n} consumers ready; producing {args.rate_mb} MB/s for {args.seconds} s")
-        cpu0 = cpu_seconds(server_pids)
-        ccpu0 = cpu_seconds([c.pid for c in consumers])
+        cpu0 = cpu_seconds(server_pids, descendants=False)
+        ccpu0 = cpu_seconds([c.pid for c in consumers], descendants=False)
         producer = _child(args, "producer", kind, stream, [])
         out, _ = producer.communicate(timeout=args.seconds + 120)
         prod = json.loads(out.strip().splitlines()[-1])
@@ -297,8 +284,8 @@ def run_point(args: argparse.Namespace, kind: str, n: int, server_pids: List[int
             elif time.monotonic() - still_since > 3.0:
                 break
             time.sleep(0.2)
-        cpu1 = cpu_seconds(server_pids)
-        ccpu1 = cpu_seconds([c.pid for c in consumers])
+        cpu1 = cpu_seconds(server_pids, descendants=False)
+        ccpu1 = cpu_seconds([c.pid for c in consumers], descendants=False)
         for i in range(n):
             (work / f"c{i}.stop").touch()
         results = []

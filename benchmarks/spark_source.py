@@ -56,6 +56,7 @@ from typing import Callable, Dict, List, Optional
 from _common import percentile, progress, report
 
 from pyspark_acs import Producer
+from pyspark_acs.server.local.cpu import cpu_seconds
 from pyspark_acs.server.local.deploy import LocalDeployment
 
 SIZE = 1024
@@ -265,35 +266,6 @@ def ceiling_source(n: int, value_only: bool, partitions: int = CEILING_PARTITION
     return CeilingSource
 
 
-def tree_cpu_seconds(root_pid: int) -> float:
-    """CPU seconds (user + system) used so far by a process and all its descendants, including
-    descendants that have exited and been waited for: on a shared machine, CPU time per case is
-    a steadier figure than wall time (other engineers' load stretches the latter)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: Dict[int, List[int]] = {}
-    stats: Dict[int, List[str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        stats[int(entry)] = fields
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    total, todo = 0.0, [root_pid]
-    while todo:
-        pid = todo.pop()
-        fields = stats.get(pid)
-        if fields is None:
-            continue
-        # utime stime cutime cstime (fields 14-17 of stat; 11-14 here, after pid, comm, state)
-        total += sum(int(x) for x in fields[11:15]) / tick
-        todo.extend(children.get(pid, []))
-    return total
-
-
 def load_average() -> str:
     """The 1-minute load average (the machine is shared: figures are read with it)."""
     return f"{os.getloadavg()[0]:.2f}"
@@ -305,10 +277,10 @@ def rows_read(query) -> int:
 
 
 def timed(fn: Callable[[], int], jvm_pid: int) -> Dict[str, float]:
-    c0 = tree_cpu_seconds(jvm_pid)
+    c0 = cpu_seconds([jvm_pid])
     t0 = time.perf_counter()
     rows = fn()
-    return {"s": time.perf_counter() - t0, "rows": rows, "cpu": tree_cpu_seconds(jvm_pid) - c0}
+    return {"s": time.perf_counter() - t0, "rows": rows, "cpu": cpu_seconds([jvm_pid]) - c0}
 
 
 def throughput(spark, paths: Dict[str, str], n: int, repeat: int, tmp: str, dep: Optional[LocalDeployment],

@@ -120,41 +120,6 @@ def message_columns(df, value_bytes: int):
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def cpu_seconds(pids: List[int], *, alone: bool = False) -> Dict[int, float]:
-    """CPU seconds (user + system) of each process in ``pids`` and all its descendants so far,
-    descendants that already exited included (from /proc; empty where there is no /proc);
-    with ``alone``, of each process itself only."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    stats: Dict[int, List[str]] = {}
-    children: Dict[int, List[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return {}
-    for entry in entries:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(entry)] = fields
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    out: Dict[int, float] = {}
-    for root in pids:
-        total, todo = 0.0, [root]
-        while todo:
-            pid = todo.pop()
-            fields = stats.get(pid)
-            if fields is not None:
-                # utime stime cutime cstime: fields 14-17 of stat, 11-14 after pid, comm, state
-                total += sum(int(x) for x in fields[11:13 if alone else 15]) / tick
-                if not alone:
-                    todo.extend(children.get(pid, []))
-        out[root] = total
-    return out
-
-
 def percentile(samples: List[float], q: float) -> float:
     if not samples:
         return float("nan")
@@ -650,13 +615,15 @@ class Demo:
             self.b_reader.start()
             say("cluster B: a Consumer follows the copied stream")
         self.start_sink()
+        from pyspark_acs.server.local.cpu import cpu_seconds
+
         parts = self.cpu_parts()
 
         jvm = parts["Spark (JVM, Python workers)"]
 
         def cpu_now() -> Dict[str, float]:
-            now = {k: sum(cpu_seconds(v).values()) for k, v in parts.items()}
-            now["of which the JVM"] = sum(cpu_seconds(jvm, alone=True).values())
+            now = {k: cpu_seconds(v) for k, v in parts.items()}
+            now["of which the JVM"] = cpu_seconds(jvm, descendants=False)
             own = os.times()  # this process alone: its children are the parts above
             now["this process (driver, cluster B's Consumer)"] = own.user + own.system
             return now
