@@ -603,12 +603,20 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
                 peer_samples.extend((now, (now * 1e6 - g) / 1000.0) for g in gen)
 
         path = os.path.join(tmp, "delay-parquet")
-        psource, psink, peer_steady = run_pipeline(
-            "peer (Spark's parquet sink -> parquet source)",
-            lambda: start_file_peer_queries(spark, path, collect_peer, os.path.join(tmp, "ckpt-peer"), rate),
-            seconds, warmup, lock, peer_samples)
-        if len(peer_samples) < len(samples) * 0.5:
-            raise SystemExit(f"peer run: only {len(peer_samples)} rows arrived (acs: {len(samples)})")
+        # The peer runs after ours, once: a single pair is within the noise of a shared machine
+        # (run the script again for more pairs). A failed peer is reported, not fatal: the acs
+        # figures above stand on their own.
+        try:
+            psource, psink, peer_steady = run_pipeline(
+                "peer (Spark's parquet sink -> parquet source)",
+                lambda: start_file_peer_queries(spark, path, collect_peer, os.path.join(tmp, "ckpt-peer"), rate),
+                seconds, warmup, lock, peer_samples)
+            if len(peer_samples) < len(samples) * 0.5:
+                raise RuntimeError(f"only {len(peer_samples)} rows arrived (acs: {len(samples)})")
+        except Exception as exc:  # noqa: BLE001 (reported in the table)
+            peer = False
+            rows["parquet peer"] = f"failed: {exc}"
+    if peer:
         for label, d in (("acs", acs_since_rate), ("parquet peer", peer_steady)):
             rows[f"{label}, sink batch start -> source row p50 / p99"] = (
                 f"{percentile(d, 50):.0f} / {percentile(d, 99):.0f} ms ({len(d)} rows after warm-up)")
@@ -617,8 +625,6 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
     rows["load average"] = load_average()
     rows.update(CONDITIONS)
     report(f"End-to-end delay, sink write -> source row (processingTime=0, caches, {rate} msg/s)", rows)
-
-
 
 
 def main() -> int:

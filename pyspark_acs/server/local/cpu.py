@@ -43,7 +43,9 @@ def cpu_seconds(pids: Iterable[int], *, descendants: bool = True) -> float:
     Returns
     -------
     float
-        0.0 where there is no ``/proc`` (not Linux).
+        0.0 where there is no ``/proc`` (not Linux). A descendant that exited under a parent
+        which ignores ``SIGCHLD`` (pyspark's daemon does) was never waited for: its CPU is lost
+        to the count, so the figure is a lower bound where workers come and go.
     """
     stats = _stat_fields()
     if not stats:
