@@ -536,7 +536,7 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
     open_store(root).create_stream("live", SHARDS)
     lock = threading.Lock()
     samples: List[tuple] = []  # (arrival s, delay from the sink's encode ms)
-    since_rate: List[tuple] = []  # (arrival s, delay from the sink batch's timestamp ms)
+    since_batch: List[tuple] = []  # (arrival s, delay from the sink batch's timestamp ms)
 
     jobs: List[float] = []  # seconds each batch's collect (a Spark job) took, batches with rows
     sizes: List[int] = []  # rows of those batches
@@ -548,7 +548,7 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
         ts = got.column("timestamp").cast("int64").to_pylist()
         with lock:
             samples.extend((now, (now * 1e6 - t) / 1000.0) for t in ts)
-            since_rate.extend((now, (now * 1e6 - g) / 1000.0) for g in got.column("gen").to_pylist())
+            since_batch.extend((now, (now * 1e6 - g) / 1000.0) for g in got.column("gen").to_pylist())
             if ts:
                 jobs.append(now - began)
                 sizes.append(len(ts))
@@ -557,8 +557,8 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
         "acs", lambda: start_delay_queries(spark, opts, collect, os.path.join(tmp, "ckpt-delay"), rate),
         seconds, warmup, lock, samples)
     with lock:
-        first = min((t for t, _ in since_rate), default=0.0)
-        acs_since_rate = [d for t, d in since_rate if t >= first + warmup]
+        first = min((t for t, _ in since_batch), default=0.0)
+        acs_since_batch = [d for t, d in since_batch if t >= first + warmup]
     reports = sink.recentProgress
     durations = [r["durationMs"].get("triggerExecution", 0) for r in reports]
 
@@ -617,10 +617,10 @@ def delay(spark, tmp: str, dep: LocalDeployment, seconds: float, rate: int, warm
             peer = False
             rows["parquet peer"] = f"failed: {exc}"
     if peer:
-        for label, d in (("acs", acs_since_rate), ("parquet peer", peer_steady)):
+        for label, d in (("acs", acs_since_batch), ("parquet peer", peer_steady)):
             rows[f"{label}, sink batch start -> source row p50 / p99"] = (
                 f"{percentile(d, 50):.0f} / {percentile(d, 99):.0f} ms ({len(d)} rows after warm-up)")
-        rows["acs / parquet peer, p99 from the sink batch start"] = f"{percentile(acs_since_rate, 99) / percentile(peer_steady, 99):.2f}x"
+        rows["acs / parquet peer, p99 from the sink batch start"] = f"{percentile(acs_since_batch, 99) / percentile(peer_steady, 99):.2f}x"
         rows["parquet peer phases p50 (ms)"] = f"sink: {phases(psink.recentProgress)}; source: {phases(psource.recentProgress)}"
     rows["load average"] = load_average()
     rows.update(CONDITIONS)

@@ -616,7 +616,7 @@ class Demo:
             self.b_reader.start()
             say("cluster B: a Consumer follows the copied stream")
         self.start_sink()
-        from pyspark_acs.server.local.cpu import cpu_seconds
+        from pyspark_acs.server.local.cpu import cpu_measurable, cpu_seconds
 
         parts = self.cpu_parts()
 
@@ -669,7 +669,7 @@ class Demo:
             d = self.b_reader.delays
             say(f"delivery delay in cluster B (Consumer arrival - message timestamp): p50 {percentile(d, 50):.0f} ms  "
                 f"p99 {percentile(d, 99):.0f} ms")
-        if os.path.isdir("/proc"):  # Linux: elsewhere there is nothing to read the parts' CPU from
+        if cpu_measurable():
             say(f"CPU while the queries ran ({wall:.0f} s, {os.cpu_count()} cores: {wall * (os.cpu_count() or 1):.0f} "
                 f"core-seconds): " + ", ".join(f"{k} {v:.1f} s" for k, v in cpu_used.items()))
         if self.args.plot != "none":

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from pyspark_acs.server.local.cpu import cpu_seconds
+from pyspark_acs.server.local.cpu import cpu_measurable, cpu_seconds
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads Linux /proc")
+pytestmark = pytest.mark.skipif(not cpu_measurable(), reason="reads Linux /proc")
 
 BUSY = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
 

@@ -33,18 +33,15 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 
 __all__ = ["REUSED_WORKER_ENV", "freeze_long_lived", "in_reused_worker"]
 
 #: Set by Spark in the environment of Python workers that run task after task.
 REUSED_WORKER_ENV = "SPARK_REUSE_WORKER"
 
-# The process that froze. A child forked after the freeze inherits the frozen generation and
-# this value, and does not freeze again; the pid makes a child that re-imports (it cannot, the
-# module is cached) or calls this itself freeze its own objects once.
-_frozen_in_pid = 0
-_lock = threading.Lock()  # guards _frozen_in_pid
+# Whether this process froze. A child forked after the freeze inherits the frozen generation
+# with this flag: it has nothing of its own to freeze from before the fork.
+_frozen = False
 
 
 def in_reused_worker() -> bool:
@@ -60,12 +57,9 @@ def freeze_long_lived() -> bool:
     bool
         Whether this call froze them.
     """
-    global _frozen_in_pid
-    if not in_reused_worker():
+    global _frozen
+    if _frozen or not in_reused_worker():
         return False
-    with _lock:
-        if _frozen_in_pid == os.getpid():
-            return False
-        _frozen_in_pid = os.getpid()
+    _frozen = True  # called at module import, under the import lock; a second freeze is harmless
     gc.freeze()
     return True

@@ -238,13 +238,12 @@ class Producer:
         self.store = open_store(root)
         self.writer_id = writer_id or new_writer_id()
         self.shards = self.store.create_stream(stream, shards)
-        # _lock guards the pending lists of every _Shard, _pending_bytes, _sent, _stats,
+        # _lock guards the pending lists of every _Shard, _pending_bytes, _stats,
         # _error, _closed and _round_robin; _cond (on _lock) signals the writer thread and
         # waiters in flush()/send().
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pending_bytes = 0
-        self._sent = 0
         self._round_robin = 0
         self._writer_idle = False  # (lock) the writer thread waits for messages
         self._error: Optional[BaseException] = None
@@ -341,7 +340,6 @@ class Producer:
             sh.pending_bytes += size + 16
             sh.queued += 1
             self._pending_bytes += size + 16
-            self._sent += 1
             # Wake the writer only when it sleeps: a notify per message costs more than the
             # message (the busy writer picks pending messages up after its current write).
             if self._writer_idle:
@@ -392,7 +390,6 @@ class Producer:
                 sh.queued += 1
                 added += size
             self._pending_bytes += added
-            self._sent += len(vals)
             if self._writer_idle:
                 self._writer_idle = False
                 self._cond.notify_all()
@@ -510,7 +507,7 @@ class Producer:
         file) found this producer deposed before it wrote the pending messages. (An append the
         seal fence refused names its messages itself: AppendConflictError.)"""
         with self._cond:
-            unwritten = self._sent - self._stats["messages"]
+            unwritten = sum(sh.queued for sh in self._shards) - self._stats["messages"]
         files = ", ".join(f"shard {sh.index} {sh.writer.file}" for sh in self._shards if sh.writer.file)
         named = type(exc)(
             f"{exc}; {unwritten} message(s) sent since the last acknowledged one are not acknowledged and were "

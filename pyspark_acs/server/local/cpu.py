@@ -7,7 +7,12 @@ from __future__ import annotations
 import os
 from typing import Dict, Iterable, List
 
-__all__ = ["cpu_seconds"]
+__all__ = ["cpu_measurable", "cpu_seconds"]
+
+
+def cpu_measurable() -> bool:
+    """Whether :func:`cpu_seconds` can measure anything here (Linux ``/proc``)."""
+    return os.path.isdir("/proc")
 
 
 def _stat_fields() -> Dict[int, List[str]]:
