@@ -6,7 +6,10 @@ threads. Prints MB/s and chunk gets per second for each, and the ratio ours / re
 
 Our figures come in two set-ups: one server with ``replication=1`` (the like-for-like
 comparison with one redis-server) and three replicas with ``replication=3`` relaxed reads
-(the production path: each batch is split over the three replicas, in parallel).
+(the production path: each batch is split over the three replicas, in parallel). A third set-up
+is the grpcio floor (``_grpc_floor.py``): the same grpcio answering each batch with pre-built
+bytes and doing nothing else, so the ratios show which part of a gap to Redis is the fixed
+transport's and which is ours.
 
 redis-server is started here on a free loopback port (``--save '' --appendonly no``) and
 stopped at the end. Without it (or without the ``redis`` Python client) only our figures are
@@ -36,6 +39,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _grpc_floor  # noqa: E402
 from _common import RedisServer  # noqa: E402
 from pyspark_acs.cache.client import CacheClient  # noqa: E402
 from pyspark_acs.server.local.deploy import LocalDeployment  # noqa: E402
@@ -109,6 +113,24 @@ def ours(endpoints: str, replication: int, keys: List[bytes], values: List[bytes
 
         read(keys[:batch])  # warm the channels
         return measure(read, keys, batch, seconds, threads)
+
+
+def floor(keys: List[bytes], batch: int, seconds: float, threads: int) -> List[Dict[str, float]]:
+    """The grpcio floor (``_grpc_floor.py``): the same grpcio answering each batch's keys with
+    a pre-built run of ``batch`` chunks, raw bytes, nothing else -- what any Python gRPC cache
+    server could reach here, in the same run."""
+    server = _grpc_floor.FloorServer(get_bytes=batch * CHUNK_BYTES)
+    try:
+        with _grpc_floor.channel(server.endpoint) as ch:
+            call = _grpc_floor.get_call(ch)
+
+            def read(b: Sequence[bytes]) -> int:
+                return len(call(b"".join(b), timeout=30.0))
+
+            read(keys[:batch])
+            return [measure(read, keys, batch, seconds, 1), measure(read, keys, batch, seconds, threads)]
+    finally:
+        server.stop()
 
 
 def theirs(keys: List[bytes], values: List[bytes], batch: int, seconds: float,
@@ -371,6 +393,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 ours(dep.data_endpoints, 3, keys, values, args.batch, args.seconds, 1),
                 ours(dep.data_endpoints, 3, keys, values, args.batch, args.seconds, args.threads),
             ]
+    results["grpc floor (1 server)"] = floor(keys, args.batch, args.seconds, args.threads)
     redis_results = theirs(keys, values, args.batch, args.seconds, args.threads)
     if redis_results is not None:
         results["redis MGET (1 server)"] = redis_results
@@ -378,9 +401,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, (one, many) in results.items():
         print(f"{name:24s} 1 thread : {fmt(one)}")
         print(f"{'':24s} {args.threads} threads: {fmt(many)}")
+    print()
+    for name in ("ours r=1 (1 server)", "ours r=3 relaxed"):
+        for label, idx in (("1 thread", 0), (f"{args.threads} threads", 1)):
+            ratio = results[name][idx]["MB/s"] / results["grpc floor (1 server)"][idx]["MB/s"]
+            print(f"ratio {name} / grpc floor, {label}: {ratio:.2f}")
     if redis_results is not None:
         print()
-        for name in ("ours r=1 (1 server)", "ours r=3 relaxed"):
+        for name in ("ours r=1 (1 server)", "ours r=3 relaxed", "grpc floor (1 server)"):
             for label, idx in (("1 thread", 0), (f"{args.threads} threads", 1)):
                 ratio = results[name][idx]["MB/s"] / redis_results[idx]["MB/s"]
                 print(f"ratio {name} / redis, {label}: {ratio:.2f}")

@@ -11,7 +11,11 @@ the consumers get up to ``--drain`` more seconds to catch up. Three columns:
 - ``durable``: the same, through the durable store (local files) alone;
 - ``redis``: Debian's ``redis-server``, one stream, ``XADD`` (pipelined per 10 ms) and
   ``XREAD BLOCK`` per consumer. Skipped with a note when redis-server or the ``redis`` client
-  is missing (as root: ``apt-get install -y redis-server``; ``pip install redis``).
+  is missing (as root: ``apt-get install -y redis-server``; ``pip install redis``);
+- ``grpc``: the grpcio floor (``_grpc_floor.py``), one grpc.aio server that does nothing but
+  relay: each flush is one acknowledged message on the producer's stream and one pushed
+  message on each consumer's stream, raw bytes, no replication, lengths or store. It shows what
+  the fixed transport (grpcio in Python) costs for this load before any of our work.
 
 For N in ``--consumers`` (default 8,32,64) it prints delivered MB/s (all consumers together,
 over the time from the first send to the last message received), the delay p50/p99 (receive
@@ -39,12 +43,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _grpc_floor  # noqa: E402
 from _common import RedisServer, percentile, progress  # noqa: E402
 from pyspark_acs.server.local.cpu import cpu_seconds  # noqa: E402
 
@@ -59,10 +65,17 @@ SAMPLES = 20_000
 WARMUP_S = 3.0
 #: How often a consumer writes its running count for the parent (seconds).
 COUNT_EVERY_S = 0.25
-COLUMNS = ("caches", "durable", "redis")
+COLUMNS = ("caches", "durable", "redis", "grpc")
 
 
 # -- child processes --------------------------------------------------------------------------
+
+
+def _floor_payload(count: int, now_us: int) -> bytes:
+    """``count`` messages for the grpc floor column: each starts with its send time as 8 bytes
+    (little-endian microseconds), read back vectorized."""
+    one = now_us.to_bytes(8, "little") + b"x" * (MESSAGE_BYTES - 8)
+    return one * count
 
 
 def _payload(i: int, now_us: int) -> bytes:
@@ -149,6 +162,34 @@ def run_consumer(args: argparse.Namespace) -> int:
                     tally.add(int(value.split(b" ", 1)[0]), now_us, len(value))
                 tally.last_at = time.time()
             tally.tick()
+    elif args.kind == "grpc":
+        import numpy as np
+
+        import _grpc_floor
+
+        ch = _grpc_floor.channel(args.floor_endpoint)
+        pushed = _grpc_floor.follow(ch)
+        done = threading.Event()
+
+        def watch_stop() -> None:  # the push stream blocks: end it when the parent says so
+            while not os.path.exists(stop_file):
+                time.sleep(0.1)
+            done.set()
+            pushed.cancel()
+
+        threading.Thread(target=watch_stop, daemon=True).start()
+        print("ready", flush=True)
+        try:
+            for message in pushed:
+                now_us = time.time_ns() // 1000
+                sent = np.frombuffer(message, dtype=np.int64).reshape(-1, MESSAGE_BYTES // 8)[:, 0]
+                tally.add_many(sent, now_us, len(message))
+                tally.last_at = time.time()
+                tally.tick()
+        except Exception:
+            if not done.is_set():
+                raise
+        ch.close()
     else:
         import numpy as np
 
@@ -209,6 +250,17 @@ def run_producer(args: argparse.Namespace) -> int:
                 pipe.execute()
                 sent = due
             time.sleep(FLUSH_EVERY_S)
+    elif args.kind == "grpc":
+        import _grpc_floor
+
+        with _grpc_floor.channel(args.floor_endpoint) as ch:
+            publish = _grpc_floor.publisher(ch)
+            while time.monotonic() < end:
+                due = int((time.monotonic() - started) * rate)
+                if due > sent:
+                    publish(_floor_payload(due - sent, time.time_ns() // 1000))
+                    sent = due
+                time.sleep(FLUSH_EVERY_S)
     else:
         from pyspark_acs import Producer
 
@@ -239,12 +291,14 @@ def _child(args: argparse.Namespace, role: str, kind: str, stream: str, extra: L
         cmd += ["--data-cache", args.data_cache, "--metadata-cache", args.metadata_cache]
     if kind == "redis":
         cmd += ["--redis-port", str(args.redis_port)]
+    if kind == "grpc":
+        cmd += ["--floor-endpoint", args.floor_endpoint]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
 
 
 def run_point(args: argparse.Namespace, kind: str, n: int, server_pids: List[int]) -> Dict[str, float]:
     stream = f"fan_{kind}_{n}_{time.monotonic_ns()}"
-    if kind != "redis":
+    if kind in ("caches", "durable"):
         from pyspark_acs.storage.store import DurableStore
 
         store = DurableStore(args.root)
@@ -355,6 +409,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--data-cache", default="", help=argparse.SUPPRESS)
     p.add_argument("--metadata-cache", default="", help=argparse.SUPPRESS)
     p.add_argument("--redis-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--floor-endpoint", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role == "consumer":
         return run_consumer(args)
@@ -370,6 +425,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.root = str(base / "store")
     notes: List[str] = []
     redis_server = None
+    floor_server = None
     table: Dict[str, Dict[int, Dict[str, float]]] = {}
     dep = LocalDeployment(base / "caches", data_replicas=3, metadata_replicas=3, capacity="1GiB")
     try:
@@ -393,9 +449,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 redis_server = RedisServer(binary)
                 redis_server.wait(redis)
                 args.redis_port = redis_server.port
+        if "grpc" in columns:
+            floor_server = _grpc_floor.FloorServer()
+            args.floor_endpoint = floor_server.endpoint
         for n in ns:
             for kind in columns:
-                pids = cache_pids if kind == "caches" else ([redis_server.proc.pid] if kind == "redis" else [])
+                pids = {"caches": cache_pids, "redis": [redis_server.proc.pid] if redis_server else [],
+                        "grpc": [floor_server.pid] if floor_server else []}.get(kind, [])
                 table.setdefault(kind, {})[n] = run_point(args, kind, n, pids)
                 r = table[kind][n]
                 progress(f"{kind} N={n}: {r['mb_s']:.1f} MB/s, p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, "
@@ -405,6 +465,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if redis_server is not None:
             redis_server.stop()
+        if floor_server is not None:
+            floor_server.stop()
         dep.stop()
         shutil.rmtree(base, ignore_errors=True)
 
@@ -422,14 +484,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{kind:<8} {n:>3} {r['mb_s']:>7.1f} {r['p50']:>8.1f} {r['p99']:>8.1f} {r['missing']:>8} "
                   f"{r['durable_bytes']:>10} {r['pushed_bytes'] / 1e6:>9.1f} {r['store_holds']:>5} {cpu:>9} "
                   f"{r['client_cpu_per_gb']:>11.1f} {r['producer_mb_s']:>13.2f}")
-    if "redis" in table:
-        print("\nours / redis (MB/s: higher is better; p99 and CPU/GB: lower is better)")
-        for kind in ("caches", "durable"):
+    for peer in ("redis", "grpc"):
+        if peer not in table:
+            continue
+        print(f"\n{'ours' if peer == 'redis' else 'ours and redis'} / {peer} "
+              "(MB/s: higher is better; p99 and CPU/GB: lower is better)")
+        for kind in [k for k in ("caches", "durable", "grpc", "redis") if k != peer]:
             for n in ns:
-                r, q = table.get(kind, {}).get(n), table["redis"].get(n)
+                if peer == "redis" and kind == "grpc":
+                    continue  # printed under the grpc floor, as redis / grpc
+                r, q = table.get(kind, {}).get(n), table[peer].get(n)
                 if r is None or q is None:
                     continue
-                cpu = f"{r['cpu_per_gb'] / q['cpu_per_gb']:.2f}" if kind == "caches" and q["cpu_per_gb"] else "-"
+                cpu = f"{r['cpu_per_gb'] / q['cpu_per_gb']:.2f}" if kind != "durable" and q["cpu_per_gb"] else "-"
                 client = r["client_cpu_per_gb"] / max(q["client_cpu_per_gb"], 1e-9)
                 print(f"  {kind:<8} N={n:>3}: MB/s {r['mb_s'] / max(q['mb_s'], 1e-9):.2f}x  "
                       f"p99 {r['p99'] / max(q['p99'], 1e-9):.2f}x  server CPU/GB {cpu}x  client CPU/GB {client:.2f}x")
