@@ -10,8 +10,8 @@ same traffic, with the cache server's allocator settings and message limits:
   token;
 - ``Publish`` / ``Follow``: a one-server relay. The producer sends each flush's bytes as one
   message on a ``Publish`` stream and gets one acknowledgement per message (as our PutStream
-  and a Redis pipeline do); each follower opens one ``Follow`` stream and is pushed every
-  flush's bytes as one message (as our data replicas push a followed file's chunks). No
+  and a Redis pipeline do); each follower opens one ``Follow`` stream (answered first with an
+  empty message: subscribed) and is pushed every flush's bytes as one message (as our data replicas push a followed file's chunks). No
   replication, no lengths, no durable store.
 
 Run as a process: ``python benchmarks/_grpc_floor.py`` prints ``port N`` and serves until
@@ -60,7 +60,8 @@ async def _serve(get_bytes: int) -> None:
             yield b"ok"
 
     async def follow(request: bytes, context):
-        i = int(request or b"0")
+        i = int(request) if request else len(flushes)  # b"": from the next published message
+        await context.write(b"")  # subscribed: the follower may say it is ready
         while True:
             while i < len(flushes):
                 await context.write(flushes[i])
@@ -112,8 +113,11 @@ def get_call(ch: "grpc.Channel") -> Callable[[bytes], bytes]:
 
 
 def follow(ch: "grpc.Channel") -> Iterator[bytes]:
-    """Every published message from the first, as pushed."""
-    return ch.unary_stream(f"/{SERVICE}/Follow")(b"0")
+    """Every message published from now on, as pushed (the server keeps earlier runs' too).
+    Returns once the server took the subscription."""
+    stream = ch.unary_stream(f"/{SERVICE}/Follow")(b"")
+    next(stream)  # the empty first message
+    return stream
 
 
 def publisher(ch: "grpc.Channel") -> Callable[[bytes], None]:

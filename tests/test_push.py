@@ -727,7 +727,7 @@ def test_a_round_cut_short_by_the_feed_is_not_a_settled_round(dep, root):
         stream._handle = held.append  # pushed messages are held here, handed in by the test
 
         def held_end() -> int:
-            return max((s + n for m in list(held) for s, n in zip(m.starts, m.sizes)), default=0)
+            return max((s + n for m in list(held) for s, n in zip(m.message.starts, m.message.sizes)), default=0)
 
         ends = []
         for i in (1, 2):
@@ -735,7 +735,7 @@ def test_a_round_cut_short_by_the_feed_is_not_a_settled_round(dep, root):
             p.flush()
             ends.append(c.path.meta.lengths([uri])[uri][0])
             wait_until(lambda: held_end() >= ends[-1], 20, f"the push of message {i}")
-        first = [m for m in held if max(s + n for s, n in zip(m.starts, m.sizes)) <= ends[0]]
+        first = [m for m in held if max(s + n for s, n in zip(m.message.starts, m.message.sizes)) <= ends[0]]
         rest = held[len(first):]
         for m in first:
             real_handle(m)  # message 1 reaches the feed

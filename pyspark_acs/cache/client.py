@@ -28,6 +28,7 @@ Spark executors pickles the endpoint string and builds a client there.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import random
@@ -40,7 +41,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from pyspark_acs.security import SecuritySettings, resolve_security
 from pyspark_acs.errors import AcsOptionError, CacheError, CacheTimeoutError, CacheUnavailableError, ClosedError
+from pyspark_acs.cache import wire
 from pyspark_acs.cache.pipeline import PipelinedCall
+from pyspark_acs.cache.wire import WithData
 from pyspark_acs.cache.ring import DEFAULT_VNODES, HashRing
 
 __all__ = [
@@ -403,7 +406,16 @@ class CacheClient:
             if rep.stub is None:
                 self._pb = acs_pb2
                 rep.channel = self.security.channel(rep.endpoint, _CHANNEL_OPTIONS)
-                rep.stub = acs_pb2_grpc.CacheStub(rep.channel)
+                stub = acs_pb2_grpc.CacheStub(rep.channel)
+                # The byte-carrying answers are split from their data by hand (cache/wire.py).
+                service = acs_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
+                stub.Get = rep.channel.unary_unary(
+                    f"/{service}/Get", request_serializer=acs_pb2.GetRequest.SerializeToString,
+                    response_deserializer=_answer_parser(acs_pb2, "Get"))
+                stub.Follow = rep.channel.unary_stream(
+                    f"/{service}/Follow", request_serializer=acs_pb2.FollowRequest.SerializeToString,
+                    response_deserializer=_answer_parser(acs_pb2, "Follow"))
+                rep.stub = stub
             return rep.stub
 
     def _raw_call(self, rep: _Replica, method: str):
@@ -412,7 +424,6 @@ class CacheClient:
         call = rep.raw.get(method)
         if call is None:
             pb = self._pb2()
-            response_type = getattr(pb, f"{method}Response")
             path = f"/{pb.DESCRIPTOR.services_by_name['Cache'].full_name}/{method}"
             with self._lock:
                 if self._closed or rep.channel is None:
@@ -421,7 +432,7 @@ class CacheClient:
                 if call is None:
                     call = rep.raw[method] = rep.channel.unary_unary(
                         path, request_serializer=None,
-                        response_deserializer=response_type.FromString)
+                        response_deserializer=_answer_parser(pb, method))
         return call
 
     def _put_stream(self, rep: _Replica) -> PipelinedCall:
@@ -690,7 +701,8 @@ class CacheClient:
             good = self._get_anywhere(keys, pb, start, end, tried_first)
             if good is not None:
                 if joined:
-                    return good.data, [size if found else -1 for found, size in zip(good.found, good.sizes)]
+                    got = good.message
+                    return good.data, [size if found else -1 for found, size in zip(got.found, got.sizes)]
                 return _entries(good)
         ring_reps = self._ring.replicas_for_many(keys, self.replication)
 
@@ -796,9 +808,9 @@ class CacheClient:
                         failed.append(i)
                         remaining -= 1
                 continue
-            data = response.data
+            data, got = response.data, response.message
             offset = 0
-            for i, found, size, version in zip(batch, response.found, response.sizes, response.versions):
+            for i, found, size, version in zip(batch, got.found, got.sizes, got.versions):
                 start_at = offset
                 offset += size
                 inflight[i] -= 1
@@ -876,7 +888,7 @@ class CacheClient:
                 sent.append(usable[1])
                 continue
             answered += 1
-            if exc is None and len(response.found) == len(keys):
+            if exc is None and len(response.message.found) == len(keys):
                 good = response
                 break
             if exc is not None:
@@ -1231,13 +1243,29 @@ class _NoAnswer(Exception):
         return _DeadlineCode
 
 
-def _entries(response: Any) -> List[Optional[Entry]]:
-    """The entries of one ``GetResponse``, in the order of its keys (``None`` for a miss)."""
-    data = response.data
+#: Methods whose answers carry a run of bytes (the message type named): split from their data
+#: by hand (:func:`pyspark_acs.cache.wire.split`) instead of parsed into a message whose
+#: ``.data`` copies the bytes once more.
+_SPLIT_ANSWERS = {"Get": "GetResponse", "Follow": "FileBytes"}
+
+
+def _answer_parser(pb: Any, method: str) -> Callable[[bytes], Any]:
+    """The response deserializer of ``method``: a :class:`~pyspark_acs.cache.wire.WithData`
+    for the methods of :data:`_SPLIT_ANSWERS`, the generated ``FromString`` for the others."""
+    name = _SPLIT_ANSWERS.get(method)
+    if name is None:
+        return getattr(pb, f"{method}Response").FromString
+    return functools.partial(wire.split, message_type=getattr(pb, name))
+
+
+def _entries(response: "WithData") -> List[Optional[Entry]]:
+    """The entries of one ``GetResponse`` (split from its data), in the order of its keys
+    (``None`` for a miss)."""
+    data, got = response.data, response.message
     result: List[Optional[Entry]] = []
     append = result.append
     offset = 0
-    for found, size, version in zip(response.found, response.sizes, response.versions):
+    for found, size, version in zip(got.found, got.sizes, got.versions):
         append(Entry(data[offset:offset + size], version) if found else None)
         offset += size
     return result

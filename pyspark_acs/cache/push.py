@@ -319,8 +319,8 @@ class FollowStream(_PushStream):
 
     def _handle(self, message: Any) -> None:
         offset = 0
-        data = message.data
-        for fid, start, size in zip(message.files, message.starts, message.sizes):
+        data, runs = message.data, message.message  # a FileBytes split from its data (cache/wire.py)
+        for fid, start, size in zip(runs.files, runs.starts, runs.sizes):
             run = data[offset:offset + size]
             offset += size
             with self._lock:

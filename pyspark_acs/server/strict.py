@@ -1,6 +1,7 @@
 """Register a gRPC servicer so that a request body that is not its protobuf message is answered
 ``INVALID_ARGUMENT`` naming the method, instead of the ``UNKNOWN``/``INTERNAL`` grpcio gives
-when its deserializer raises (issue 10: hostile bodies get the right status).
+when its deserializer raises (issue 10: hostile bodies get the right status); and so that a
+handler may answer with its message already encoded (``bytes``), which goes out unserialized.
 
 Used by the cache server (grpc.aio) and the copy daemon (threaded grpc), with the ``add_*_to_server``
 function protoc generated, so the method table stays the generated one.
@@ -8,7 +9,7 @@ function protoc generated, so the method table stays the generated one.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 __all__ = ["add_servicer"]
 
@@ -36,8 +37,22 @@ class _Capture:
         self.service, self.handlers = service, handlers
 
 
+def _pass_bytes(serialize: Optional[Callable[[Any], bytes]]) -> Optional[Callable[[Any], bytes]]:
+    """``serialize``, except that a handler's answer already encoded (``bytes``: the hand-made
+    byte-carrying messages of :mod:`pyspark_acs.cache.wire`) goes out as it is."""
+    if serialize is None:
+        return None
+
+    def out(response: Any) -> bytes:
+        return response if response.__class__ is bytes else serialize(response)
+
+    return out
+
+
 def _strict(service: str, name: str, handler: Any, aio: bool) -> Any:
     from pyspark_acs._grpc import grpc
+
+    handler = handler._replace(response_serializer=_pass_bytes(handler.response_serializer))
 
     decode = handler.request_deserializer
     what = f"{service}/{name}"

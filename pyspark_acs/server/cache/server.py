@@ -40,6 +40,7 @@ from pyspark_acs._grpc import grpc
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.security import SecuritySettings, check_bind, metadata_has_token, resolve_security
 from pyspark_acs.units import parse_bytes, parse_duration
+from pyspark_acs.cache import wire
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, PutResult, Store
 from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Watchers
@@ -181,8 +182,9 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         if total > MAX_RESPONSE_BYTES:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"get: the answer would hold {total} bytes; at most {MAX_RESPONSE_BYTES} per call")
+        answer = wire.encode(acs_pb2.GetResponse(found=found, sizes=sizes, versions=versions), values, total)
         self._latency["Get"].observe(time.perf_counter() - started)
-        return acs_pb2.GetResponse(found=found, data=b"".join(values), sizes=sizes, versions=versions)
+        return answer
 
     def _put(self, request) -> "acs_pb2.PutResponse":
         """Store one batched put (the one rule of :meth:`Put` and :meth:`PutStream`).
@@ -345,11 +347,11 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         self.watchers.follow(f, request.follow, request.offsets, ())
         async for runs, _ in self._push(None, f, None, "follow_streams",
                                         lambda: (f.take(self.store), None), self.watchers.drop_follow, context):
-            self.watchers.counts["pushed_bytes_total"] += sum(len(r[2]) for r in runs)
-            yield acs_pb2.FileBytes(
-                files=[r[0] for r in runs], starts=[r[1] for r in runs], data=b"".join(r[2] for r in runs),
-                sizes=[len(r[2]) for r in runs],
-            )
+            sizes = [len(r[2]) for r in runs]
+            total = sum(sizes)
+            self.watchers.counts["pushed_bytes_total"] += total
+            yield wire.encode(acs_pb2.FileBytes(files=[r[0] for r in runs], starts=[r[1] for r in runs], sizes=sizes),
+                              [r[2] for r in runs], total)
 
     async def _push(self, request_iterator, stream, apply, gauge: str, take, drop, context=None):
         """The loop of one push stream: apply the reader's requests as they come (a

@@ -1,0 +1,149 @@
+"""The cache's byte-carrying messages on the wire, encoded and split by hand.
+
+``GetResponse`` (a batched read) and ``FileBytes`` (a Follow push) are a ``data`` field of
+joined values beside a few small per-key fields. Built the generated way, protobuf (upb) copies
+``data`` into the message's arena when the message is made and again when it is serialized, and
+the reader's parse copies it into an arena and once more into the ``bytes`` that ``.data``
+returns. Measured on the 2-core test machine, for one 1 MiB ``GetResponse`` of 256 chunks:
+building and serializing it 423 us against 57 us to join the values; on a real data server
+answering one client thread, 1.65 ms of server CPU per Get against 1.25 ms with the encoding
+below, and the client's parse and ``.data`` ~140 us against ~70 us with :func:`split`.
+
+The encoding is the message's own protobuf wire format, so the generated code still parses it
+(a server from this change answers an older client, and the other way round): the small fields
+are serialized by protobuf, then the ``data`` field is appended as one length-delimited
+record. Protobuf parsers accept the fields of a message in any order; for a singular field seen
+twice, the last one wins, and :func:`split` follows the same rule.
+
+Used by the cache server's ``Get`` and ``Follow`` handlers (:func:`encode`, which they return
+as bytes: :mod:`pyspark_acs.server.strict` passes bytes through unserialized) and by the cache
+client's stubs for those two methods (:func:`split`, as the response deserializer).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, NamedTuple, Tuple, Type
+
+__all__ = ["WithData", "encode", "split", "WireError"]
+
+#: Protobuf wire types (the low three bits of a field's key).
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+
+class WireError(ValueError):
+    """A response body that is not a valid encoding of its message (names where it broke)."""
+
+
+class WithData(NamedTuple):
+    """A message split from its ``data`` field: ``message`` holds every other field."""
+
+    message: Any
+    data: bytes
+
+
+_DATA_KEYS: Dict[Type[Any], Tuple[int, bytes]] = {}
+
+
+def _data_key(message_type: Type[Any]) -> Tuple[int, bytes]:
+    """The ``data`` field's number and its encoded key (length-delimited), per message type."""
+    known = _DATA_KEYS.get(message_type)
+    if known is None:
+        number = message_type.DESCRIPTOR.fields_by_name["data"].number
+        known = _DATA_KEYS[message_type] = (number, _varint((number << 3) | _LEN))
+    return known
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode(message: Any, parts: Iterable[bytes], size: int) -> bytes:
+    """``message`` (every field set but ``data``) with ``data`` = ``parts`` joined, ``size``
+    bytes long in all, as one wire-format body: the parts are copied once, into it.
+
+    The caller knows ``size`` already (it checked it against its limits); a wrong one makes an
+    invalid body, so it is checked here too.
+    """
+    _, key = _data_key(type(message))
+    head = b"".join([message.SerializeToString(), key, _varint(size)])
+    body = b"".join([head, *parts])
+    if len(body) - len(head) != size:
+        raise ValueError(f"encode: parts of {len(body) - len(head)} bytes, not the {size} announced")
+    return body
+
+
+def _read_varint(raw: bytes, pos: int, end: int) -> Tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end:
+            raise WireError(f"a varint runs past the end of the body at byte {pos} of {end}")
+        b = raw[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise WireError(f"a varint longer than 10 bytes ends at byte {pos} of {end}")
+
+
+def split(raw: bytes, message_type: Type[Any]) -> WithData:
+    """Parse ``raw`` as ``message_type``, its ``data`` field apart: the inverse of
+    :func:`encode`, and valid for any encoding of the message (fields in any order, as the
+    generated code writes them too).
+
+    Raises
+    ------
+    WireError
+        If ``raw`` is not a valid encoding (truncated, a bad key or wire type), naming the byte
+        position; or whatever protobuf raises for the other fields
+        (``google.protobuf.message.DecodeError``).
+    """
+    number, _ = _data_key(message_type)
+    end = len(raw)
+    pos = 0
+    data_at = None  # (first, past) byte of the last data field's value
+    cuts = []  # (first, past) byte of each data record, key included
+    while pos < end:
+        start = pos
+        key, pos = _read_varint(raw, pos, end)
+        wire = key & 7
+        if wire == _LEN:
+            length, pos = _read_varint(raw, pos, end)
+            past = pos + length
+            if past > end:
+                raise WireError(f"a field of {length} bytes at byte {pos} runs past the end of the "
+                                f"{end}-byte body")
+            if key >> 3 == number:
+                data_at = (pos, past)
+                cuts.append((start, past))
+            pos = past
+        elif wire == _VARINT:
+            _, pos = _read_varint(raw, pos, end)
+        elif wire == _I64:
+            pos += 8
+        elif wire == _I32:
+            pos += 4
+        else:
+            raise WireError(f"wire type {wire} (field {key >> 3}) at byte {start}: not one this "
+                            "message can hold")
+        if pos > end:
+            raise WireError(f"a fixed-size field at byte {start} runs past the end of the {end}-byte body")
+    if not cuts:
+        return WithData(message_type.FromString(raw), b"")
+    if len(cuts) == 1:
+        first, past = cuts[0]
+        rest = raw[:first] + raw[past:] if past < end else raw[:first]
+    else:
+        pieces, at = [], 0
+        for first, past in cuts:
+            pieces.append(raw[at:first])
+            at = past
+        pieces.append(raw[at:])
+        rest = b"".join(pieces)
+    return WithData(message_type.FromString(rest), raw[data_at[0]:data_at[1]])
