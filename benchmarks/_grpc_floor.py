@@ -12,7 +12,9 @@ same traffic, with the cache server's allocator settings and message limits:
   message on a ``Publish`` stream and gets one acknowledgement per message (as our PutStream
   and a Redis pipeline do); each follower opens one ``Follow`` stream (answered first with an
   empty message: subscribed) and is pushed every flush's bytes as one message (as our data replicas push a followed file's chunks). No
-  replication, no lengths, no durable store.
+  replication, no lengths, no durable store. ``fanout.py``'s ``grpc3`` column runs six of them in
+  the shape of a 3 data + 3 metadata deployment (each flush to three, then a length to three;
+  each follower on one of the three).
 
 Run as a process: ``python benchmarks/_grpc_floor.py`` prints ``port N`` and serves until
 killed. :class:`FloorServer` starts and stops one; :func:`get_call`, :func:`follow` and
@@ -27,7 +29,6 @@ import os
 import queue
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Callable, Iterator, List
 
@@ -120,18 +121,28 @@ def follow(ch: "grpc.Channel") -> Iterator[bytes]:
     return stream
 
 
-def publisher(ch: "grpc.Channel") -> Callable[[bytes], None]:
-    """A function that publishes one message and returns once the server acknowledged it."""
-    outbox: "queue.SimpleQueue" = queue.SimpleQueue()
-    acks = ch.stream_stream(f"/{SERVICE}/Publish")(iter(outbox.get, None))
-    lock = threading.Lock()
+class Publisher:
+    """One ``Publish`` stream: :meth:`send` queues a message, :meth:`ack` waits for the next
+    acknowledgement (in order); :meth:`__call__` does both. One thread at a time."""
 
-    def send(message: bytes) -> None:
-        with lock:
-            outbox.put(message)
-            next(acks)
+    def __init__(self, ch: "grpc.Channel") -> None:
+        self._outbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._acks = ch.stream_stream(f"/{SERVICE}/Publish")(iter(self._outbox.get, None))
 
-    return send
+    def send(self, message: bytes) -> None:
+        self._outbox.put(message)
+
+    def ack(self) -> None:
+        next(self._acks)
+
+    def __call__(self, message: bytes) -> None:
+        self.send(message)
+        self.ack()
+
+
+def publisher(ch: "grpc.Channel") -> Publisher:
+    """A :class:`Publisher`: called with a message, returns once the server acknowledged it."""
+    return Publisher(ch)
 
 
 def main() -> int:

@@ -15,7 +15,12 @@ the consumers get up to ``--drain`` more seconds to catch up. Three columns:
 - ``grpc``: the grpcio floor (``_grpc_floor.py``), one grpc.aio server that does nothing but
   relay: each flush is one acknowledged message on the producer's stream and one pushed
   message on each consumer's stream, raw bytes, no replication, lengths or store. It shows what
-  the fixed transport (grpcio in Python) costs for this load before any of our work.
+  the fixed transport (grpcio in Python) costs for this load before any of our work;
+- ``grpc3``: the same floor in the shape of our 3 data + 3 metadata deployment: six relay
+  servers; the producer publishes each flush to the three "data" relays, waits for their
+  acknowledgements, then publishes an 8-byte length to the three "metadata" relays and waits
+  for theirs (our flush: chunks to a majority, then lengths); consumer i follows data relay
+  i mod 3. The cheapest a replicated grpcio deployment of this shape can be.
 
 For N in ``--consumers`` (default 8,32,64) it prints delivered MB/s (all consumers together,
 over the time from the first send to the last message received), the delay p50/p99 (receive
@@ -65,7 +70,7 @@ SAMPLES = 20_000
 WARMUP_S = 3.0
 #: How often a consumer writes its running count for the parent (seconds).
 COUNT_EVERY_S = 0.25
-COLUMNS = ("caches", "durable", "redis", "grpc")
+COLUMNS = ("caches", "durable", "redis", "grpc", "grpc3")
 
 
 # -- child processes --------------------------------------------------------------------------
@@ -162,12 +167,13 @@ def run_consumer(args: argparse.Namespace) -> int:
                     tally.add(int(value.split(b" ", 1)[0]), now_us, len(value))
                 tally.last_at = time.time()
             tally.tick()
-    elif args.kind == "grpc":
+    elif args.kind in ("grpc", "grpc3"):
         import numpy as np
 
         import _grpc_floor
 
-        ch = _grpc_floor.channel(args.floor_endpoint)
+        relays = args.floor_endpoint.split(",")
+        ch = _grpc_floor.channel(relays[args.index % 3] if args.kind == "grpc3" else relays[0])
         pushed = _grpc_floor.follow(ch)
         done = threading.Event()
 
@@ -233,6 +239,7 @@ def run_consumer(args: argparse.Namespace) -> int:
 def run_producer(args: argparse.Namespace) -> int:
     rate = args.rate_mb * 1_000_000 / MESSAGE_BYTES  # messages per second
     sent = 0
+    flushes: List[float] = []  # ms from send_many to flush's return (ours only)
     started = time.monotonic()
     first_send = time.time()
     end = started + args.seconds
@@ -250,17 +257,29 @@ def run_producer(args: argparse.Namespace) -> int:
                 pipe.execute()
                 sent = due
             time.sleep(FLUSH_EVERY_S)
-    elif args.kind == "grpc":
+    elif args.kind in ("grpc", "grpc3"):
         import _grpc_floor
 
-        with _grpc_floor.channel(args.floor_endpoint) as ch:
-            publish = _grpc_floor.publisher(ch)
-            while time.monotonic() < end:
-                due = int((time.monotonic() - started) * rate)
-                if due > sent:
-                    publish(_floor_payload(due - sent, time.time_ns() // 1000))
-                    sent = due
-                time.sleep(FLUSH_EVERY_S)
+        channels = [_grpc_floor.channel(ep) for ep in args.floor_endpoint.split(",")]
+        pubs = [_grpc_floor.publisher(ch) for ch in channels]
+        # grpc: one relay. grpc3: the flush to the three data relays, then a length to the three
+        # metadata relays, each acknowledged by all three before the next step.
+        steps = [pubs] if args.kind == "grpc" else [pubs[:3], pubs[3:]]
+        while time.monotonic() < end:
+            due = int((time.monotonic() - started) * rate)
+            if due > sent:
+                payload = _floor_payload(due - sent, time.time_ns() // 1000)
+                t0 = time.monotonic()
+                for step, message in zip(steps, (payload, due.to_bytes(8, "little"))):
+                    for pub in step:
+                        pub.send(message)
+                    for pub in step:
+                        pub.ack()
+                flushes.append((time.monotonic() - t0) * 1000.0)
+                sent = due
+            time.sleep(FLUSH_EVERY_S)
+        for ch in channels:
+            ch.close()
     else:
         from pyspark_acs import Producer
 
@@ -272,12 +291,15 @@ def run_producer(args: argparse.Namespace) -> int:
             while time.monotonic() < end:
                 due = int((time.monotonic() - started) * rate)
                 if due > sent:
+                    t0 = time.monotonic()
                     p.send_many([value] * (due - sent))  # stamped with the send time
                     p.flush()
+                    flushes.append((time.monotonic() - t0) * 1000.0)
                     sent = due
                 time.sleep(FLUSH_EVERY_S)
     elapsed = time.monotonic() - started
-    print(json.dumps({"sent": sent, "elapsed": elapsed, "first_send": first_send}), flush=True)
+    print(json.dumps({"sent": sent, "elapsed": elapsed, "first_send": first_send,
+                      "flush_p50": percentile(flushes, 50), "flush_p99": percentile(flushes, 99)}), flush=True)
     return 0
 
 
@@ -293,10 +315,13 @@ def _child(args: argparse.Namespace, role: str, kind: str, stream: str, extra: L
         cmd += ["--redis-port", str(args.redis_port)]
     if kind == "grpc":
         cmd += ["--floor-endpoint", args.floor_endpoint]
+    if kind == "grpc3":
+        cmd += ["--floor-endpoint", args.floor3_endpoints]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
 
 
-def run_point(args: argparse.Namespace, kind: str, n: int, server_pids: List[int]) -> Dict[str, float]:
+def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, List[int]]) -> Dict[str, float]:
+    """One column at one N. ``servers``: the server processes' pids by role, for CPU per GB."""
     stream = f"fan_{kind}_{n}_{time.monotonic_ns()}"
     if kind in ("caches", "durable"):
         from pyspark_acs.storage.store import DurableStore
@@ -308,13 +333,14 @@ def run_point(args: argparse.Namespace, kind: str, n: int, server_pids: List[int
     consumers = []
     try:
         for i in range(n):
-            consumers.append(_child(args, "consumer", kind, stream, ["--count-file", str(work / f"c{i}")]))
+            consumers.append(_child(args, "consumer", kind, stream,
+                                    ["--count-file", str(work / f"c{i}"), "--index", str(i)]))
         for proc in consumers:
             line = proc.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"a {kind} consumer did not start: {line!r}")
         progress(f"{kind}: {n} consumers ready; producing {args.rate_mb} MB/s for {args.seconds} s")
-        cpu0 = cpu_seconds(server_pids, descendants=False)
+        cpu0 = {role: cpu_seconds(pids, descendants=False) for role, pids in servers.items()}
         ccpu0 = cpu_seconds([c.pid for c in consumers], descendants=False)
         producer = _child(args, "producer", kind, stream, [])
         out, _ = producer.communicate(timeout=args.seconds + 120)
@@ -338,7 +364,7 @@ def run_point(args: argparse.Namespace, kind: str, n: int, server_pids: List[int
             elif time.monotonic() - still_since > 3.0:
                 break
             time.sleep(0.2)
-        cpu1 = cpu_seconds(server_pids, descendants=False)
+        cpu1 = {role: cpu_seconds(pids, descendants=False) for role, pids in servers.items()}
         ccpu1 = cpu_seconds([c.pid for c in consumers], descendants=False)
         for i in range(n):
             (work / f"c{i}.stop").touch()
@@ -358,6 +384,8 @@ def run_point(args: argparse.Namespace, kind: str, n: int, server_pids: List[int
     return {
         "sent": sent,
         "producer_mb_s": sent * MESSAGE_BYTES / prod["elapsed"] / 1e6,
+        "flush_p50": prod["flush_p50"],
+        "flush_p99": prod["flush_p99"],
         "mb_s": delivered / span / 1e6,
         "p50": percentile(samples, 50),
         "p99": percentile(samples, 99),
@@ -365,7 +393,8 @@ def run_point(args: argparse.Namespace, kind: str, n: int, server_pids: List[int
         "durable_bytes": sum(r["durable_bytes"] for r in results),
         "pushed_bytes": sum(r["pushed_bytes"] for r in results),
         "store_holds": sum(r.get("store_holds", 0) for r in results),
-        "cpu_per_gb": (cpu1 - cpu0) / max(delivered / 1e9, 1e-9),
+        "cpu_per_gb": sum(cpu1[r] - cpu0[r] for r in servers) / max(delivered / 1e9, 1e-9),
+        "cpu_per_gb_by_role": {r: (cpu1[r] - cpu0[r]) / max(delivered / 1e9, 1e-9) for r in servers},
         "client_cpu_per_gb": (ccpu1 - ccpu0) / max(delivered / 1e9, 1e-9),
     }
 
@@ -410,6 +439,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--metadata-cache", default="", help=argparse.SUPPRESS)
     p.add_argument("--redis-port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--floor-endpoint", default="", help=argparse.SUPPRESS)
+    p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role == "consumer":
         return run_consumer(args)
@@ -426,13 +456,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     notes: List[str] = []
     redis_server = None
     floor_server = None
+    floor3: List[Any] = []
     table: Dict[str, Dict[int, Dict[str, float]]] = {}
     dep = LocalDeployment(base / "caches", data_replicas=3, metadata_replicas=3, capacity="1GiB")
     try:
         if "caches" in columns:
             dep.start()
             args.data_cache, args.metadata_cache = dep.data_endpoints, dep.metadata_endpoints
-        cache_pids = [s.pid for role in ("data", "metadata") for s in dep.servers[role] if s.pid]
+        cache_pids = {role: [s.pid for s in dep.servers[role] if s.pid] for role in ("data", "metadata")}
         if "redis" in columns:
             binary = shutil.which("redis-server")
             try:
@@ -452,21 +483,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "grpc" in columns:
             floor_server = _grpc_floor.FloorServer()
             args.floor_endpoint = floor_server.endpoint
+        if "grpc3" in columns:
+            floor3 = [_grpc_floor.FloorServer() for _ in range(6)]
+            args.floor3_endpoints = ",".join(f.endpoint for f in floor3)
         for n in ns:
             for kind in columns:
-                pids = {"caches": cache_pids, "redis": [redis_server.proc.pid] if redis_server else [],
-                        "grpc": [floor_server.pid] if floor_server else []}.get(kind, [])
+                pids = {"caches": cache_pids, "redis": {"redis": [redis_server.proc.pid] if redis_server else []},
+                        "grpc": {"relay": [floor_server.pid] if floor_server else []},
+                        "grpc3": {"data": [f.pid for f in floor3[:3]], "metadata": [f.pid for f in floor3[3:]]},
+                        }.get(kind, {})
                 table.setdefault(kind, {})[n] = run_point(args, kind, n, pids)
                 r = table[kind][n]
                 progress(f"{kind} N={n}: {r['mb_s']:.1f} MB/s, p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, "
-                         f"missing {r['missing']}")
+                         f"missing {r['missing']}"
+                         + (f", producer flush p50 {r['flush_p50']:.1f} ms p99 {r['flush_p99']:.1f} ms"
+                            if r["flush_p50"] == r["flush_p50"] else ""))
     except KeyboardInterrupt:
         notes.append("interrupted")
     finally:
         if redis_server is not None:
             redis_server.stop()
-        if floor_server is not None:
-            floor_server.stop()
+        for f in ([floor_server] if floor_server is not None else []) + floor3:
+            f.stop()
         dep.stop()
         shutil.rmtree(base, ignore_errors=True)
 
@@ -484,14 +522,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{kind:<8} {n:>3} {r['mb_s']:>7.1f} {r['p50']:>8.1f} {r['p99']:>8.1f} {r['missing']:>8} "
                   f"{r['durable_bytes']:>10} {r['pushed_bytes'] / 1e6:>9.1f} {r['store_holds']:>5} {cpu:>9} "
                   f"{r['client_cpu_per_gb']:>11.1f} {r['producer_mb_s']:>13.2f}")
-    for peer in ("redis", "grpc"):
+    roles = [f"  {kind} N={n}: " + ", ".join(f"{role} {v:.2f}" for role, v in r["cpu_per_gb_by_role"].items())
+             for kind in table for n, r in table[kind].items() if len(r["cpu_per_gb_by_role"]) > 1]
+    if roles:
+        print("\nserver CPU s/GB by role")
+        print("\n".join(roles))
+    for peer in ("redis", "grpc", "grpc3"):
         if peer not in table:
             continue
         print(f"\n{'ours' if peer == 'redis' else 'ours and redis'} / {peer} "
               "(MB/s: higher is better; p99 and CPU/GB: lower is better)")
-        for kind in [k for k in ("caches", "durable", "grpc", "redis") if k != peer]:
+        for kind in [k for k in ("caches", "durable", "grpc", "grpc3", "redis") if k != peer]:
             for n in ns:
-                if peer == "redis" and kind == "grpc":
+                if peer == "redis" and kind.startswith("grpc"):
                     continue  # printed under the grpc floor, as redis / grpc
                 r, q = table.get(kind, {}).get(n), table[peer].get(n)
                 if r is None or q is None:
