@@ -411,10 +411,10 @@ class CacheClient:
                 service = acs_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
                 stub.Get = rep.channel.unary_unary(
                     f"/{service}/Get", request_serializer=acs_pb2.GetRequest.SerializeToString,
-                    response_deserializer=_answer_parser(acs_pb2, "Get"))
+                    response_deserializer=_answer_parser(acs_pb2, "Get"), _registered_method=True)
                 stub.Follow = rep.channel.unary_stream(
                     f"/{service}/Follow", request_serializer=acs_pb2.FollowRequest.SerializeToString,
-                    response_deserializer=_answer_parser(acs_pb2, "Follow"))
+                    response_deserializer=_answer_parser(acs_pb2, "Follow"), _registered_method=True)
                 rep.stub = stub
             return rep.stub
 

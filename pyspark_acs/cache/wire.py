@@ -15,7 +15,9 @@ are serialized by protobuf, then the ``data`` field is appended as one length-de
 record. Protobuf parsers accept the fields of a message in any order; for a singular field seen
 twice, the last one wins, and :func:`split` follows the same rule.
 
-Used by the cache server's ``Get`` and ``Follow`` handlers (:func:`encode`, which they return
+A body :func:`split` does not recognise as that shape goes to the generated parser whole, so
+every body is read (or refused, with protobuf's ``DecodeError``) exactly as the generated code
+would. Used by the cache server's ``Get`` and ``Follow`` handlers (:func:`encode`, which they return
 as bytes: :mod:`pyspark_acs.server.strict` passes bytes through unserialized) and by the cache
 client's stubs for those two methods (:func:`split`, as the response deserializer).
 """
@@ -24,14 +26,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, NamedTuple, Tuple, Type
 
-__all__ = ["WithData", "encode", "split", "WireError"]
+__all__ = ["MAX_SCANNED_RECORDS", "WithData", "encode", "split"]
 
 #: Protobuf wire types (the low three bits of a field's key).
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-
-
-class WireError(ValueError):
-    """A response body that is not a valid encoding of its message (names where it broke)."""
 
 
 class WithData(NamedTuple):
@@ -77,63 +75,82 @@ def encode(message: Any, parts: Iterable[bytes], size: int) -> bytes:
     return body
 
 
+#: Records :func:`split` walks before it leaves a body to the generated parser: our servers send
+#: four or five (the small fields, then ``data``); a body of many small records (valid, if odd)
+#: would cost a Python loop per record.
+MAX_SCANNED_RECORDS = 16
+
+
 def _read_varint(raw: bytes, pos: int, end: int) -> Tuple[int, int]:
+    """The varint at ``pos`` and the position after it; ``(-1, pos)`` when the body ends first
+    or it is longer than ten bytes (the caller then leaves the body to protobuf)."""
     value = shift = 0
-    while True:
-        if pos >= end:
-            raise WireError(f"a varint runs past the end of the body at byte {pos} of {end}")
+    while pos < end and shift < 70:
         b = raw[pos]
         pos += 1
         value |= (b & 0x7F) << shift
         if b < 0x80:
             return value, pos
         shift += 7
-        if shift > 63:
-            raise WireError(f"a varint longer than 10 bytes ends at byte {pos} of {end}")
+    return -1, pos
+
+
+def _generic(raw: bytes, message_type: Type[Any]) -> WithData:
+    """The generated parser's reading of ``raw`` (it raises ``DecodeError`` for a bad body)."""
+    message = message_type.FromString(raw)
+    return WithData(message, message.data)
 
 
 def split(raw: bytes, message_type: Type[Any]) -> WithData:
     """Parse ``raw`` as ``message_type``, its ``data`` field apart: the inverse of
-    :func:`encode`, and valid for any encoding of the message (fields in any order, as the
-    generated code writes them too).
+    :func:`encode`. It reads every body exactly as the generated parser does -- it only finds
+    the ``data`` records itself, in the common shape (at most :data:`MAX_SCANNED_RECORDS`
+    records, minimally encoded ``data`` keys and lengths, no groups), cuts them out and hands
+    the rest to the generated parser; any other body goes to that parser whole.
 
     Raises
     ------
-    WireError
-        If ``raw`` is not a valid encoding (truncated, a bad key or wire type), naming the byte
-        position; or whatever protobuf raises for the other fields
-        (``google.protobuf.message.DecodeError``).
+    google.protobuf.message.DecodeError
+        If ``raw`` is not a valid encoding (from the generated parser, for either path).
     """
-    number, _ = _data_key(message_type)
+    number, data_key = _data_key(message_type)
     end = len(raw)
     pos = 0
     data_at = None  # (first, past) byte of the last data field's value
     cuts = []  # (first, past) byte of each data record, key included
+    records = 0
     while pos < end:
+        records += 1
+        if records > MAX_SCANNED_RECORDS:
+            return _generic(raw, message_type)
         start = pos
         key, pos = _read_varint(raw, pos, end)
         wire = key & 7
+        if key < 8 or pos - start > 5:  # no field number, cut short, or longer than a key can be
+            return _generic(raw, message_type)
         if wire == _LEN:
-            length, pos = _read_varint(raw, pos, end)
-            past = pos + length
-            if past > end:
-                raise WireError(f"a field of {length} bytes at byte {pos} runs past the end of the "
-                                f"{end}-byte body")
+            length, at = _read_varint(raw, pos, end)
+            past = at + length
+            if length < 0 or past > end:
+                return _generic(raw, message_type)
             if key >> 3 == number:
-                data_at = (pos, past)
+                if raw[start:pos] != data_key or at - pos != len(_varint(length)):
+                    return _generic(raw, message_type)  # padded: the generated parser decides
+                data_at = (at, past)
                 cuts.append((start, past))
             pos = past
         elif wire == _VARINT:
-            _, pos = _read_varint(raw, pos, end)
+            value, pos = _read_varint(raw, pos, end)
+            if value < 0:
+                return _generic(raw, message_type)
         elif wire == _I64:
             pos += 8
         elif wire == _I32:
             pos += 4
-        else:
-            raise WireError(f"wire type {wire} (field {key >> 3}) at byte {start}: not one this "
-                            "message can hold")
-        if pos > end:
-            raise WireError(f"a fixed-size field at byte {start} runs past the end of the {end}-byte body")
+        else:  # a group (3, 4) or no wire type at all (6, 7)
+            return _generic(raw, message_type)
+    if pos > end:  # a fixed-size field cut short
+        return _generic(raw, message_type)
     if not cuts:
         return WithData(message_type.FromString(raw), b"")
     if len(cuts) == 1:
