@@ -267,6 +267,35 @@ def test_hedged_reads_hide_a_stalled_replica(cluster):
         assert c.get(keys, consistent=True) == [Entry(b"w", 2)] * len(keys)
 
 
+def test_a_put_without_grace_returns_at_its_majority_and_the_straggler_still_gets_it(cluster):
+    """put(grace=False) (a producer's chunks and lengths) returns once a majority acknowledged,
+    without waiting hedge_after for the third; put() waits that grace. The third replica is
+    never cancelled: it stores the write once it answers again."""
+    keys = [b"grace#%d" % i for i in range(20)]
+    # A grace far above anything a majority of healthy replicas needs, below the deadline: a
+    # put that waited for the stalled replica takes the whole grace.
+    with CacheClient(cluster.data_endpoints, deadline=60.0, hedge_after=20.0) as c:
+        c.put([(k, b"v", 1) for k in keys])
+        stalled = cluster.server("data", 2)
+        os.kill(stalled.pid, signal.SIGSTOP)
+        try:
+            done = threading.Event()
+            worker = threading.Thread(target=lambda: (c.put([(k, b"w", 2) for k in keys], grace=False),
+                                                      done.set()), daemon=True)
+            worker.start()
+            assert done.wait(10.0), "a put without grace waited for the stalled replica"
+            graced = threading.Event()
+            worker = threading.Thread(target=lambda: (c.put([(k, b"x", 3) for k in keys]), graced.set()),
+                                      daemon=True)
+            worker.start()
+            assert not graced.wait(3.0), "a put with grace returned before its grace for the stalled replica"
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+        worker.join(30.0)
+    with CacheClient(stalled.endpoint, replication=1, deadline=30.0) as only:
+        wait_until(lambda: only.get(keys) == [Entry(b"x", 3)] * len(keys), 20.0)
+
+
 def test_a_relaxed_read_where_every_replica_holds_every_key_is_one_call_to_one_replica(cluster):
     """No more replicas than copies: any replica answers for every key, so a relaxed read is one
     call to one replica picked at random (no per-key bookkeeping); the picks spread over all

@@ -127,7 +127,9 @@ class ChunkWriter:
             self.position = end
             self._tail = buf[len(buf) - (end % CHUNK_SIZE) :] if end % CHUNK_SIZE else b""
             if items:
-                self.client.put(items, ttl=self.ttl)
+                # No grace for the third replica: the writer's lengths and next flush wait on
+                # this put (CacheClient.put's ``grace``).
+                self.client.put(items, ttl=self.ttl, grace=False)
             return end
 
 

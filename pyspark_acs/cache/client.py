@@ -908,14 +908,15 @@ class CacheClient:
         method: str,
         build: Callable[[List[int]], List[Tuple[Any, List[int]]]],
         acked: Callable[[Any, List[int]], Tuple[List[int], int]],
+        grace: bool = True,
     ) -> None:
         """Send to every replica of every key; return once each key has a majority of acks.
 
         ``build(idxs)`` makes the requests for one replica (split into batches);
         ``acked(response, batch)`` returns the batch indexes acknowledged and how many were
         refused as too large. Once every key has its majority, stragglers get ``hedge_after``
-        more to finish; after that they are left running (not cancelled), so a slow third
-        replica still gets the write.
+        more to finish (``grace`` False: none); after that they are left running (not
+        cancelled), so a slow third replica still gets the write.
         """
         n = len(keys)
         self._check_open()
@@ -958,7 +959,7 @@ class CacheClient:
                 # too, so a relaxed read right after this put rarely meets a replica that has
                 # not stored it yet; a slow replica still costs at most that grace.
                 if grace_until is None:
-                    grace_until = min(end, time.monotonic() + self.hedge_after)
+                    grace_until = min(end, time.monotonic() + (self.hedge_after if grace else 0.0))
                 wait = grace_until - time.monotonic()
                 if wait <= 0:
                     break
@@ -998,14 +999,15 @@ class CacheClient:
             errors,
         )
 
-    def put(self, items: Sequence[Tuple[bytes, bytes, int]], *, ttl: Optional[float] = None) -> None:
+    def put(self, items: Sequence[Tuple[bytes, bytes, int]], *, ttl: Optional[float] = None,
+            grace: bool = True) -> None:
         """Write ``(key, value, version)`` triples to all replicas of each key.
 
         Batched per replica, sent in parallel; succeeds once every key has a majority of
         acknowledgements (the remaining replica gets ``hedge_after`` more to finish before the
-        call returns; it is never cancelled). A replica stores an entry only if its version is
-        ``>=`` the stored one; a refusal because it holds a newer version counts as an
-        acknowledgement.
+        call returns, unless ``grace`` is False; it is never cancelled). A replica stores an
+        entry only if its version is ``>=`` the stored one; a refusal because it holds a newer
+        version counts as an acknowledgement.
 
         Parameters
         ----------
@@ -1013,6 +1015,12 @@ class CacheClient:
             Versions are unsigned 64-bit.
         ttl : float, optional
             Seconds to live; default: the server's role default (60 s data, 24 h metadata).
+        grace : bool, default True
+            Wait up to ``hedge_after`` past the majority for the other replicas, so that a
+            relaxed read right after the put rarely meets one that has not stored it yet. A
+            writer whose next write waits on this one (a producer's flush: its chunks, then its
+            lengths) passes False: its readers are pushed the bytes, and a relaxed read that
+            meets a lagging replica reads the chunk again from a majority (Fig. 5).
 
         Raises
         ------
@@ -1065,7 +1073,7 @@ class CacheClient:
             ok = [i for i, status in zip(batch, statuses) if status != too_large_code]
             return ok, len(batch) - len(ok)
 
-        self._write("put", keys, "Put", build, acked)
+        self._write("put", keys, "Put", build, acked, grace)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Remove ``keys`` from all their replicas; succeeds on a majority per key.

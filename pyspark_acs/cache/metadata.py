@@ -103,7 +103,9 @@ class MetadataCache:
             if durable_length is not None:
                 items.append((ld, _len_value(durable_length), durable_length))
         if items:
-            self.client.put(items, ttl=LENGTH_TTL_S)
+            # Lengths are read from a majority or pushed: no grace for the third replica, the
+            # writer's flush waits on this put (CacheClient.put's ``grace``).
+            self.client.put(items, ttl=LENGTH_TTL_S, grace=False)
 
     def lengths(self, uris: Sequence[str]) -> Dict[str, Tuple[Optional[int], Optional[int]]]:
         """``{uri: (cache length, durable length)}`` in one batched consistent read (None = unknown)."""
