@@ -129,3 +129,47 @@ def test_odd_but_valid_bodies_are_read_as_the_generated_parser_reads_them():
     many = b"\x78\x01" * (wire.MAX_SCANNED_RECORDS * 10) + good  # unknown records, then the answer
     _same_as_generated(many, acs_pb2.GetResponse)
     assert wire.split(many, acs_pb2.GetResponse).data == b"hello"
+
+
+def test_a_corrupt_answer_fails_the_read_naming_the_replica_and_does_not_mark_it_down():
+    """A replica whose Get answer is not a GetResponse (a bug, a proxy mangling bytes): the read
+    fails with a CacheError naming the endpoint and why, the bytes are not taken for data, and
+    the replica is not marked down (it answered; its answer was bad)."""
+    import asyncio
+    import threading
+
+    from pyspark_acs.errors import CacheError
+
+    ready = threading.Event()
+    port = []
+
+    async def serve(stop: "asyncio.Future") -> None:
+        async def get(request, context):
+            return b"\x12\x05abc"  # a data field announcing 5 bytes, holding 3
+
+        handler = grpc.method_handlers_generic_handler(
+            "pyspark_acs.cache.Cache", {"Get": grpc.unary_unary_rpc_method_handler(get)})
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        port.append(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        ready.set()
+        await stop
+        await server.stop(0)
+
+    loop = asyncio.new_event_loop()
+    stop = loop.create_future()
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(stop),), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    endpoint = f"127.0.0.1:{port[0]}"
+    try:
+        with CacheClient(endpoint, replication=1, deadline=10.0) as client:
+            for read in (lambda: client.get_joined([b"k"]), lambda: client.get([b"k"], consistent=True)):
+                with pytest.raises(CacheError) as info:
+                    read()
+                assert endpoint in str(info.value) and "deserializing" in str(info.value)
+            assert client.down_endpoints() == ()
+    finally:
+        loop.call_soon_threadsafe(stop.set_result, None)
+        thread.join(10)

@@ -43,7 +43,6 @@ from pyspark_acs.security import SecuritySettings, resolve_security
 from pyspark_acs.errors import AcsOptionError, CacheError, CacheTimeoutError, CacheUnavailableError, ClosedError
 from pyspark_acs.cache import wire
 from pyspark_acs.cache.pipeline import PipelinedCall
-from pyspark_acs.cache.wire import WithData
 from pyspark_acs.cache.ring import DEFAULT_VNODES, HashRing
 
 __all__ = [
@@ -408,13 +407,10 @@ class CacheClient:
                 rep.channel = self.security.channel(rep.endpoint, _CHANNEL_OPTIONS)
                 stub = acs_pb2_grpc.CacheStub(rep.channel)
                 # The byte-carrying answers are split from their data by hand (cache/wire.py).
-                service = acs_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
-                stub.Get = rep.channel.unary_unary(
-                    f"/{service}/Get", request_serializer=acs_pb2.GetRequest.SerializeToString,
-                    response_deserializer=_answer_parser(acs_pb2, "Get"), _registered_method=True)
-                stub.Follow = rep.channel.unary_stream(
-                    f"/{service}/Follow", request_serializer=acs_pb2.FollowRequest.SerializeToString,
-                    response_deserializer=_answer_parser(acs_pb2, "Follow"), _registered_method=True)
+                for method, (request, _, shape) in _SPLIT_ANSWERS.items():
+                    setattr(stub, method, getattr(rep.channel, shape)(
+                        _method_path(acs_pb2, method), request_serializer=getattr(acs_pb2, request).SerializeToString,
+                        response_deserializer=_answer_parser(acs_pb2, method), _registered_method=True))
                 rep.stub = stub
             return rep.stub
 
@@ -424,7 +420,7 @@ class CacheClient:
         call = rep.raw.get(method)
         if call is None:
             pb = self._pb2()
-            path = f"/{pb.DESCRIPTOR.services_by_name['Cache'].full_name}/{method}"
+            path = _method_path(pb, method)
             with self._lock:
                 if self._closed or rep.channel is None:
                     raise ClosedError(f"{self.name}: client is closed")
@@ -441,7 +437,7 @@ class CacheClient:
         if puts is not None:
             return puts
         pb = self._pb2()
-        path = f"/{pb.DESCRIPTOR.services_by_name['Cache'].full_name}/PutStream"
+        path = _method_path(pb, "PutStream")
         metadata = self._metadata
         with self._lock:
             if self._closed or rep.channel is None:
@@ -1251,22 +1247,28 @@ class _NoAnswer(Exception):
         return _DeadlineCode
 
 
-#: Methods whose answers carry a run of bytes (the message type named): split from their data
-#: by hand (:func:`pyspark_acs.cache.wire.split`) instead of parsed into a message whose
-#: ``.data`` copies the bytes once more.
-_SPLIT_ANSWERS = {"Get": "GetResponse", "Follow": "FileBytes"}
+#: Methods whose answers carry a run of bytes: split from their data by hand
+#: (:func:`pyspark_acs.cache.wire.split`) instead of parsed into a message whose ``.data``
+#: copies the bytes once more. Method: (request type, answer type, the channel's call shape).
+_SPLIT_ANSWERS = {"Get": ("GetRequest", "GetResponse", "unary_unary"),
+                  "Follow": ("FollowRequest", "FileBytes", "unary_stream")}
+
+
+def _method_path(pb: Any, method: str) -> str:
+    """The gRPC path of the cache service's ``method``."""
+    return f"/{pb.DESCRIPTOR.services_by_name['Cache'].full_name}/{method}"
 
 
 def _answer_parser(pb: Any, method: str) -> Callable[[bytes], Any]:
     """The response deserializer of ``method``: a :class:`~pyspark_acs.cache.wire.WithData`
     for the methods of :data:`_SPLIT_ANSWERS`, the generated ``FromString`` for the others."""
-    name = _SPLIT_ANSWERS.get(method)
-    if name is None:
+    split = _SPLIT_ANSWERS.get(method)
+    if split is None:
         return getattr(pb, f"{method}Response").FromString
-    return functools.partial(wire.split, message_type=getattr(pb, name))
+    return functools.partial(wire.split, message_type=getattr(pb, split[1]))
 
 
-def _entries(response: "WithData") -> List[Optional[Entry]]:
+def _entries(response: "wire.WithData") -> List[Optional[Entry]]:
     """The entries of one ``GetResponse`` (split from its data), in the order of its keys
     (``None`` for a miss)."""
     data, got = response.data, response.message

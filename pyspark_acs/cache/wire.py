@@ -6,7 +6,7 @@ joined values beside a few small per-key fields. Built the generated way, protob
 the reader's parse copies it into an arena and once more into the ``bytes`` that ``.data``
 returns. Measured on the 2-core test machine, for one 1 MiB ``GetResponse`` of 256 chunks:
 building and serializing it 423 us against 57 us to join the values; on a real data server
-answering one client thread, 1.65 ms of server CPU per Get against 1.25 ms with the encoding
+answering one client thread, 1.65 ms of server CPU per Get against 1.30 ms with the encoding
 below, and the client's parse and ``.data`` ~140 us against ~70 us with :func:`split`.
 
 The encoding is the message's own protobuf wire format, so the generated code still parses it

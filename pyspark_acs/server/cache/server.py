@@ -349,11 +349,11 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         self.watchers.follow(f, request.follow, request.offsets, ())
         async for runs, _ in self._push(None, f, None, "follow_streams",
                                         lambda: (f.take(self.store), None), self.watchers.drop_follow, context):
-            sizes = [len(r[2]) for r in runs]
+            sizes = [r[3] for r in runs]
             total = sum(sizes)
             self.watchers.counts["pushed_bytes_total"] += total
             yield wire.encode(acs_pb2.FileBytes(files=[r[0] for r in runs], starts=[r[1] for r in runs], sizes=sizes),
-                              [r[2] for r in runs], total)
+                              [piece for r in runs for piece in r[2]], total)
 
     async def _push(self, request_iterator, stream, apply, gauge: str, take, drop, context=None):
         """The loop of one push stream: apply the reader's requests as they come (a

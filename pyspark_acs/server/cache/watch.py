@@ -70,11 +70,13 @@ class FileFollow:
         self.marked.add(fid)
         self.wake.set()
 
-    def take(self, store: Store, budget: int = MAX_PUSH_BYTES) -> List[Tuple[bytes, int, bytes]]:
-        """Runs ``(file id, start, bytes)`` from the marked files' cursors, as far as the store
-        holds each contiguously (whole chunks, then the valid prefix of the last one), within
-        ``budget`` bytes; files left over stay marked. Moves the cursors."""
-        runs: List[Tuple[bytes, int, bytes]] = []
+    def take(self, store: Store, budget: int = MAX_PUSH_BYTES) -> List[Tuple[bytes, int, List[bytes], int]]:
+        """Runs ``(file id, start, pieces, size)`` from the marked files' cursors, as far as the
+        store holds each contiguously (whole chunks, then the valid prefix of the last one),
+        within ``budget`` bytes; files left over stay marked. Moves the cursors. A run's bytes
+        are its pieces (chunk values or their slices), not joined: the push joins every run's
+        pieces once, into the message (cache/wire.py)."""
+        runs: List[Tuple[bytes, int, List[bytes], int]] = []
         left = budget
         for fid in list(self.marked):
             if left <= 0:
@@ -101,7 +103,7 @@ class FileFollow:
                     break  # the end of what this chunk holds (or of the budget)
             if parts:
                 self.cursors[fid] = pos
-                runs.append((fid, start, b"".join(parts)))
+                runs.append((fid, start, parts, pos - start))
         if not self.marked:
             self.wake.clear()
         return runs
