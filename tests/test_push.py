@@ -562,6 +562,58 @@ def test_watch_stream_pushes_lengths_and_resends_after_restart(dep):
         client.close()
 
 
+def test_a_push_stream_that_watches_or_follows_nothing_holds_no_call(dep):
+    """Measured at 32 consumers: the Watch streams of a consumer whose file a feed pushes
+    watched nothing but stayed open, and grpc's waits on them cost it ~6 % of its CPU. A stream
+    with an empty subscription now holds no call (the replica's gauge drops), is not live, and
+    the next subscription opens a call at once and is pushed as before."""
+    from pyspark_acs.cache.metadata import MetadataCache, length_keys
+
+    uri = f"file:///idle-watch/{time.time_ns()}.acs"
+    key = length_keys(uri)[1]
+    seen: List[int] = []
+    client = CacheClient(dep.metadata_endpoints, name="metadata cache")
+    endpoint = client.endpoints[0]
+    data = CacheClient(dep.data_endpoints, name="data cache")
+    data_ep = data.endpoints[0]
+
+    def on_entries(ep, keys, found, versions):
+        seen.extend(v if ok else -1 for k, ok, v in zip(keys, found, versions) if k == key)
+
+    def gauge(ep: str, name: str) -> int:
+        return server_stats(ep)[ep][name]
+
+    watch_base, follow_base = gauge(endpoint, "watch_streams"), gauge(data_ep, "follow_streams")
+    stream = WatchStream(client, endpoint, on_entries)
+    follow = FollowStream(data, data_ep, lambda fid, start, run: None)
+    meta = MetadataCache(CacheClient(dep.metadata_endpoints))
+    try:
+        time.sleep(0.5)
+        assert not stream.live.is_set() and not follow.live.is_set()
+        assert gauge(endpoint, "watch_streams") == watch_base and gauge(data_ep, "follow_streams") == follow_base
+        for round_ in range(2):
+            stream.watch([key])
+            fid = file_id(f"{uri}.{round_}")
+            follow.follow(fid, 0)
+            wait_until(lambda: stream.confirmed(key), 10, "the watch up")
+            wait_until(follow.live.is_set, 10, "the follow up")
+            assert gauge(endpoint, "watch_streams") == watch_base + 1
+            meta.publish(uri, durable_length=100 * (round_ + 1))
+            wait_until(lambda: seen and seen[-1] == 100 * (round_ + 1), 10, "the pushed length")
+            stream.watch(remove=[key])
+            follow.unfollow(fid)
+            wait_until(lambda: gauge(endpoint, "watch_streams") == watch_base, 10, "the idle watch to hold no call")
+            wait_until(lambda: gauge(data_ep, "follow_streams") == follow_base, 10, "the idle follow to hold no call")
+            assert not stream.live.is_set() and not stream.confirmed(key)
+        assert stream.reconnects == 0 and follow.reconnects == 0  # going idle is not a failure
+    finally:
+        stream.close()
+        follow.close()
+        meta.client.close()
+        client.close()
+        data.close()
+
+
 def test_a_long_chunk_read_goes_in_pieces_and_keeps_what_answered(dep):
     """A reader catching up asks for at most READ_PIECE_CHUNKS chunks per Get (each piece is
     answered within the deadline by a loaded replica), READ_PIECES_IN_FLIGHT pieces at once
@@ -955,6 +1007,7 @@ def test_a_follow_stream_closed_while_it_reopens_ends(dep):
         return real_stub(rep)
 
     try:
+        stream.follow(file_id(f"file:///closing/first-{time.time_ns()}.acs"), 0)  # no call while it follows nothing
         wait_until(stream.live.is_set, 20, "the stream up")
         before = server_stats(endpoint)[endpoint]["follow_streams"]
         client._stub = stub_then_close

@@ -109,6 +109,17 @@ class _PushStream:
         if self._requests is not None:
             self._requests.put(request)
 
+    def _resubscribe(self) -> None:
+        """End the current call, not as a failure: the stream reopens at once with the whole
+        subscription, or holds no call while it has none (see :meth:`_run`). Caller holds
+        _lock. Requests queued after this reach the next call as part of its first request."""
+        self._restart = True
+        if self._requests is not None:
+            self._requests.put(_END)
+            self._requests = None
+        if self._call is not None:
+            self._call.cancel()
+
     def close(self) -> None:
         """End the stream and its thread (does not wait)."""
         with self._lock:
@@ -137,10 +148,25 @@ class _PushStream:
             with self._lock:
                 if self._closed:
                     return
-                requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-                requests.put(self._initial())
-                self._requests = requests
-                self._restart = False
+                idle = not self._subscribed()
+                if idle:
+                    self._wanted.clear()  # under _lock: a subscription made after this sets it
+                else:
+                    requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+                    requests.put(self._initial())
+                    self._requests = requests
+                    self._restart = False
+            if idle:
+                # Nothing to follow or watch: hold no call open (an open idle call cost a
+                # tailing consumer ~6 % of its CPU: grpc's waits on it wake ten times a second)
+                # and, when the replica is gone, do not reconnect every RECONNECT_MAX_S for
+                # ever. A process keeps its shared feeds and pollers (ChunkFeed.shared,
+                # LengthPoller.shared) after its readers of a cluster are gone, and that
+                # cluster's replicas may be gone for good. The next subscription wakes it.
+                self._down()
+                self._wanted.wait()
+                wait = RECONNECT_INITIAL_S
+                continue
             try:
                 stub = self.client._stub(self.client._replicas[self.endpoint])
                 call = self._open(stub, requests)
@@ -165,28 +191,23 @@ class _PushStream:
                 if self._closed:
                     return
                 restart = self._restart
-            requests.put(_END)
-            if restart:
-                continue  # a new subscription, not a failure: reopen at once, still live
-            if self.live.is_set():
-                self.live.clear()
-                if self.on_state is not None:
-                    self.on_state(self.endpoint, False)
-            self._reset()
-            self.reconnects += 1
-            with self._lock:
-                self._wanted.clear()
                 idle = not self._subscribed()
-            if idle:
-                # Nothing to follow or watch: wait for a subscription rather than reconnect
-                # every RECONNECT_MAX_S for ever. A process keeps its shared feeds and pollers
-                # (ChunkFeed.shared, LengthPoller.shared) after its readers of a cluster are
-                # gone, and that cluster's replicas may be gone for good.
-                self._wanted.wait()
-                wait = RECONNECT_INITIAL_S
-                continue
+            requests.put(_END)
+            if restart or idle:
+                continue  # a new subscription, or none, not a failure: reopen at once (or idle)
+            self._down()
+            self.reconnects += 1
             stop.wait(wait)
             wait = min(wait * 2.0, RECONNECT_MAX_S)
+
+    def _down(self) -> None:
+        """The stream is not up (broke, or holds no call while idle): forget what it had
+        confirmed and say so once."""
+        if self.live.is_set():
+            self.live.clear()
+            if self.on_state is not None:
+                self.on_state(self.endpoint, False)
+        self._reset()
 
 
 class WatchStream(_PushStream):
@@ -228,7 +249,10 @@ class WatchStream(_PushStream):
             self._keys.update(add)
             self._keys.difference_update(remove)
             self._confirmed.difference_update(remove)
-            self._send(self.client._pb2().WatchRequest(add=add, remove=remove))
+            if not self._keys:
+                self._resubscribe()  # nothing left to watch: hold no call (see _run)
+            else:
+                self._send(self.client._pb2().WatchRequest(add=add, remove=remove))
             if add:
                 self._wanted.set()
 
@@ -293,11 +317,6 @@ class FollowStream(_PushStream):
         with self._lock:
             return len(self._cursors)
 
-    def _resubscribe(self) -> None:
-        """Replace the current call by one with the new subscription. Caller holds _lock."""
-        self._restart = True
-        if self._call is not None:
-            self._call.cancel()
 
     def _open(self, stub: Any, requests: "queue.SimpleQueue[Any]") -> Any:
         call = stub.Follow(requests.get(), metadata=self.client._metadata)
