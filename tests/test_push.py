@@ -136,6 +136,44 @@ def test_following_reader_is_pushed_lengths_and_bytes_without_asking(dep, root):
         assert c.stats()["pushed_bytes"] > 0 and c.stats()["durable_bytes"] == 0
 
 
+def test_a_file_whose_feed_grows_skips_the_safety_poll_and_one_that_stands_still_keeps_it(dep, root):
+    """Measured at 32 consumers: the safety polls of tailing consumers were a quarter of the
+    metadata replicas' calls. A feed that grew since the last safety poll is a cache that holds
+    the file up to there (a replica pushes in order and never past a chunk it lacks), so that
+    file skips the poll; a file whose feed stands still (chunk writes failing, a stalled
+    stream, or just no traffic) is polled as before."""
+    with Producer(root, "safety", shards=1, **endpoints(dep)) as p, Consumer(root, "safety", **endpoints(dep)) as c:
+        col, t, feed, uri = live_feed_after_msg0(p, c)
+        poller = c.path.poller
+        asked: List[float] = []
+        real = poller.meta.lengths
+
+        def lengths(uris):
+            if uri in uris:
+                asked.append(time.monotonic())
+            return real(uris)
+
+        poller.meta.lengths = lengths
+        try:
+            longest = PUSH_SAFETY_POLL_S * (1 + PUSH_SAFETY_JITTER)
+            n, end = 1, time.monotonic() + 2 * longest + 0.5
+            while time.monotonic() < end:  # the feed grows all along
+                p.send(msg(n))
+                p.flush()
+                n += 1
+                col.pump(0.02)
+            col.until(lambda: len(col.values) == n, 20, "every message")
+            # The first round after the switch may still be due (the feed had not grown
+            # since the poll before it); after it, none.
+            assert len(asked) <= 1, f"the file was polled {len(asked)} times while its feed grew"
+            steady = len(asked)
+            col.pump(2 * longest + 0.5)  # nothing is sent: the feed stands still
+            assert len(asked) > steady, "the safety poll stopped for a file whose feed stands still"
+            assert_exact(col.values, n)
+        finally:
+            poller.meta.lengths = real
+
+
 def test_a_caught_up_reader_waits_for_pushes_instead_of_polling(dep, root):
     """With every followed length pushed, an idle consumer loop sleeps until a push wakes it (at
     most PUSHED_WAIT_S) instead of polling every poll_interval; a new message still arrives at

@@ -99,8 +99,10 @@ class LengthPoller:
         # The push streams, by endpoint, and the files whose keys they watch (poller thread only).
         self._streams: Dict[str, "WatchStream"] = {}
         self._watched: Dict[str, Tuple[Tuple[bytes, Tuple[str, ...]], ...]] = {}
-        #: When the next safety poll is due (monotonic; poller thread only).
+        #: When the next safety poll is due and when the last one ran (monotonic; poller
+        #: thread only).
         self._next_full_poll = 0.0
+        self._last_full_poll = float("-inf")
         #: Set when the poller thread must look again before its next round: a file asked for
         #: the first time (to watch it), a push stream broke (to poll what it covered).
         self._kick = threading.Event()
@@ -109,7 +111,10 @@ class LengthPoller:
         #: cache length (CachedReadPath._grown), so they need no Watch while the feed is live.
         self._fed: Dict[str, list] = {}
         self.pushed = 0
-        # _lock guards _values, _asked, _followers, _error, _thread and _generation; _changed
+        #: uri -> when :meth:`notify` last raised its cache length (monotonic, guarded by _lock):
+        #: a fed file whose feed grew since the last safety poll skips the next (see _run).
+        self._raised_at: Dict[str, float] = {}
+        # _lock guards _values, _asked, _followers, _error, _thread, _generation and _fed; _changed
         # (on _lock) wakes readers waiting for a length to move.
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -179,6 +184,7 @@ class LengthPoller:
                 if u not in self._followers:
                     self._asked.pop(u, None)
                     self._values.pop(u, None)
+                    self._raised_at.pop(u, None)
 
     def followed(self, uri: str) -> bool:
         """Whether a reader follows ``uri`` explicitly."""
@@ -196,6 +202,8 @@ class LengthPoller:
             new = (_max_known(c, cache_length), _max_known(d, durable_length))
             if new != (c, d):
                 self._values[uri] = new
+                if new[0] != c:
+                    self._raised_at[uri] = time.monotonic()
                 self._moved([uri])
 
     def lengths(self, uris: Sequence[str]) -> Dict[str, Lengths]:
@@ -336,6 +344,18 @@ class LengthPoller:
                 return False
         return True
 
+    def _grew_since(self, uri: str, since: float) -> bool:
+        """Whether ``uri`` is covered by a live feed that raised its cache length since
+        ``since``: then the safety poll may skip it. Pushed bytes are the cache's, and a
+        replica pushes a file's bytes in order and never past a chunk it lacks, so a feed that
+        grows is a cache that holds the file up to where it grew: the failures the safety
+        poll is there for (chunk writes that never reach the cache, a stream that stalls)
+        stop the feed. Measured at 32 consumers: the safety polls were a quarter of the
+        metadata replicas' calls and ~6 % of a tailing consumer's CPU."""
+        with self._lock:
+            raised = self._raised_at.get(uri) if uri in self._fed else None
+        return raised is not None and raised >= since and self._covered(uri)
+
     def _on_entries(self, endpoint: str, keys: Sequence[bytes], found: Sequence[bool], versions: Sequence[int]) -> None:
         """A replica pushed length entries (its stream's thread): lengths only grow."""
         moved = []
@@ -377,6 +397,7 @@ class LengthPoller:
                 for u in [u for u, t in self._asked.items() if started - t > FORGET_AFTER_S]:
                     del self._asked[u]
                     self._values.pop(u, None)
+                    self._raised_at.pop(u, None)
                 uris = list(self._asked)
                 if not uris:
                     self._thread = None
@@ -392,6 +413,8 @@ class LengthPoller:
                     return
                 if started >= self._next_full_poll:
                     self._next_full_poll = started + safety_period()
+                    poll = [u for u in uris if not self._grew_since(u, self._last_full_poll)]
+                    self._last_full_poll = started
                 else:
                     poll = [u for u in uris if not self._covered(u)]
             try:
