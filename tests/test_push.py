@@ -174,6 +174,46 @@ def test_a_file_whose_feed_grows_skips_the_safety_poll_and_one_that_stands_still
             poller.meta.lengths = real
 
 
+def test_a_failed_safety_poll_does_not_send_the_reader_of_a_live_feed_to_the_store(dep, root):
+    """Measured at 64 consumers: safety polls timing out on overloaded metadata replicas sent
+    readers whose files a live feed pushes to the store for a hold (19 of 28 holds), which made
+    the overload worse. A failed poll now fails only readers of files that are not pushed: this
+    one keeps reading pushed bytes, with no hold and nothing from the store. (Its poller's long
+    interval keeps the failed poll the last one while the messages are read.)"""
+    from pyspark_acs.cache.poller import LengthPoller
+    from pyspark_acs.errors import CacheError
+    from pyspark_acs.read.cachepath import CachedReadPath
+    from pyspark_acs.storage.store import DurableStore
+
+    meta = CacheClient(dep.metadata_endpoints, name="metadata cache")
+    poller = LengthPoller(tuple(meta.endpoints), interval=5.0)
+    path = CachedReadPath(DurableStore(root), data_cache=dep.data_endpoints, metadata_cache=meta, poller=poller,
+                          push=True)
+    with Producer(root, "safefail", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "safefail", read_path=path) as c:
+        col, t, feed, uri = live_feed_after_msg0(p, c)
+        real = poller.meta.lengths
+
+        def failing(uris):
+            raise CacheError("metadata cache: consistent get failed (test)")
+
+        poller.meta.lengths = failing
+        try:
+            # The feed stands still, so the next safety poll asks for the file, and fails.
+            col.until(lambda: poller._error is not None, 10, "a failed safety poll")
+            for n in range(1, 51):
+                p.send(msg(n))
+                p.flush()
+                col.pump(0.01)
+            col.until(lambda: len(col.values) == 51, 20, "every message")
+        finally:
+            poller.meta.lengths = real
+        assert_exact(col.values, 51)
+        assert col.stat("store_holds") == 0 and col.stat("durable_bytes") == 0, c.stats()
+        assert col.stat("pushed_bytes") > 0
+    meta.close()
+
+
 def test_a_caught_up_reader_waits_for_pushes_instead_of_polling(dep, root):
     """With every followed length pushed, an idle consumer loop sleeps until a push wakes it (at
     most PUSHED_WAIT_S) instead of polling every poll_interval; a new message still arrives at
