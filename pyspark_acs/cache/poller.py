@@ -34,6 +34,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.client import CacheClient, _majority
+from pyspark_acs.cache.feed import PUSH_GRACE_S
 from pyspark_acs.errors import CacheError, ClosedError
 from pyspark_acs.cache.metadata import MetadataCache, length_keys, parse_length_key
 
@@ -99,10 +100,8 @@ class LengthPoller:
         # The push streams, by endpoint, and the files whose keys they watch (poller thread only).
         self._streams: Dict[str, "WatchStream"] = {}
         self._watched: Dict[str, Tuple[Tuple[bytes, Tuple[str, ...]], ...]] = {}
-        #: When the next safety poll is due and when the last one ran (monotonic; poller
-        #: thread only).
+        #: When the next safety poll is due (monotonic; poller thread only).
         self._next_full_poll = 0.0
-        self._last_full_poll = float("-inf")
         #: Set when the poller thread must look again before its next round: a file asked for
         #: the first time (to watch it), a push stream broke (to poll what it covered).
         self._kick = threading.Event()
@@ -112,7 +111,7 @@ class LengthPoller:
         self._fed: Dict[str, list] = {}
         self.pushed = 0
         #: uri -> when :meth:`notify` last raised its cache length (monotonic, guarded by _lock):
-        #: a fed file whose feed grew since the last safety poll skips the next (see _run).
+        #: a fed file whose feed flows skips the safety poll (:meth:`_flowing`).
         self._raised_at: Dict[str, float] = {}
         # _lock guards _values, _asked, _followers, _error, _thread, _generation and _fed; _changed
         # (on _lock) wakes readers waiting for a length to move.
@@ -341,23 +340,28 @@ class LengthPoller:
         placed = self._watched.get(uri)
         if not placed:
             return False
+        streams = self._streams  # one look: the poller thread may swap the dict meanwhile
         for key, eps in placed:
-            live = sum(1 for ep in eps if ep in self._streams and self._streams[ep].confirmed(key))
+            live = sum(1 for ep in eps if ep in streams and streams[ep].confirmed(key))
             if live < _majority(len(eps)):
                 return False
         return True
 
-    def _grew_since(self, uri: str, since: float) -> bool:
-        """Whether ``uri`` is covered by a live feed that raised its cache length since
-        ``since``: then the safety poll may skip it. Pushed bytes are the cache's, and a
+    def _flowing(self, uri: str, now: float) -> bool:
+        """Whether the safety poll may skip ``uri``: a live feed covers it and its pushes raised
+        the file's cache length within :data:`~pyspark_acs.cache.feed.PUSH_GRACE_S` before
+        ``now``, and no reader follows it explicitly. Pushed bytes are the cache's, and a
         replica pushes a file's bytes in order and never past a chunk it lacks, so a feed that
-        grows is a cache that holds the file up to where it grew: the failures the safety
-        poll is there for (chunk writes that never reach the cache, a stream that stalls)
-        stop the feed. Measured at 32 consumers: the safety polls were a quarter of the
-        metadata replicas' calls and ~6 % of a tailing consumer's CPU."""
+        flows is a cache that holds the file up to where it got: the failures the safety poll
+        is there for (chunk writes that never reach the cache, a stream that stalls) stop the
+        feed, and a feed stopped for longer than the grace is polled as before. Explicit
+        followers (the copy daemon's operations) are polled all the same: a durable copy reads
+        the durable length, which only a poll brings. Measured at 32 consumers: the safety
+        polls were a quarter of the metadata replicas' calls and ~6 % of a tailing consumer's
+        CPU."""
         with self._lock:
-            raised = self._raised_at.get(uri) if uri in self._fed else None
-        return raised is not None and raised >= since and self._covered(uri)
+            raised = self._raised_at.get(uri) if uri in self._fed and uri not in self._followers else None
+        return raised is not None and now - raised < PUSH_GRACE_S and self._covered(uri)
 
     def _on_entries(self, endpoint: str, keys: Sequence[bytes], found: Sequence[bool], versions: Sequence[int]) -> None:
         """A replica pushed length entries (its stream's thread): lengths only grow."""
@@ -416,8 +420,7 @@ class LengthPoller:
                     return
                 if started >= self._next_full_poll:
                     self._next_full_poll = started + safety_period()
-                    poll = [u for u in uris if not self._grew_since(u, self._last_full_poll)]
-                    self._last_full_poll = started
+                    poll = [u for u in uris if not self._flowing(u, started)]
                 else:
                     poll = [u for u in uris if not self._covered(u)]
             try:

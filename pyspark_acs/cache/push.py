@@ -163,7 +163,7 @@ class _PushStream:
                 # ever. A process keeps its shared feeds and pollers (ChunkFeed.shared,
                 # LengthPoller.shared) after its readers of a cluster are gone, and that
                 # cluster's replicas may be gone for good. The next subscription wakes it.
-                self._down()
+                self._down(announce=False)
                 self._wanted.wait()
                 wait = RECONNECT_INITIAL_S
                 continue
@@ -200,12 +200,14 @@ class _PushStream:
             stop.wait(wait)
             wait = min(wait * 2.0, RECONNECT_MAX_S)
 
-    def _down(self) -> None:
-        """The stream is not up (broke, or holds no call while idle): forget what it had
-        confirmed and say so once."""
+    def _down(self, announce: bool = True) -> None:
+        """The stream is not up: forget what it had confirmed. A break is announced once
+        (``on_state``: the feed moves its files to their next replica, the poller polls what
+        the stream covered); going idle is not (it covers nothing, and a file followed
+        meanwhile must not be moved off a replica that did not fail)."""
         if self.live.is_set():
             self.live.clear()
-            if self.on_state is not None:
+            if announce and self.on_state is not None:
                 self.on_state(self.endpoint, False)
         self._reset()
 
