@@ -33,6 +33,7 @@ our/Redis ratios; and it writes a PNG plot (``--plot``) of p99 and MB/s against 
 
     .venv/bin/python benchmarks/fanout.py [--consumers 8,32,64] [--seconds 10] [--rate-mb 2]
     .venv/bin/python benchmarks/fanout.py --consumers 4 --seconds 3       # smoke run
+    .venv/bin/python benchmarks/fanout.py --consumers 32 --producer-acknowledge durable   # ack at the durable append
 
 No assertion is timed here; an honest miss is printed as it is.
 """
@@ -288,7 +289,7 @@ def run_producer(args: argparse.Namespace) -> int:
         if args.kind == "caches":
             kw = {"data_cache": args.data_cache, "metadata_cache": args.metadata_cache}
         value = b"x" * MESSAGE_BYTES
-        with Producer(args.root, args.stream, shards=1, **kw) as p:
+        with Producer(args.root, args.stream, shards=1, acknowledge=args.producer_acknowledge, **kw) as p:
             while time.monotonic() < end:
                 due = int((time.monotonic() - started) * rate)
                 if due > sent:
@@ -310,7 +311,8 @@ def run_producer(args: argparse.Namespace) -> int:
 
 def _child(args: argparse.Namespace, role: str, kind: str, stream: str, extra: List[str]) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--role", role, "--kind", kind, "--stream", stream, "--root", args.root,
-           "--rate-mb", str(args.rate_mb), "--seconds", str(args.seconds)] + extra
+           "--rate-mb", str(args.rate_mb), "--seconds", str(args.seconds),
+           "--producer-acknowledge", args.producer_acknowledge] + extra
     if kind == "caches":
         cmd += ["--data-cache", args.data_cache, "--metadata-cache", args.metadata_cache]
     if kind == "redis":
@@ -431,6 +433,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rate-mb", type=float, default=2.0, help="MB/s produced = received per consumer (default 2)")
     p.add_argument("--columns", default=",".join(COLUMNS), help=f"which of {','.join(COLUMNS)} (default all)")
     p.add_argument("--plot", default=str(Path(__file__).with_name("fanout.png")), help="PNG output")
+    p.add_argument("--producer-acknowledge", default="published", choices=["published", "durable"],
+                   help="our Producer's acknowledge mode (default published; see Producer)")
     # child-process arguments
     p.add_argument("--role", default="parent", choices=["parent", "consumer", "producer"], help=argparse.SUPPRESS)
     p.add_argument("--kind", default="caches", help=argparse.SUPPRESS)

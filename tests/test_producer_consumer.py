@@ -619,12 +619,15 @@ def test_unsafe_stream_names_refused_everywhere(root, name):
      ({"max_block_bytes": 10}, "max_block_bytes"), ({"roll_bytes": 0}, "roll_bytes"),
      ({"roll_seconds": 0}, "roll_seconds"), ({"max_batch_delay": -1}, "max_batch_delay"),
      ({"lease_seconds": 0}, "lease_seconds"), ({"max_pending_bytes": "big"}, "max_pending_bytes"),
-     ({"shards": 200_000}, "shards"), ({"shards": 1.5}, "shards")],
+     ({"shards": 200_000}, "shards"), ({"shards": 1.5}, "shards"), ({"acknowledge": "fast"}, "acknowledge"),
+     ({"acknowledge": None}, "acknowledge")],
 )
 def test_bad_producer_options_name_the_option(root, kwargs, option):
     with pytest.raises(AcsOptionError) as err:
         Producer(root, "opts", **kwargs)
     assert err.value.option == option and str(err.value).startswith(option)
+    if option == "acknowledge":  # the allowed values are named
+        assert "'published'" in str(err.value) and "'durable'" in str(err.value)
     assert os.listdir(root) == []
 
 

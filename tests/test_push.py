@@ -22,6 +22,7 @@ from pyspark_acs.read.cachepath import (STORE_HOLD_JITTER, STORE_HOLD_MAX_S, STO
                                         STORE_HOLD_RESET_S, StoreHold)
 from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.server.local.deploy import LocalDeployment
+from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.write.producer import Producer
 
 from test_cache_delivery import Collector, Sender, assert_exact, msg, wait_until
@@ -480,6 +481,57 @@ def test_a_reader_the_caches_fail_reads_the_store_alone_for_a_hold_then_returns(
         col.until(lambda: len(col.values) >= count, 30, "every message")
         col.pump(0.2)
         assert_exact(col.values, count)
+
+
+def test_a_producer_acknowledging_at_the_durable_append_does_not_wait_on_stalled_caches(dep, root):
+    """acknowledge="durable" (the paper's producer: durable first, the cache shadowed
+    asynchronously): with every data replica stopped (SIGSTOP: calls only time out), its
+    flushes return at the durable append, while a default producer's flush waits out the chunk
+    put's deadline. A consumer following all along gets every message in order once the
+    replicas resume, and close() publishes the file's full length."""
+    from pyspark_acs.cache.client import DEFAULT_DEADLINE_S
+    from pyspark_acs.cache.metadata import MetadataCache
+
+    pids = [dep.server("data", i).pid for i in range(3)]
+    with Producer(root, "dack", shards=1, acknowledge="durable", **endpoints(dep)) as p, \
+            Producer(root, "pack", shards=1, **endpoints(dep)) as published, \
+            Consumer(root, "dack", **endpoints(dep)) as c:
+        col = Collector(c)
+        p.send(msg(0))
+        p.flush()
+        published.send(msg(0))
+        published.flush()
+        col.until(lambda: len(col.values) == 1, 20, "the first message")
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            slowest = 0.0
+            for n in range(1, 21):
+                p.send(msg(n))
+                started = time.monotonic()
+                p.flush()
+                slowest = max(slowest, time.monotonic() - started)
+                col.pump(0.01)
+            published.send(msg(1))
+            started = time.monotonic()
+            published.flush()
+            waited = time.monotonic() - started
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        assert slowest < DEFAULT_DEADLINE_S * 0.8, f"a flush took {slowest:.3f} s"
+        assert waited >= DEFAULT_DEADLINE_S * 0.8, f"the default producer's flush took {waited:.3f} s"
+        col.until(lambda: len(col.values) == 21, 30, "every message")
+        assert_exact(col.values, 21)
+        rel = f"{shard_dir('dack', 0)}/{p.current_files()[0]}"
+    meta = MetadataCache(CacheClient(dep.metadata_endpoints))
+    try:
+        uri = c.store.uri(rel)
+        cache_len, durable_len = meta.lengths([uri])[uri]
+        size = DurableStore(root).lengths([rel])[rel]
+        assert durable_len == size, (durable_len, size)  # close() published it
+    finally:
+        meta.client.close()
 
 
 def test_store_hold_doubles_while_failures_recur_and_starts_over_after_a_quiet_spell():

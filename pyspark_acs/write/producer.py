@@ -30,6 +30,10 @@ from pyspark_acs.write.file import AppendConflictError
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES, DEFAULT_ROLL_SECONDS, ShardWriter, shard_for_key
 
 __all__ = [
+    "ACKNOWLEDGE_DURABLE",
+    "ACKNOWLEDGE_MODES",
+    "ACKNOWLEDGE_PUBLISHED",
+    "DEFAULT_ACKNOWLEDGE",
     "DEFAULT_MAX_BATCH_DELAY_S",
     "DEFAULT_MAX_PENDING_BYTES",
     "DEFAULT_ROLL_BYTES",
@@ -42,6 +46,15 @@ log = logging.getLogger(__name__)
 
 #: Cap on the adaptive batching delay: latency matters more than block fill.
 DEFAULT_MAX_BATCH_DELAY_S = 0.005
+#: When a message counts as acknowledged (``flush()`` returns): ``"published"`` once it is
+#: durable, verified and its file's lengths are published to the caches; ``"durable"`` once it
+#: is durable and verified, its cache writes following on the file's shadow thread (the paper's
+#: producer: "writes ... to the underlying Colossus file and then asynchronously shadows"). See
+#: :class:`Producer`.
+ACKNOWLEDGE_PUBLISHED = "published"
+ACKNOWLEDGE_DURABLE = "durable"
+ACKNOWLEDGE_MODES = (ACKNOWLEDGE_PUBLISHED, ACKNOWLEDGE_DURABLE)
+DEFAULT_ACKNOWLEDGE = ACKNOWLEDGE_PUBLISHED
 #: send() blocks while this many bytes wait to be written (back-pressure).
 DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
 #: Weight of the newest sample in the write-latency and block-size moving averages.
@@ -106,8 +119,15 @@ class ProducerOptions:
     max_batch_delay: float = DEFAULT_MAX_BATCH_DELAY_S
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     lease_seconds: float = DEFAULT_LEASE_SECONDS
+    acknowledge: str = DEFAULT_ACKNOWLEDGE
 
     def __post_init__(self) -> None:
+        if self.acknowledge not in ACKNOWLEDGE_MODES:
+            raise AcsOptionError(
+                f"acknowledge: {self.acknowledge!r} is not allowed; use one of "
+                f"{', '.join(map(repr, ACKNOWLEDGE_MODES))}",
+                option="acknowledge",
+            )
         checks = [
             ("shards", self.shards, 1),
             ("max_block_bytes", self.max_block_bytes, 1024),
@@ -139,8 +159,8 @@ class _Shard:
         self.headers: List[Optional[list]] = []  # (lock) per message: None or [(key, value)]
         self.pending_bytes = 0  # (lock)
         # Messages ever queued to this shard, and how many of them are acknowledged: durable,
-        # verified and their lengths published. Both count in queue order, so a flush waits on
-        # each shard's own count (a global count let messages queued to another shard after
+        # verified and (acknowledge="published") their lengths published. Both count in queue
+        # order, so a flush waits on each shard's own count (a global count let messages queued to another shard after
         # the flush stand in for this shard's last blocks).
         self.queued = 0  # (lock)
         self.acknowledged = 0  # (lock)
@@ -174,6 +194,17 @@ class Producer:
         ``send`` blocks while this many bytes are buffered (default 64 MiB).
     lease_seconds : float
         Shard lease duration; a crashed producer's shards are free after it (default 10 s).
+    acknowledge : {"published", "durable"}
+        When a message counts as acknowledged, i.e. when ``flush()`` returns for it. With
+        ``"published"`` (default), that is once it is durable, verified against the seals, and
+        its file's lengths are published to the caches. With ``"durable"``, it is once it is
+        durable and verified; its chunks and lengths follow on the file's shadow thread, in
+        order, coalesced while the caches lag. A flush then never waits on the caches, up to
+        :data:`~pyspark_acs.write.file.SHADOW_MAX_BYTES` of unpublished bytes per file.
+        Readers get the bytes a little later through the caches, and from the store meanwhile.
+        Measured at 32 consumers on a busy 2-core machine (docs/cache.md), it kept delivery from
+        collapsing when the cache servers were starved of CPU. ``close()`` publishes everything
+        in both modes.
     writer_id : str, optional
         Writer id put in file names; random by default.
     data_cache : str or CacheClient, optional
@@ -225,6 +256,7 @@ class Producer:
         max_batch_delay: float = DEFAULT_MAX_BATCH_DELAY_S,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        acknowledge: str = DEFAULT_ACKNOWLEDGE,
         writer_id: Optional[str] = None,
         data_cache: Any = None,
         metadata_cache: Any = None,
@@ -232,7 +264,8 @@ class Producer:
         security: Any = None,
     ) -> None:
         self.options = ProducerOptions(
-            shards, max_block_bytes, roll_bytes, roll_seconds, max_batch_delay, max_pending_bytes, lease_seconds
+            shards, max_block_bytes, roll_bytes, roll_seconds, max_batch_delay, max_pending_bytes, lease_seconds,
+            acknowledge,
         )
         self.stream = validate_stream(stream)
         self.store = open_store(root)
@@ -396,10 +429,10 @@ class Producer:
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Block until every message sent so far is acknowledged: durable, verified against the
-        seals, and its file's length published to the caches (when there are caches; a failed
-        cache write is counted in ``stats()["cache_errors"]``, never fails the message: readers
-        fall back to the store); raise the writer's error if any. Messages other threads send
-        meanwhile are not waited for.
+        seals, and (with ``acknowledge="published"``, the default) its file's length published to
+        the caches (when there are caches; a failed cache write is counted in
+        ``stats()["cache_errors"]``, never fails the message: readers fall back to the store);
+        raise the writer's error if any. Messages other threads send meanwhile are not waited for.
 
         Raises
         ------
@@ -537,6 +570,7 @@ class Producer:
         (lease renewal, age rollover) runs between the turns.
         """
         written = 0
+        durable_ack = self.options.acknowledge == ACKNOWLEDGE_DURABLE
         with self._lock:
             budgets = [len(sh.values) for sh in self._shards]
         while any(budgets):
@@ -552,12 +586,15 @@ class Producer:
                     self._pending_bytes -= size
                 budgets[i] -= take
                 # More of this shard's round follows: its cache writes may overlap the next block.
-                more_follows = budgets[i] > 0
+                # Acknowledged when durable: every block's cache writes go to the shadow thread.
+                more_follows = budgets[i] > 0 or durable_ack
                 self._write_block(sh, values, keys, stamps, headers, more_follows=more_follows)
                 written += take
                 with self._cond:
                     self._stats["messages"] += take
-                    if more_follows:
+                    if durable_ack:
+                        sh.acknowledged += take
+                    elif more_follows:
                         sh.unsettled += take
                     else:  # this append settled the shard's earlier blocks of the round first
                         sh.acknowledged += sh.unsettled + take
