@@ -57,10 +57,12 @@ Every append without ``more_follows`` (the last block of a burst, a seal) first 
 the thread has published everything queued, then appends and publishes inline, so when a
 burst's writer returns its lengths are out, as after a plain append. An unexpected error of
 the thread (a cache error is not one: it goes to ``on_cache_error``) fails the writer's next
-append before that appends anything, and every append after it. (A writer that
-handed *every* block to a thread and returned after the durable append alone was measured and
-not kept, issue 9: cached lengths lagging the durable ones sent Algorithm 1's readers to the
-store.)
+append before that appends anything, and every append after it. A Producer with
+``acknowledge="durable"`` appends every block with ``more_follows`` and counts it acknowledged
+after the durable append: its cache writes never hold up a flush but at a roll (the seal waits
+for the thread). That is not the default: measured in an earlier round of issue 9, cached
+lengths lagging the durable ones sent Algorithm 1's readers to the store, and measured again
+with push streams the delivery gain was mixed (docs/cache.md).
 """
 
 from __future__ import annotations

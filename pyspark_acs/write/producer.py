@@ -199,12 +199,17 @@ class Producer:
         ``"published"`` (default), that is once it is durable, verified against the seals, and
         its file's lengths are published to the caches. With ``"durable"``, it is once it is
         durable and verified; its chunks and lengths follow on the file's shadow thread, in
-        order, coalesced while the caches lag. A flush then never waits on the caches, up to
-        :data:`~pyspark_acs.write.file.SHADOW_MAX_BYTES` of unpublished bytes per file.
-        Readers get the bytes a little later through the caches, and from the store meanwhile.
-        Measured at 32 consumers on a busy 2-core machine (docs/cache.md), it kept delivery from
-        collapsing when the cache servers were starved of CPU. ``close()`` publishes everything
-        in both modes.
+        order, coalesced while the caches lag. A flush then waits on the caches only past
+        :data:`~pyspark_acs.write.file.SHADOW_MAX_BYTES` of unpublished bytes per file, and at
+        a roll (a file reaching ``roll_bytes`` or ``roll_seconds``: the old file's lengths and
+        its seal are published before the rolling block counts). Readers see an acknowledged
+        message once the shadow thread published its length (moments later; with the caches
+        stalled, once a reader checks the store's size of a length that stood still, at most
+        every second), so a bounded read planned right after ``flush()`` (a Spark batch ending
+        at ``latest``) may end before it. ``close()`` publishes everything in both modes.
+        Measured on a busy 2-core machine at 32 consumers, four alternating pairs: flushes no
+        longer wait on starved caches; delivery gained in three pairs and lost in one
+        (docs/cache.md), so it is not the default.
     writer_id : str, optional
         Writer id put in file names; random by default.
     data_cache : str or CacheClient, optional
@@ -481,7 +486,8 @@ class Producer:
     def stats(self) -> Dict[str, float]:
         """Counters: messages, blocks, bytes and files written; blocks whose cache writes
         overlapped the next block's durable append (``overlapped_blocks``, a backlog's blocks
-        but the last of each round); batching averages."""
+        but the last of each round; every block with ``acknowledge="durable"``); batching
+        averages."""
         with self._lock:
             files = sum(sh.writer.files_opened for sh in self._shards)
             overlapped = sum(sh.writer.overlapped_appends for sh in self._shards)

@@ -319,7 +319,8 @@ class ShardWriter:
 
         Opens a new file when none is open; rolls over after the append when the file reached
         ``roll_bytes``. ``more_follows``: another append comes right away, so this one's cache
-        writes may overlap it (:meth:`FileWriter.append`); the last of a burst leaves it False.
+        writes may overlap it (:meth:`FileWriter.append`); the last of a burst leaves it False,
+        unless the caller acknowledges at the durable append (``Producer(acknowledge="durable")``).
 
         Raises
         ------
