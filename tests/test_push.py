@@ -971,8 +971,11 @@ def test_a_round_cut_short_by_the_feed_is_not_a_settled_round(dep, root):
             p.flush()
             ends.append(c.path.meta.lengths([uri])[uri][0])
             wait_until(lambda: held_end() >= ends[-1], 20, f"the push of message {i}")
-        first = [m for m in held if max(s + n for s, n in zip(m.message.starts, m.message.sizes)) <= ends[0]]
-        rest = held[len(first):]
+        # A reopened Follow call starts with an empty message (a full run of the suite met one
+        # here: the process's stream reopened for a subscription change): it carries no bytes.
+        runs = [m for m in list(held) if m.message.sizes]
+        first = [m for m in runs if max(s + n for s, n in zip(m.message.starts, m.message.sizes)) <= ends[0]]
+        rest = runs[len(first):]
         for m in first:
             real_handle(m)  # message 1 reaches the feed
         # The safety poll tells the reader the length after message 2; its bytes are held.
