@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _grpc_floor  # noqa: E402
 from _common import RedisServer, percentile, progress  # noqa: E402
 from pyspark_acs.server.local.cpu import cpu_seconds  # noqa: E402
+from pyspark_acs.write.producer import ACKNOWLEDGE_MODES, DEFAULT_ACKNOWLEDGE  # noqa: E402
 
 #: Message size (bytes) and how often the producer flushes / pipelines (seconds).
 MESSAGE_BYTES = 1024
@@ -433,7 +434,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rate-mb", type=float, default=2.0, help="MB/s produced = received per consumer (default 2)")
     p.add_argument("--columns", default=",".join(COLUMNS), help=f"which of {','.join(COLUMNS)} (default all)")
     p.add_argument("--plot", default=str(Path(__file__).with_name("fanout.png")), help="PNG output")
-    p.add_argument("--producer-acknowledge", default="published", choices=["published", "durable"],
+    p.add_argument("--producer-acknowledge", default=DEFAULT_ACKNOWLEDGE, choices=ACKNOWLEDGE_MODES,
                    help="our Producer's acknowledge mode (default published; see Producer)")
     # child-process arguments
     p.add_argument("--role", default="parent", choices=["parent", "consumer", "producer"], help=argparse.SUPPRESS)

@@ -160,8 +160,8 @@ class _Shard:
         self.pending_bytes = 0  # (lock)
         # Messages ever queued to this shard, and how many of them are acknowledged: durable,
         # verified and (acknowledge="published") their lengths published. Both count in queue
-        # order, so a flush waits on each shard's own count (a global count let messages queued to another shard after
-        # the flush stand in for this shard's last blocks).
+        # order, so a flush waits on each shard's own count (a global count let messages queued
+        # to another shard after the flush stand in for this shard's last blocks).
         self.queued = 0  # (lock)
         self.acknowledged = 0  # (lock)
         # Messages of this shard's current round appended with more_follows: durable, their
