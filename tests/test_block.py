@@ -23,6 +23,7 @@ from pyspark_acs.format.block import (
     scan_blocks,
 )
 from pyspark_acs.errors import ChecksumMismatchError, CorruptFileError, TruncatedBlockError
+from pyspark_acs.format.arrays import CONSTANT_ROWS, POSITION_WINDOW_ROWS, ConstantColumns, position_array
 
 PATH = "file:///data/s/00000/x.acs"
 
@@ -375,3 +376,24 @@ def test_constant_columns_are_slices_of_one_value_each_and_grow():
         assert stream.to_pylist() == ["orders"] * n and shard.to_pylist() == [7] * n
         assert file.to_pylist() == ["f-001"] * n and stream.null_count == 0
         stream.validate(full=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=st.integers(0, 2**40), n=st.integers(1, 3 * POSITION_WINDOW_ROWS))
+def test_position_arrays_are_the_run_of_positions_across_windows(first, n):
+    """position_array slices cached windows of positions: a run inside one window, across a
+    window's end, or longer than a window is still exactly first .. first + n - 1."""
+    for start in (first, first - first % POSITION_WINDOW_ROWS + POSITION_WINDOW_ROWS - 1):
+        arr = position_array(start, n)
+        assert arr.type == pa.int64() and arr.null_count == 0
+        assert arr.to_pylist() == list(range(start, start + n))
+
+
+def test_constant_columns_reuse_the_slices_of_a_repeated_row_count():
+    cols = ConstantColumns((("s", pa.string()), (3, pa.int32()), ("f", pa.string())))
+    a = cols.take(20)
+    assert cols.take(20) is a  # same count: the same (immutable) slices
+    b = cols.take(CONSTANT_ROWS + 5)  # grows its arrays
+    assert [len(x) for x in b] == [CONSTANT_ROWS + 5] * 3
+    assert [x.to_pylist() for x in cols.take(2)] == [["s", "s"], [3, 3], ["f", "f"]]
+    assert [x.to_pylist()[:1] for x in cols.take(20)] == [["s"], [3], ["f"]]

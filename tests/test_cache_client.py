@@ -654,3 +654,22 @@ def test_children_forked_beside_live_channels_survive_to_exec(cluster, subproces
     run = subprocess.run([python_exe, "-c", FORKING_CLIENT, cluster.data_endpoints, str(FORKED_CHILDREN)],
                          env=env, capture_output=True, timeout=60)
     assert run.returncode == 0, (run.stdout.decode(), run.stderr.decode()[-2000:])
+
+
+def test_a_read_with_no_hedge_to_send_is_made_on_the_calling_thread(cluster):
+    """A relaxed read that cannot hedge (hedging off here; one usable replica alike) makes its
+    call on the caller's thread: no hand-off to the pool and back. One that can hedge still goes
+    through the pool, which lets it send the hedge while the first call is out."""
+    keys = [b"inline#%d" % i for i in range(40)]
+    values = [chunk(i) for i in range(40)]
+    for hedge_after, pooled in ((0.0, 0), (0.03, 1)):
+        with CacheClient(cluster.data_endpoints, hedge_after=hedge_after) as c:
+            c.put([(k, v, 1) for k, v in zip(keys, values)])
+            pool = c._pool()
+            submitted = []
+            submit = pool.submit
+            pool.submit = lambda *a, **kw: (submitted.append(a), submit(*a, **kw))[1]
+            data, sizes = c.get_joined(keys)
+            assert data == b"".join(values) and sizes == [CHUNK] * len(keys)
+            assert c.get(keys[:3]) == [Entry(v, 1) for v in values[:3]]
+            assert len(submitted) == 2 * pooled, hedge_after

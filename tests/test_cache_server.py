@@ -545,3 +545,16 @@ def test_a_large_get_is_answered_from_reused_memory_not_fresh_pages(deployments,
         assert len(plain.get(keys)) == 256
     per_get = (_minor_faults(pid) - before) / 50
     assert per_get < 64, f"{per_get:.0f} page faults per 1 MiB Get (256 pages): buffers are mapped afresh"
+
+
+def test_store_lookup_agrees_with_indexing_through_writes_and_evictions():
+    """The entries' lookup (the Get handler's per-key read of cachetools' own dict) gives what
+    ``entries[key]`` gives: the item, or None for a key never written, deleted or evicted."""
+    s = Store(64 * 1024, 60)
+    for i in range(40):  # more than fit: the first ones are evicted
+        s.put(b"k%d" % i, b"v" * 4000, 1)
+    s.delete_many([b"k39"])
+    entries = s._entries
+    for key in [b"k%d" % i for i in range(40)] + [b"never"]:
+        assert entries.lookup(key) is entries[key]
+    assert entries.lookup(b"k0") is None and entries.lookup(b"k38") is not None

@@ -15,11 +15,12 @@ import struct
 import sys
 from array import array
 from itertools import accumulate
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import pyarrow as pa
 
-__all__ = ["ConstantColumns", "binary_array", "constant_array", "int64_array"]
+__all__ = ["ConstantColumns", "binary_array", "constant_array", "int64_array", "position_array"]
 
 #: Largest total bytes of a ``pa.binary()`` array (its offsets are int32).
 MAX_BINARY_BYTES = 2**31 - 1
@@ -115,18 +116,61 @@ class ConstantColumns:
         The columns' values and types (see :func:`constant_array`).
     """
 
-    __slots__ = ("values", "_arrays", "_rows")
+    __slots__ = ("values", "_arrays", "_rows", "_last")
 
     def __init__(self, values: Sequence[Any]) -> None:
         self.values = tuple(values)
         self._arrays: list = []
         self._rows = 0
+        # The slices last handed out: a producer's blocks mostly hold the same number of
+        # messages, and Arrow arrays are immutable, so the same slices serve the next block.
+        self._last: Tuple[int, Tuple[pa.Array, ...]] = (-1, ())
 
-    def take(self, n: int) -> list:
+    def take(self, n: int) -> Tuple[pa.Array, ...]:
         """The columns for ``n`` rows."""
+        last = self._last
+        if last[0] == n:
+            return last[1]
         if n > self._rows or not self._arrays:
             rows = max(n, CONSTANT_ROWS, 2 * self._rows)
             self._arrays = [constant_array(v, t, rows) for v, t in self.values]
             self._rows = rows
-        return [a.slice(0, n) for a in self._arrays]
+        columns = tuple(a.slice(0, n) for a in self._arrays)
+        self._last = (n, columns)
+        return columns
+
+
+#: Rows of one cached window of positions (:func:`position_array`): 32 KiB of int64 each.
+POSITION_WINDOW_ROWS = 4096
+#: Windows kept per process (1 MiB in all); past that the cache starts over.
+POSITION_WINDOWS = 32
+# Window number -> int64 array of that window's positions. Plain dict operations, each atomic
+# under the GIL: two threads building the same window at once store equal arrays.
+_position_windows: Dict[int, pa.Array] = {}
+
+
+def position_array(first: int, n: int) -> pa.Array:
+    """The int64 array ``first, first + 1, ..., first + n - 1`` (a block's message positions).
+
+    A zero-copy slice of a cached window of consecutive positions when the run fits in one:
+    building it per block (numpy's ``arange`` wrapped as a buffer) was the dearest single step of
+    decoding a tailing reader's block on a cold CPU (measured alone after a 10 ms sleep: ~150 us,
+    the body checksum ~55 us).
+    """
+    window, at = divmod(first, POSITION_WINDOW_ROWS)
+    if at + n <= POSITION_WINDOW_ROWS and first >= 0:
+        arr = _position_windows.get(window)
+        if arr is None:
+            if len(_position_windows) >= POSITION_WINDOWS:
+                _position_windows.clear()
+            arr = _position_windows[window] = _int64_run(window * POSITION_WINDOW_ROWS, POSITION_WINDOW_ROWS)
+        return arr.slice(at, n)
+    return _int64_run(first, n)
+
+
+def _int64_run(first: int, n: int) -> pa.Array:
+    # numpy's arange wrapped as a buffer without a copy: pyarrow.compute's cumulative_sum cost
+    # more, and both it and pa.array(ndarray) import pandas on first use (see the module doc).
+    return pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(np.arange(first, first + n, dtype=np.int64))],
+                                 null_count=0)
 

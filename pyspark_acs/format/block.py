@@ -58,7 +58,7 @@ import numpy as np
 import pyarrow as pa
 
 from pyspark_acs.errors import ChecksumMismatchError, CorruptFileError, TruncatedBlockError
-from pyspark_acs.format.arrays import binary_array, int64_array
+from pyspark_acs.format.arrays import binary_array, int64_array, position_array
 
 __all__ = [
     "BLOCK_SCHEMA",
@@ -114,6 +114,8 @@ BLOCK_SCHEMA = pa.schema(
     ]
 )
 
+
+_TIMESTAMP_TYPE = BLOCK_SCHEMA.field("timestamp").type  # built once: a new type object per block cost
 
 #: Type of the ``headers`` column, as Spark's Kafka source has it (and as Spark names Arrow's
 #: list items, so batches match a DataSource's declared ``array<struct<...>>`` exactly).
@@ -571,16 +573,9 @@ def _decode_body(buf: pa.Buffer, start: int, h: BlockHeader, path: str, pos: int
         raise CorruptFileError(
             f"{path or '<buffer>'} at byte {pos}: inconsistent block body: {exc}", path=path, position=pos
         ) from exc
-    timestamps = pa.Array.from_buffers(pa.timestamp("us", tz="UTC"), n, [None, ts])
-    positions = _positions(h.first_index, n)
+    timestamps = pa.Array.from_buffers(_TIMESTAMP_TYPE, n, [None, ts])
+    positions = position_array(h.first_index, n)
     return pa.RecordBatch.from_arrays([*prefix, positions, timestamps, keys, values, *columns], schema=schema)
-
-
-def _positions(first: int, n: int) -> pa.Array:
-    # numpy's arange, wrapped as a buffer without a copy: pyarrow.compute's cumulative_sum cost
-    # more per block, and both it and pa.array(ndarray) import pandas on first use (half a
-    # second of every consumer process's CPU).
-    return pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(np.arange(first, first + n, dtype=np.int64))])
 
 
 def timestamps_section(header: BlockHeader) -> Tuple[int, int]:

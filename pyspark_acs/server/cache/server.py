@@ -159,7 +159,8 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         Absent or expired keys answer ``found=False``, size 0 and version 0.
         """
         started = time.perf_counter()
-        keys = request.keys
+        # A list, once: each pass over a repeated field builds its bytes objects anew.
+        keys = list(request.keys)
         if len(keys) > MAX_KEYS_PER_CALL:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"get: {len(keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
@@ -201,7 +202,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         started = time.perf_counter()
         if len(request.keys) > MAX_KEYS_PER_CALL:
             raise _Refused(f"put: {len(request.keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
-        keys, sizes, versions = request.keys, list(request.sizes), request.versions
+        keys, sizes, versions = list(request.keys), list(request.sizes), request.versions
         data = request.data
         if not (len(keys) == len(sizes) == len(versions)) or sum(sizes) != len(data):
             raise _Refused(
