@@ -15,13 +15,27 @@ it turns the core's fork handlers off, unless the environment already says other
 reads the variable when grpc is first imported in the process: a program that imports grpc
 itself before pyspark_acs must set ``GRPC_ENABLE_FORK_SUPPORT=false`` itself (docs/deploy.md).
 Child processes (cache servers, Spark's JVM and its Python workers) inherit the setting.
+
+**Polling on the waiting thread.** In the same way it turns off two of the core's EventEngine
+experiments, ``event_engine_client`` and ``event_engine_listener`` (``GRPC_EXPERIMENTS``), for
+the grpcio versions in :data:`LEGACY_POLLING_GRPCIO`. With them on, a message that arrives is
+read from the socket on one of the EventEngine's threads and handed to the thread that waits
+for it; with them off, the waiting thread polls the socket itself: one thread wake less per
+message, and this package's traffic is many small messages (a push per producer flush). Measured
+with ``benchmarks/_grpc_floor.py`` (a producer publishing a 20 KiB message every 10 ms to one
+relay that pushes each to one follower, 4 alternating runs of each, CPU per message): follower
+266-336 -> 216-264 us, relay 530-601 -> 411-484 us, producer 736-797 -> 612-728 us. The core
+reads the variable once, at import; a value the environment already has is kept (set it to the
+empty string for grpc's own defaults), and a program that imports grpc itself first keeps its
+own.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["FORK_SUPPORT_ENV", "FORK_SUPPORT_DEFAULT", "grpc"]
+__all__ = ["EXPERIMENTS_DEFAULT", "EXPERIMENTS_ENV", "FORK_SUPPORT_ENV", "FORK_SUPPORT_DEFAULT",
+           "LEGACY_POLLING_GRPCIO", "grpc"]
 
 #: The environment variable grpcio's core reads once, at import, for its fork handlers.
 FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
@@ -29,5 +43,27 @@ FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
 FORK_SUPPORT_DEFAULT = "false"
 
 os.environ.setdefault(FORK_SUPPORT_ENV, FORK_SUPPORT_DEFAULT)
+
+#: The environment variable grpcio's core reads once, at import, for its experiments.
+EXPERIMENTS_ENV = "GRPC_EXPERIMENTS"
+#: Its value here unless the environment sets one: polling on the waiting thread (see above).
+EXPERIMENTS_DEFAULT = "-event_engine_client,-event_engine_listener"
+#: grpcio versions ``(major, minor)`` from (inclusive) and to (exclusive) that were measured
+#: with :data:`EXPERIMENTS_DEFAULT`: a later one may have made them final, and the core logs an
+#: error for each experiment it no longer knows. Measure again before widening it.
+LEGACY_POLLING_GRPCIO = ((1, 85), (1, 90))
+
+
+def _grpcio_version() -> tuple:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(x) for x in version("grpcio").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return ()
+
+
+if LEGACY_POLLING_GRPCIO[0] <= _grpcio_version() < LEGACY_POLLING_GRPCIO[1]:
+    os.environ.setdefault(EXPERIMENTS_ENV, EXPERIMENTS_DEFAULT)
 
 import grpc  # noqa: E402  (after the variable: the core reads it at import)

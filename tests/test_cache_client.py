@@ -673,3 +673,31 @@ def test_a_read_with_no_hedge_to_send_is_made_on_the_calling_thread(cluster):
             assert data == b"".join(values) and sizes == [CHUNK] * len(keys)
             assert c.get(keys[:3]) == [Entry(v, 1) for v in values[:3]]
             assert len(submitted) == 2 * pooled, hedge_after
+
+
+EXPERIMENTS_CLIENT = """
+import os, sys
+from pyspark_acs._grpc import EXPERIMENTS_ENV
+from pyspark_acs.cache.client import CacheClient
+with CacheClient(sys.argv[1]) as c:
+    c.put([(b"experiments#1", b"v", 1)])
+    assert c.get([b"experiments#1"])[0].value == b"v"
+print(repr(os.environ.get(EXPERIMENTS_ENV)))
+"""
+
+
+def test_grpc_polls_on_the_waiting_thread_unless_the_environment_chose(cluster, subprocess_env, python_exe):
+    """pyspark_acs turns grpcio's client and listener EventEngine experiments off (the thread
+    that waits for a message polls for it: a thread wake less per message) on the grpcio
+    versions measured with it, and keeps a value the environment set; calls work either way
+    (the cluster's servers run with the package's default)."""
+    from pyspark_acs._grpc import EXPERIMENTS_DEFAULT, EXPERIMENTS_ENV, LEGACY_POLLING_GRPCIO, _grpcio_version
+
+    base = {k: v for k, v in subprocess_env.items() if k != EXPERIMENTS_ENV}
+    expected = EXPERIMENTS_DEFAULT if LEGACY_POLLING_GRPCIO[0] <= _grpcio_version() < LEGACY_POLLING_GRPCIO[1] else None
+    for env, want in ((base, expected), (dict(base, **{EXPERIMENTS_ENV: ""}), "")):
+        run = subprocess.run([python_exe, "-c", EXPERIMENTS_CLIENT, cluster.data_endpoints],
+                             env=env, capture_output=True, timeout=60)
+        assert run.returncode == 0, run.stderr.decode()[-2000:]
+        assert run.stdout.decode().strip() == repr(want)
+        assert b"Unknown experiment" not in run.stderr
