@@ -134,7 +134,11 @@ class _Tally:
             ranks = self.offered + 1 + np.arange(k)  # each delay's 1-based place among all offered
             j = (self._rng.random(k) * ranks).astype(np.int64)
             hit = j < SAMPLES
-            self._samples[j[hit]] = delays_ms[hit]
+            # The last delay aimed at a slot wins, as one at a time: numpy leaves the order of an
+            # assignment through repeated indices unspecified, so keep each slot's last one.
+            slots, values = j[hit][::-1], delays_ms[hit][::-1]
+            slots, last = np.unique(slots, return_index=True)
+            self._samples[slots] = values[last]
             self.offered += k
 
     def add_many(self, sent_us: "Any", now_us: int, nbytes: int) -> None:

@@ -25,17 +25,20 @@ message, and this package's traffic is many small messages (a push per producer 
 with ``benchmarks/_grpc_floor.py`` (a producer publishing a 20 KiB message every 10 ms to one
 relay that pushes each to one follower, 4 alternating runs of each, CPU per message): follower
 266-336 -> 216-264 us, relay 530-601 -> 411-484 us, producer 736-797 -> 612-728 us. The core
-reads the variable once, at import; a value the environment already has is kept (set it to the
-empty string for grpc's own defaults), and a program that imports grpc itself first keeps its
-own.
+reads the variable once, at import, so it is set for the import only and the environment is
+restored right after: child processes (which may run another grpcio) do not inherit it, and
+each process of this package applies the rule itself when it imports it. A value the
+environment already has is kept (the empty string gives grpc's own defaults), and a program
+that imports grpc itself first keeps its own.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-__all__ = ["EXPERIMENTS_DEFAULT", "EXPERIMENTS_ENV", "FORK_SUPPORT_ENV", "FORK_SUPPORT_DEFAULT",
-           "LEGACY_POLLING_GRPCIO", "grpc"]
+__all__ = ["EXPERIMENTS_APPLIED", "EXPERIMENTS_DEFAULT", "EXPERIMENTS_ENV", "FORK_SUPPORT_ENV",
+           "FORK_SUPPORT_DEFAULT", "LEGACY_POLLING_GRPCIO", "grpc"]
 
 #: The environment variable grpcio's core reads once, at import, for its fork handlers.
 FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
@@ -51,7 +54,7 @@ EXPERIMENTS_DEFAULT = "-event_engine_client,-event_engine_listener"
 #: grpcio versions ``(major, minor)`` from (inclusive) and to (exclusive) that were measured
 #: with :data:`EXPERIMENTS_DEFAULT`: a later one may have made them final, and the core logs an
 #: error for each experiment it no longer knows. Measure again before widening it.
-LEGACY_POLLING_GRPCIO = ((1, 85), (1, 90))
+LEGACY_POLLING_GRPCIO = ((1, 85), (1, 86))
 
 
 def _grpcio_version() -> tuple:
@@ -63,7 +66,15 @@ def _grpcio_version() -> tuple:
         return ()
 
 
-if LEGACY_POLLING_GRPCIO[0] <= _grpcio_version() < LEGACY_POLLING_GRPCIO[1]:
-    os.environ.setdefault(EXPERIMENTS_ENV, EXPERIMENTS_DEFAULT)
-
-import grpc  # noqa: E402  (after the variable: the core reads it at import)
+#: What this package set :data:`EXPERIMENTS_ENV` to for grpc's import (None: it set nothing,
+#: the environment chose or the grpcio version is outside :data:`LEGACY_POLLING_GRPCIO`).
+EXPERIMENTS_APPLIED = None
+if (EXPERIMENTS_ENV not in os.environ and "grpc" not in sys.modules  # imported already: read already
+        and LEGACY_POLLING_GRPCIO[0] <= _grpcio_version() < LEGACY_POLLING_GRPCIO[1]):
+    EXPERIMENTS_APPLIED = EXPERIMENTS_DEFAULT
+    os.environ[EXPERIMENTS_ENV] = EXPERIMENTS_APPLIED
+try:
+    import grpc  # noqa: E402  (after the variables: the core reads them at import)
+finally:
+    if EXPERIMENTS_APPLIED is not None:
+        os.environ.pop(EXPERIMENTS_ENV, None)  # read at import: no child inherits it

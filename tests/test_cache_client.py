@@ -677,25 +677,29 @@ def test_a_read_with_no_hedge_to_send_is_made_on_the_calling_thread(cluster):
 
 EXPERIMENTS_CLIENT = """
 import os, sys
-from pyspark_acs._grpc import EXPERIMENTS_ENV
+from pyspark_acs._grpc import EXPERIMENTS_APPLIED, EXPERIMENTS_ENV
 from pyspark_acs.cache.client import CacheClient
 with CacheClient(sys.argv[1]) as c:
     c.put([(b"experiments#1", b"v", 1)])
     assert c.get([b"experiments#1"])[0].value == b"v"
-print(repr(os.environ.get(EXPERIMENTS_ENV)))
+print(repr((EXPERIMENTS_APPLIED, os.environ.get(EXPERIMENTS_ENV))))
 """
 
 
 def test_grpc_polls_on_the_waiting_thread_unless_the_environment_chose(cluster, subprocess_env, python_exe):
-    """pyspark_acs turns grpcio's client and listener EventEngine experiments off (the thread
-    that waits for a message polls for it: a thread wake less per message) on the grpcio
-    versions measured with it, and keeps a value the environment set; calls work either way
-    (the cluster's servers run with the package's default)."""
+    """pyspark_acs turns grpcio's client and listener EventEngine experiments off for its import
+    of grpc (the thread that waits for a message polls for it: a thread wake less per message)
+    on the grpcio versions measured with it, and restores the environment right after, so that
+    child processes (maybe with another grpcio) do not inherit it. A value the environment set
+    is kept and nothing is applied. Calls to the servers work either way, and grpc logs no
+    unknown experiment."""
     from pyspark_acs._grpc import EXPERIMENTS_DEFAULT, EXPERIMENTS_ENV, LEGACY_POLLING_GRPCIO, _grpcio_version
 
     base = {k: v for k, v in subprocess_env.items() if k != EXPERIMENTS_ENV}
-    expected = EXPERIMENTS_DEFAULT if LEGACY_POLLING_GRPCIO[0] <= _grpcio_version() < LEGACY_POLLING_GRPCIO[1] else None
-    for env, want in ((base, expected), (dict(base, **{EXPERIMENTS_ENV: ""}), "")):
+    measured = LEGACY_POLLING_GRPCIO[0] <= _grpcio_version() < LEGACY_POLLING_GRPCIO[1]
+    cases = ((base, (EXPERIMENTS_DEFAULT if measured else None, None)),
+             (dict(base, **{EXPERIMENTS_ENV: ""}), (None, "")))
+    for env, want in cases:
         run = subprocess.run([python_exe, "-c", EXPERIMENTS_CLIENT, cluster.data_endpoints],
                              env=env, capture_output=True, timeout=60)
         assert run.returncode == 0, run.stderr.decode()[-2000:]

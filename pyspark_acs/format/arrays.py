@@ -171,6 +171,8 @@ def position_array(first: int, n: int) -> pa.Array:
 def _int64_run(first: int, n: int) -> pa.Array:
     # numpy's arange wrapped as a buffer without a copy: pyarrow.compute's cumulative_sum cost
     # more, and both it and pa.array(ndarray) import pandas on first use (see the module doc).
-    return pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(np.arange(first, first + n, dtype=np.int64))],
-                                 null_count=0)
+    # Read-only: a cached window is shared by every block sliced from it.
+    run = np.arange(first, first + n, dtype=np.int64)
+    run.flags.writeable = False
+    return pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(run)], null_count=0)
 

@@ -159,11 +159,11 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         Absent or expired keys answer ``found=False``, size 0 and version 0.
         """
         started = time.perf_counter()
+        if len(request.keys) > MAX_KEYS_PER_CALL:  # counted before listing: a huge request is refused at once
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"get: {len(request.keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
         # A list, once: each pass over a repeated field builds its bytes objects anew.
         keys = list(request.keys)
-        if len(keys) > MAX_KEYS_PER_CALL:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"get: {len(keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
         unique = dict.fromkeys(keys)
         if len(unique) < len(keys):
             # Each key is looked up once however often it is named.
