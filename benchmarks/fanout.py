@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -53,6 +52,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -101,8 +102,6 @@ class _Tally:
     """
 
     def __init__(self, count_file: str) -> None:
-        import numpy as np
-
         self.count_file = count_file
         self.n = 0
         self.nbytes = 0
@@ -121,8 +120,6 @@ class _Tally:
     def _offer(self, delays_ms: "Any") -> None:
         """Reservoir sampling (Algorithm R) over every delay offered, a batch at a time: the
         i-th delay offered replaces a random sample with probability SAMPLES / i."""
-        import numpy as np
-
         fill = min(len(delays_ms), SAMPLES - self._filled)
         if fill > 0:
             self._samples[self._filled : self._filled + fill] = delays_ms[:fill]
@@ -172,8 +169,6 @@ def run_consumer(args: argparse.Namespace) -> int:
     if args.kind == "redis":
         import redis  # type: ignore
 
-        import numpy as np
-
         client = redis.Redis(host="127.0.0.1", port=args.redis_port)
         last = "0-0"
         print("ready", flush=True)
@@ -192,8 +187,6 @@ def run_consumer(args: argparse.Namespace) -> int:
                 tally.last_at = time.time()
             tally.tick()
     elif args.kind in ("grpc", "grpc3"):
-        import numpy as np
-
         import _grpc_floor
 
         relays = args.floor_endpoint.split(",")
@@ -221,8 +214,6 @@ def run_consumer(args: argparse.Namespace) -> int:
                 raise
         ch.close()
     else:
-        import numpy as np
-
         from pyspark_acs import Consumer
 
         kw = {}
