@@ -73,6 +73,8 @@ SAMPLES = 20_000
 WARMUP_S = 3.0
 #: How often a consumer writes its running count for the parent (seconds).
 COUNT_EVERY_S = 0.25
+#: A delay above this (ms) counts a consumer as slow in that second of the timeline.
+SLOW_MS = 50.0
 COLUMNS = ("caches", "durable", "redis", "grpc", "grpc3")
 
 
@@ -112,6 +114,9 @@ class _Tally:
         self._written = 0.0
         self._rng = np.random.default_rng(os.getpid())
         self.offered = 0
+        #: Largest delay (ms) of the messages sent in each second of the run, by that second
+        #: (counted from the first message): where a p99 came from, printed per column.
+        self.worst: Dict[int, float] = {}
 
     @property
     def samples(self) -> List[float]:
@@ -150,7 +155,11 @@ class _Tally:
             self.first_sent_us = int(sent_us[0])
         kept = sent_us[sent_us - self.first_sent_us >= WARMUP_S * 1e6]
         if len(kept):
-            self._offer((now_us - kept) / 1000.0)
+            delays = (now_us - kept) / 1000.0
+            self._offer(delays)
+            # A batch spans a few flushes: its oldest message has its largest delay.
+            second = int((kept[0] - self.first_sent_us) // 1_000_000)
+            self.worst[second] = max(self.worst.get(second, 0.0), float(delays[0]))
 
     def tick(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -245,7 +254,8 @@ def run_consumer(args: argparse.Namespace) -> int:
             extra = c.stats()
     tally.tick(force=True)
     result = {"n": tally.n, "bytes": tally.nbytes, "samples": tally.samples, "last_at": tally.last_at,
-              "durable_bytes": extra.get("durable_bytes", 0), "pushed_bytes": extra.get("pushed_bytes", 0), "store_holds": extra.get("store_holds", 0)}
+              "durable_bytes": extra.get("durable_bytes", 0), "pushed_bytes": extra.get("pushed_bytes", 0), "store_holds": extra.get("store_holds", 0),
+              "worst": tally.worst}
     with open(args.count_file + ".json", "w") as f:
         json.dump(result, f)
     return 0
@@ -348,7 +358,8 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
         store.create_stream(stream, 1)
         store.close()
     work = Path(tempfile.mkdtemp(prefix="fanout-"))
-    consumers = []
+    consumers: List[subprocess.Popen] = []
+    hogs: List[subprocess.Popen] = []
     try:
         for i in range(n):
             consumers.append(_child(args, "consumer", kind, stream,
@@ -358,6 +369,8 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
             if line != "ready":
                 raise RuntimeError(f"a {kind} consumer did not start: {line!r}")
         progress(f"{kind}: {n} consumers ready; producing {args.rate_mb} MB/s for {args.seconds} s")
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+                for _ in range(args.hog)]
         cpu0 = {role: cpu_seconds(pids, descendants=False) for role, pids in servers.items()}
         ccpu0 = cpu_seconds([c.pid for c in consumers], descendants=False)
         producer = _child(args, "producer", kind, stream, [])
@@ -384,6 +397,9 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
             time.sleep(0.2)
         cpu1 = {role: cpu_seconds(pids, descendants=False) for role, pids in servers.items()}
         ccpu1 = cpu_seconds([c.pid for c in consumers], descendants=False)
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
         for i in range(n):
             (work / f"c{i}.stop").touch()
         results = []
@@ -391,11 +407,15 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
             proc.wait(timeout=60)
             results.append(json.loads((work / f"c{i}.json").read_text()))
     finally:
-        for proc in consumers:
+        for proc in consumers + hogs:
             if proc.poll() is None:
                 proc.kill()
         shutil.rmtree(work, ignore_errors=True)
     samples = [s for r in results for s in r["samples"]]
+    by_second: Dict[int, List[float]] = {}
+    for r in results:
+        for second, ms in r.get("worst", {}).items():
+            by_second.setdefault(int(second), []).append(ms)
     delivered = sum(r["bytes"] for r in results)
     last = max((r["last_at"] for r in results), default=0.0)
     span = max(1e-9, last - prod["first_send"])
@@ -414,6 +434,8 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
         "cpu_per_gb": sum(cpu1[r] - cpu0[r] for r in servers) / max(delivered / 1e9, 1e-9),
         "cpu_per_gb_by_role": {r: (cpu1[r] - cpu0[r]) / max(delivered / 1e9, 1e-9) for r in servers},
         "client_cpu_per_gb": (ccpu1 - ccpu0) / max(delivered / 1e9, 1e-9),
+        # second of the run -> (largest delay in ms, consumers whose delay passed SLOW_MS)
+        "timeline": {sec: (max(v), sum(ms > SLOW_MS for ms in v)) for sec, v in sorted(by_second.items())},
     }
 
 
@@ -447,6 +469,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rate-mb", type=float, default=2.0, help="MB/s produced = received per consumer (default 2)")
     p.add_argument("--columns", default=",".join(COLUMNS), help=f"which of {','.join(COLUMNS)} (default all)")
     p.add_argument("--plot", default=str(Path(__file__).with_name("fanout.png")), help="PNG output")
+    p.add_argument("--hog", type=int, default=0,
+                   help="processes that spin on the CPU during every point, the same for every column: a busy "
+                        "machine made repeatable (default 0)")
     p.add_argument("--producer-acknowledge", default=DEFAULT_ACKNOWLEDGE, choices=ACKNOWLEDGE_MODES,
                    help="our Producer's acknowledge mode (default published; see Producer)")
     # child-process arguments
@@ -514,6 +539,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         }.get(kind, {})
                 table.setdefault(kind, {})[n] = run_point(args, kind, n, pids)
                 r = table[kind][n]
+                progress(f"{kind} N={n} per second sent, largest delay ms (consumers over {SLOW_MS:g} ms): "
+                         + " ".join(f"{sec}:{ms:.0f}({slow})" for sec, (ms, slow) in r["timeline"].items()))
                 progress(f"{kind} N={n}: {r['mb_s']:.1f} MB/s, p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, "
                          f"missing {r['missing']}"
                          + (f", producer flush p50 {r['flush_p50']:.1f} ms p99 {r['flush_p99']:.1f} ms"
@@ -529,7 +556,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shutil.rmtree(base, ignore_errors=True)
 
     print(f"\n== fan-out: 1 producer of {MESSAGE_BYTES} B messages at {args.rate_mb} MB/s, N consumers, "
-          f"{args.seconds:g} s per point")
+          f"{args.seconds:g} s per point" + (f", {args.hog} spinning processes beside" if args.hog else ""))
     header = (f"{'column':<8} {'N':>3} {'MB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'missing':>8} {'durable B':>10} "
               f"{'pushed MB':>9} {'holds':>5} {'CPU s/GB':>9} {'client s/GB':>11} {'producer MB/s':>13}")
     print(header)

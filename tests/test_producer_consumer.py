@@ -745,6 +745,58 @@ def test_send_many_keeps_order_and_shards_like_send(root):
     assert [r["shard"] for r in rows if r["value"] == b"pinned"] == [2]
 
 
+def test_send_many_queues_like_send_one_at_a_time(root):
+    """send_many's list-at-a-time paths (round-robin slices, one shard for all, any iterable,
+    values that need converting) queue exactly what one send() per message queues: the same
+    shards, order and byte accounting (the writer cuts blocks by it)."""
+    values = [b"r%d" % i for i in range(101)]
+    with Producer(root, "rr_many", shards=4) as many, Producer(root, "rr_one", shards=4) as one:
+        many.send(b"first")  # the round-robin does not start at shard 0 for the batch
+        one.send(b"first")
+        many.send_many(values)
+        many.send_many(iter([b"g1", "g2", None, bytearray(b"g4")]))  # an iterator, and conversions
+        many.send_many([b"p1", b"p2"], keys=[b"kk", None], shard=3)
+        for v in values + [b"g1", b"g2", None, b"g4"]:
+            one.send(v)
+        one.send(b"p1", key=b"kk", shard=3)
+        one.send(b"p2", shard=3)
+        many.flush()
+        one.flush()
+
+    def rows(stream):
+        with Consumer(root, stream) as c:
+            return [(r["shard"], r["key"], r["value"]) for b in c.batches(timeout=0.5) for r in b.to_pylist()]
+
+    assert sorted(rows("rr_many"), key=repr) == sorted(rows("rr_one"), key=repr)
+    got = rows("rr_many")
+    for shard in range(4):
+        assert [r for r in got if r[0] == shard] == [r for r in rows("rr_one") if r[0] == shard]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=60), most=st.integers(16, 3000),
+       data=st.data())
+def test_block_cut_without_keys_matches_the_per_message_rule(sizes, most, data):
+    """The writer's block cut for messages with values alone (running sizes and a binary
+    search) takes exactly the messages the per-message rule takes: at least one, then while
+    the block stays within max_block_bytes."""
+    import types
+
+    limit = data.draw(st.integers(1, len(sizes)))
+    sh = types.SimpleNamespace(values=[b"x" * n for n in sizes], keys=[None] * len(sizes),
+                               headers=[None] * len(sizes), pending_bytes=sum(sizes) + 16 * len(sizes))
+    producer = types.SimpleNamespace(options=types.SimpleNamespace(max_block_bytes=most))
+    total, expected = 0, (limit, None)
+    for i in range(limit):
+        if i and total + sizes[i] + 16 > most:
+            expected = (i, total)
+            break
+        total += sizes[i] + 16
+    if expected[1] is None:
+        expected = (limit, total)
+    assert Producer._take_block(producer, sh, limit) == expected
+
+
 class _ShortOnce:
     """A read path that returns a short read the first time a large range is asked (as the
     cached read path does while Algorithm 1 postpones a durable read)."""

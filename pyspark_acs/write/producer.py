@@ -13,7 +13,9 @@ block size)`` (capped) so that small messages under load share blocks.
 
 from __future__ import annotations
 
+import bisect
 import datetime as _dt
+import itertools
 import logging
 import threading
 import time
@@ -59,6 +61,10 @@ DEFAULT_ACKNOWLEDGE = ACKNOWLEDGE_PUBLISHED
 DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
 #: Weight of the newest sample in the write-latency and block-size moving averages.
 _EWMA_ALPHA = 0.2
+
+
+#: Value types :meth:`Producer.send_many` queues as they are.
+_PLAIN = frozenset((bytes, type(None)))
 
 
 def _as_bytes(value: Any, what: str) -> Optional[bytes]:
@@ -398,10 +404,14 @@ class Producer:
         Shards are chosen as by :meth:`send`: ``shard`` for all, else each key's hash, else
         round-robin. ``timestamp`` applies to every message (default now). Order is kept.
         """
-        vals = [_as_bytes(v, "value") for v in values]
-        ks = [None] * len(vals) if keys is None else [_as_bytes(k, "key") for k in keys]
-        if len(ks) != len(vals):
-            raise ValueError(f"send_many: {len(ks)} keys for {len(vals)} values")
+        # Plain bytes (the common case) are taken as they are: their types are checked at C
+        # speed (map, set) instead of a Python call per message.
+        values = values if isinstance(values, (list, tuple)) else list(values)  # any iterable
+        vals = list(values) if set(map(type, values)) <= _PLAIN else [_as_bytes(v, "value") for v in values]
+        n = len(vals)
+        ks = None if keys is None else [_as_bytes(k, "key") for k in keys]
+        if ks is not None and len(ks) != n:
+            raise ValueError(f"send_many: {len(ks)} keys for {n} values")
         ts = _timestamp_us(timestamp)
         with self._cond:
             self._check_open()
@@ -411,23 +421,50 @@ class Producer:
                 self._cond.wait(0.1)
             self._check_open()
             added = 0
-            for v, k in zip(vals, ks):
+            if shard is not None or ks is None:
+                # One shard, or round-robin: each shard's messages are one slice, queued with
+                # list operations (a Python step per message was a fifth of a producer's CPU
+                # at 70 MB/s of 1 KiB messages).
                 if shard is not None:
-                    target = shard
-                elif k is not None:
-                    target = shard_for_key(k, self.shards)
+                    slices = [(shard, vals)]
                 else:
-                    target = self._round_robin
-                    self._round_robin = (self._round_robin + 1) % self.shards
-                sh = self._shards[target]
-                size = (len(v) if v else 0) + (len(k) if k else 0) + 16
-                sh.values.append(v)
-                sh.keys.append(k)
-                sh.timestamps.append(ts)
-                sh.headers.append(None)
-                sh.pending_bytes += size
-                sh.queued += 1
-                added += size
+                    first, count = self._round_robin, self.shards
+                    slices = [(t, vals[(t - first) % count::count]) for t in range(count)] if count > 1 \
+                        else [(0, vals)]
+                    self._round_robin = (first + n) % count
+                for target, part in slices:
+                    if not part:
+                        continue
+                    m = len(part)
+                    size = sum(map(len, filter(None, part))) + 16 * m
+                    sh = self._shards[target]
+                    sh.values.extend(part)
+                    if ks is None:
+                        sh.keys.extend([None] * m)
+                    else:  # one shard for all: every key goes with it
+                        sh.keys.extend(ks)
+                        size += sum(map(len, filter(None, ks)))
+                    sh.timestamps.extend([ts] * m)
+                    sh.headers.extend([None] * m)
+                    sh.pending_bytes += size
+                    sh.queued += m
+                    added += size
+            else:
+                for v, k in zip(vals, ks):
+                    if k is not None:
+                        target = shard_for_key(k, self.shards)
+                    else:
+                        target = self._round_robin
+                        self._round_robin = (self._round_robin + 1) % self.shards
+                    sh = self._shards[target]
+                    size = (len(v) if v else 0) + (len(k) if k else 0) + 16
+                    sh.values.append(v)
+                    sh.keys.append(k)
+                    sh.timestamps.append(ts)
+                    sh.headers.append(None)
+                    sh.pending_bytes += size
+                    sh.queued += 1
+                    added += size
             self._pending_bytes += added
             if self._writer_idle:
                 self._writer_idle = False
@@ -613,8 +650,16 @@ class Producer:
     def _take_block(self, sh: _Shard, limit: int) -> "tuple[int, int]":
         """How many of the first ``limit`` pending messages fit one block (at least one), and
         their accounted bytes. Caller holds _lock."""
-        if limit == len(sh.values) and sh.pending_bytes <= self.options.max_block_bytes:
+        most = self.options.max_block_bytes
+        if limit == len(sh.values) and sh.pending_bytes <= most:
             return limit, sh.pending_bytes
+        values = sh.values[:limit]
+        if None not in values and sh.keys[:limit].count(None) == limit and sh.headers[:limit].count(None) == limit:
+            # Values alone (the common case): running sizes at C speed and a binary search, not
+            # a Python step per message (a writer behind its sender takes ~1000 at a time).
+            ends = list(itertools.accumulate(map(len, values)))
+            take = max(1, bisect.bisect_right(range(limit), most, key=lambda i: ends[i] + 16 * (i + 1)))
+            return take, ends[take - 1] + 16 * take
         total = 0
         for i in range(limit):
             v, k = sh.values[i], sh.keys[i]

@@ -323,6 +323,7 @@ class Store:
             entries = self._entries
             by_ttl = entries.by_ttl
             group = by_ttl.get(ttl_ms)
+            lookup = entries.lookup
             # Bytes left before cachetools would evict by itself (only a batch bigger than the
             # room above the GC start gets there): then drop expired entries first.
             room = self.capacity_bytes - entries.currsize
@@ -334,8 +335,11 @@ class Store:
                     counts["too_large_total"] += 1
                     append(PutResult.TOO_LARGE)
                     continue
-                # Expired: as if absent, any version replaces it.
-                old = self._live(key, entries[key] if key in entries else None, now)
+                # Expired: as if absent, any version replaces it. (The dict's own get: the
+                # cache's ``in`` and ``[]`` are a Python frame each, and most chunks are new.)
+                old = lookup(key)
+                if old is not None and old.expires_at <= now:
+                    old = self._live(key, old, now)
                 if old is not None:
                     if version < old.version:
                         counts["stale_total"] += 1
