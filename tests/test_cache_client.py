@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import subprocess
 import threading
@@ -211,6 +212,54 @@ def test_too_large_is_a_cache_error_not_unavailable(tmp_path):
                 c.put([(b"big", b"x" * 60000, 1)])
             assert not isinstance(info.value, CacheUnavailableError)
             assert dep.data_endpoints in info.value.endpoints
+
+
+def test_write_counts_each_key_on_its_own_replicas(tmp_path):
+    """A put over a ring wider than the replication (5 replicas, 3 copies per key: keys land on
+    different replica sets) succeeds exactly for the keys that got a majority of their own
+    replicas, counts a replica's partial refusal (too large) against those keys only, and names
+    the keys and replicas that fell short when replicas die."""
+    with LocalDeployment(tmp_path, data_replicas=5, metadata_replicas=0, capacity="256KiB") as dep:
+        eps = dep.endpoints("data")
+        with CacheClient(dep.data_endpoints, replication=3, deadline=2.0) as c:
+            items = [(b"spread/%d" % i, b"v%d" % i, 1) for i in range(200)]
+            c.put(items)
+            for key, value, version in items:
+                holders = c.replicas_for(key)
+                assert len(holders) == 3
+                seen = [single(ep).get([key])[0] for ep in holders]
+                assert sum(e == Entry(value, version) for e in seen) >= 2, key
+            # One key too large for every replica, in batches with keys that fit: only it fails.
+            mixed = [(b"mixed/%d" % i, b"y", 1) for i in range(40)] + [(b"mixed/big", b"x" * 200_000, 1)]
+            with pytest.raises(CacheError, match="too large") as info:
+                c.put(mixed)
+            # It gives up at the refusals; keys still in flight then are said to be so.
+            short, unanswered = re.search(r"(\d+) of 41 keys got fewer than a majority of acknowledgements"
+                                          r"(?: \((\d+) of them still unanswered)?", str(info.value)).groups()
+            assert int(short) - int(unanswered or 0) == 1, str(info.value)
+            deadline = time.monotonic() + 10
+            while c.get([k for k, _, _ in mixed[:40]], consistent=True) != [Entry(b"y", 1)] * 40:
+                assert time.monotonic() < deadline, "the keys that fit were not stored"
+                time.sleep(0.05)
+            # Two replicas dead: the keys with two of them among their three fall short, the
+            # others still get their majority.
+            dep.kill("data", 0)
+            dep.kill("data", 1)
+            dead = set(eps[:2])
+            keys = [b"after/%d" % i for i in range(120)]
+            lost = [k for k in keys if len(dead & set(c.replicas_for(k))) >= 2]
+            assert lost and len(lost) < len(keys)  # the ring puts both kinds in 120 keys
+            with pytest.raises(CacheUnavailableError) as info:
+                c.put([(k, b"z", 1) for k in keys])
+            short, unanswered = re.search(r"(\d+) of 120 keys got fewer than a majority of acknowledgements"
+                                          r"(?: \((\d+) of them still unanswered)?", str(info.value)).groups()
+            assert int(short) - int(unanswered or 0) == len(lost)
+            assert set(info.value.endpoints) <= dead
+            kept = [k for k in keys if k not in lost]
+            deadline = time.monotonic() + 10
+            while c.get(kept, consistent=True) != [Entry(b"z", 1)] * len(kept):
+                assert time.monotonic() < deadline, "keys with a live majority were not stored"
+                time.sleep(0.05)
 
 
 def test_many_threads_share_one_client(client):

@@ -20,7 +20,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 from pyspark_acs.cache.client import CacheClient, Entry
 from pyspark_acs.errors import CacheError
 
-__all__ = ["CHUNK_SIZE", "FILE_ID_BYTES", "ChunkReader", "ChunkWriter", "chunk_key", "chunk_range", "file_id",
+__all__ = ["CHUNK_SIZE", "FILE_ID_BYTES", "ChunkReader", "ChunkWriter", "chunk_key", "chunk_keys", "chunk_range", "file_id",
            "parse_chunk_key"]
 
 #: Bytes per chunk: the paper's 4 KB (a chunk fits one packet of the cluster fabric).
@@ -50,7 +50,17 @@ def file_id(uri: str) -> bytes:
 def chunk_key(uri: str, n: int, *, file_id: Optional[bytes] = None) -> bytes:
     """The data-cache key of chunk ``n`` of the file ``uri``: ``b"c" + blake2b(uri) + n``
     (give ``file_id`` instead of computing it from ``uri``)."""
-    return b"c" + (file_id or _digest(uri)) + n.to_bytes(8, "big")
+    return _key_prefix(uri, file_id) + n.to_bytes(8, "big")
+
+
+def _key_prefix(uri: str, file_id: Optional[bytes]) -> bytes:
+    return b"c" + (file_id or _digest(uri))
+
+
+def chunk_keys(uri: str, numbers: range, *, file_id: Optional[bytes] = None) -> List[bytes]:
+    """:func:`chunk_key` of each chunk number in ``numbers`` (the file id computed once)."""
+    prefix = _key_prefix(uri, file_id)
+    return [prefix + n.to_bytes(8, "big") for n in numbers]
 
 
 def parse_chunk_key(key: bytes) -> Optional[Tuple[bytes, int]]:
@@ -119,10 +129,11 @@ class ChunkWriter:
             start = self.position - len(self._tail)
             buf = self._tail + bytes(data)
             first = start // CHUNK_SIZE
-            items: List[Tuple[bytes, bytes, int]] = []
-            for i in range(0, len(buf), CHUNK_SIZE):
-                piece = buf[i : i + CHUNK_SIZE]
-                items.append((chunk_key(self.uri, first + i // CHUNK_SIZE, file_id=self._id), piece, len(piece)))
+            offsets = range(0, len(buf), CHUNK_SIZE)
+            keys = chunk_keys(self.uri, range(first, first + len(offsets)), file_id=self._id)
+            pieces = [buf[i : i + CHUNK_SIZE] for i in offsets]
+            # A chunk's version is its length: a longer prefix of the chunk replaces a shorter one.
+            items = list(zip(keys, pieces, map(len, pieces)))
             end = start + len(buf)
             self.position = end
             self._tail = buf[len(buf) - (end % CHUNK_SIZE) :] if end % CHUNK_SIZE else b""
@@ -183,7 +194,7 @@ class ChunkReader:
         numbers = chunk_range(start, end)
         if not numbers:
             return []
-        keys = [chunk_key(uri, n, file_id=fid) for n in numbers]
+        keys = chunk_keys(uri, numbers, file_id=fid)
         out: List[Optional[Tuple[int, int, Optional[bytes]]]] = []
         short: List[Tuple[int, int]] = []  # (index in out, chunk number) to read again, consistently
         got = 0

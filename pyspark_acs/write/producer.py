@@ -63,6 +63,8 @@ DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
 _EWMA_ALPHA = 0.2
 
 
+#: Messages the writer first looks at to cut a block (doubled until the block's end is in it).
+_CUT_WINDOW = 1024
 #: Value types :meth:`Producer.send_many` queues as they are.
 _PLAIN = frozenset((bytes, type(None)))
 
@@ -653,13 +655,19 @@ class Producer:
         most = self.options.max_block_bytes
         if limit == len(sh.values) and sh.pending_bytes <= most:
             return limit, sh.pending_bytes
-        values = sh.values[:limit]
-        if None not in values and sh.keys[:limit].count(None) == limit and sh.headers[:limit].count(None) == limit:
-            # Values alone (the common case): running sizes at C speed and a binary search, not
-            # a Python step per message (a writer behind its sender takes ~1000 at a time).
+        # Values alone (the common case): running sizes at C speed and a binary search, not a
+        # Python step per message. Looked at in windows that double, so the cost follows the
+        # block, not everything pending (a writer behind its sender has many blocks queued).
+        window = min(limit, _CUT_WINDOW)
+        while True:
+            values = sh.values[:window]
+            if None in values or sh.keys[:window].count(None) != window or sh.headers[:window].count(None) != window:
+                break  # keys, headers or null values: the rule below, message by message
             ends = list(itertools.accumulate(map(len, values)))
-            take = max(1, bisect.bisect_right(range(limit), most, key=lambda i: ends[i] + 16 * (i + 1)))
-            return take, ends[take - 1] + 16 * take
+            if window == limit or ends[-1] + 16 * window > most:
+                take = max(1, bisect.bisect_right(range(window), most, key=lambda i: ends[i] + 16 * (i + 1)))
+                return take, ends[take - 1] + 16 * take
+            window = min(limit, 2 * window)
         total = 0
         for i in range(limit):
             v, k = sh.values[i], sh.keys[i]
