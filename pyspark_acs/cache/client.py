@@ -39,8 +39,6 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-import numpy as np
-
 from pyspark_acs.security import SecuritySettings, resolve_security
 from pyspark_acs.errors import AcsOptionError, CacheError, CacheTimeoutError, CacheUnavailableError, ClosedError
 from pyspark_acs.cache import wire
@@ -259,6 +257,14 @@ class _TooLarge(Exception):
 
     def __init__(self, count: int) -> None:
         super().__init__(f"refused {count} entr{'y' if count == 1 else 'ies'} too large for its capacity")
+
+
+class _ShortAnswer(Exception):
+    """Stands for a put answer with fewer statuses than the request had keys: the keys without
+    one are not acknowledged (our servers answer one per key; this is a replica off protocol)."""
+
+    def __init__(self, got: int, keys: int) -> None:
+        super().__init__(f"answered {got} statuses for {keys} keys (one per key expected)")
 
 
 class _Replica:
@@ -640,7 +646,7 @@ class CacheClient:
         )
         message = f"{self.name}: {op} failed: {summary}; replicas: {reasons}"
         kinds = {_code_name(errors[ep]) for ep in endpoints if ep in errors}
-        too_large = [errors[ep] for ep in endpoints if isinstance(errors.get(ep), _TooLarge)]
+        too_large = [errors[ep] for ep in endpoints if isinstance(errors.get(ep), (_TooLarge, _ShortAnswer))]
         if too_large or kinds & {"UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT"}:
             error: CacheError = CacheError(message, endpoints=tuple(endpoints))
         elif kinds == {"DEADLINE_EXCEEDED"}:
@@ -648,7 +654,8 @@ class CacheClient:
         else:
             error = CacheUnavailableError(message, endpoints=tuple(endpoints))
         cause = next(
-            (errors[ep] for ep in endpoints if ep in errors and not isinstance(errors[ep], (_Down, _TooLarge))),
+            (errors[ep] for ep in endpoints
+             if ep in errors and not isinstance(errors[ep], (_Down, _TooLarge, _ShortAnswer))),
             None,
         )
         error.__cause__ = cause
@@ -915,60 +922,77 @@ class CacheClient:
         keys: Sequence[bytes],
         method: str,
         build: Callable[[List[int]], List[Tuple[Any, List[int]]]],
-        acked: Callable[[Any, List[int]], Tuple[Optional[List[int]], int]],
+        acked: Callable[[Any, List[int]], Tuple[Optional[List[int]], Optional[BaseException]]],
         grace: bool = True,
     ) -> None:
         """Send to every replica of every key; return once each key has a majority of acks.
 
-        ``build(idxs)`` makes the requests for one replica (split into batches);
+        ``build(idxs)`` makes the requests for the keys of one cohort (split into batches);
         ``acked(response, batch)`` returns the batch indexes acknowledged (``None``: all of
-        them) and how many were refused as too large. Once every key has its majority, stragglers get ``hedge_after``
-        more to finish (``grace`` False: none); after that they are left running (not
-        cancelled), so a slow third replica still gets the write.
+        them) and, when some were not, why (the replica's error for the message). Once every key
+        has its majority, stragglers get ``hedge_after`` more to finish (``grace`` False: none);
+        after that they are left running (not cancelled), so a slow third replica still gets
+        the write.
         """
         n = len(keys)
         self._check_open()
         start = time.monotonic()
         end = start + self.deadline
-        # Counted with numpy, a batch at a time: a Python step per key and replica was a third
-        # of a producer's CPU for its chunk puts (256 chunks a MiB, three replicas).
+        # Keys by the replicas that hold them (cohorts). Every replica holds every key when the
+        # replication covers them all (the data cache's three of three): one cohort, no key to
+        # hash.
         if self.holds_every_key():
-            # Every replica holds every key (the data cache's three of three): no key to hash.
-            everyone = tuple(self.endpoints)
-            ring_reps: Sequence[Tuple[str, ...]] = [everyone] * n
-            need = np.full(n, _majority(len(everyone)), dtype=np.int32)
-            per_replica: Dict[str, List[int]] = {ep: list(range(n)) for ep in everyone}
+            cohorts: Dict[Tuple[str, ...], List[int]] = {tuple(self.endpoints): list(range(n))}
         else:
-            ring_reps = self._ring.replicas_for_many(keys, self.replication)
-            need = np.fromiter((_majority(len(reps)) for reps in ring_reps), dtype=np.int32, count=n)
-            per_replica = defaultdict(list)
-            for i, reps in enumerate(ring_reps):
-                for ep in reps:
-                    per_replica[ep].append(i)
-        acks = np.zeros(n, dtype=np.int32)
-        inflight = np.zeros(n, dtype=np.int32)
-        errors: Dict[str, BaseException] = {}
+            cohorts = defaultdict(list)
+            for i, reps in enumerate(self._ring.replicas_for_many(keys, self.replication)):
+                cohorts[reps].append(i)
+        # Whom to send to, asked once per replica per write (letting a down replica's probe
+        # through marks it probed).
+        usable: Dict[str, bool] = {}
+        for reps in cohorts:
+            for ep in reps:
+                if ep not in usable:
+                    usable[ep] = self._usable(self._replicas[ep], start)
+        errors: Dict[str, BaseException] = {
+            ep: _Down(self._retry_in(self._replicas[ep], start)) for ep, ok in usable.items() if not ok}
+        # Acknowledgements are counted per batch (one request's keys, all of one cohort, sent
+        # alike to each of its replicas), not per key and replica: that Python step was a third
+        # of a producer's CPU for its chunk puts (256 chunks a MiB, three replicas). A replica
+        # that acknowledges some keys of a batch only (too large, a short answer) counts for
+        # those keys alone (``extra``). Every key is in exactly one batch.
+        batches: List[List[int]] = []
+        b_reps: List[Tuple[str, ...]] = []
+        b_need: List[int] = []
+        b_acks: List[int] = []  # replicas that acknowledged every key of the batch
+        b_inflight: List[int] = []
+        extra: Dict[int, int] = {}  # key index -> acknowledgements of it alone
         out: "queue.SimpleQueue" = queue.SimpleQueue()
         pending = 0
-        # Replicas that hold the same keys (all of them, with three replicas and r = 3) get the
-        # same requests: built and serialized once per group, not once per replica.
-        groups: Dict[Tuple[int, ...], List[_Replica]] = defaultdict(list)
-        for ep, idxs in per_replica.items():
-            rep = self._replicas[ep]
-            if not self._usable(rep, start):
-                errors[ep] = _Down(self._retry_in(rep, start))
-                continue
-            groups[tuple(idxs)].append(rep)
-        for idxs, reps in groups.items():
-            for request, batch in build(list(idxs)):
-                payload = request if isinstance(request, bytes) or len(reps) == 1 else request.SerializeToString()
-                at = np.asarray(batch, dtype=np.intp)  # a batch's keys are distinct
-                inflight[at] += len(reps)
-                for rep in reps:
-                    self._send(rep, method, payload, end, out, (batch, at))
+        for reps_key, idxs in cohorts.items():
+            targets = [self._replicas[ep] for ep in reps_key if usable[ep]]
+            need = _majority(len(reps_key))
+            for request, batch in build(idxs):
+                slot = len(batches)
+                batches.append(batch)
+                b_reps.append(reps_key)
+                b_need.append(need)
+                b_acks.append(0)
+                b_inflight.append(len(targets))
+                # The replicas of a cohort get the same request, serialized once.
+                payload = request if isinstance(request, bytes) or len(targets) <= 1 else request.SerializeToString()
+                for rep in targets:
+                    self._send(rep, method, payload, end, out, slot)
                     pending += 1
-        remaining = int(np.count_nonzero(acks < need))
-        hopeless = bool(np.any(acks + inflight < need))
+
+        def acks_of(slot: int) -> int:
+            """The fewest acknowledgements a key of batch ``slot`` has."""
+            if not extra:
+                return b_acks[slot]
+            return b_acks[slot] + min(extra.get(i, 0) for i in batches[slot])
+
+        remaining = sum(1 for slot in range(len(batches)) if acks_of(slot) < b_need[slot])
+        hopeless = any(acks_of(slot) + b_inflight[slot] < b_need[slot] for slot in range(len(batches)))
         grace_until: Optional[float] = None
         while pending > 0 and not hopeless:
             if remaining == 0:
@@ -983,38 +1007,49 @@ class CacheClient:
             else:
                 wait = end + 0.25 - time.monotonic()  # safety bound only: gRPC deadlines fire at `end`
             try:
-                (batch, at), rep, response, exc = out.get(timeout=max(0.0, wait))
+                slot, rep, response, exc = out.get(timeout=max(0.0, wait))
             except queue.Empty:
                 break
             pending -= 1
-            inflight[at] -= 1
+            b_inflight[slot] -= 1
+            was_done = acks_of(slot) >= b_need[slot]
             if exc is not None:
                 errors[rep.endpoint] = exc
             else:
-                ok, too_large = acked(response, batch)
-                if too_large:
-                    errors[rep.endpoint] = _TooLarge(too_large)
-                if ok is not None:  # some keys refused: only the others are acknowledged
-                    at = np.asarray(ok, dtype=np.intp)
-                if len(at):
-                    reached = acks[at] + 1 == need[at]
-                    acks[at] += 1
-                    remaining -= int(np.count_nonzero(reached))
-            hopeless = bool(np.any(acks + inflight < need))
+                ok, refusal = acked(response, batches[slot])
+                if refusal is not None:
+                    errors[rep.endpoint] = refusal
+                if ok is None:
+                    b_acks[slot] += 1
+                else:
+                    for i in ok:
+                        extra[i] = extra.get(i, 0) + 1
+            now_acks = acks_of(slot)
+            if not was_done and now_acks >= b_need[slot]:
+                remaining -= 1
+            hopeless = now_acks + b_inflight[slot] < b_need[slot]
         if remaining == 0:
             return
-        short = np.flatnonzero(acks < need).tolist()
-        # A put gives up as soon as one key cannot get its majority any more: keys still in
+        # A write gives up as soon as one key cannot get its majority any more: keys still in
         # flight then are not failed (their replicas may store them), only not acknowledged.
-        unanswered = int(np.count_nonzero((acks < need) & (acks + inflight >= need)))
-        involved = sorted({ep for i in short for ep in ring_reps[i]})
-        failed = [ep for ep in involved if ep in errors] or involved
+        short = unanswered = 0
+        involved: set = set()
+        for slot, batch in enumerate(batches):
+            if acks_of(slot) >= b_need[slot]:
+                continue
+            involved.update(b_reps[slot])
+            for i in batch:
+                got = b_acks[slot] + extra.get(i, 0)
+                if got < b_need[slot]:
+                    short += 1
+                    unanswered += got + b_inflight[slot] >= b_need[slot]
+        failed = [ep for ep in sorted(involved) if ep in errors] or sorted(involved)
         for ep in failed:
             if ep not in errors:
                 errors[ep] = _deadline_error(ep, self.deadline)
         raise self._error(
             op,
-            f"{len(short)} of {n} keys got fewer than a majority of acknowledgements"
+            f"{short} of {n} keys got fewer than a majority of acknowledgements"
             + (f" ({unanswered} of them still unanswered when it gave up)" if unanswered else ""),
             failed,
             errors,
@@ -1083,12 +1118,16 @@ class CacheClient:
 
         too_large_code = pb.TOO_LARGE
 
-        def acked(response: Any, batch: List[int]) -> Tuple[Optional[List[int]], int]:
+        def acked(response: Any, batch: List[int]) -> Tuple[Optional[List[int]], Optional[BaseException]]:
             statuses = list(response.status)  # at C speed; STORED and STALE both acknowledge
-            if too_large_code not in statuses:
-                return None, 0
+            if len(statuses) == len(batch) and too_large_code not in statuses:
+                return None, None
+            # A key without a status (an answer shorter than the batch) is not acknowledged.
             ok = [i for i, status in zip(batch, statuses) if status != too_large_code]
-            return ok, len(batch) - len(ok)
+            refused = statuses.count(too_large_code)
+            if len(statuses) < len(batch):
+                return ok, _ShortAnswer(len(statuses), len(batch))
+            return ok, _TooLarge(refused)
 
         self._write("put", keys, "Put", build, acked, grace)
 
@@ -1111,7 +1150,7 @@ class CacheClient:
                 for lo in range(0, len(idxs), MAX_BATCH_KEYS)
             ]
 
-        self._write("delete", keys, "Delete", build, lambda response, batch: (None, 0))
+        self._write("delete", keys, "Delete", build, lambda response, batch: (None, None))
 
     def compare_and_set(
         self,

@@ -49,12 +49,13 @@ def _pass_bytes(serialize: Optional[Callable[[Any], bytes]]) -> Optional[Callabl
     return out
 
 
-def _strict(service: str, name: str, handler: Any, aio: bool) -> Any:
+def _strict(service: str, name: str, handler: Any, aio: bool,
+            decode: Optional[Callable[[bytes], Any]] = None) -> Any:
     from pyspark_acs._grpc import grpc
 
     handler = handler._replace(response_serializer=_pass_bytes(handler.response_serializer))
 
-    decode = handler.request_deserializer
+    decode = decode or handler.request_deserializer
     what = f"{service}/{name}"
 
     def safe(raw: bytes):
@@ -123,13 +124,17 @@ def _strict(service: str, name: str, handler: Any, aio: bool) -> Any:
     return handler
 
 
-def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: Any, server: Any, *, aio: bool) -> None:
+def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: Any, server: Any, *, aio: bool,
+                 decoders: Optional[Dict[str, Callable[[bytes], Any]]] = None) -> None:
     """``add_to_server(servicer, server)`` (the generated function), with malformed request
-    bodies answered ``INVALID_ARGUMENT``."""
+    bodies answered ``INVALID_ARGUMENT``. ``decoders``: method name -> what parses its request
+    body instead of the generated parser (a parse error is answered the same way)."""
     from pyspark_acs._grpc import grpc
 
     capture = _Capture()
     add_to_server(servicer, capture)
-    handlers = {name: _strict(capture.service, name, h, aio) for name, h in capture.handlers.items()}
+    decoders = decoders or {}
+    handlers = {name: _strict(capture.service, name, h, aio, decoders.get(name))
+                for name, h in capture.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
     server.add_registered_method_handlers(capture.service, handlers)
