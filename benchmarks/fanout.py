@@ -34,6 +34,13 @@ our/Redis ratios; and it writes a PNG plot (``--plot``) of p99 and MB/s against 
     .venv/bin/python benchmarks/fanout.py [--consumers 8,32,64] [--seconds 10] [--rate-mb 2]
     .venv/bin/python benchmarks/fanout.py --consumers 4 --seconds 3       # smoke run
     .venv/bin/python benchmarks/fanout.py --consumers 32 --producer-acknowledge durable   # ack at the durable append
+    .venv/bin/python benchmarks/fanout.py --consumers 64 --columns caches,redis --hog 1   # a busy machine
+
+Per column and N it also prints, per second of the run (by send time), the largest delay and
+how many consumers passed ``SLOW_MS`` in it: whether a p99 came from a start-up burst, a
+stall of everyone at once (the producer or a server) or a few slow consumers. ``--hog K``
+runs K processes spinning on the CPU beside every point, the same for every column: the
+machine's busy phases (other tenants) made repeatable.
 
 No assertion is timed here; an honest miss is printed as it is.
 """

@@ -1113,7 +1113,8 @@ class CacheClient:
                 # generated way copied them into the message and again when serializing it).
                 head = pb.PutRequest(keys=[items[i][0] for i in b], sizes=sizes,
                                      versions=[items[i][2] for i in b], ttl_ms=ttl_ms)
-                out.append((wire.encode(head, values, sum(sizes)), b))
+                # Data first: the server finds it without walking a record per key.
+                out.append((wire.encode(head, values, sum(sizes), data_first=True), b))
             return out
 
         too_large_code = pb.TOO_LARGE

@@ -60,18 +60,22 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def encode(message: Any, parts: Iterable[bytes], size: int) -> bytes:
+def encode(message: Any, parts: Iterable[bytes], size: int, *, data_first: bool = False) -> bytes:
     """``message`` (every field set but ``data``) with ``data`` = ``parts`` joined, ``size``
     bytes long in all, as one wire-format body: the parts are copied once, into it.
+
+    ``data_first``: the ``data`` record leads the body (for messages with many small records,
+    such as a ``PutRequest``'s keys: :func:`split` then finds it without walking them).
 
     The caller knows ``size`` already (it checked it against its limits); a wrong one makes an
     invalid body, so it is checked here too.
     """
     _, key = _data_key(type(message))
-    head = b"".join([message.SerializeToString(), key, _varint(size)])
-    body = b"".join([head, *parts])
-    if len(body) - len(head) != size:
-        raise ValueError(f"encode: parts of {len(body) - len(head)} bytes, not the {size} announced")
+    head = key + _varint(size)
+    rest = message.SerializeToString()
+    body = b"".join([head, *parts, rest]) if data_first else b"".join([rest, head, *parts])
+    if len(body) - len(head) - len(rest) != size:
+        raise ValueError(f"encode: parts of {len(body) - len(head) - len(rest)} bytes, not the {size} announced")
     return body
 
 
@@ -101,12 +105,15 @@ def _generic(raw: bytes, message_type: Type[Any]) -> WithData:
     return WithData(message, message.data)
 
 
-def split(raw: bytes, message_type: Type[Any]) -> WithData:
+def split(raw: bytes, message_type: Type[Any], *, view: bool = False) -> WithData:
     """Parse ``raw`` as ``message_type``, its ``data`` field apart: the inverse of
     :func:`encode`. It reads every body exactly as the generated parser does -- it only finds
-    the ``data`` records itself, in the common shape (at most :data:`MAX_SCANNED_RECORDS`
-    records, minimally encoded ``data`` keys and lengths, no groups), cuts them out and hands
-    the rest to the generated parser; any other body goes to that parser whole.
+    the ``data`` records itself, in the common shapes (a body that starts with its one ``data``
+    record, or at most :data:`MAX_SCANNED_RECORDS` records; minimally encoded ``data`` keys and
+    lengths, no groups), cuts them out and hands the rest to the generated parser; any other
+    body goes to that parser whole.
+
+    ``view``: ``data`` is a memoryview of ``raw`` (no copy) instead of ``bytes``.
 
     Raises
     ------
@@ -115,6 +122,16 @@ def split(raw: bytes, message_type: Type[Any]) -> WithData:
     """
     number, data_key = _data_key(message_type)
     end = len(raw)
+    if raw[: len(data_key)] == data_key:
+        # Data first (encode(data_first=True)). The rest is taken as it is only when it holds
+        # no data record of its own (protobuf's last one would win): a non-empty one shows in
+        # the parsed ``data``, an empty one makes the rest longer than its canonical size.
+        length, at = _read_varint(raw, len(data_key), end)
+        past = at + length
+        if length >= 0 and past <= end and at - len(data_key) == len(_varint(length)):
+            rest = message_type.FromString(raw[past:])
+            if not rest.data and rest.ByteSize() == end - past:
+                return WithData(rest, memoryview(raw)[at:past] if view else raw[at:past])
     pos = 0
     data_at = None  # (first, past) byte of the last data field's value
     cuts = []  # (first, past) byte of each data record, key included
@@ -163,4 +180,5 @@ def split(raw: bytes, message_type: Type[Any]) -> WithData:
             at = past
         pieces.append(raw[at:])
         rest = b"".join(pieces)
-    return WithData(message_type.FromString(rest), raw[data_at[0]:data_at[1]])
+    data = memoryview(raw)[data_at[0]:data_at[1]] if view else raw[data_at[0]:data_at[1]]
+    return WithData(message_type.FromString(rest), data)

@@ -134,10 +134,11 @@ class _Refused(Exception):
 
 
 def _decode_put(raw: bytes) -> "wire.WithData":
-    """A ``PutRequest`` body split from its ``data`` (:func:`pyspark_acs.cache.wire.split`): the
-    values are copied once, out of the body, where the generated parser copied them into the
-    message and again when ``.data`` was read."""
-    return wire.split(raw, acs_pb2.PutRequest)
+    """A ``PutRequest`` body split from its ``data`` (:func:`pyspark_acs.cache.wire.split`; a
+    view of the body, the client sends it first): :meth:`CacheServicer._put` copies each value
+    once out of the body, where the generated parser copied them into the message and again
+    when ``.data`` was read, and then the values were cut out of that."""
+    return wire.split(raw, acs_pb2.PutRequest, view=True)
 
 
 class CacheServicer(acs_pb2_grpc.CacheServicer):
@@ -221,8 +222,8 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
                 f"sizes summing to {total} for {len(data)} data bytes; they must agree",
                 grpc.StatusCode.INVALID_ARGUMENT,
             )
-        # Each value a slice of data, cut at C speed (no Python step per chunk).
-        values = list(map(data.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+        # Each value copied once, out of the request's body (data is a view of it), at C speed.
+        values = list(map(bytes, map(data.__getitem__, map(slice, [0, *ends[:-1]], ends))))
         ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
         results = self.store.put_many(zip(keys, values, versions), ttl_s=ttl_s)
         if not self.watchers.idle:
