@@ -134,6 +134,20 @@ def test_store_ttl_per_entry_and_default():
     assert s.put(b"k", b"old", 1) is PutResult.STORED
 
 
+def test_stored_entries_are_not_walked_by_the_garbage_collector():
+    """Entries are plain tuples of atomic values: once a collection has looked at them the
+    collector no longer tracks them, so a full collection of a server holding a large cache does
+    not walk every entry (the event loop stalls for the collection)."""
+    import gc
+
+    s = Store(1 << 24, 60)
+    s.put_many((b"gc/%d" % i, b"v" * 100, 1) for i in range(2000))
+    gc.collect()
+    entries = [s._entries.lookup(b"gc/%d" % i) for i in range(2000)]
+    assert not any(gc.is_tracked(e) for e in entries)
+    assert s.get(b"gc/7") == StoredEntry(b"v" * 100, 1)
+
+
 def test_store_evicts_least_recently_modified_and_reads_do_not_refresh():
     clock = FakeClock()
     per_entry = 8 + CHUNK + ENTRY_OVERHEAD_BYTES
