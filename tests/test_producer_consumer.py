@@ -745,6 +745,31 @@ def test_send_many_keeps_order_and_shards_like_send(root):
     assert [r["shard"] for r in rows if r["value"] == b"pinned"] == [2]
 
 
+def test_a_consumer_waiting_for_a_first_file_sleeps_between_listings(root):
+    """Before a stream's first file, batches() waits for the listing back-off rather than
+    looking every poll interval (a look then lists nothing); the first message is still found
+    within the back-off's longest wait."""
+    from pyspark_acs.read.consumer import LISTING_BACKOFF_S
+
+    DurableStore(root).create_stream("late", 1)
+    c = Consumer(root, "late", poll_interval=0.01)
+    rounds = []
+    fill = c._fill
+    c._fill = lambda: (rounds.append(time.monotonic()), fill())[1]
+    try:
+        assert list(c.batches(timeout=1.0)) == []
+        # 1 s of 10 ms polls would be ~100 rounds; with waits doubling to 0.1 s, about 14.
+        assert len(rounds) <= 1.0 / LISTING_BACKOFF_S[1] + 8, len(rounds)
+        with Producer(root, "late") as p:
+            p.send(b"first")
+            sent = time.monotonic()
+        batch = next(iter(c.batches(timeout=1.0)))
+        assert time.monotonic() - sent < LISTING_BACKOFF_S[1] + 0.2
+        assert batch.column("value").to_pylist() == [b"first"]
+    finally:
+        c.close()
+
+
 def test_send_many_queues_like_send_one_at_a_time(root):
     """send_many's list-at-a-time paths (round-robin slices, one shard for all, any iterable,
     values that need converting) queue exactly what one send() per message queues: the same

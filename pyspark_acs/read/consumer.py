@@ -154,6 +154,14 @@ class ShardTailer:
         return Offset(self.file, self.length)
 
     @property
+    def next_listing(self) -> Optional[float]:
+        """When this tailer lists its shard folder next (monotonic) while it waits for a file to
+        appear (before its first file, or sealed before the next); None while it follows one."""
+        if self.file and not self.sealed:
+            return None
+        return self._list_after
+
+    @property
     def rel(self) -> Optional[str]:
         """The followed file relative to the store root (None before the first file)."""
         return f"{self.dir}/{self.file}" if self.file else None
@@ -639,14 +647,25 @@ class Consumer:
             if wait is not None:
                 if pushed is None:
                     pushed = self._all_pushed()
-                seconds = safety_period() if pushed else self.poll_interval
+                seconds = safety_period() if pushed else self._poll_wait()
                 seconds = seconds if timeout is None else min(seconds, timeout - idle)
                 if since is None:
                     wait(seconds)
                 else:
                     wait(seconds, since=since)
             else:
-                time.sleep(self.poll_interval)
+                time.sleep(self._poll_wait())
+
+    def _poll_wait(self) -> float:
+        """How long :meth:`batches` waits before its next look when nothing is pushed: the poll
+        interval, or, while every shard waits for a file to appear, until the first of them
+        lists its folder again (:data:`LISTING_BACKOFF_S`): a round in between would look at
+        nothing (measured: 32 consumers waiting for a stream's first file still woke every
+        10 ms, 0.43 cores of this 2-core machine, against which the producer then started)."""
+        looks = [t.next_listing for t in self._tailers]
+        if not looks or None in looks:
+            return self.poll_interval
+        return max(self.poll_interval, min(looks) - time.monotonic())
 
     def _all_pushed(self) -> bool:
         """Whether every shard follows a file whose length changes are pushed to this process:
