@@ -960,13 +960,13 @@ class CacheClient:
         # alike to each of its replicas), not per key and replica: that Python step was a third
         # of a producer's CPU for its chunk puts (256 chunks a MiB, three replicas). A replica
         # that acknowledges some keys of a batch only (too large, a short answer) counts for
-        # those keys alone (``extra``). Every key is in exactly one batch.
+        # those keys alone (``extra``, per batch). Every key is in exactly one batch.
         batches: List[List[int]] = []
         b_reps: List[Tuple[str, ...]] = []
         b_need: List[int] = []
         b_acks: List[int] = []  # replicas that acknowledged every key of the batch
         b_inflight: List[int] = []
-        extra: Dict[int, int] = {}  # key index -> acknowledgements of it alone
+        extra: Dict[int, Dict[int, int]] = {}  # batch -> key index -> acknowledgements of it alone
         out: "queue.SimpleQueue" = queue.SimpleQueue()
         pending = 0
         for reps_key, idxs in cohorts.items():
@@ -987,9 +987,10 @@ class CacheClient:
 
         def acks_of(slot: int) -> int:
             """The fewest acknowledgements a key of batch ``slot`` has."""
-            if not extra:
+            alone = extra.get(slot)
+            if alone is None:
                 return b_acks[slot]
-            return b_acks[slot] + min(extra.get(i, 0) for i in batches[slot])
+            return b_acks[slot] + min(alone.get(i, 0) for i in batches[slot])
 
         remaining = sum(1 for slot in range(len(batches)) if acks_of(slot) < b_need[slot])
         hopeless = any(acks_of(slot) + b_inflight[slot] < b_need[slot] for slot in range(len(batches)))
@@ -1022,8 +1023,9 @@ class CacheClient:
                 if ok is None:
                     b_acks[slot] += 1
                 else:
+                    alone = extra.setdefault(slot, {})
                     for i in ok:
-                        extra[i] = extra.get(i, 0) + 1
+                        alone[i] = alone.get(i, 0) + 1
             now_acks = acks_of(slot)
             if not was_done and now_acks >= b_need[slot]:
                 remaining -= 1
@@ -1038,8 +1040,9 @@ class CacheClient:
             if acks_of(slot) >= b_need[slot]:
                 continue
             involved.update(b_reps[slot])
+            alone = extra.get(slot, {})
             for i in batch:
-                got = b_acks[slot] + extra.get(i, 0)
+                got = b_acks[slot] + alone.get(i, 0)
                 if got < b_need[slot]:
                     short += 1
                     unanswered += got + b_inflight[slot] >= b_need[slot]

@@ -63,6 +63,9 @@ DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
 _EWMA_ALPHA = 0.2
 
 
+#: Bytes a message is accounted for beyond its key, value and headers (its offsets and
+#: timestamp in a block): the one rule of pending bytes and of the writer's block cut.
+_MESSAGE_OVERHEAD_BYTES = 16
 #: Messages the writer first looks at to cut a block (doubled until the block's end is in it).
 _CUT_WINDOW = 1024
 #: Value types :meth:`Producer.send_many` queues as they are.
@@ -384,9 +387,9 @@ class Producer:
             sh.keys.append(key_b)
             sh.timestamps.append(ts)
             sh.headers.append(hdrs)
-            sh.pending_bytes += size + 16
+            sh.pending_bytes += size + _MESSAGE_OVERHEAD_BYTES
             sh.queued += 1
-            self._pending_bytes += size + 16
+            self._pending_bytes += size + _MESSAGE_OVERHEAD_BYTES
             # Wake the writer only when it sleeps: a notify per message costs more than the
             # message (the busy writer picks pending messages up after its current write).
             if self._writer_idle:
@@ -409,7 +412,7 @@ class Producer:
         # Plain bytes (the common case) are taken as they are: their types are checked at C
         # speed (map, set) instead of a Python call per message.
         values = values if isinstance(values, (list, tuple)) else list(values)  # any iterable
-        vals = list(values) if set(map(type, values)) <= _PLAIN else [_as_bytes(v, "value") for v in values]
+        vals = values if set(map(type, values)) <= _PLAIN else [_as_bytes(v, "value") for v in values]
         n = len(vals)
         ks = None if keys is None else [_as_bytes(k, "key") for k in keys]
         if ks is not None and len(ks) != n:
@@ -438,7 +441,7 @@ class Producer:
                     if not part:
                         continue
                     m = len(part)
-                    size = sum(map(len, filter(None, part))) + 16 * m
+                    size = sum(map(len, filter(None, part))) + _MESSAGE_OVERHEAD_BYTES * m
                     sh = self._shards[target]
                     sh.values.extend(part)
                     if ks is None:
@@ -459,7 +462,7 @@ class Producer:
                         target = self._round_robin
                         self._round_robin = (self._round_robin + 1) % self.shards
                     sh = self._shards[target]
-                    size = (len(v) if v else 0) + (len(k) if k else 0) + 16
+                    size = (len(v) if v else 0) + (len(k) if k else 0) + _MESSAGE_OVERHEAD_BYTES
                     sh.values.append(v)
                     sh.keys.append(k)
                     sh.timestamps.append(ts)
@@ -664,14 +667,14 @@ class Producer:
             if None in values or sh.keys[:window].count(None) != window or sh.headers[:window].count(None) != window:
                 break  # keys, headers or null values: the rule below, message by message
             ends = list(itertools.accumulate(map(len, values)))
-            if window == limit or ends[-1] + 16 * window > most:
-                take = max(1, bisect.bisect_right(range(window), most, key=lambda i: ends[i] + 16 * (i + 1)))
-                return take, ends[take - 1] + 16 * take
+            if window == limit or ends[-1] + _MESSAGE_OVERHEAD_BYTES * window > most:
+                take = max(1, bisect.bisect_right(range(window), most, key=lambda i: ends[i] + _MESSAGE_OVERHEAD_BYTES * (i + 1)))
+                return take, ends[take - 1] + _MESSAGE_OVERHEAD_BYTES * take
             window = min(limit, 2 * window)
         total = 0
         for i in range(limit):
             v, k = sh.values[i], sh.keys[i]
-            size = (len(v) if v else 0) + (len(k) if k else 0) + 16 + _headers_size(sh.headers[i])
+            size = (len(v) if v else 0) + (len(k) if k else 0) + _MESSAGE_OVERHEAD_BYTES + _headers_size(sh.headers[i])
             if i and total + size > self.options.max_block_bytes:
                 return i, total
             total += size
