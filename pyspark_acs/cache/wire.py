@@ -113,7 +113,8 @@ def split(raw: bytes, message_type: Type[Any], *, view: bool = False) -> WithDat
     lengths, no groups), cuts them out and hands the rest to the generated parser; any other
     body goes to that parser whole.
 
-    ``view``: ``data`` is a memoryview of ``raw`` (no copy) instead of ``bytes``.
+    ``view``: ``data`` is a memoryview of ``raw`` (no copy) where split found it itself; a body
+    left to the generated parser gives ``bytes`` either way. Both join and slice alike.
 
     Raises
     ------
