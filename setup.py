@@ -19,6 +19,9 @@ setup(
         "pyarrow>=15",
         "numpy>=1.23",  # format/block.py builds message positions with numpy (optional in pyarrow since 16)
         "cachetools>=5",
+        # ISA-L's CRC-32, the values of zlib.crc32 at ~20x its speed: every block a producer writes
+        # and a reader decodes is checksummed (pyspark_acs/format/checksum.py)
+        "isal>=1.6",
         "prometheus-client>=0.20",  # /metrics of the cache server and copy daemon (pyspark_acs/server/metrics.py)
         "rich>=13",  # acs status/copy-status/lag --watch redraw tables in place; progress bars of acs produce (pyspark_acs/cli/watch.py)
     ],

@@ -397,3 +397,45 @@ def test_constant_columns_reuse_the_slices_of_a_repeated_row_count():
     assert [len(x) for x in b] == [CONSTANT_ROWS + 5] * 3
     assert [x.to_pylist() for x in cols.take(2)] == [["s", "s"], [3, 3], ["f", "f"]]
     assert [x.to_pylist()[:1] for x in cols.take(20)] == [["s"], [3], ["f"]]
+
+
+# -- the checksum (format/checksum.py) ----------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=20_000), start=st.integers(0, 64), value=st.integers(0, 2**32 - 1))
+def test_the_checksum_is_zlibs_crc32_on_every_input(data, start, value):
+    """Files written with ISA-L's CRC-32 are read by zlib's and the other way round: the same
+    values for bytes, bytearrays and memoryview slices, from any running value."""
+    from pyspark_acs.format.checksum import crc32
+
+    view = memoryview(data)[min(start, len(data)):]
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(bytearray(data)) == zlib.crc32(data)
+    assert crc32(view) == zlib.crc32(view)
+    assert crc32(view, value) == zlib.crc32(view, value)
+
+
+def test_the_fast_checksum_is_the_one_in_use():
+    """isal is a dependency: a broken import must not quietly fall back to zlib's 20x slower one."""
+    from pyspark_acs.format import checksum
+
+    pytest.importorskip("isal")
+    assert checksum.FAST
+    assert checksum.crc32 is not zlib.crc32
+
+
+def test_a_corrupt_body_is_named_by_every_reader_of_it():
+    """The one body test (check_body) names the file and the body's bytes, wherever it runs."""
+    from pyspark_acs.format.block import check_block_bodies, check_body, parse_header
+
+    blk = bytearray(encode_block([b"a" * 100, b"b" * 50], first_index=0))
+    blk[HEADER_SIZE + 20] ^= 0xFF
+    header = parse_header(memoryview(blk), 0)
+    with pytest.raises(ChecksumMismatchError, match=rf"f\.acs at byte 1000: block body checksum mismatch "
+                                                    rf"\(bytes {1000 + HEADER_SIZE}\.\.{1000 + len(blk)}\)"):
+        check_body(memoryview(blk), 0, header, path="f.acs", position=1000)
+    with pytest.raises(ChecksumMismatchError, match=r"f\.acs at byte 0: block body checksum mismatch"):
+        decode_block(bytes(blk), path="f.acs")
+    with pytest.raises(ChecksumMismatchError, match=r"f\.acs at byte 0: block body checksum mismatch"):
+        check_block_bodies(bytes(blk), path="f.acs")

@@ -51,7 +51,6 @@ from __future__ import annotations
 import struct
 import sys
 import time
-import zlib
 from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -59,6 +58,7 @@ import pyarrow as pa
 
 from pyspark_acs.errors import ChecksumMismatchError, CorruptFileError, TruncatedBlockError
 from pyspark_acs.format.arrays import binary_array, int64_array, position_array
+from pyspark_acs.format.checksum import crc32
 
 __all__ = [
     "BLOCK_SCHEMA",
@@ -72,7 +72,9 @@ __all__ = [
     "MAGIC",
     "MAX_MESSAGE_INDEX",
     "BlockHeader",
+    "body_intact",
     "check_block_bodies",
+    "check_body",
     "decode_block",
     "encode_block",
     "encode_seal",
@@ -390,7 +392,7 @@ def find_recovery_seal(
             header is not None
             and header.sealed
             and at + header.size <= len(view)
-            and zlib.crc32(view[at + header.header_len : at + header.size]) == header.body_crc
+            and body_intact(view, at, header)
             and seal_void_from(view, at, header, base + at) == void_from
         ):
             return at, header
@@ -399,10 +401,10 @@ def find_recovery_seal(
 
 
 def _header(flags: int, count: int, body: bytes, first_index: int, first_ts: int, last_ts: int) -> bytes:
-    body_crc = zlib.crc32(body)
+    body_crc = crc32(body)
     raw = _HEADER.pack(MAGIC, FORMAT_VERSION, flags, HEADER_SIZE, count, len(body), body_crc, 0,
                        first_index, first_ts, last_ts)
-    header_crc = zlib.crc32(raw)
+    header_crc = crc32(raw)
     return raw[:20] + struct.pack("<I", header_crc) + raw[24:]
 
 
@@ -433,7 +435,7 @@ def parse_header(data: Union[bytes, memoryview], offset: int = 0, *, path: str =
         )
     raw = bytearray(data[offset : offset + HEADER_SIZE])
     raw[20:24] = b"\x00\x00\x00\x00"
-    if zlib.crc32(raw) != header_crc:
+    if crc32(raw) != header_crc:
         raise ChecksumMismatchError(f"{where}: block header checksum mismatch", path=path, position=position)
     if version != FORMAT_VERSION or header_len < HEADER_SIZE:
         raise CorruptFileError(
@@ -445,6 +447,27 @@ def parse_header(data: Union[bytes, memoryview], offset: int = 0, *, path: str =
     if flags & ~_KNOWN_FLAGS:
         raise CorruptFileError(f"{where}: unknown block flags {flags:#x}", path=path, position=position)
     return BlockHeader(flags, header_len, count, body_len, body_crc, first_index, first_ts, last_ts)
+
+
+def body_intact(view: Union[bytes, memoryview], at: int, header: BlockHeader) -> bool:
+    """Whether the body of the block at ``view[at:]`` (its header parsed as ``header``) is
+    whole and matches the header's checksum: the one test of a block's body."""
+    end = at + header.size
+    return end <= len(view) and crc32(view[at + header.header_len : end]) == header.body_crc
+
+
+def check_body(view: Union[bytes, memoryview], at: int, header: BlockHeader, *, path: str = "",
+               position: int = 0) -> None:
+    """:func:`body_intact`, raising :class:`ChecksumMismatchError` (naming ``path`` and the
+    body's byte range, ``position`` being the block's) when the body does not match.
+    The caller has checked that the body is within ``view``."""
+    if not body_intact(view, at, header):
+        raise ChecksumMismatchError(
+            f"{path or '<buffer>'} at byte {position}: block body checksum mismatch "
+            f"(bytes {position + header.header_len}..{position + header.size})",
+            path=path,
+            position=position,
+        )
 
 
 def decode_block(
@@ -488,13 +511,8 @@ def decode_block(
             path=path,
             position=pos,
         )
-    if verify and zlib.crc32(view[start:end]) != header.body_crc:
-        raise ChecksumMismatchError(
-            f"{path or '<buffer>'} at byte {pos}: block body checksum mismatch "
-            f"(bytes {start - offset + pos}..{end - offset + pos})",
-            path=path,
-            position=pos,
-        )
+    if verify:
+        check_body(view, offset, header, path=path, position=pos)
     return header, _decode_body(buf, start, header, path, pos, headers, prefix, schema)
 
 
@@ -660,11 +678,7 @@ def check_block_bodies(data: Union[bytes, memoryview], *, path: str = "", base: 
     blocks = end = 0
     try:
         for at, header in scan_blocks(view, path=path, base=base):
-            body = view[at + header.header_len: at + header.size]
-            if zlib.crc32(body) != header.body_crc:
-                raise ChecksumMismatchError(
-                    f"{path or '<buffer>'} at byte {base + at}: block body checksum mismatch", path=path,
-                    position=base + at)
+            check_body(view, at, header, path=path, position=base + at)
             blocks += 1
             end = at + header.size
     except ChecksumMismatchError:
@@ -688,7 +702,7 @@ def rebase_blocks(data: bytes, first_index: int, *, path: str = "") -> Tuple[byt
         raw = _HEADER.pack(MAGIC, FORMAT_VERSION, header.flags, header.header_len, header.count, header.body_len,
                            header.body_crc, 0, index, header.first_ts, header.last_ts)
         out[at : at + 20] = raw[:20]
-        out[at + 20 : at + 24] = struct.pack("<I", zlib.crc32(raw))
+        out[at + 20 : at + 24] = struct.pack("<I", crc32(raw))
         out[at + 24 : at + HEADER_SIZE] = raw[24:]
         index += header.count
     return bytes(out), index - first_index

@@ -62,7 +62,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from pyspark_acs._grpc import grpc
@@ -71,7 +70,7 @@ from cachetools import LRUCache
 from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader
 from pyspark_acs.errors import (AcsError, CacheError, CorruptFileError, LeasePoisonedError, StoreError,
                                 TruncatedBlockError, WriterConflictError)
-from pyspark_acs.format.block import HEADER_SIZE, find_recovery_seal, parse_header
+from pyspark_acs.format.block import HEADER_SIZE, check_body, find_recovery_seal, parse_header
 from pyspark_acs.cache.metadata import MetadataLease
 from pyspark_acs.format.names import parse_file_name, shard_dir, validate_shard, validate_stream
 from pyspark_acs.read.positions import ends_with_seal, walk_blocks
@@ -128,10 +127,7 @@ def validate_delta(prefix: bytes, data: bytes, *, base: int, path: str = "",
             if at + header.size > len(buf):
                 raise TruncatedBlockError(f"{path} at byte {base + at}: the delta ends inside a block of "
                                           f"{header.size} bytes", path=path, position=base + at)
-            start = at + header.header_len
-            if zlib.crc32(buf[start:at + header.size]) != header.body_crc:
-                raise CorruptFileError(f"{path} at byte {base + at}: block body checksum mismatch",
-                                       path=path, position=base + at)
+            check_body(buf, at, header, path=path, position=base + at)
         except CorruptFileError:
             # A torn block: acceptable only up to the recovery seal that voids it, which must
             # end the delta (nothing follows a seal).

@@ -32,7 +32,6 @@ import logging
 import secrets
 import threading
 import time
-import zlib
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -40,6 +39,7 @@ import pyarrow.fs as pafs
 
 from pyspark_acs.errors import AcsError, CorruptFileError, StoreError
 from pyspark_acs.format.block import HEADER_SIZE, check_block_bodies, parse_header, scan_blocks
+from pyspark_acs.format.checksum import crc32
 from pyspark_acs.format.names import new_writer_id, shard_dir
 from pyspark_acs.read.positions import BoundaryCache
 from pyspark_acs.read.readpath import DurableReadPath, RateLimiter
@@ -391,7 +391,7 @@ class TierMover:
                 if not data:
                     raise StoreError(f"{self.store.uri(folder + '/' + name)}: shorter than its sealed length {n}")
                 self.limiter.acquire(len(data))
-                crc = zlib.crc32(data, crc)
+                crc = crc32(data, crc)
                 at += len(data)
                 yield data
             crcs.append(crc)
@@ -456,7 +456,7 @@ class TierMover:
             piece = tier.read(key, offset + at, offset + min(n, at + UPLOAD_PART_BYTES))
             if not piece:
                 break
-            got_crc = zlib.crc32(piece, got_crc)
+            got_crc = crc32(piece, got_crc)
             at += len(piece)
             if not checking:
                 continue
