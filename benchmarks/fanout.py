@@ -24,7 +24,7 @@ the consumers get up to ``--drain`` more seconds to catch up. Three columns:
 
 For N in ``--consumers`` (default 8,32,64) it prints delivered MB/s (all consumers together,
 over the time from the first send to the last message received), the delay p50/p99 (receive
-time minus send time, from up to 20,000 samples per consumer, leaving out messages sent in the
+time minus send time, from up to 20,000 samples per consumer drawn from all its delays, leaving out messages sent in the
 first 3 seconds: start-up), messages missing at the end,
 bytes our consumers read from the durable store, server CPU seconds per GB delivered (utime +
 stime of the cache servers, or of redis-server, from /proc), the consumers' own CPU seconds per
@@ -72,7 +72,7 @@ from pyspark_acs.write.producer import ACKNOWLEDGE_MODES, DEFAULT_ACKNOWLEDGE  #
 #: Message size (bytes) and how often the producer flushes / pipelines (seconds).
 MESSAGE_BYTES = 1024
 FLUSH_EVERY_S = 0.01
-#: Delay samples each consumer keeps (reservoir).
+#: Delay samples each consumer reports (drawn from all of its delays at the end).
 SAMPLES = 20_000
 #: Messages sent in the first seconds are left out of the delays, for every column alike: they
 #: include start-up (the producer's lease, first file and channels while N consumer processes
@@ -80,6 +80,9 @@ SAMPLES = 20_000
 WARMUP_S = 3.0
 #: How often a consumer writes its running count for the parent (seconds).
 COUNT_EVERY_S = 0.25
+#: How often a consumer looks for the parent's stop file (seconds): a look per batch was a
+#: system call per pushed message in the consumers' loops.
+STOP_CHECK_S = 0.1
 #: A delay above this (ms) counts a consumer as slow in that second of the timeline.
 SLOW_MS = 50.0
 COLUMNS = ("caches", "durable", "redis", "grpc", "grpc3")
@@ -101,54 +104,39 @@ def _payload(i: int, now_us: int) -> bytes:
 
 
 class _Tally:
-    """A consumer's count, bytes and a reservoir of delays (ms).
+    """A consumer's count, bytes and delays (ms).
 
-    Every column counts the same way, a batch at a time (:meth:`add_many`): the reservoir is the
-    benchmark's instrument, not the system under test, so it is vectorized for all of them (a
-    Python step per message cost a consumer of 2 MB/s about a tenth of its CPU, and the
-    consumers' CPU is what saturates the machine at N=64). What each column's client hands out
-    per message (redis-py's tuple per entry) stays in its own loop.
+    Every column counts the same way, a batch at a time (:meth:`add_many`): the tally is the
+    benchmark's instrument, not the system under test, so it costs each column as little as it
+    can -- one slice copy per batch into a buffer that doubles as it fills (a run of 20 s at
+    2 MB/s is ~40k delays, 160 KB). A reservoir sampled per batch (random draws and a
+    ``numpy.unique`` each) cost a consumer ~200 us per batch, a fifth of ours at 2 MB/s; a
+    Python step per message before that about a tenth. The delays sent to the parent are a
+    uniform sample of at most :data:`SAMPLES` of them, drawn once at the end. What each
+    column's client hands out per message (redis-py's tuple per entry) stays in its own loop.
     """
 
     def __init__(self, count_file: str) -> None:
         self.count_file = count_file
         self.n = 0
         self.nbytes = 0
-        self._samples = np.empty(SAMPLES, dtype=np.float64)
+        self._delays = np.empty(SAMPLES, dtype=np.float32)
         self._filled = 0
         self.last_at = 0.0
         self.first_sent_us: Optional[int] = None
         self._written = 0.0
         self._rng = np.random.default_rng(os.getpid())
-        self.offered = 0
         #: Largest delay (ms) of the messages sent in each second of the run, by that second
         #: (counted from the first message): where a p99 came from, printed per column.
         self.worst: Dict[int, float] = {}
 
     @property
     def samples(self) -> List[float]:
-        return self._samples[: self._filled].tolist()
-
-    def _offer(self, delays_ms: "Any") -> None:
-        """Reservoir sampling (Algorithm R) over every delay offered, a batch at a time: the
-        i-th delay offered replaces a random sample with probability SAMPLES / i."""
-        fill = min(len(delays_ms), SAMPLES - self._filled)
-        if fill > 0:
-            self._samples[self._filled : self._filled + fill] = delays_ms[:fill]
-            self._filled += fill
-            self.offered += fill
-            delays_ms = delays_ms[fill:]
-        k = len(delays_ms)
-        if k:
-            ranks = self.offered + 1 + np.arange(k)  # each delay's 1-based place among all offered
-            j = (self._rng.random(k) * ranks).astype(np.int64)
-            hit = j < SAMPLES
-            # The last delay aimed at a slot wins, as one at a time: numpy leaves the order of an
-            # assignment through repeated indices unspecified, so keep each slot's last one.
-            slots, values = j[hit][::-1], delays_ms[hit][::-1]
-            slots, last = np.unique(slots, return_index=True)
-            self._samples[slots] = values[last]
-            self.offered += k
+        """At most :data:`SAMPLES` of the delays, drawn uniformly without replacement."""
+        kept = self._delays[: self._filled]
+        if len(kept) > SAMPLES:
+            kept = self._rng.choice(kept, SAMPLES, replace=False)
+        return kept.astype(np.float64).tolist()
 
     def add_many(self, sent_us: "Any", now_us: int, nbytes: int) -> None:
         """A batch of messages (``sent_us``: a numpy int64 array of send times, µs) received
@@ -161,9 +149,16 @@ class _Tally:
         if self.first_sent_us is None:
             self.first_sent_us = int(sent_us[0])
         kept = sent_us[sent_us - self.first_sent_us >= WARMUP_S * 1e6]
-        if len(kept):
-            delays = (now_us - kept) / 1000.0
-            self._offer(delays)
+        k = len(kept)
+        if k:
+            if self._filled + k > len(self._delays):
+                grown = np.empty(max(2 * len(self._delays), self._filled + k), dtype=np.float32)
+                grown[: self._filled] = self._delays[: self._filled]
+                self._delays = grown
+            delays = self._delays[self._filled : self._filled + k]
+            delays[:] = now_us - kept  # in int64 (the stamps are ~1.8e15 us), then as float32 ms
+            delays /= 1000.0
+            self._filled += k
             # A batch spans a few flushes: its oldest message has its largest delay.
             second = int((kept[0] - self.first_sent_us) // 1_000_000)
             self.worst[second] = max(self.worst.get(second, 0.0), float(delays[0]))
@@ -178,9 +173,26 @@ class _Tally:
             os.replace(tmp, self.count_file)
 
 
+class _StopFile:
+    """The parent's stop file, looked for at most every :data:`STOP_CHECK_S`, alike in every
+    column's loop."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._next = 0.0
+        self._seen = False
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if not self._seen and now >= self._next:
+            self._next = now + STOP_CHECK_S
+            self._seen = os.path.exists(self.path)
+        return self._seen
+
+
 def run_consumer(args: argparse.Namespace) -> int:
     tally = _Tally(args.count_file)
-    stop_file = args.count_file + ".stop"
+    stopped = _StopFile(args.count_file + ".stop")
     extra: Dict[str, object] = {}
     if args.kind == "redis":
         import redis  # type: ignore
@@ -188,7 +200,7 @@ def run_consumer(args: argparse.Namespace) -> int:
         client = redis.Redis(host="127.0.0.1", port=args.redis_port)
         last = "0-0"
         print("ready", flush=True)
-        while not os.path.exists(stop_file):
+        while not stopped():
             got = client.xread({args.stream: last}, count=2000, block=100)
             now_us = time.time_ns() // 1000
             for _, entries in got or ():
@@ -211,8 +223,8 @@ def run_consumer(args: argparse.Namespace) -> int:
         done = threading.Event()
 
         def watch_stop() -> None:  # the push stream blocks: end it when the parent says so
-            while not os.path.exists(stop_file):
-                time.sleep(0.1)
+            while not stopped():
+                time.sleep(STOP_CHECK_S)
             done.set()
             pushed.cancel()
 
@@ -237,7 +249,7 @@ def run_consumer(args: argparse.Namespace) -> int:
             kw = {"data_cache": args.data_cache, "metadata_cache": args.metadata_cache}
         with Consumer(args.root, args.stream, **kw) as c:
             print("ready", flush=True)
-            while not os.path.exists(stop_file):
+            while not stopped():
                 # batches() waits for news (the cached path wakes on a pushed length) instead
                 # of spinning; it returns after 0.2 s without data so the stop file is seen.
                 for b in c.batches(timeout=0.2):
@@ -255,7 +267,7 @@ def run_consumer(args: argparse.Namespace) -> int:
                     tally.add_many(sent, now_us, int(offsets[-1] - offsets[0]))
                     tally.last_at = time.time()
                     tally.tick()
-                    if os.path.exists(stop_file):
+                    if stopped():
                         break
                 tally.tick()
             extra = c.stats()
