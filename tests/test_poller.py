@@ -148,3 +148,49 @@ def test_safety_polls_of_pushed_files_are_spread_not_in_step(deployment):
         gaps += safety
     # Drawn, not fixed: the periods differ (a fixed period gives gaps within a few ms).
     assert max(gaps) - min(gaps) > 0.1, gaps
+
+
+def test_wait_for_change_wakes_every_waiter_at_once_and_only_for_a_change():
+    """Readers blocked in wait_for_change wake when a length moves (each on its own wake
+    queue, not a Condition on the poller's lock), all of them; a token older than the last
+    change returns at once; a wait with nothing moving lasts its timeout, also right after a
+    wake (no wake-up is left over for the next wait)."""
+    import threading
+
+    poller = LengthPoller(("127.0.0.1:1",), push=False)  # no server is asked: only notify() moves
+    uri = "file:///x/s/00000/f.acs"
+    poller._values[uri] = (None, None)  # a file some reader polls (notify() ignores others)
+    try:
+        token = poller.change_token()
+        woke = []
+
+        def wait() -> None:
+            started = time.monotonic()
+            poller.wait_for_change(10.0, since=token)
+            woke.append(time.monotonic() - started)
+
+        waiters = [threading.Thread(target=wait) for _ in range(3)]
+        for t in waiters:
+            t.start()
+        deadline = time.monotonic() + 5
+        while len(poller._waiting) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(poller._waiting) == 3
+        poller.notify(uri, cache_length=100)
+        for t in waiters:
+            t.join(5)
+        assert len(woke) == 3 and max(woke) < 5.0
+        assert not poller._waiting
+
+        started = time.monotonic()
+        poller.wait_for_change(10.0, since=token)  # moved since the token: at once
+        assert time.monotonic() - started < 1.0
+
+        poller.notify(uri, cache_length=200)  # nobody waits: nothing is queued for later
+        for _ in range(2):
+            started = time.monotonic()
+            poller.wait_for_change(0.2, since=poller.change_token())
+            assert 0.15 <= time.monotonic() - started < 2.0
+        assert not poller._waiting
+    finally:
+        poller._client.close()

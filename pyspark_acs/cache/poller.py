@@ -28,10 +28,11 @@ as fresh as the consistent read it replaces; with fewer, the file is polled as b
 
 from __future__ import annotations
 
+import queue
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from pyspark_acs.cache.client import CacheClient, _majority
 from pyspark_acs.cache.feed import PUSH_GRACE_S
@@ -113,11 +114,12 @@ class LengthPoller:
         #: uri -> when :meth:`notify` last raised its cache length (monotonic, guarded by _lock):
         #: a fed file whose feed flows skips the safety poll (:meth:`_flowing`).
         self._raised_at: Dict[str, float] = {}
-        # _lock guards _values, _asked, _followers, _error, _thread, _generation and _fed; _changed
-        # (on _lock) wakes readers waiting for a length to move.
+        # _lock guards _values, _asked, _followers, _error, _thread, _generation, _fed and
+        # _waiting: the wake queues of the readers blocked in wait_for_change (see there).
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
         self._generation = 0
+        self._waiting: Set["queue.SimpleQueue[None]"] = set()
+        self._wakes = threading.local()  # each reader thread's own wake queue
         self._values: Dict[str, Lengths] = {}
         self._asked: Dict[str, float] = {}
         # uri -> events of explicit followers (polled while followed, whatever FORGET_AFTER_S)
@@ -248,9 +250,24 @@ class LengthPoller:
         as soon as the poller reads it (the poll intervals do not add up). ``since`` (a
         :meth:`change_token`) makes it return at once if anything moved after the token.
         """
-        with self._changed:
-            seen = self._generation if since is None else since
-            self._changed.wait_for(lambda: self._generation != seen, timeout)
+        # Each waiting thread blocks on its own SimpleQueue, which _moved() puts to after it
+        # moved the generation (and takes out of _waiting itself). A woken reader thus goes on at
+        # once: with a Condition on _lock it woke up to wait again for _lock, still held by the
+        # pushed bytes' thread that woke it -- a second sleep and wake-up per pushed message.
+        wake = getattr(self._wakes, "queue", None)
+        if wake is None:
+            wake = self._wakes.queue = queue.SimpleQueue()
+        while not wake.empty():  # a wake-up that came after an earlier wait timed out
+            wake.get_nowait()
+        with self._lock:
+            if since is not None and self._generation != since:
+                return
+            self._waiting.add(wake)
+        try:
+            wake.get(timeout=max(0.0, timeout))  # put only after the generation moved
+        except queue.Empty:
+            with self._lock:
+                self._waiting.discard(wake)
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -260,7 +277,10 @@ class LengthPoller:
     def _moved(self, uris: Sequence[str]) -> None:
         """Wake readers of files whose lengths moved. Caller holds _lock."""
         self._generation += 1
-        self._changed.notify_all()
+        if self._waiting:
+            waiting, self._waiting = self._waiting, set()
+            for wake in waiting:
+                wake.put(None)
         for u in uris:
             for e in self._followers.get(u, ()):
                 e.set()
