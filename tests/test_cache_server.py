@@ -92,12 +92,13 @@ def test_store_read_many_answers_a_get_in_its_shape_and_drops_what_expired():
     assert after["misses_total"] - before["misses_total"] == 2
     assert after["read_bytes_total"] - before["read_bytes_total"] == 3
     assert s.get_many([b"live", b"absent"]) == [StoredEntry(b"abc", 3), None]
-    # peek: a push stream's uncounted read of one key, by the same liveness rule.
+    # count=False: a push stream's uncounted reads, by the same liveness rule.
     s.put(b"brief", b"z", 1, ttl_s=1)
     counted = s.stats()["gets_total"]
-    assert s.peek(b"live") == StoredEntry(b"abc", 3) and s.peek(b"absent") is None
+    assert s.get_many([b"live", b"absent"], count=False) == [StoredEntry(b"abc", 3), None]
     clock.now += 1.5
-    assert s.peek(b"brief") is None and s.stats()["expired_total"] == after["expired_total"] + 1
+    assert s.get_many([b"brief"], count=False) == [None]
+    assert s.stats()["expired_total"] == after["expired_total"] + 1
     assert s.stats()["gets_total"] == counted
     # A put meeting an expired entry counts it as expired too (one rule for all three).
     s.put(b"gone", b"v", 9, ttl_s=1)
@@ -572,3 +573,62 @@ def test_store_lookup_agrees_with_indexing_through_writes_and_evictions():
     for key in [b"k%d" % i for i in range(40)] + [b"never"]:
         assert entries.lookup(key) is entries[key]
     assert entries.lookup(b"k0") is None and entries.lookup(b"k38") is not None
+
+
+# -- what a Follow stream sends (server/cache/watch.py) -----------------------------------------
+
+
+def _take_one_chunk_at_a_time(chunks, start, budget):
+    """The rule of FileFollow.take, a chunk at a time: the bytes from ``start`` the store holds
+    contiguously (a chunk's valid prefix is its version), at most ``budget``."""
+    out, pos, left = [], start, budget
+    while left > 0:
+        n, skip = divmod(pos, 4096)
+        entry = chunks.get(n)
+        if entry is None or entry[1] <= skip:
+            break
+        piece = entry[0][skip:entry[1]][:left]
+        out.append(piece)
+        pos += len(piece)
+        left -= len(piece)
+        if skip + len(piece) < 4096:
+            break
+    return b"".join(out)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(present=st.lists(st.integers(0, 4096), min_size=0, max_size=60), start=st.integers(0, 70 * 4096),
+       budget=st.one_of(st.integers(1, 300_000), st.integers(1, 70).map(lambda k: k * 4096)))
+def test_a_follow_push_takes_what_the_store_holds_contiguously(present, start, budget):
+    """Chunks are looked up a window at a time (doubling): the push is the same bytes as a
+    lookup per chunk gives -- up to a missing chunk, a chunk shorter than the cursor, the end of
+    a partial chunk or the budget -- and the file stays marked when the budget ran out, also
+    exactly at a chunk's end (its next bytes go in the next message, not after its next put)."""
+    from pyspark_acs.cache.chunks import chunk_key, file_id
+    from pyspark_acs.server.cache.watch import FileFollow
+
+    store = Store(1 << 30, 600.0)
+    fid = file_id("file:///s/00000/f.acs")
+    chunks = {}
+    for n, valid in enumerate(present):  # valid 0: the chunk is absent
+        if valid:
+            value = bytes([n % 251]) * valid
+            chunks[n] = (value, valid)
+            store.put(chunk_key("", n, file_id=fid), value, valid)
+    follow = FileFollow()
+    follow.cursors[fid] = start
+    follow.mark(fid)
+    runs = follow.take(store, budget)
+    want = _take_one_chunk_at_a_time(chunks, start, budget)
+    got = b"".join(b"".join(r[2]) for r in runs)
+    assert got == want
+    if want:
+        assert runs == [(fid, start, runs[0][2], len(want))]
+        assert follow.cursors[fid] == start + len(want)
+    else:
+        assert runs == [] and follow.cursors[fid] == start
+    assert (fid in follow.marked) == (len(want) == budget)

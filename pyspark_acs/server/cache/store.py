@@ -231,7 +231,8 @@ class Store:
         """Look up ``keys``; absent or expired keys give ``None``. Never refreshes an entry.
 
         ``count=False`` leaves the get/hit/miss counters alone (the push streams' reads: they
-        are counted as pushed messages and bytes instead).
+        are counted as pushed messages and bytes instead; expired entries are dropped and
+        counted alike).
         """
         found, values, versions = self.read_many(keys, count=count)
         return [StoredEntry(v, ver) if f else None for f, v, ver in zip(found, values, versions)]
@@ -267,14 +268,6 @@ class Store:
     def get(self, key: bytes) -> Optional[StoredEntry]:
         """Look up one key (see :meth:`get_many`)."""
         return self.get_many((key,))[0]
-
-    def peek(self, key: bytes) -> Optional[StoredEntry]:
-        """One key as :meth:`get`, uncounted: a push stream's read of a chunk (counted as
-        pushed bytes instead), with none of a batch's lists (it runs per pushed chunk)."""
-        now = self._clock()
-        with self._lock:
-            item = self._live(key, self._entries[key], now)
-        return None if item is None else StoredEntry(item[_VALUE], item[_VERSION])
 
     def _live(self, key: bytes, item: Optional[_Item], now: float) -> Optional[_Item]:
         """``item`` (``key``'s) if it is live at ``now``; an expired one is dropped and

@@ -28,13 +28,16 @@ from __future__ import annotations
 import asyncio
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key, parse_chunk_key
+from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_keys, parse_chunk_key
 from pyspark_acs.server.cache.store import Store
 
-__all__ = ["MAX_PUSH_BYTES", "FileFollow", "KeyWatch", "Watchers"]
+__all__ = ["MAX_PUSH_BYTES", "TAKE_WINDOW_CHUNKS", "FileFollow", "KeyWatch", "Watchers"]
 
 #: Largest payload of one pushed message (bytes); more is sent in the next message.
 MAX_PUSH_BYTES = 1024 * 1024
+#: Chunks a Follow stream first looks up at once from a file's cursor (then twice as many, as
+#: long as they are all there): a caught-up follower's push is a few chunks.
+TAKE_WINDOW_CHUNKS = 8
 
 
 class KeyWatch:
@@ -75,7 +78,11 @@ class FileFollow:
         store holds each contiguously (whole chunks, then the valid prefix of the last one),
         within ``budget`` bytes; files left over stay marked. Moves the cursors. A run's bytes
         are its pieces (chunk values or their slices), not joined: the push joins every run's
-        pieces once, into the message (cache/wire.py)."""
+        pieces once, into the message (cache/wire.py).
+
+        The chunks are looked up a window at a time (:data:`TAKE_WINDOW_CHUNKS`, doubling),
+        under one lock each: a caught-up follower's push is a few chunks, and a key built and
+        looked up on its own cost ~4 us a chunk for each follower of the file."""
         runs: List[Tuple[bytes, int, List[bytes], int]] = []
         left = budget
         for fid in list(self.marked):
@@ -87,20 +94,32 @@ class FileFollow:
                 continue  # unfollowed since it was marked
             pos = start
             parts: List[bytes] = []
-            while left > 0:
-                n, skip = divmod(pos, CHUNK_SIZE)
-                entry = store.peek(chunk_key("", n, file_id=fid))
-                if entry is None or entry.version <= skip:
-                    break  # not here (yet): the next put of the chunk marks the file again
-                piece = entry.value[skip:entry.version]
-                if len(piece) > left:
-                    piece = piece[:left]
-                    self.marked.add(fid)  # more to send in the next message
-                parts.append(piece)
-                pos += len(piece)
-                left -= len(piece)
-                if skip + len(piece) < CHUNK_SIZE:
-                    break  # the end of what this chunk holds (or of the budget)
+            n, skip = divmod(pos, CHUNK_SIZE)
+            window = TAKE_WINDOW_CHUNKS
+            more = True
+            while more and left > 0:
+                want = min(window, (skip + left + CHUNK_SIZE - 1) // CHUNK_SIZE)
+                found, values, versions = store.read_many(chunk_keys("", range(n, n + want), file_id=fid),
+                                                          count=False)
+                for present, value, version in zip(found, values, versions):
+                    if not present or version <= skip:
+                        more = False  # not here (yet): the next put of the chunk marks the file again
+                        break
+                    piece = value[skip:version]
+                    if len(piece) >= left:
+                        # The budget ends here: what follows goes in the next message (a file
+                        # whose run filled the budget exactly was left unmarked, and its next
+                        # bytes waited for its next put -- for a finished file, for ever).
+                        piece = piece[:left]
+                        self.marked.add(fid)
+                    parts.append(piece)
+                    pos += len(piece)
+                    left -= len(piece)
+                    if skip + len(piece) < CHUNK_SIZE:
+                        more = False  # the end of what this chunk holds (or of the budget)
+                        break
+                    n, skip = n + 1, 0
+                window *= 2
             if parts:
                 self.cursors[fid] = pos
                 runs.append((fid, start, parts, pos - start))
