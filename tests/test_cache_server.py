@@ -632,3 +632,22 @@ def test_a_follow_push_takes_what_the_store_holds_contiguously(present, start, b
     else:
         assert runs == [] and follow.cursors[fid] == start
     assert (fid in follow.marked) == (len(want) == budget)
+
+
+def test_a_file_with_a_backlog_does_not_hold_a_follow_streams_other_files_off():
+    """Files whose runs use up a message's budget go to the back of the marked files: with
+    three files behind by many chunks and a budget of a few, the messages take turns."""
+    from pyspark_acs.cache.chunks import chunk_key, file_id
+    from pyspark_acs.server.cache.watch import FileFollow
+
+    store = Store(1 << 30, 600.0)
+    follow = FileFollow()
+    fids = [file_id(f"file:///s/00000/f{i}.acs") for i in range(3)]
+    for fid in fids:
+        for n in range(40):
+            store.put(chunk_key("", n, file_id=fid), b"v" * 4096, 4096)
+        follow.cursors[fid] = 0
+        follow.mark(fid)
+    order = [follow.take(store, 8 * 4096)[0][0] for _ in range(9)]
+    assert order == fids * 3
+    assert all(follow.cursors[fid] == 3 * 8 * 4096 for fid in fids)

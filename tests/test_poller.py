@@ -194,3 +194,29 @@ def test_wait_for_change_wakes_every_waiter_at_once_and_only_for_a_change():
         assert not poller._waiting
     finally:
         poller._client.close()
+
+
+def test_a_wake_left_over_from_a_timed_out_wait_does_not_end_the_next_one():
+    """A wake-up that lands as a wait times out stays in the thread's queue; the next wait
+    drains it first and lasts its timeout; an interrupted wait leaves no queue registered."""
+    poller = LengthPoller(("127.0.0.1:1",), push=False)
+    try:
+        poller.wait_for_change(0.01)  # makes this thread's wake queue
+        poller._wakes.queue.put(None)  # as _moved() would have, just after the timeout
+        started = time.monotonic()
+        poller.wait_for_change(0.2, since=poller.change_token())
+        assert 0.15 <= time.monotonic() - started < 2.0
+        assert not poller._waiting
+
+        class Interrupted(Exception):
+            pass
+
+        real = poller._wakes.queue
+        poller._wakes.queue = type("Q", (), {"empty": lambda self: True,
+                                             "get": lambda self, timeout=None: (_ for _ in ()).throw(Interrupted())})()
+        with pytest.raises(Interrupted):
+            poller.wait_for_change(5.0)
+        assert not poller._waiting
+        poller._wakes.queue = real
+    finally:
+        poller._client.close()

@@ -243,8 +243,9 @@ class LengthPoller:
         with self._lock:
             return self._generation
 
-    def wait_for_change(self, timeout: float, since: Optional[int] = None) -> None:
-        """Block until a poll or push moves a followed length, or ``timeout`` seconds pass.
+    def wait_for_change(self, timeout: Optional[float], since: Optional[int] = None) -> None:
+        """Block until a poll or push moves a followed length, or ``timeout`` seconds pass
+        (``None``: no limit).
 
         Readers wait here instead of sleeping a fixed interval, so a new length reaches them
         as soon as the poller reads it (the poll intervals do not add up). ``since`` (a
@@ -263,11 +264,17 @@ class LengthPoller:
             if since is not None and self._generation != since:
                 return
             self._waiting.add(wake)
+        woken = False
         try:
-            wake.get(timeout=max(0.0, timeout))  # put only after the generation moved
+            # put only after the generation moved; ``timeout`` None: until then
+            wake.get(timeout=None if timeout is None else max(0.0, timeout))
+            woken = True
         except queue.Empty:
-            with self._lock:
-                self._waiting.discard(wake)
+            pass
+        finally:
+            if not woken:  # timed out, or interrupted: _moved() did not take it out
+                with self._lock:
+                    self._waiting.discard(wake)
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():

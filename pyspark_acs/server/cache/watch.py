@@ -66,11 +66,14 @@ class FileFollow:
 
     def __init__(self) -> None:
         self.cursors: Dict[bytes, int] = {}
-        self.marked: Set[bytes] = set()
+        #: The marked files, oldest mark first (a dict as an ordered set): a file whose run used
+        #: up a message's budget goes to the back, so one file's backlog does not hold the
+        #: stream's other files off until it is through.
+        self.marked: Dict[bytes, None] = {}
         self.wake = asyncio.Event()
 
     def mark(self, fid: bytes) -> None:
-        self.marked.add(fid)
+        self.marked[fid] = None
         self.wake.set()
 
     def take(self, store: Store, budget: int = MAX_PUSH_BYTES) -> List[Tuple[bytes, int, List[bytes], int]]:
@@ -88,7 +91,7 @@ class FileFollow:
         for fid in list(self.marked):
             if left <= 0:
                 break
-            self.marked.discard(fid)
+            del self.marked[fid]
             start = self.cursors.get(fid)
             if start is None:
                 continue  # unfollowed since it was marked
@@ -111,7 +114,7 @@ class FileFollow:
                         # whose run filled the budget exactly was left unmarked, and its next
                         # bytes waited for its next put -- for a finished file, for ever).
                         piece = piece[:left]
-                        self.marked.add(fid)
+                        self.marked[fid] = None  # at the back: the other marked files go first
                     parts.append(piece)
                     pos += len(piece)
                     left -= len(piece)
@@ -184,7 +187,7 @@ class Watchers:
         """Change what ``f`` follows; (re)followed files are marked, so present bytes go out at once."""
         for fid in unfollow:
             f.cursors.pop(fid, None)
-            f.marked.discard(fid)
+            f.marked.pop(fid, None)
             s = self._by_file.get(fid)
             if s is not None:
                 s.discard(f)
