@@ -391,8 +391,7 @@ def find_recovery_seal(
         if (
             header is not None
             and header.sealed
-            and at + header.size <= len(view)
-            and body_intact(view, at, header)
+            and body_intact(view, at, header)  # whole, and its checksum matches
             and seal_void_from(view, at, header, base + at) == void_from
         ):
             return at, header

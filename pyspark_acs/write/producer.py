@@ -107,6 +107,14 @@ def _headers_size(headers: Optional[List[Tuple[str, Optional[bytes]]]]) -> int:
     return sum(len(k) + (len(v) if v else 0) + 8 for k, v in headers)
 
 
+def _message_bytes(value: Optional[bytes], key: Optional[bytes],
+                   headers: Optional[List[Tuple[str, Optional[bytes]]]]) -> int:
+    """The bytes one message is accounted for (pending bytes, the writer's block cut): its
+    value, key and headers and :data:`_MESSAGE_OVERHEAD_BYTES`. The list-at-a-time paths of
+    :meth:`Producer.send_many` and :meth:`Producer._take_block` add up the same terms."""
+    return (len(value) if value else 0) + (len(key) if key else 0) + _headers_size(headers) + _MESSAGE_OVERHEAD_BYTES
+
+
 def _timestamp_us(timestamp: Any) -> int:
     if timestamp is None:
         return time.time_ns() // 1000
@@ -368,15 +376,11 @@ class Producer:
         key_b = _as_bytes(key, "key")
         ts = _timestamp_us(timestamp)
         hdrs = _as_headers(headers)
-        size = (len(value_b) if value_b else 0) + (len(key_b) if key_b else 0) + _headers_size(hdrs)
+        size = _message_bytes(value_b, key_b, hdrs)
         with self._cond:
             self._check_open()
             if shard is None:
-                if key_b is not None:
-                    shard = shard_for_key(key_b, self.shards)
-                else:
-                    shard = self._round_robin
-                    self._round_robin = (self._round_robin + 1) % self.shards
+                shard = self._shard_for(key_b)
             else:
                 validate_shard(shard, self.shards)
             while self._pending_bytes >= self.options.max_pending_bytes and self._error is None:
@@ -387,9 +391,9 @@ class Producer:
             sh.keys.append(key_b)
             sh.timestamps.append(ts)
             sh.headers.append(hdrs)
-            sh.pending_bytes += size + _MESSAGE_OVERHEAD_BYTES
+            sh.pending_bytes += size
             sh.queued += 1
-            self._pending_bytes += size + _MESSAGE_OVERHEAD_BYTES
+            self._pending_bytes += size
             # Wake the writer only when it sleeps: a notify per message costs more than the
             # message (the busy writer picks pending messages up after its current write).
             if self._writer_idle:
@@ -456,13 +460,8 @@ class Producer:
                     added += size
             else:
                 for v, k in zip(vals, ks):
-                    if k is not None:
-                        target = shard_for_key(k, self.shards)
-                    else:
-                        target = self._round_robin
-                        self._round_robin = (self._round_robin + 1) % self.shards
-                    sh = self._shards[target]
-                    size = (len(v) if v else 0) + (len(k) if k else 0) + _MESSAGE_OVERHEAD_BYTES
+                    sh = self._shards[self._shard_for(k)]
+                    size = _message_bytes(v, k, None)
                     sh.values.append(v)
                     sh.keys.append(k)
                     sh.timestamps.append(ts)
@@ -474,6 +473,15 @@ class Producer:
             if self._writer_idle:
                 self._writer_idle = False
                 self._cond.notify_all()
+
+    def _shard_for(self, key: Optional[bytes]) -> int:
+        """The shard of a message sent without an explicit one: its key's hash, else the next
+        in round-robin. Caller holds _lock."""
+        if key is not None:
+            return shard_for_key(key, self.shards)
+        shard = self._round_robin
+        self._round_robin = (shard + 1) % self.shards
+        return shard
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Block until every message sent so far is acknowledged: durable, verified against the
@@ -673,9 +681,8 @@ class Producer:
             window = min(limit, 2 * window)
         total = 0
         for i in range(limit):
-            v, k = sh.values[i], sh.keys[i]
-            size = (len(v) if v else 0) + (len(k) if k else 0) + _MESSAGE_OVERHEAD_BYTES + _headers_size(sh.headers[i])
-            if i and total + size > self.options.max_block_bytes:
+            size = _message_bytes(sh.values[i], sh.keys[i], sh.headers[i])
+            if i and total + size > most:
                 return i, total
             total += size
         return limit, total
