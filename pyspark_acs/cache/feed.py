@@ -12,8 +12,9 @@ What a reader gets from the feed is the cache's bytes, which are the file's byte
 path still reads only below the published length, so the seal rule, prefix safety and
 Algorithm 1 stay where they are (:mod:`pyspark_acs.read.cachepath`).
 
-Memory: per file at most :data:`FEED_MAX_BYTES`; bytes every follower of the file has read are
-dropped at once. A slow follower only makes its own file's buffer drop its oldest bytes, which
+Memory: per file at most :data:`FEED_MAX_BYTES` (and the part of the oldest pushed run that
+is already read: runs are kept whole, see ``_File``); bytes every follower of the file has read
+are dropped at once. A slow follower only makes its own file's buffer drop its oldest bytes, which
 that follower then reads from the cache.
 
 Load: a process follows each file on one of the file's replicas picked by process and file
@@ -27,11 +28,12 @@ arrived by push).
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key, file_id
 from pyspark_acs.cache.client import CacheClient
@@ -63,7 +65,15 @@ def pick_replica(replicas: Tuple[str, ...], uri: str) -> str:
 
 
 class _File:
-    __slots__ = ("uri", "replicas", "endpoint", "base", "buf", "readers", "listeners", "short_since")
+    """A followed file's buffer: the pushed runs as they came, ``pieces[i]`` starting at byte
+    ``starts[i]`` of the file, and ``base``, the first byte still held (inside ``pieces[0]``).
+
+    Runs are kept as the ``bytes`` objects the stream handed over, not joined into one buffer: a
+    caught-up reader reads exactly the run the last push brought, and gets that object itself
+    (a bytearray copied each run in and twice out, four copies of every pushed byte in all).
+    """
+
+    __slots__ = ("uri", "replicas", "endpoint", "base", "pieces", "starts", "readers", "listeners", "short_since")
 
     def __init__(self, uri: str, replicas: Tuple[str, ...]) -> None:
         self.uri = uri
@@ -72,13 +82,62 @@ class _File:
         #: Since when a reader has waited for bytes past ``end`` (monotonic; None: nobody is).
         self.short_since: Optional[float] = None
         self.base = 0
-        self.buf = bytearray()
+        self.pieces: List[bytes] = []
+        self.starts: List[int] = []
         self.readers: Dict[int, int] = {}  # reader id -> position
         self.listeners: Dict[int, Callable[[str, int], None]] = {}  # reader id -> on_grow
 
     @property
     def end(self) -> int:
-        return self.base + len(self.buf)
+        """The position after the last byte held (``base`` when none is)."""
+        return self.starts[-1] + len(self.pieces[-1]) if self.pieces else self.base
+
+    def restart(self, position: int) -> None:
+        """Hold nothing; the next pushed byte is expected at ``position``."""
+        self.base = position
+        self.pieces = []
+        self.starts = []
+
+    def append(self, start: int, data: bytes) -> None:
+        """Add pushed bytes ``data`` of the file from ``start`` (overlapping or past ``end``:
+        only what extends ``end`` without a gap), then drop the oldest past
+        :data:`FEED_MAX_BYTES`."""
+        end = self.end
+        if start > end or start + len(data) <= end:
+            return  # a gap (the cursor moved past it) or bytes already held
+        if start < end:
+            data = data[end - start:]
+        self.pieces.append(data)
+        self.starts.append(end)
+        if self.end - self.base > FEED_MAX_BYTES:
+            self.drop_to(self.end - FEED_MAX_BYTES)
+
+    def drop_to(self, position: int) -> None:
+        """Hold nothing below ``position`` (at most ``end``)."""
+        self.base = max(self.base, position)
+        starts, pieces = self.starts, self.pieces
+        gone = 0
+        while gone < len(pieces) and starts[gone] + len(pieces[gone]) <= self.base:
+            gone += 1
+        if gone:
+            del pieces[:gone], starts[:gone]
+
+    def take(self, start: int, end: int) -> bytes:
+        """The held bytes from ``start`` (``base <= start < self.end``) up to ``end``: the
+        pushed run itself when it is exactly that range, otherwise one copy."""
+        stop = min(end, self.end)
+        i = bisect.bisect_right(self.starts, start) - 1
+        piece, at = self.pieces[i], self.starts[i]
+        if start == at and stop == at + len(piece):
+            return piece
+        if stop <= at + len(piece):
+            return piece[start - at:stop - at]
+        parts = [memoryview(piece)[start - at:]]
+        for piece, at in zip(self.pieces[i + 1:], self.starts[i + 1:]):
+            if at >= stop:
+                break
+            parts.append(piece if at + len(piece) <= stop else memoryview(piece)[:stop - at])
+        return b"".join(parts)
 
 
 class ChunkFeed:
@@ -147,7 +206,7 @@ class ChunkFeed:
                 f.listeners[reader] = on_grow
             inside = any(f.base <= at <= f.end for r, at in f.readers.items() if r != reader)
             if not (f.base <= position <= f.end) and not inside:
-                f.base, f.buf = position, bytearray()
+                f.restart(position)
                 self._stream(f.endpoint).follow(file_id(uri), position)
 
     def read(self, uri: str, start: int, end: int) -> bytes:
@@ -156,7 +215,7 @@ class ChunkFeed:
             f = self._files.get(uri)
             if f is None or not (f.base <= start < f.end):
                 return b""
-            got = bytes(f.buf[start - f.base:min(end, f.end) - f.base])
+            got = f.take(start, end)
             self.served += len(got)
             return got
 
@@ -193,11 +252,10 @@ class ChunkFeed:
             if low > f.end:
                 # Every reader is past the feed (the replica lacked bytes, or its stream is
                 # down): follow from where they are.
-                f.base, f.buf = low, bytearray()
+                f.restart(low)
                 self._stream(f.endpoint).follow(file_id(uri), low)
             elif low > f.base:
-                del f.buf[:low - f.base]
-                f.base = low
+                f.drop_to(low)
 
     def unfollow(self, uri: str, reader: int) -> None:
         """Reader ``reader`` left ``uri``; the last one to leave stops its push."""
@@ -262,14 +320,10 @@ class ChunkFeed:
                 return
             self.received += len(data)
             end = f.end
-            if start > end or start + len(data) <= end:
+            f.append(start, data)
+            if f.end == end:
                 return  # a gap (the cursor moved past it) or bytes the buffer already has
-            f.buf += data[end - start:]
             f.short_since = None  # it grows: readers waiting at its end wait on
-            if len(f.buf) > FEED_MAX_BYTES:
-                drop = len(f.buf) - FEED_MAX_BYTES
-                del f.buf[:drop]
-                f.base += drop
             uri, end, listeners = f.uri, f.end, list(f.listeners.values())
         for on_grow in listeners:
             on_grow(uri, end)

@@ -1,0 +1,106 @@
+"""A followed file's buffer (cache/feed.py ``_File``): pushed runs kept as they came, read
+back exactly as a plain buffer of the same bytes would give them, with no copy for the
+caught-up reader's read of the last run."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pyspark_acs.cache import feed
+from pyspark_acs.cache.feed import _File
+
+FILE = bytes(range(256)) * 64  # the file's bytes: any pushed run is a slice of them
+
+
+class _Plain:
+    """The reference: one bytearray from ``base``, as the feed kept it before."""
+
+    def __init__(self) -> None:
+        self.base, self.buf = 0, bytearray()
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.buf)
+
+    def append(self, start: int, data: bytes) -> None:
+        if start > self.end or start + len(data) <= self.end:
+            return
+        self.buf += data[self.end - start:]
+        if len(self.buf) > feed.FEED_MAX_BYTES:
+            drop = len(self.buf) - feed.FEED_MAX_BYTES
+            del self.buf[:drop]
+            self.base += drop
+
+    def drop_to(self, position: int) -> None:
+        if position > self.base:
+            del self.buf[:position - self.base]
+            self.base = position
+
+    def restart(self, position: int) -> None:
+        self.base, self.buf = position, bytearray()
+
+    def take(self, start: int, end: int) -> bytes:
+        return bytes(self.buf[start - self.base:min(end, self.end) - self.base])
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("push"), st.integers(-600, 200), st.integers(0, 900)),
+        st.tuples(st.just("read"), st.integers(0, 3000), st.integers(1, 3000)),
+        st.tuples(st.just("drop"), st.integers(0, 3000)),
+        st.tuples(st.just("restart"), st.integers(0, 3000)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops=ops)
+def test_runs_read_back_as_one_buffer(ops):
+    """Any sequence of pushes (overlapping, past a gap, exact), reads, drops and restarts
+    gives the same bytes, base and end as one plain buffer, under a small FEED_MAX_BYTES."""
+    saved = feed.FEED_MAX_BYTES
+    feed.FEED_MAX_BYTES = 2048
+    try:
+        f, ref = _File("file:///x", ("a",)), _Plain()
+        for op in ops:
+            if op[0] == "push":
+                start = max(0, f.end + op[1])
+                data = FILE[start:start + op[2]]
+                f.append(start, data)
+                ref.append(start, data)
+            elif op[0] == "read":
+                start = f.base + op[1] % max(1, f.end - f.base) if f.end > f.base else None
+                if start is not None:
+                    assert f.take(start, start + op[2]) == ref.take(start, start + op[2])
+            elif op[0] == "drop":
+                to = f.base + op[1] % (f.end - f.base + 1)
+                f.drop_to(to)
+                ref.drop_to(to)
+            else:
+                f.restart(op[1])
+                ref.restart(op[1])
+            assert (f.base, f.end) == (ref.base, ref.end)
+            assert f.end - f.base <= feed.FEED_MAX_BYTES
+            # no run below what is held stays referenced (memory is bounded by what is held)
+            assert not f.pieces or f.starts[0] + len(f.pieces[0]) > f.base
+            if f.end > f.base:
+                assert f.take(f.base, f.end) == bytes(ref.buf) == FILE[f.base:f.end]
+    finally:
+        feed.FEED_MAX_BYTES = saved
+
+
+def test_caught_up_read_is_the_pushed_run_itself():
+    """A reader at the end of what it read takes the next pushed run without a copy; a read
+    across runs or inside one copies once into ``bytes``."""
+    f = _File("file:///x", ("a",))
+    first, second = FILE[:1000], FILE[1000:1700]
+    f.append(0, first)
+    assert f.take(0, 1000) is first
+    f.drop_to(1000)
+    f.append(1000, second)
+    assert f.take(1000, 5000) is second
+    f.append(1700, FILE[1700:2000])
+    got = f.take(1500, 1800)
+    assert type(got) is bytes and got == FILE[1500:1800]
