@@ -23,14 +23,15 @@ class _Plain:
     def end(self) -> int:
         return self.base + len(self.buf)
 
-    def append(self, start: int, data: bytes) -> None:
+    def append(self, start: int, data: bytes) -> bool:
         if start > self.end or start + len(data) <= self.end:
-            return
+            return False
         self.buf += data[self.end - start:]
         if len(self.buf) > feed.FEED_MAX_BYTES:
             drop = len(self.buf) - feed.FEED_MAX_BYTES
             del self.buf[:drop]
             self.base += drop
+        return True
 
     def drop_to(self, position: int) -> None:
         if position > self.base:
@@ -68,8 +69,9 @@ def test_runs_read_back_as_one_buffer(ops):
             if op[0] == "push":
                 start = max(0, f.end + op[1])
                 data = FILE[start:start + op[2]]
-                f.append(start, data)
-                ref.append(start, data)
+                assert f.append(start, data) == ref.append(start, data)
+                if f.end - f.base > feed.FEED_MAX_BYTES:  # the feed's drop (ChunkFeed._overflow)
+                    f.drop_to(f.end - feed.FEED_MAX_BYTES)
             elif op[0] == "read":
                 start = f.base + op[1] % max(1, f.end - f.base) if f.end > f.base else None
                 if start is not None:

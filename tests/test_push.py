@@ -704,6 +704,109 @@ def test_slow_reader_holds_up_nobody_and_grows_no_server_memory(dep):
         client.close()
 
 
+def test_a_feed_whose_readers_all_lag_stops_its_push_then_resumes_without_asking(dep, monkeypatch):
+    """Every reader of a followed file far behind (here: one that reads nothing): the feed
+    stops the file's push when it holds FEED_MAX_BYTES instead of dropping the oldest bytes
+    (which the reader would then ask for, and the feed push again), and pushes on from the
+    buffer's end once the reader has read half. Every byte is read from the feed, in order,
+    and pushed about once. With a second reader that keeps up, the push goes on and the
+    oldest bytes are dropped as before (the lagging one asks for them)."""
+    from pyspark_acs.cache import feed as feed_module
+    from pyspark_acs.cache.feed import ChunkFeed
+
+    cap = 2 * 1024 * 1024
+    monkeypatch.setattr(feed_module, "FEED_MAX_BYTES", cap)
+    feed = ChunkFeed(dep.data_endpoints.split(","))
+    writer_client = CacheClient(dep.data_endpoints)
+    piece = bytes(range(256)) * 1024  # 256 KiB
+    total = 32 * len(piece)  # 8 MiB: four times the cap
+    try:
+        uri = f"file:///lagging/{time.time_ns()}.acs"
+        feed.follow(uri, 1, 0)
+        writer = ChunkWriter(writer_client, uri)
+        for _ in range(32):
+            writer.append(piece)
+        wait_until(lambda: feed._files[uri].paused, 30, "the push stopped")
+        f = feed._files[uri]
+        time.sleep(0.3)  # nothing more arrives: the stream no longer follows the file
+        assert f.base == 0 and cap < f.end <= 2 * cap, (f.base, f.end)
+        assert feed._streams[f.endpoint].following() == 0
+        data = piece * 32
+        at, deadline = 0, time.monotonic() + 60
+        while at < total:
+            got = feed.read(uri, at, at + 300_000)
+            if got:
+                assert got == data[at:at + len(got)]
+                at += len(got)
+                feed.consumed(uri, 1, at)
+            else:
+                assert time.monotonic() < deadline, f"stuck at {at} of {total}: {feed._files[uri].paused}"
+                time.sleep(0.01)
+        assert feed.received < total + 2 * 1024 * 1024, feed.received  # each byte pushed about once
+
+        # A reader that keeps up beside one that reads nothing: the push never stops.
+        uri2 = f"file:///shared/{time.time_ns()}.acs"
+        feed.follow(uri2, 1, 0)
+        feed.follow(uri2, 2, 0)
+        writer = ChunkWriter(writer_client, uri2)
+        at = 0
+        for i in range(32):
+            writer.append(piece)
+            want, deadline = (i + 1) * len(piece), time.monotonic() + 30
+            while at < want:
+                got = feed.read(uri2, at, want)
+                if got:
+                    at += len(got)
+                    feed.consumed(uri2, 1, at)
+                else:
+                    assert time.monotonic() < deadline, "the push of a file read at its head stopped"
+                    time.sleep(0.005)
+            assert not feed._files[uri2].paused
+        assert at == total
+        f2 = feed._files[uri2]
+        assert f2.base > 0 and f2.end - f2.base <= cap  # the oldest dropped for the reader behind
+    finally:
+        feed.close()
+        writer_client.close()
+
+
+def test_blocks_larger_than_one_push_are_read_from_the_feed(dep, root):
+    """A producer writing blocks of ~1.5 MiB (more than one push message carries): a tailing
+    reader gets part of a block in one push, reads it, finds no complete block and reads again
+    from the block's start. The feed keeps those bytes for it (they are below where its last
+    read ended, not below where it stands): before, it dropped them and the reader asked the
+    cache for every such block again."""
+    from pyspark_acs.server.cache.watch import MAX_PUSH_BYTES
+
+    value = bytes(range(256)) * 6  # 1.5 KiB
+    per_block = 1024  # messages: ~1.5 MiB blocks
+    assert per_block * len(value) > MAX_PUSH_BYTES
+    with Producer(root, "large", shards=1, max_block_bytes=4 * 1024 * 1024, **endpoints(dep)) as p, \
+            Consumer(root, "large", **endpoints(dep)) as c:
+        got = []
+
+        def read() -> None:
+            for batch in c.batches(timeout=10):
+                got.append(batch.num_rows)
+                if sum(got) >= 12 * per_block:
+                    return
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        for _ in range(12):
+            p.send_many([value] * per_block)
+            p.flush()
+            time.sleep(0.2)
+        reader.join(60)
+        assert sum(got) == 12 * per_block
+        stats = c.stats()
+        total = 12 * per_block * len(value)
+        # What was asked for rather than pushed: at most the first block's (read before the
+        # feed's stream was up) and a few chunks at block ends (the grace), not every block.
+        asked = stats["cache_bytes"] - stats["pushed_bytes"]
+        assert asked < total // 4 and stats["durable_bytes"] == 0, stats
+
+
 def test_watch_stream_pushes_lengths_and_resends_after_restart(dep):
     """The metadata side: an added key is answered at once (absent), every stored change is
     pushed, and after the replica restarts the stream comes back and pushes the key again."""

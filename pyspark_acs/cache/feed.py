@@ -12,10 +12,12 @@ What a reader gets from the feed is the cache's bytes, which are the file's byte
 path still reads only below the published length, so the seal rule, prefix safety and
 Algorithm 1 stay where they are (:mod:`pyspark_acs.read.cachepath`).
 
-Memory: per file at most :data:`FEED_MAX_BYTES` (and the part of the oldest pushed run that
-is already read: runs are kept whole, see ``_File``); bytes every follower of the file has read
-are dropped at once. A slow follower only makes its own file's buffer drop its oldest bytes, which
-that follower then reads from the cache.
+Memory: per file about :data:`FEED_MAX_BYTES` (never more than twice that), and the part of
+the oldest pushed run that is already read (runs are kept whole, see ``_File``); bytes every
+follower of the file has read are dropped at once. When every follower of a file is that far
+behind, its push stops until they have read half of it (``ChunkFeed._overflow``); a follower
+behind another that keeps up makes the file's buffer drop its oldest bytes, which that follower
+then reads from the cache.
 
 Load: a process follows each file on one of the file's replicas picked by process and file
 (:func:`pick_replica`), so many reader processes spread their streams over the replicas instead
@@ -73,7 +75,8 @@ class _File:
     (a bytearray copied each run in and twice out, four copies of every pushed byte in all).
     """
 
-    __slots__ = ("uri", "replicas", "endpoint", "base", "pieces", "starts", "readers", "listeners", "short_since")
+    __slots__ = ("uri", "replicas", "endpoint", "base", "pieces", "starts", "readers", "listeners", "short_since",
+                 "paused")
 
     def __init__(self, uri: str, replicas: Tuple[str, ...]) -> None:
         self.uri = uri
@@ -86,6 +89,8 @@ class _File:
         self.starts: List[int] = []
         self.readers: Dict[int, int] = {}  # reader id -> position
         self.listeners: Dict[int, Callable[[str, int], None]] = {}  # reader id -> on_grow
+        #: Whether the push is stopped because every reader is far behind (ChunkFeed._on_bytes).
+        self.paused = False
 
     @property
     def end(self) -> int:
@@ -93,24 +98,23 @@ class _File:
         return self.starts[-1] + len(self.pieces[-1]) if self.pieces else self.base
 
     def restart(self, position: int) -> None:
-        """Hold nothing; the next pushed byte is expected at ``position``."""
+        """Hold nothing; the next pushed byte is expected at ``position`` (pushed again)."""
         self.base = position
         self.pieces = []
         self.starts = []
+        self.paused = False
 
-    def append(self, start: int, data: bytes) -> None:
-        """Add pushed bytes ``data`` of the file from ``start`` (overlapping or past ``end``:
-        only what extends ``end`` without a gap), then drop the oldest past
-        :data:`FEED_MAX_BYTES`."""
+    def append(self, start: int, data: bytes) -> bool:
+        """Add pushed bytes ``data`` of the file from ``start``: only what extends ``end``
+        without a gap. Returns whether ``end`` moved."""
         end = self.end
         if start > end or start + len(data) <= end:
-            return  # a gap (the cursor moved past it) or bytes already held
+            return False  # a gap (the cursor moved past it) or bytes already held
         if start < end:
             data = data[end - start:]
         self.pieces.append(data)
         self.starts.append(end)
-        if self.end - self.base > FEED_MAX_BYTES:
-            self.drop_to(self.end - FEED_MAX_BYTES)
+        return True
 
     def drop_to(self, position: int) -> None:
         """Hold nothing below ``position`` (at most ``end``)."""
@@ -239,23 +243,37 @@ class ChunkFeed:
                 f.short_since = now
             return now - f.short_since < PUSH_GRACE_S
 
-    def consumed(self, uri: str, reader: int, position: int) -> None:
-        """Reader ``reader`` has read ``uri`` up to ``position``: drop bytes every reader has;
-        move the file's cursor when the reader went past what the feed has (it read them
-        from the cache)."""
+    def consumed(self, uri: str, reader: int, position: int, through: Optional[int] = None) -> None:
+        """Reader ``reader`` of ``uri`` needs no byte below ``position`` any more (it reads on
+        from there) and has read up to ``through`` (default ``position``): drop the bytes every
+        reader is past; move the file's cursor when every reader went past what the feed has
+        (it read them from the cache).
+
+        A reader reads again from where it stands, which can be before the end of what it read
+        last (the bytes after its last complete block): the read path passes the start of each
+        read as ``position`` and its end as ``through``. Dropping up to the end made a reader
+        of blocks larger than one push (MAX_PUSH_BYTES) ask for every such block again
+        (measured: 145 of 150 MB asked for when a producer wrote 1 MiB blocks).
+        """
+        through = position if through is None else through
         with self._lock:
             f = self._files.get(uri)
             if f is None or reader not in f.readers:
                 return
             f.readers[reader] = position
-            low = min(f.readers.values())
-            if low > f.end:
+            others = [at for r, at in f.readers.items() if r != reader]
+            low = min([position] + others)
+            ahead = min([through] + others)
+            if ahead > f.end:
                 # Every reader is past the feed (the replica lacked bytes, or its stream is
                 # down): follow from where they are.
-                f.restart(low)
-                self._stream(f.endpoint).follow(file_id(uri), low)
+                f.restart(ahead)
+                self._stream(f.endpoint).follow(file_id(uri), ahead)
             elif low > f.base:
                 f.drop_to(low)
+            if f.paused and f.end - f.base <= FEED_MAX_BYTES // 2:
+                f.paused = False  # the readers caught up: push on from where the buffer ends
+                self._stream(f.endpoint).follow(file_id(uri), f.end)
 
     def unfollow(self, uri: str, reader: int) -> None:
         """Reader ``reader`` left ``uri``; the last one to leave stops its push."""
@@ -319,14 +337,33 @@ class ChunkFeed:
             if f is None:
                 return
             self.received += len(data)
-            end = f.end
-            f.append(start, data)
-            if f.end == end:
+            if not f.append(start, data):
                 return  # a gap (the cursor moved past it) or bytes the buffer already has
             f.short_since = None  # it grows: readers waiting at its end wait on
+            if f.end - f.base > FEED_MAX_BYTES:
+                self._overflow(f, fid)
             uri, end, listeners = f.uri, f.end, list(f.listeners.values())
         for on_grow in listeners:
             on_grow(uri, end)
+
+    def _overflow(self, f: _File, fid: bytes) -> None:
+        """``f`` holds more than :data:`FEED_MAX_BYTES` (caller holds _lock). While a reader
+        keeps up with the pushed bytes (within half of that of the end), the oldest are dropped
+        and the readers behind read them by asking, as a slow follower of a shared file does
+        (the copy daemon's destinations). When every reader is that far behind, the push stops
+        instead, and :meth:`consumed` resumes it from the buffer's end once they have read half
+        of it: dropping bytes nobody had read made a lagging reader ask for all of them, and
+        the feed then start over from where it was and push them again (measured: a reader
+        catching up with a fast producer got 216 MB from the cache for 150 MB read, 145 MB of
+        them asked for), on replicas already too busy to push in time."""
+        lead = max(f.readers.values(), default=f.base)
+        if f.end - lead <= FEED_MAX_BYTES // 2 or f.end - f.base > 2 * FEED_MAX_BYTES:
+            f.drop_to(f.end - FEED_MAX_BYTES)
+        elif not f.paused:
+            f.paused = True
+            stream = self._streams.get(f.endpoint)
+            if stream is not None:
+                stream.unfollow(fid)
 
     def _on_state(self, endpoint: str, live: bool) -> None:
         """A stream came up or broke. A broken one's files move to their next replica (hedging),
@@ -339,14 +376,15 @@ class ChunkFeed:
                 if f.endpoint != endpoint or len(f.replicas) < 2:
                     continue
                 f.endpoint = f.replicas[(f.replicas.index(endpoint) + 1) % len(f.replicas)]
-                moves.append((f, f.end))
-        for f, end in moves:
+                moves.append((f, f.end, f.paused))
+        for f, end, paused in moves:
             fid = file_id(f.uri)
             old = self._streams.get(endpoint)
             if old is not None:
                 old.unfollow(fid)
-            with self._lock:
-                self._stream(f.endpoint).follow(fid, end)
+            if not paused:  # a paused file is followed on its new replica when it resumes
+                with self._lock:
+                    self._stream(f.endpoint).follow(fid, end)
 
     def close(self) -> None:
         """Close every stream and the client (the shared feed is dropped from the registry)."""

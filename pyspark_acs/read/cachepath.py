@@ -442,7 +442,7 @@ class CachedReadPath:
         # asked for what it is pushing falls further behind); a durable copy does not wait.
         if start + len(got) < end and not (postpone and feed.waiting(uri, start + len(got))):
             got += self._read(rel, start + len(got), end, postpone)
-        feed.consumed(uri, rid, start + len(got))
+        feed.consumed(uri, rid, start, start + len(got))  # it reads on from its last complete block
         return got
 
     def for_reader(self, reader: Hashable) -> "ReaderView":
