@@ -118,6 +118,33 @@ def test_two_writers_racing_for_fresh_keys_never_wedge_them(caches2):
     assert not wedged, wedged
 
 
+@pytest.mark.parametrize("started", ["later", "long-before"])
+def test_a_writer_poisons_a_holder_but_not_a_racer_that_started_after_it(caches2, started):
+    """The newest writer wins. A live record of a writer that began to acquire after this one
+    (within one lease duration: a race) is left alone, and this writer gives up; a holder that
+    began long before is poisoned and taken over, as any takeover."""
+    from pyspark_acs.storage.leases import LeaseRecord
+
+    meta = _meta(caches2["A"].metadata_endpoints)
+    uri = f"file:///since/{started}/{time.monotonic_ns()}#durable"
+    key = b"w:" + uri.encode()
+    try:
+        since = time.time() + (0.5 if started == "later" else -60.0)
+        other = LeaseRecord.new("other-writer", 30.0, since=since).encode()
+        assert meta.client.compare_and_set(key, None, other, version=1, ttl=120)[0]
+        lease = MetadataLease(meta, uri, "this-writer", "this writer", seconds=1.5)
+        if started == "later":
+            with pytest.raises(WriterConflictError, match="other-writer"):
+                lease.acquire(timeout=1.0)
+            assert meta.client.get([key], consistent=True)[0].value == other  # not poisoned
+        else:
+            lease.acquire(timeout=4.0)
+            held = LeaseRecord.decode(meta.client.get([key], consistent=True)[0].value)
+            assert held["writer"] == "this-writer" and not held["poisoned"]
+    finally:
+        meta.client.close()
+
+
 def test_relay_restart_with_a_split_lease_still_creates_every_file_downstream(tmp_path, caches2):
     """Bug 7 end to end: chain A -> B -> C, 2+2 caches per cluster, consumers following in A, B
     and C from the start. The lease of one file's durable copy in C is split 1-1 between A's

@@ -97,7 +97,7 @@ def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS) ->
 
 #: Fields of a lease record and the JSON types each may hold.
 _FIELDS = {"writer": (str,), "nonce": (str,), "expires": (int, float), "poisoned": (bool,),
-           "host": (str,), "pid": (int,)}
+           "host": (str,), "pid": (int,), "since": (int, float)}
 
 
 def _shape_problem(doc: object) -> Optional[str]:
@@ -119,18 +119,23 @@ def _shape_problem(doc: object) -> Optional[str]:
 
 
 class LeaseRecord(dict):
-    """The lease value: a JSON object with ``writer``, ``nonce``, ``expires``, ``poisoned``."""
+    """The lease value: a JSON object with ``writer``, ``nonce``, ``expires``, ``poisoned`` (and
+    ``host``, ``pid``, and ``since``: when the writer began to acquire it; records written before
+    it was added have none)."""
 
     @classmethod
-    def new(cls, writer: str, seconds: float) -> "LeaseRecord":
-        """A fresh record for ``writer``: random nonce, this host and pid, expiring in ``seconds``."""
+    def new(cls, writer: str, seconds: float, since: Optional[float] = None) -> "LeaseRecord":
+        """A fresh record for ``writer``: random nonce, this host and pid, expiring in ``seconds``;
+        ``since`` (wall-clock seconds) is when the writer began to acquire (default: now)."""
+        now = time.time()
         return cls(
             writer=writer,
             nonce=secrets.token_hex(8),
-            expires=time.time() + seconds,
+            expires=now + seconds,
             poisoned=False,
             host=socket.gethostname(),
             pid=os.getpid(),
+            since=now if since is None else since,
         )
 
     @classmethod
