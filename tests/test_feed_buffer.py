@@ -106,3 +106,61 @@ def test_caught_up_read_is_the_pushed_run_itself():
     f.append(1700, FILE[1700:2000])
     got = f.take(1500, 1800)
     assert type(got) is bytes and got == FILE[1500:1800]
+
+
+class _FakeStream:
+    """Stands in for a FollowStream: records the cursor the feed asks for."""
+
+    def __init__(self) -> None:
+        self.cursors: dict = {}
+
+    def follow(self, fid: bytes, offset: int) -> None:
+        self.cursors[fid] = offset
+
+    def unfollow(self, fid: bytes) -> None:
+        self.cursors.pop(fid, None)
+
+
+def _feed_with_fake_stream():
+    import threading
+
+    f = object.__new__(feed.ChunkFeed)
+    f._whole_files, f._lock = True, threading.Lock()
+    f._files, f._by_fid, f.received, f.served = {}, {}, 0, 0
+
+    class _Client:
+        def replicas_for(self, key):
+            return ("r1",)
+
+    f.client = _Client()
+    stream = f._streams = {"r1": _FakeStream()}
+    return f, stream["r1"]
+
+
+def test_a_paused_push_resumes_when_one_of_its_readers_reaches_the_head():
+    """Review finding (hostile read of 14ff6f7): two readers of one file both far behind stop
+    its push; one of them then catches up by reading from the cache while the other stays put.
+    The push must resume (the oldest bytes dropped for the one behind, as when it never
+    stopped), not stay off for as long as the slow one lags."""
+    from pyspark_acs.cache.chunks import file_id
+
+    run = 256 * 1024
+    cap = feed.FEED_MAX_BYTES
+    f, stream = _feed_with_fake_stream()
+    uri = "file:///two-readers"
+    fid = file_id(uri)
+    f.follow(uri, "A", 0)
+    f.follow(uri, "B", 0)
+    while fid in stream.cursors:  # the replica pushes until the feed stops it
+        at = stream.cursors[fid]
+        stream.cursors[fid] = at + run
+        f._on_bytes(fid, at, b"x" * run)
+    held = f._files[uri]
+    assert held.paused and cap < held.end <= cap + run
+    at = 0
+    while at < held.end + cap:  # B reads the buffer, then on from the cache past the feed's end
+        got = f.read(uri, at, at + run)
+        f.consumed(uri, "B", at, at + (len(got) or run))
+        at += len(got) or run
+    assert not held.paused and stream.cursors.get(fid) == held.end  # pushed again from the end
+    assert held.end - held.base <= cap  # A, behind, asks for what was dropped

@@ -75,8 +75,8 @@ class _File:
     (a bytearray copied each run in and twice out, four copies of every pushed byte in all).
     """
 
-    __slots__ = ("uri", "replicas", "endpoint", "base", "pieces", "starts", "readers", "listeners", "short_since",
-                 "paused")
+    __slots__ = ("uri", "replicas", "endpoint", "base", "pieces", "starts", "readers", "reached", "listeners",
+                 "short_since", "paused")
 
     def __init__(self, uri: str, replicas: Tuple[str, ...]) -> None:
         self.uri = uri
@@ -88,6 +88,7 @@ class _File:
         self.pieces: List[bytes] = []
         self.starts: List[int] = []
         self.readers: Dict[int, int] = {}  # reader id -> position
+        self.reached: Dict[int, int] = {}  # reader id -> how far its last read went
         self.listeners: Dict[int, Callable[[str, int], None]] = {}  # reader id -> on_grow
         #: Whether the push is stopped because every reader is far behind (ChunkFeed._on_bytes).
         self.paused = False
@@ -200,18 +201,20 @@ class ChunkFeed:
                 f = self._files[uri] = _File(uri, self.client.replicas_for(chunk_key(uri, 0, file_id=fid)))
                 self._by_fid[fid] = f
                 f.base = position
-                f.readers[reader] = position
+                f.readers[reader] = f.reached[reader] = position
                 if on_grow is not None:
                     f.listeners[reader] = on_grow
                 self._stream(f.endpoint).follow(fid, position)
                 return
-            f.readers[reader] = position
+            f.readers[reader] = f.reached[reader] = position
             if on_grow is not None:
                 f.listeners[reader] = on_grow
             inside = any(f.base <= at <= f.end for r, at in f.readers.items() if r != reader)
             if not (f.base <= position <= f.end) and not inside:
                 f.restart(position)
                 self._stream(f.endpoint).follow(file_id(uri), position)
+            else:
+                self._resume_if_due(f)
 
     def read(self, uri: str, start: int, end: int) -> bytes:
         """The bytes of ``[start, end)`` the buffer holds from ``start`` on (maybe fewer, maybe none)."""
@@ -261,6 +264,7 @@ class ChunkFeed:
             if f is None or reader not in f.readers:
                 return
             f.readers[reader] = position
+            f.reached[reader] = through
             others = [at for r, at in f.readers.items() if r != reader]
             low = min([position] + others)
             ahead = min([through] + others)
@@ -269,11 +273,10 @@ class ChunkFeed:
                 # down): follow from where they are.
                 f.restart(ahead)
                 self._stream(f.endpoint).follow(file_id(uri), ahead)
-            elif low > f.base:
+                return
+            if low > f.base:
                 f.drop_to(low)
-            if f.paused and f.end - f.base <= FEED_MAX_BYTES // 2:
-                f.paused = False  # the readers caught up: push on from where the buffer ends
-                self._stream(f.endpoint).follow(file_id(uri), f.end)
+            self._resume_if_due(f)
 
     def unfollow(self, uri: str, reader: int) -> None:
         """Reader ``reader`` left ``uri``; the last one to leave stops its push."""
@@ -282,6 +285,7 @@ class ChunkFeed:
             if f is None:
                 return
             f.readers.pop(reader, None)
+            f.reached.pop(reader, None)
             f.listeners.pop(reader, None)
             if f.readers:
                 return
@@ -356,14 +360,35 @@ class ChunkFeed:
         the feed then start over from where it was and push them again (measured: a reader
         catching up with a fast producer got 216 MB from the cache for 150 MB read, 145 MB of
         them asked for), on replicas already too busy to push in time."""
-        lead = max(f.readers.values(), default=f.base)
-        if f.end - lead <= FEED_MAX_BYTES // 2 or f.end - f.base > 2 * FEED_MAX_BYTES:
+        if self._at_head(f) or f.end - f.base > 2 * FEED_MAX_BYTES:
             f.drop_to(f.end - FEED_MAX_BYTES)
         elif not f.paused:
             f.paused = True
             stream = self._streams.get(f.endpoint)
             if stream is not None:
                 stream.unfollow(fid)
+
+    @staticmethod
+    def _at_head(f: _File) -> bool:
+        """Whether some reader of ``f`` keeps up with its end: it stands, or its last read
+        went, within half of :data:`FEED_MAX_BYTES` of it (a reader inside a block larger than
+        the buffer stands at the block's start but reads up to the end: the feed cannot hold
+        that block, so such a reader is at the head and the oldest bytes go)."""
+        lead = max([f.base] + list(f.readers.values()) + list(f.reached.values()))
+        return f.end - lead <= FEED_MAX_BYTES // 2
+
+    def _resume_if_due(self, f: _File) -> None:
+        """Push a paused file again (caller holds _lock) once its readers have read half its
+        buffer, or once one of them is at the head (another reader caught up, or one joined
+        there): then what is above the cap is dropped for the readers behind, as when the
+        push never stopped."""
+        if not f.paused:
+            return
+        if f.end - f.base <= FEED_MAX_BYTES // 2 or self._at_head(f):
+            if f.end - f.base > FEED_MAX_BYTES:
+                f.drop_to(f.end - FEED_MAX_BYTES)
+            f.paused = False
+            self._stream(f.endpoint).follow(file_id(f.uri), f.end)
 
     def _on_state(self, endpoint: str, live: bool) -> None:
         """A stream came up or broke. A broken one's files move to their next replica (hedging),
