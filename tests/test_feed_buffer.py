@@ -164,3 +164,26 @@ def test_a_paused_push_resumes_when_one_of_its_readers_reaches_the_head():
         at += len(got) or run
     assert not held.paused and stream.cursors.get(fid) == held.end  # pushed again from the end
     assert held.end - held.base <= cap  # A, behind, asks for what was dropped
+
+
+def test_a_reader_inside_a_block_larger_than_the_buffer_keeps_the_push_going():
+    """Review finding 2 (of 14ff6f7): a reader inside a block larger than FEED_MAX_BYTES stands
+    at the block's start (no complete block yet) while reading up to the buffer's end. It counts
+    as at the head: the push goes on and the oldest bytes are dropped (it asks for its block
+    once whole), rather than the push stopping with the block incomplete for good."""
+    from pyspark_acs.cache.chunks import file_id
+
+    run = 256 * 1024
+    cap = feed.FEED_MAX_BYTES
+    f, stream = _feed_with_fake_stream()
+    uri = "file:///one-large-block"
+    fid = file_id(uri)
+    f.follow(uri, "R", 0)
+    held = f._files[uri]
+    while stream.cursors.get(fid, 0) < cap + 8 * run:
+        at = stream.cursors[fid]
+        stream.cursors[fid] = at + run
+        f._on_bytes(fid, at, b"x" * run)
+        f.consumed(uri, "R", 0, held.end)  # no complete block: it stands at 0, read to the end
+        assert fid in stream.cursors, "the push stopped inside the block"
+    assert not held.paused and held.base > 0 and held.end - held.base <= cap

@@ -118,8 +118,8 @@ class _File:
         return True
 
     def drop_to(self, position: int) -> None:
-        """Hold nothing below ``position`` (at most ``end``)."""
-        self.base = max(self.base, position)
+        """Hold nothing below ``position`` (taken as ``end`` when past it)."""
+        self.base = max(self.base, min(position, self.end))
         starts, pieces = self.starts, self.pieces
         gone = 0
         while gone < len(pieces) and starts[gone] + len(pieces[gone]) <= self.base:
@@ -355,8 +355,8 @@ class ChunkFeed:
         keeps up with the pushed bytes (within half of that of the end), the oldest are dropped
         and the readers behind read them by asking, as a slow follower of a shared file does
         (the copy daemon's destinations). When every reader is that far behind, the push stops
-        instead, and :meth:`consumed` resumes it from the buffer's end once they have read half
-        of it: dropping bytes nobody had read made a lagging reader ask for all of them, and
+        instead, until :meth:`_resume_if_due` (from :meth:`consumed` and :meth:`follow`) finds
+        half of it read or a reader at the head: dropping bytes nobody had read made a lagging reader ask for all of them, and
         the feed then start over from where it was and push them again (measured: a reader
         catching up with a fast producer got 216 MB from the cache for 150 MB read, 145 MB of
         them asked for), on replicas already too busy to push in time."""
