@@ -120,9 +120,23 @@ class _FakeStream:
     def unfollow(self, fid: bytes) -> None:
         self.cursors.pop(fid, None)
 
+    def push(self, f: "feed.ChunkFeed", fid: bytes, size: int) -> None:
+        """The replica pushes ``size`` bytes of ``fid`` at its cursor, as a real stream would."""
+        at = self.cursors[fid]
+        self.cursors[fid] = at + size
+        f._on_bytes(fid, at, b"x" * size)
 
-def _feed_with_fake_stream():
+
+#: The runs the stand-in replica pushes (bytes).
+RUN = 256 * 1024
+
+
+def _feed_following(uri: str, *readers: str):
+    """A ChunkFeed over a stand-in stream, ``readers`` following ``uri`` from byte 0:
+    ``(feed, stream, file id)``."""
     import threading
+
+    from pyspark_acs.cache.chunks import file_id
 
     f = object.__new__(feed.ChunkFeed)
     f._whole_files, f._lock = True, threading.Lock()
@@ -133,8 +147,11 @@ def _feed_with_fake_stream():
             return ("r1",)
 
     f.client = _Client()
-    stream = f._streams = {"r1": _FakeStream()}
-    return f, stream["r1"]
+    stream = _FakeStream()
+    f._streams = {"r1": stream}
+    for reader in readers:
+        f.follow(uri, reader, 0)
+    return f, stream, file_id(uri)
 
 
 def test_a_paused_push_resumes_when_one_of_its_readers_reaches_the_head():
@@ -142,19 +159,10 @@ def test_a_paused_push_resumes_when_one_of_its_readers_reaches_the_head():
     its push; one of them then catches up by reading from the cache while the other stays put.
     The push must resume (the oldest bytes dropped for the one behind, as when it never
     stopped), not stay off for as long as the slow one lags."""
-    from pyspark_acs.cache.chunks import file_id
-
-    run = 256 * 1024
-    cap = feed.FEED_MAX_BYTES
-    f, stream = _feed_with_fake_stream()
-    uri = "file:///two-readers"
-    fid = file_id(uri)
-    f.follow(uri, "A", 0)
-    f.follow(uri, "B", 0)
+    run, cap, uri = RUN, feed.FEED_MAX_BYTES, "file:///two-readers"
+    f, stream, fid = _feed_following(uri, "A", "B")
     while fid in stream.cursors:  # the replica pushes until the feed stops it
-        at = stream.cursors[fid]
-        stream.cursors[fid] = at + run
-        f._on_bytes(fid, at, b"x" * run)
+        stream.push(f, fid, run)
     held = f._files[uri]
     assert held.paused and cap < held.end <= cap + run
     at = 0
@@ -171,19 +179,11 @@ def test_a_reader_inside_a_block_larger_than_the_buffer_keeps_the_push_going():
     at the block's start (no complete block yet) while reading up to the buffer's end. It counts
     as at the head: the push goes on and the oldest bytes are dropped (it asks for its block
     once whole), rather than the push stopping with the block incomplete for good."""
-    from pyspark_acs.cache.chunks import file_id
-
-    run = 256 * 1024
-    cap = feed.FEED_MAX_BYTES
-    f, stream = _feed_with_fake_stream()
-    uri = "file:///one-large-block"
-    fid = file_id(uri)
-    f.follow(uri, "R", 0)
+    run, cap, uri = RUN, feed.FEED_MAX_BYTES, "file:///one-large-block"
+    f, stream, fid = _feed_following(uri, "R")
     held = f._files[uri]
     while stream.cursors.get(fid, 0) < cap + 8 * run:
-        at = stream.cursors[fid]
-        stream.cursors[fid] = at + run
-        f._on_bytes(fid, at, b"x" * run)
+        stream.push(f, fid, run)
         f.consumed(uri, "R", 0, held.end)  # no complete block: it stands at 0, read to the end
         assert fid in stream.cursors, "the push stopped inside the block"
     assert not held.paused and held.base > 0 and held.end - held.base <= cap
