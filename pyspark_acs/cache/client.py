@@ -1070,8 +1070,9 @@ class CacheClient:
 
         Parameters
         ----------
-        items : sequence of (bytes, bytes, int)
-            Versions are unsigned 64-bit.
+        items : sequence of (bytes, bytes-like, int)
+            Versions are unsigned 64-bit. A value may be any bytes-like object (a
+            ``memoryview`` of a larger buffer: it is copied once, into the request).
         ttl : float, optional
             Seconds to live; default: the server's role default (60 s data, 24 h metadata).
         grace : bool, default True
