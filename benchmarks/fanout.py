@@ -26,7 +26,8 @@ For N in ``--consumers`` (default 8,32,64) it prints delivered MB/s (all consume
 over the time from the first send to the last message received), the delay p50/p99 (receive
 time minus send time, from up to 20,000 samples per consumer drawn from all its delays, leaving out messages sent in the
 first 3 seconds: start-up), messages missing at the end,
-bytes our consumers read from the durable store, server CPU seconds per GB delivered (utime +
+bytes our consumers read from the durable store (in all, and in the steady state: after the
+same first 3 seconds, with the store holds of each), server CPU seconds per GB delivered (utime +
 stime of the cache servers, or of redis-server, from /proc), the consumers' own CPU seconds per
 GB (all consumer processes, from /proc), what the producer achieved, and
 our/Redis ratios; and it writes a PNG plot (``--plot``) of p99 and MB/s against N.
@@ -124,6 +125,8 @@ class _Tally:
         self._filled = 0
         self.last_at = 0.0
         self.first_sent_us: Optional[int] = None
+        #: Whether a message sent after the warm-up came (the steady state began).
+        self.warm = False
         self._written = 0.0
         self._rng = np.random.default_rng(os.getpid())
         #: Largest delay (ms) of the messages sent in each second of the run, by that second
@@ -151,6 +154,7 @@ class _Tally:
         kept = sent_us[sent_us - self.first_sent_us >= WARMUP_S * 1e6]
         k = len(kept)
         if k:
+            self.warm = True
             if self._filled + k > len(self._delays):
                 grown = np.empty(max(2 * len(self._delays), self._filled + k), dtype=np.float32)
                 grown[: self._filled] = self._delays[: self._filled]
@@ -249,6 +253,10 @@ def run_consumer(args: argparse.Namespace) -> int:
             kw = {"data_cache": args.data_cache, "metadata_cache": args.metadata_cache}
         with Consumer(args.root, args.stream, **kw) as c:
             print("ready", flush=True)
+            # The read path's counters when the steady state began (the first batch holding a
+            # message sent after WARMUP_S): the store bytes and holds after it are the issue's
+            # "0 bytes from the store in steady state", apart from a start-up burst.
+            at_warm: Optional[Dict[str, int]] = None
             while not stopped():
                 # batches() waits for news (the cached path wakes on a pushed length) instead
                 # of spinning; it returns after 0.2 s without data so the stop file is seen.
@@ -266,15 +274,21 @@ def run_consumer(args: argparse.Namespace) -> int:
                                          offset=8 * stamps.offset)
                     tally.add_many(sent, now_us, int(offsets[-1] - offsets[0]))
                     tally.last_at = time.time()
+                    if at_warm is None and tally.warm:
+                        at_warm = c.stats()
                     tally.tick()
                     if stopped():
                         break
                 tally.tick()
             extra = c.stats()
+            base = at_warm if at_warm is not None else extra
+            extra["steady_durable_bytes"] = extra.get("durable_bytes", 0) - base.get("durable_bytes", 0)
+            extra["steady_store_holds"] = extra.get("store_holds", 0) - base.get("store_holds", 0)
     tally.tick(force=True)
     result = {"n": tally.n, "bytes": tally.nbytes, "samples": tally.samples, "last_at": tally.last_at,
               "durable_bytes": extra.get("durable_bytes", 0), "pushed_bytes": extra.get("pushed_bytes", 0), "store_holds": extra.get("store_holds", 0),
-              "worst": tally.worst}
+              "worst": tally.worst, "steady_durable_bytes": extra.get("steady_durable_bytes", 0),
+              "steady_store_holds": extra.get("steady_store_holds", 0)}
     with open(args.count_file + ".json", "w") as f:
         json.dump(result, f)
     return 0
@@ -450,6 +464,8 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
         "durable_bytes": sum(r["durable_bytes"] for r in results),
         "pushed_bytes": sum(r["pushed_bytes"] for r in results),
         "store_holds": sum(r.get("store_holds", 0) for r in results),
+        "steady_durable_bytes": sum(r.get("steady_durable_bytes", 0) for r in results),
+        "steady_store_holds": sum(r.get("steady_store_holds", 0) for r in results),
         "cpu_per_gb": sum(cpu1[r] - cpu0[r] for r in servers) / max(delivered / 1e9, 1e-9),
         "cpu_per_gb_by_role": {r: (cpu1[r] - cpu0[r]) / max(delivered / 1e9, 1e-9) for r in servers},
         "client_cpu_per_gb": (ccpu1 - ccpu0) / max(delivered / 1e9, 1e-9),
@@ -577,8 +593,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\n== fan-out: 1 producer of {MESSAGE_BYTES} B messages at {args.rate_mb} MB/s, N consumers, "
           f"{args.seconds:g} s per point" + (f", {args.hog} spinning processes beside" if args.hog else ""))
     header = (f"{'column':<8} {'N':>3} {'MB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'missing':>8} {'durable B':>10} "
-              f"{'pushed MB':>9} {'holds':>5} {'CPU s/GB':>9} {'client s/GB':>11} {'producer MB/s':>13}")
+              f"{'steady B':>10} {'pushed MB':>9} {'holds':>7} {'CPU s/GB':>9} {'client s/GB':>11} {'producer MB/s':>13}")
     print(header)
+    print(f"  (durable B: bytes our consumers read from the store; steady B and the holds after the '/': those "
+          f"after the warm-up, {WARMUP_S:g} s of sending, that the delays leave out too)")
     for n in ns:
         for kind in table:
             r = table[kind].get(n)
@@ -586,7 +604,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             cpu = f"{r['cpu_per_gb']:.1f}" if kind != "durable" else "-"
             print(f"{kind:<8} {n:>3} {r['mb_s']:>7.1f} {r['p50']:>8.1f} {r['p99']:>8.1f} {r['missing']:>8} "
-                  f"{r['durable_bytes']:>10} {r['pushed_bytes'] / 1e6:>9.1f} {r['store_holds']:>5} {cpu:>9} "
+                  f"{r['durable_bytes']:>10} {r['steady_durable_bytes']:>10} {r['pushed_bytes'] / 1e6:>9.1f} "
+                  f"{str(r['store_holds']) + '/' + str(r['steady_store_holds']):>7} {cpu:>9} "
                   f"{r['client_cpu_per_gb']:>11.1f} {r['producer_mb_s']:>13.2f}")
     roles = [f"  {kind} N={n}: " + ", ".join(f"{role} {v:.2f}" for role, v in r["cpu_per_gb_by_role"].items())
              for kind in table for n, r in table[kind].items() if len(r["cpu_per_gb_by_role"]) > 1]

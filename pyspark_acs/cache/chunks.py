@@ -115,8 +115,10 @@ class ChunkWriter:
         self.position = position
         self._tail = bytes(prefix)
 
-    def append(self, data: bytes) -> int:
-        """Write ``data`` (the bytes at ``position``) to the cache; return the new position.
+    def append(self, data: "bytes | bytearray | memoryview") -> int:
+        """Write ``data`` (the bytes at ``position``, any C-contiguous bytes-like object) to
+        the cache; return the new position. The chunks are views of ``data`` until the put
+        has encoded them: a caller must not change a mutable ``data`` during the call.
 
         Raises
         ------
