@@ -281,7 +281,7 @@ def run_consumer(args: argparse.Namespace) -> int:
                         break
                 tally.tick()
             extra = c.stats()
-            base = at_warm if at_warm is not None else extra
+            base = at_warm if at_warm is not None else {}  # never warm: all of it counts
             extra["steady_durable_bytes"] = extra.get("durable_bytes", 0) - base.get("durable_bytes", 0)
             extra["steady_store_holds"] = extra.get("store_holds", 0) - base.get("store_holds", 0)
     tally.tick(force=True)
