@@ -56,11 +56,10 @@ def test_any_appends_put_the_files_bytes_chunk_by_chunk(start, sizes, kind):
         assert writer.append(kind(content[at:at + size])) == at + size
         at += size
     assert writer.position == len(content)
-    first = start // CHUNK_SIZE
-    numbers: List[int] = list(range(first, (len(content) + CHUNK_SIZE - 1) // CHUNK_SIZE))
-    if sum(sizes) == 0:
-        numbers = numbers[:1] if start % CHUNK_SIZE and sizes else []
+    # Every chunk from the one holding ``start`` to the last one the bytes reach (the held
+    # partial chunk again even for an empty append); nothing without an append.
+    numbers: List[int] = list(range(start // CHUNK_SIZE, -(-len(content) // CHUNK_SIZE))) if sizes else []
     for n, key in zip(numbers, chunk_keys(URI, numbers)):
-        version, value = client.chunks[key]
+        _, value = client.chunks[key]
         assert value == content[n * CHUNK_SIZE:(n + 1) * CHUNK_SIZE], n
     assert len(client.chunks) == len(numbers)

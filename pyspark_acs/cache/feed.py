@@ -117,6 +117,10 @@ class _File:
         self.starts.append(end)
         return True
 
+    def trim(self) -> None:
+        """Hold at most :data:`FEED_MAX_BYTES`: drop the oldest bytes above it."""
+        self.drop_to(self.end - FEED_MAX_BYTES)
+
     def drop_to(self, position: int) -> None:
         """Hold nothing below ``position`` (taken as ``end`` when past it)."""
         self.base = max(self.base, min(position, self.end))
@@ -356,12 +360,13 @@ class ChunkFeed:
         and the readers behind read them by asking, as a slow follower of a shared file does
         (the copy daemon's destinations). When every reader is that far behind, the push stops
         instead, until :meth:`_resume_if_due` (from :meth:`consumed` and :meth:`follow`) finds
-        half of it read or a reader at the head: dropping bytes nobody had read made a lagging reader ask for all of them, and
-        the feed then start over from where it was and push them again (measured: a reader
-        catching up with a fast producer got 216 MB from the cache for 150 MB read, 145 MB of
-        them asked for), on replicas already too busy to push in time."""
+        half of it read or a reader at the head: dropping bytes nobody had read made a lagging
+        reader ask for all of them, and the feed then start over from where it was and push
+        them again (measured: a reader catching up with a fast producer got 216 MB from the
+        cache for 150 MB read, 145 MB of them asked for), on replicas already too busy to push
+        in time."""
         if self._at_head(f) or f.end - f.base > 2 * FEED_MAX_BYTES:
-            f.drop_to(f.end - FEED_MAX_BYTES)
+            f.trim()
         elif not f.paused:
             f.paused = True
             stream = self._streams.get(f.endpoint)
@@ -385,8 +390,7 @@ class ChunkFeed:
         if not f.paused:
             return
         if f.end - f.base <= FEED_MAX_BYTES // 2 or self._at_head(f):
-            if f.end - f.base > FEED_MAX_BYTES:
-                f.drop_to(f.end - FEED_MAX_BYTES)
+            f.trim()
             f.paused = False
             self._stream(f.endpoint).follow(file_id(f.uri), f.end)
 
