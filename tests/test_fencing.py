@@ -16,6 +16,8 @@ import time
 import pytest
 
 from pyspark_acs import Consumer, Producer, WriterConflictError
+from pyspark_acs.format.names import next_file_name
+from pyspark_acs.write.file import scan_file
 
 
 def _drain(consumer: Consumer, timeout: float) -> list:
@@ -74,4 +76,57 @@ def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
         deposed.close()
     assert "error" in outcome and "deposed" in str(outcome["error"])  # d1 never acknowledged
     assert seen == fresh == ["r1", "r2"]  # one history, every acknowledged message in it
+    live.close()
+
+
+def test_lease_holder_moves_past_a_deposed_writers_later_file(root):
+    """The race CI found in the test above: the deposed writer names its file after the
+    successor's take-over (so it sorts after the successor's new file) and creates it while
+    the successor claims its own. The deposed writer's check fails and it stops; the
+    successor holds the lease, so it must go on (seal that file and its own empty one, and
+    write to a file named after both), not stop too. Made deterministic here: the later file
+    appears right after the successor creates its first file."""
+    deposed = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
+    deposed.send(b"d0")
+    deposed.flush()
+    taken_over = threading.Event()
+    stalled = deposed._shards[0].writer
+    check = stalled.check_leases
+
+    def stall_then_check(every=False):
+        taken_over.wait(30)  # the writer thread stalls past its lease at its next renewal
+        return check(every=every)
+
+    stalled.check_leases = stall_then_check
+    live = Consumer(root, "s", start="earliest")
+    seen = _drain(live, 0.5)
+    time.sleep(1.2)  # the deposed writer's lease runs out
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
+    taken_over.set()
+    writer = successor._shards[0].writer
+    original = writer._open
+    late = []
+
+    def open_and_race(name, length, index):
+        original(name, length, index)
+        if not late:  # the deposed writer's file, named after ours, appears before our claim
+            late.append(next_file_name([name], "d"))
+            writer.store.write_small(f"{writer.dir}/{late[0]}", b"")
+
+    writer._open = open_and_race
+    successor.send(b"r1")
+    successor.flush()  # failed before: the successor took the later file for a successor's
+    seen += _drain(live, 1.5)
+    files = writer.files()
+    assert late and late[0] in files and files[-1] > late[0]
+    for name in files:
+        assert scan_file(writer.store, f"{writer.dir}/{name}").sealed or name == files[-1], name
+    successor.send(b"r2")
+    successor.flush()
+    seen += _drain(live, 1.5)
+    fresh = _drain(Consumer(root, "s", start="earliest"), 1.5)
+    successor.close()
+    with pytest.raises(WriterConflictError):  # the deposed writer stops at its lease check
+        deposed.close()
+    assert seen == fresh == ["d0", "r1", "r2"]
     live.close()

@@ -49,6 +49,7 @@ DEFAULT_ROLL_SECONDS = 600.0
 LEASE_FILE = "_writer.lease"
 #: A recovery seal that keeps losing the race against a deposed writer's appends gives up.
 _RECOVERY_ATTEMPTS = 20
+_CLAIM_ATTEMPTS = 5  # new files a claim may start over on (each after deposed writers' later files)
 
 
 def shard_for_key(key: bytes, shards: int) -> int:
@@ -270,44 +271,75 @@ class ShardWriter:
         """Seal the open file (if any) and start a new one (named ``name`` or by the name rule)."""
         previous = self.file
         self.seal()
+        named = name is not None
         name = name or self.new_file_name()
         self._open(name, 0, 0)
         self.files_opened += 1
-        self._claim(name, previous)
-        return name
+        return self._claim(name, previous, may_rename=not named)
 
-    def _claim(self, name: str, previous: Optional[str]) -> None:
-        """A new file is this writer's only if no file sorts after it and the lease still holds
-        once it exists. A writer that stalled past its lease between its last check and
+    def _claim(self, name: str, previous: Optional[str], *, may_rename: bool = False) -> str:
+        """A new file is this writer's only if the lease still holds once it exists and no file
+        sorts after it. A writer that stalled past its lease between its last check and
         creating the file (the take-over's recovery could not seal a file that did not exist
         yet) seals its own empty file and stops, so no unfenced file enters the shard. Files
         between ``previous`` and ``name`` that are not sealed (a deposed writer's file created
         while this one took over) are sealed: the recovery seal fences them too.
 
+        A file sorting after ours while the lease still holds was created by a deposed writer
+        (it named its file after our take-over, then stalled before its own check, which
+        fails). With ``may_rename`` (the name is ours to choose) such files are sealed, our
+        empty file is sealed unused, and the claim starts over on a file named after them; the
+        lease holder goes on where both would otherwise stop. Without it (a name the caller
+        planned, e.g. a sink's) this writer stops.
+
+        Returns the name of the claimed file.
+
         Raises
         ------
         WriterConflictError
-            This writer was deposed; the new file is sealed empty.
+            This writer was deposed (or, without ``may_rename``, a file sorts after ``name``);
+            the new file is sealed empty.
         """
-        files = self.files()
-        later = [f for f in files if f > name]
-        why = f"{later[0]} was created after it" if later else None
-        if why is None:
+        for _ in range(_CLAIM_ATTEMPTS):
+            # Listed before the lease check: a file seen here existed before the check passed, so
+            # its writer did not hold the lease when it created it (one that took the shard over
+            # from us first would fail our check).
+            files = self.files()
+            later = [f for f in files if f > name]
             try:
                 self.check_leases(every=True)
+                # Without a lease (released) nothing says the later file is a deposed writer's.
+                why = f"{later[0]} was created after it" if later and not (may_rename and self.leases) else None
             except LeaseError as exc:
                 why = str(exc)
-        if why is not None:
+            if why is not None:
+                self.seal()
+                raise WriterConflictError(
+                    f"{self.what}: new file {self.store.uri(self.dir + '/' + name)} was sealed unused, this "
+                    f"writer was deposed: {why}"
+                )
+            if not later:
+                break
+            log.info("%s: %s sorts after our new file %s but we hold the lease (a deposed writer's file); "
+                     "sealing it and ours, and starting a file after it", self.what, ", ".join(later), name)
+            for other in later:
+                self._seal_predecessor(other)
+            self.seal()
+            name = self.new_file_name()
+            self._open(name, 0, 0)
+            self.files_opened += 1
+        else:
             self.seal()
             raise WriterConflictError(
-                f"{self.what}: new file {self.store.uri(self.dir + '/' + name)} was sealed unused, this writer "
-                f"was deposed: {why}"
+                f"{self.what}: new file {self.store.uri(self.dir + '/' + name)} was sealed unused: other writers' "
+                f"files kept sorting after it ({_CLAIM_ATTEMPTS} attempts)"
             )
         floor = max([f for f in (previous, self._checked_upto) if f], default="")
         for other in files:
             if floor < other < name:
                 self._seal_predecessor(other)
         self._checked_upto = name
+        return name
 
     @property
     def position(self) -> int:
