@@ -16,6 +16,7 @@ import time
 import pytest
 
 from pyspark_acs import Consumer, Producer, WriterConflictError
+from pyspark_acs.errors import StoreError
 from pyspark_acs.format.names import next_file_name
 from pyspark_acs.write.file import scan_file
 
@@ -130,3 +131,48 @@ def test_lease_holder_moves_past_a_deposed_writers_later_file(root):
         deposed.close()
     assert seen == fresh == ["d0", "r1", "r2"]
     live.close()
+
+
+def test_a_later_file_that_cannot_be_sealed_strands_no_file_of_ours(root):
+    """Hostile review of the test above's fix: when the deposed writer's later file cannot be
+    sealed (HDFS refuses a second appender while that writer's stream is open; any store error
+    alike), the lease holder stops, but its own empty file must already be sealed: it sorts
+    before the later file, so no take-over's recovery (which seals the newest file) would seal
+    it, and readers entering it would wait there forever."""
+    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
+    first.send(b"d0")
+    first.flush()
+    first.close()
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
+    writer = successor._shards[0].writer
+    store = writer.store
+    original_open, original_appender = writer._open, store.open_appender
+    late = []
+
+    def open_and_race(name, length, index):
+        original_open(name, length, index)
+        if not late:
+            late.append(next_file_name([name], "x"))
+            store.write_small(f"{writer.dir}/{late[0]}", b"")
+
+    def appender(rel):
+        if late and rel.endswith(late[0]):
+            raise StoreError(f"open {rel} for append: AlreadyBeingCreatedException (simulated)")
+        return original_appender(rel)
+
+    writer._open = open_and_race
+    store.open_appender = appender
+    successor.send(b"r1")
+    with pytest.raises(StoreError, match="AlreadyBeingCreated"):
+        successor.flush()
+    with pytest.raises(StoreError):
+        successor.close()
+    store.open_appender = original_appender
+    files = writer.files()
+    assert [f for f in files if not scan_file(store, f"{writer.dir}/{f}").sealed] == late  # only the newest
+    time.sleep(1.2)  # the successor's lease runs out
+    third = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")  # recovery seals the newest file
+    third.send(b"t1")
+    third.flush()
+    third.close()
+    assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["d0", "t1"]

@@ -302,8 +302,12 @@ class ShardWriter:
         """
         for _ in range(_CLAIM_ATTEMPTS):
             # Listed before the lease check: a file seen here existed before the check passed, so
-            # its writer did not hold the lease when it created it (one that took the shard over
-            # from us first would fail our check).
+            # (as far as the leases tell) its writer did not hold the lease when it created it:
+            # one that took the shard over from us first fails our check. The leases can be
+            # wrong (a stalled holder of the cache lease takes the store lease back with force,
+            # or a wiped metadata cache lets it re-put its record); what keeps acknowledged
+            # bytes readable then is the seal, which lands at the file's durable length: the
+            # other writer's later appends are refused, never hidden.
             files = self.files()
             later = [f for f in files if f > name]
             try:
@@ -322,9 +326,13 @@ class ShardWriter:
                 break
             log.info("%s: %s sorts after our new file %s but we hold the lease (a deposed writer's file); "
                      "sealing it and ours, and starting a file after it", self.what, ", ".join(later), name)
+            # Ours first: if sealing a later file fails (a store error; HDFS refuses a second
+            # appender while the deposed writer's stream is open), what stays unsealed is the
+            # newest file, which the next take-over's recovery seals. Ours, left unsealed
+            # before it, would hold its readers forever.
+            self.seal()
             for other in later:
                 self._seal_predecessor(other)
-            self.seal()
             name = self.new_file_name()
             self._open(name, 0, 0)
             self.files_opened += 1
