@@ -16,6 +16,8 @@ from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.datasource.options import parse_sink_options
 from pyspark_acs.datasource.sink import AcsStreamWriter, SinkCommitter
 from pyspark_acs.errors import AcsError, AcsOptionError
+from pyspark_acs.format.names import next_file_name
+from pyspark_acs.write.shard import ShardWriter
 
 SCHEMA = StructType([StructField("shard", IntegerType()), StructField("value", BinaryType())])
 
@@ -207,3 +209,27 @@ def test_a_routed_stream_with_another_shard_count_is_refused(root):
     batch = pa.RecordBatch.from_pydict({"stream": ["two"], "value": [b"x"]})
     with pytest.raises(AcsOptionError, match=r"stream 'two' \(column 'stream'\) has 2 shards, but option shards=3"):
         K._Stager(opts, K._sink_id(opts), {}).write(iter([batch]))
+
+
+def test_a_deposed_writers_later_file_redirects_the_batch_not_fails_it(root, monkeypatch):
+    """The race of test_fencing's lease-holder test, met by the sink: right after the sink
+    creates its planned file, a deposed writer's file named after it appears. The sink holds
+    the lease, so the batch goes on in a new file after that one (a redirect, as after a
+    seal) instead of failing the query; every row lands once, in order."""
+    real_open = ShardWriter._open
+    late = []
+
+    def open_and_race(self, name, length, index):
+        real_open(self, name, length, index)
+        if not late and self.shard == 0:
+            late.append(next_file_name([name], "x"))
+            self.store.write_small(f"{self.dir}/{late[0]}", b"")
+
+    monkeypatch.setattr(ShardWriter, "_open", open_and_race)
+    w = writer(root)
+    w.commit([w.write(iter([batch([b"a0", b"a1", b"a2"], [0, 1, 0])]))], 0)
+    w.commit([w.write(iter([batch([b"b0", b"b1"], [0, 1])]))], 1)
+    assert late
+    assert stream_values(root) == {0: [b"a0", b"a2", b"b0"], 1: [b"a1", b"b1"]}
+    files = os.listdir(os.path.join(root, "out", "00000"))
+    assert late[0] in files and max(f for f in files if f.endswith(".acs")) > late[0]

@@ -57,7 +57,7 @@ from pyspark.sql.types import (
 )
 
 from pyspark_acs.datasource.options import SinkOptions
-from pyspark_acs.errors import AcsError, AcsOptionError, CacheError
+from pyspark_acs.errors import AcsError, AcsOptionError, CacheError, WriterConflictError
 from pyspark_acs.format.block import HEADER_SIZE, encode_block, encode_seal, rebase_blocks, scan_blocks
 from pyspark_acs.format.names import next_file_name, shard_dir, validate_stream
 from pyspark_acs.storage.store import DurableStore, open_store
@@ -648,6 +648,7 @@ class SinkCommitter:
         """New segments for the pieces that did not land (and every later segment's), starting
         with a new file after every existing one; the newest file is sealed first if its
         writer left it unsealed."""
+        writer.check_leases(every=True)  # a deposed sink must not seal the new holder's file
         writer.recover()
         staged = redirect.remaining + [p for seg in later for p in seg["staged"]]
         new = self._segments(self._segment(writer.new_file_name(), 0, 0), staged)
@@ -726,12 +727,20 @@ class SinkCommitter:
         in_order = seg["file"] == newest if length is not None else (newest is None or seg["file"] > newest)
         if landed is not None or not in_order:
             if landed is None and length is not None:
+                writer.check_leases(every=True)  # a deposed sink must not seal the new holder's file
                 writer.seal_file(seg["file"])  # only our prefix is in it: finish it where it ends
             why = (f"another writer sealed {uri} at byte {start + landed} (it took the shard over)"
                    if landed is not None else f"{uri} is no longer where the shard ends")
             return _Redirect(self._remaining(store, seg, cut), why)
         at = _piece_at(sizes, done)
-        writer.recover(resume=OpenFile(seg["file"], start + done, seg["start_index"] + sum(rows[:at])))
+        try:
+            writer.recover(resume=OpenFile(seg["file"], start + done, seg["start_index"] + sum(rows[:at])))
+        except WriterConflictError as exc:
+            # The planned file, created now, was sealed unused: a file sorts after it (a deposed
+            # writer named one after our take-over). Ours while the lease holds (this check
+            # raises if not): the batch goes on in a new file after it, as after a seal.
+            writer.check_leases(every=True)
+            return _Redirect(self._remaining(store, seg, cut), str(exc))
         if writer.current() is None or writer.file != seg["file"]:
             return _Redirect(self._remaining(store, seg, cut), f"{uri} changed while this sink took the shard")
         offset = 0
