@@ -10,6 +10,7 @@ the new writer's: live readers would skip its acknowledged messages). Both faile
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 
@@ -17,7 +18,7 @@ import pytest
 
 from pyspark_acs import Consumer, Producer, WriterConflictError
 from pyspark_acs.errors import StoreError
-from pyspark_acs.format.names import next_file_name
+from pyspark_acs.format.names import file_name, next_file_name, parse_file_name
 from pyspark_acs.write.file import scan_file
 
 
@@ -176,3 +177,27 @@ def test_a_later_file_that_cannot_be_sealed_strands_no_file_of_ours(root):
     third.flush()
     third.close()
     assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["d0", "t1"]
+
+
+def test_a_deposed_writers_file_named_before_ours_is_sealed_at_our_next_file(root):
+    """Hostile review of bbd2ce1 (seen in passing): a deposed writer that named its file before
+    the successor's and created it after the successor's claim, then died before its own claim
+    could seal it, left an empty unsealed file that sorts before the successor's files. No
+    take-over's recovery seals it (that seals the newest file), and the successor's next claim
+    only looked at names after its own last file: readers from the earliest offset stopped
+    there for good. The next claim now seals every unsealed file that appeared since the
+    writer last listed the shard."""
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r", roll_bytes=1)  # every block rolls
+    successor.send(b"r1")
+    successor.flush()
+    writer = successor._shards[0].writer
+    first = writer.files()[-1]
+    created = parse_file_name(first).created - datetime.timedelta(microseconds=1)
+    stray = file_name(created, "d")  # named before our file, created after our claim
+    writer.store.write_small(f"{writer.dir}/{stray}", b"")
+    assert not scan_file(writer.store, f"{writer.dir}/{stray}").sealed
+    successor.send(b"r2")
+    successor.flush()
+    assert scan_file(writer.store, f"{writer.dir}/{stray}").sealed
+    assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["r1", "r2"]
+    successor.close()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional, Set
 
 from pyspark_acs.errors import CacheError, LeaseError, WriterConflictError
 from pyspark_acs.format.block import encode_seal
@@ -117,7 +117,9 @@ class ShardWriter:
         self.files_opened = 0
         self.overlapped_appends = 0  # appends whose cache writes overlapped the next (more_follows)
         self.recovered: List[str] = []  # files this writer sealed for a predecessor
-        self._checked_upto: Optional[str] = None  # newest file recover() examined (sealed or resumed)
+        # The shard's files as this writer last listed them (recover, then each claim): a file
+        # sorting before a new one of ours and not in it appeared since, a deposed writer's.
+        self._listed: Set[str] = set()
 
     # -- lease -----------------------------------------------------------------------------
 
@@ -199,7 +201,7 @@ class ShardWriter:
         self._close_writer()
         files = self.files()
         newest = files[-1] if files else None
-        self._checked_upto = newest
+        self._listed = set(files)
         if resume is not None:
             if newest == resume.file or (resume.file not in files and (newest is None or resume.file > newest)):
                 length = self.store.lengths([f"{self.dir}/{resume.file}"]).get(f"{self.dir}/{resume.file}") or 0
@@ -209,7 +211,7 @@ class ShardWriter:
                     self._open(resume.file, resume.length, resume.next_index)
                     if resume.file != newest:
                         # Created now (a sink's planned file): fenced like any new file.
-                        self._claim(resume.file, newest)
+                        self._claim(resume.file)
                     return None
         if newest is None:
             return None
@@ -269,21 +271,23 @@ class ShardWriter:
 
     def open_new(self, name: Optional[str] = None) -> str:
         """Seal the open file (if any) and start a new one (named ``name`` or by the name rule)."""
-        previous = self.file
         self.seal()
         named = name is not None
         name = name or self.new_file_name()
         self._open(name, 0, 0)
         self.files_opened += 1
-        return self._claim(name, previous, may_rename=not named)
+        return self._claim(name, may_rename=not named)
 
-    def _claim(self, name: str, previous: Optional[str], *, may_rename: bool = False) -> str:
+    def _claim(self, name: str, *, may_rename: bool = False) -> str:
         """A new file is this writer's only if the lease still holds once it exists and no file
         sorts after it. A writer that stalled past its lease between its last check and
         creating the file (the take-over's recovery could not seal a file that did not exist
         yet) seals its own empty file and stops, so no unfenced file enters the shard. Files
-        between ``previous`` and ``name`` that are not sealed (a deposed writer's file created
-        while this one took over) are sealed: the recovery seal fences them too.
+        sorting before ``name`` that appeared since this writer last listed the shard and are
+        not sealed are sealed: the recovery seal fences them too. They are a deposed writer's:
+        created while this one took over, or named before our last file and created after it
+        (a writer that died before its own claim sealed it; no take-over's recovery, which
+        seals the newest file, would).
 
         A file sorting after ours while the lease still holds was created by a deposed writer
         (it named its file after our take-over, then stalled before its own check, which
@@ -342,11 +346,11 @@ class ShardWriter:
                 f"{self.what}: new file {self.store.uri(self.dir + '/' + name)} was sealed unused: other writers' "
                 f"files kept sorting after it ({_CLAIM_ATTEMPTS} attempts)"
             )
-        floor = max([f for f in (previous, self._checked_upto) if f], default="")
         for other in files:
-            if floor < other < name:
+            if other < name and other not in self._listed:
                 self._seal_predecessor(other)
-        self._checked_upto = name
+        self._listed = set(files)
+        self._listed.add(name)
         return name
 
     @property
