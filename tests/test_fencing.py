@@ -201,3 +201,72 @@ def test_a_deposed_writers_file_named_before_ours_is_sealed_at_our_next_file(roo
     assert scan_file(writer.store, f"{writer.dir}/{stray}").sealed
     assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["r1", "r2"]
     successor.close()
+
+
+def test_a_stray_before_our_file_is_sealed_by_the_next_writers_recovery(root):
+    """The stray of the test above, when the writer that could have sealed it at its next claim
+    stops first (closed before its next file; a restart): the next writer's recovery seals
+    it. A deposed writer's stray is always empty (nothing is appended before a claim passes)
+    and a sealed file never is, so recovery seals every empty file (hostile review of ea781a5,
+    finding 1)."""
+    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
+    first.send(b"r1")
+    first.flush()
+    writer = first._shards[0].writer
+    created = parse_file_name(writer.files()[-1]).created - datetime.timedelta(microseconds=1)
+    stray = file_name(created, "d")
+    writer.store.write_small(f"{writer.dir}/{stray}", b"")
+    first.close()  # no next file: the stray is still unsealed
+    assert not scan_file(writer.store, f"{writer.dir}/{stray}").sealed
+    restarted = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
+    restarted.send(b"r2")
+    restarted.flush()
+    restarted.close()
+    assert scan_file(writer.store, f"{writer.dir}/{stray}").sealed
+    assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["r1", "r2"]
+
+
+def test_strays_after_the_last_file_with_bytes_are_sealed_with_it(root):
+    """Two deposed writers' later files, the first of which cannot be sealed (HDFS refuses a
+    second appender): the successor stops, leaving it unsealed and not the newest file. The
+    next take-over seals every empty file, and with the newest file empty, the last file
+    holding bytes too (hostile review of 350838f, finding 3)."""
+    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
+    first.send(b"d0")
+    first.flush()
+    first.close()
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
+    writer = successor._shards[0].writer
+    store = writer.store
+    original_open, original_appender = writer._open, store.open_appender
+    late = []
+
+    def open_and_race(name, length, index):
+        original_open(name, length, index)
+        if not late:
+            late.append(next_file_name([name], "x"))
+            late.append(next_file_name([late[0]], "y"))
+            for other in late:
+                store.write_small(f"{writer.dir}/{other}", b"")
+
+    def appender(rel):
+        if late and rel.endswith(late[0]):
+            raise StoreError(f"open {rel} for append: AlreadyBeingCreatedException (simulated)")
+        return original_appender(rel)
+
+    writer._open = open_and_race
+    store.open_appender = appender
+    successor.send(b"r1")
+    with pytest.raises(StoreError, match="AlreadyBeingCreated"):
+        successor.flush()
+    with pytest.raises(StoreError):
+        successor.close()
+    store.open_appender = original_appender
+    assert not scan_file(store, f"{writer.dir}/{late[0]}").sealed
+    time.sleep(1.2)  # the successor's lease runs out
+    third = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")
+    third.send(b"t1")
+    third.flush()
+    third.close()
+    assert [f for f in writer.files() if not scan_file(store, f"{writer.dir}/{f}").sealed] == []
+    assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["d0", "t1"]

@@ -6,6 +6,7 @@ test_spark_connector.py; here each step is driven directly so the failure cases 
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import pyarrow as pa
@@ -16,7 +17,9 @@ from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.datasource.options import parse_sink_options
 from pyspark_acs.datasource.sink import AcsStreamWriter, SinkCommitter
 from pyspark_acs.errors import AcsError, AcsOptionError
-from pyspark_acs.format.names import next_file_name
+from pyspark_acs.format.names import file_name, next_file_name, parse_file_name
+from pyspark_acs.storage.store import open_store
+from pyspark_acs.write.file import scan_file
 from pyspark_acs.write.shard import ShardWriter
 
 SCHEMA = StructType([StructField("shard", IntegerType()), StructField("value", BinaryType())])
@@ -233,3 +236,83 @@ def test_a_deposed_writers_later_file_redirects_the_batch_not_fails_it(root, mon
     assert stream_values(root) == {0: [b"a0", b"a2", b"b0"], 1: [b"a1", b"b1"]}
     files = os.listdir(os.path.join(root, "out", "00000"))
     assert late[0] in files and max(f for f in files if f.endswith(".acs")) > late[0]
+
+
+def _unsealed(root):
+    store = open_store(root)
+    return [f for f in store.list_files("out", 0) if not scan_file(store, f"out/00000/{f}").sealed]
+
+
+def test_a_stray_before_the_sinks_file_is_sealed_at_its_next_commit(root):
+    """A deposed writer's empty file named before the sink's file, created after the sink's
+    claim (its writer died before sealing it): the sink makes a new ShardWriter per commit,
+    so only recovery can seal it -- it seals every empty file (hostile review of ea781a5,
+    finding 1). Readers from the start then get every committed row."""
+    w = writer(root)
+    w.commit([w.write(iter([batch([b"a0", b"a1"], [0, 1])]))], 0)
+    folder = os.path.join(root, "out", "00000")
+    planned = max(f for f in os.listdir(folder) if f.endswith(".acs"))
+    stray = file_name(parse_file_name(planned).created - datetime.timedelta(microseconds=1), "d")
+    open(os.path.join(folder, stray), "wb").close()
+    for batch_id in range(1, 3):
+        w.commit([w.write(iter([batch([b"b%d" % batch_id], [0])]))], batch_id)
+    assert _unsealed(root) in ([], [planned])  # the sink's own file may stay open for its next batch
+    assert stream_values(root)[0] == [b"a0", b"b1", b"b2"]
+
+
+def test_two_later_files_redirect_the_batch_and_are_both_sealed(root, monkeypatch):
+    """Two deposed writers' files appear right after the sink creates its planned file: the
+    batch is redirected after them and both are sealed (the redirect's recovery seals every
+    empty file, not only the newest; hostile review of c06cc8a, finding 2)."""
+    real_open = ShardWriter._open
+    late = []
+
+    def open_and_race(self, name, length, index):
+        real_open(self, name, length, index)
+        if not late and self.shard == 0:
+            late.append(next_file_name([name], "x"))
+            late.append(next_file_name([late[0]], "y"))
+            for other in late:
+                self.store.write_small(f"{self.dir}/{other}", b"")
+
+    monkeypatch.setattr(ShardWriter, "_open", open_and_race)
+    w = writer(root)
+    w.commit([w.write(iter([batch([b"a0", b"a1", b"a2"], [0, 1, 0])]))], 0)
+    assert not set(late) & set(_unsealed(root))
+    assert stream_values(root) == {0: [b"a0", b"a2"], 1: [b"a1"]}
+
+
+def test_a_driver_that_dies_right_after_a_redirect_retries_exactly_once(root, monkeypatch):
+    """The redirect of the test above, with the driver dying right after it (before the intent
+    holds the new segments): Spark aborts, the restarted query retries batch 0 and replays
+    batch 1; every row lands once, in order (hostile review of c06cc8a)."""
+    real_open = ShardWriter._open
+    late = []
+
+    def open_and_race(self, name, length, index):
+        real_open(self, name, length, index)
+        if not late and self.shard == 0:
+            late.append(next_file_name([name], "x"))
+            self.store.write_small(f"{self.dir}/{late[0]}", b"")
+
+    real_redirect = SinkCommitter._redirect
+    calls = []
+
+    def redirect_then_die(self, *args, **kwargs):
+        out = real_redirect(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            raise AcsError("injected: the driver died right after the redirect")
+        return out
+
+    monkeypatch.setattr(ShardWriter, "_open", open_and_race)
+    monkeypatch.setattr(SinkCommitter, "_redirect", redirect_then_die)
+    w = writer(root)
+    first = [w.write(iter([batch([b"a0", b"a1", b"a2"], [0, 1, 0])]))]
+    with pytest.raises(AcsError, match="injected"):
+        w.commit(first, 0)
+    w.abort(first, 0)
+    w.commit([w.write(iter([batch([b"a0", b"a1", b"a2"], [0, 1, 0])]))], 0)
+    w.commit([w.write(iter([batch([b"b0"], [0])]))], 1)
+    w.commit([w.write(iter([batch([b"b0"], [0])]))], 1)  # Spark's replay after a restart
+    assert stream_values(root) == {0: [b"a0", b"a2", b"b0"], 1: [b"a1"]}

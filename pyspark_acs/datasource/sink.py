@@ -57,11 +57,11 @@ from pyspark.sql.types import (
 )
 
 from pyspark_acs.datasource.options import SinkOptions
-from pyspark_acs.errors import AcsError, AcsOptionError, CacheError, WriterConflictError
+from pyspark_acs.errors import AcsError, AcsOptionError, CacheError
 from pyspark_acs.format.block import HEADER_SIZE, encode_block, encode_seal, rebase_blocks, scan_blocks
 from pyspark_acs.format.names import next_file_name, shard_dir, validate_stream
 from pyspark_acs.storage.store import DurableStore, open_store
-from pyspark_acs.write.shard import OpenFile, ShardWriter, shard_for_key
+from pyspark_acs.write.shard import LaterFileError, OpenFile, ShardWriter, shard_for_key
 
 __all__ = [
     "KAFKA_COLUMNS",
@@ -735,10 +735,11 @@ class SinkCommitter:
         at = _piece_at(sizes, done)
         try:
             writer.recover(resume=OpenFile(seg["file"], start + done, seg["start_index"] + sum(rows[:at])))
-        except WriterConflictError as exc:
+        except LaterFileError as exc:
             # The planned file, created now, was sealed unused: a file sorts after it (a deposed
             # writer named one after our take-over). Ours while the lease holds (this check
-            # raises if not): the batch goes on in a new file after it, as after a seal.
+            # raises if not): the batch goes on in a new file after it, as after a seal. Nothing
+            # of the segment landed (the file was new), so every piece is redirected.
             writer.check_leases(every=True)
             return _Redirect(self._remaining(store, seg, cut), str(exc))
         if writer.current() is None or writer.file != seg["file"]:

@@ -16,7 +16,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -212,10 +212,12 @@ class DurableStore:
 
     def list_dir(self, rel: str) -> List[str]:
         """Sorted base names of the entries of a folder ([] if it does not exist)."""
+        return sorted(i.base_name for i in self._list_infos(rel))
+
+    def _list_infos(self, rel: str) -> List[pafs.FileInfo]:
         with _translate(f"list {self.uri(rel)}"):
             sel = pafs.FileSelector(self.path(rel), allow_not_found=True, recursive=False)
-            infos = self.fs.get_file_info(sel)
-        return sorted(i.base_name for i in infos)
+            return self.fs.get_file_info(sel)
 
     def list_streams(self) -> List[str]:
         """Streams in this store (folders holding a stream metadata file)."""
@@ -224,6 +226,12 @@ class DurableStore:
     def list_files(self, stream: str, shard: int) -> List[str]:
         """Message files of a shard, oldest first."""
         return [n for n in self.list_dir(shard_dir(stream, shard)) if n.endswith(FILE_SUFFIX)]
+
+    def list_file_lengths(self, stream: str, shard: int) -> List[Tuple[str, int]]:
+        """Message files of a shard with their lengths in bytes, oldest first (one listing)."""
+        infos = self._list_infos(shard_dir(stream, shard))
+        return sorted((i.base_name, int(i.size)) for i in infos
+                      if i.type == pafs.FileType.File and i.base_name.endswith(FILE_SUFFIX))
 
     def stream_shards(self, stream: str) -> Optional[int]:
         """Number of shards of ``stream``, or None if the stream does not exist."""

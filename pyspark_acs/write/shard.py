@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from typing import Any, Callable, List, NamedTuple, Optional, Set
+from typing import Any, Callable, List, NamedTuple, Optional, Set, Tuple
 
 from pyspark_acs.errors import CacheError, LeaseError, WriterConflictError
 from pyspark_acs.format.block import encode_seal
@@ -34,6 +34,7 @@ from pyspark_acs.write.file import AppendConflictError, FileTail, FileWriter, sc
 
 __all__ = [
     "DEFAULT_ROLL_BYTES",
+    "LaterFileError",
     "DEFAULT_ROLL_SECONDS",
     "LEASE_FILE",
     "OpenFile",
@@ -50,6 +51,13 @@ LEASE_FILE = "_writer.lease"
 #: A recovery seal that keeps losing the race against a deposed writer's appends gives up.
 _RECOVERY_ATTEMPTS = 20
 _CLAIM_ATTEMPTS = 5  # new files a claim may start over on (each after deposed writers' later files)
+
+
+class LaterFileError(WriterConflictError):
+    """A file this writer just created under a name it was given (not chosen) was sealed
+    unused: another writer's file sorts after it, so it would not be where the shard ends.
+    The lease may still be this writer's (the other file a deposed writer's): the caller can
+    go on in a new file (the sink redirects its batch)."""
 
 
 def shard_for_key(key: bytes, shards: int) -> int:
@@ -190,22 +198,27 @@ class ShardWriter:
         With ``resume`` (a file this writer left unsealed, e.g. the sink's file of its last
         batch): when it is still the newest file, or absent and named after every existing
         file, and ends at ``resume.length``, it stays open for the next append (a file created
-        here is claimed like :meth:`open_new`'s: WriterConflictError when another writer's file
-        sorts after it or the lease is lost, the file then sealed empty). Otherwise
+        here is claimed like :meth:`open_new`'s, but keeps its name: :class:`LaterFileError`
+        when another writer's file sorts after it, WriterConflictError when the lease is lost,
+        the file then sealed empty). Otherwise
         (or without ``resume``) the newest file is sealed at its durable length if it is not
         sealed yet (recovery: the predecessor stopped or was deposed), and the next append
         starts a new file.
 
+        Either way deposed writers' strays are sealed (:meth:`_seal_strays`).
+
         Returns the walk of the newest file when it was examined (None otherwise).
         """
         self._close_writer()
-        files = self.files()
+        listing = self.store.list_file_lengths(self.stream, self.shard)
+        files = [name for name, _ in listing]
         newest = files[-1] if files else None
         self._listed = set(files)
         if resume is not None:
             if newest == resume.file or (resume.file not in files and (newest is None or resume.file > newest)):
                 length = self.store.lengths([f"{self.dir}/{resume.file}"]).get(f"{self.dir}/{resume.file}") or 0
                 if length == resume.length:
+                    self._seal_strays(listing, keep=resume.file)
                     if resume.file != newest and newest is not None:
                         self._seal_predecessor(newest)
                     self._open(resume.file, resume.length, resume.next_index)
@@ -215,7 +228,33 @@ class ShardWriter:
                     return None
         if newest is None:
             return None
+        self._seal_strays(listing)
         return self._seal_predecessor(newest)
+
+    def _seal_strays(self, listing: List[Tuple[str, int]], keep: Optional[str] = None) -> None:
+        """Seal the files a deposed writer may have left unsealed before the newest file
+        (``listing``: the shard's files and lengths, oldest first; ``keep``: a file resumed).
+
+        A writer that stalls past its lease and then creates a file seals it in its claim; if
+        it dies first, the file stays, unsealed, wherever its name sorts (named before the
+        stall, it may sort before the new holder's files), and readers reaching it would wait
+        there for good: the newest file is the only one a recovery seals. Such a file is
+        always empty (a writer appends nothing before its claim passes) and a sealed file
+        never is, so every empty file is sealed here, at the cost of the listing recovery
+        makes anyway; and when the newest file is empty, the last file holding bytes too (its
+        writer's last one, which the newest-file rule would miss). The newest file is left to
+        the caller.
+        """
+        if not listing:
+            return
+        newest, newest_size = listing[-1]
+        strays = [name for name, size in listing if size == 0 and name not in (newest, keep)]
+        if newest_size == 0:
+            last_full = next((name for name, size in reversed(listing) if size), None)
+            if last_full is not None and last_full != keep:
+                strays.append(last_full)
+        for name in strays:
+            self._seal_predecessor(name)
 
     def _seal_predecessor(self, name: str) -> FileTail:
         """Seal ``name`` at its durable length unless sealed (the recovery seal, the fence)."""
@@ -301,8 +340,9 @@ class ShardWriter:
         Raises
         ------
         WriterConflictError
-            This writer was deposed (or, without ``may_rename``, a file sorts after ``name``);
-            the new file is sealed empty.
+            This writer was deposed; the new file is sealed empty.
+        LaterFileError
+            Without ``may_rename``: a file sorts after ``name``; the new file is sealed empty.
         """
         for _ in range(_CLAIM_ATTEMPTS):
             # Listed before the lease check: a file seen here existed before the check passed, so
@@ -316,15 +356,18 @@ class ShardWriter:
             later = [f for f in files if f > name]
             try:
                 self.check_leases(every=True)
-                # Without a lease (released) nothing says the later file is a deposed writer's.
-                why = f"{later[0]} was created after it" if later and not (may_rename and self.leases) else None
             except LeaseError as exc:
-                why = str(exc)
-            if why is not None:
                 self.seal()
                 raise WriterConflictError(
                     f"{self.what}: new file {self.store.uri(self.dir + '/' + name)} was sealed unused, this "
-                    f"writer was deposed: {why}"
+                    f"writer was deposed: {exc}"
+                ) from exc
+            # Without a lease (released) nothing says the later file is a deposed writer's.
+            if later and not (may_rename and self.leases):
+                self.seal()
+                raise LaterFileError(
+                    f"{self.what}: new file {self.store.uri(self.dir + '/' + name)} was sealed unused: "
+                    f"{later[0]} sorts after it"
                 )
             if not later:
                 break
