@@ -19,6 +19,7 @@ import pytest
 from pyspark_acs import Consumer, Producer, WriterConflictError
 from pyspark_acs.errors import StoreError
 from pyspark_acs.format.names import file_name, next_file_name, parse_file_name
+from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.file import scan_file
 
 
@@ -270,3 +271,66 @@ def test_strays_after_the_last_file_with_bytes_are_sealed_with_it(root):
     third.close()
     assert [f for f in writer.files() if not scan_file(store, f"{writer.dir}/{f}").sealed] == []
     assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["d0", "t1"]
+
+
+def test_recovery_never_recreates_a_file_the_tier_mover_deleted(root, monkeypatch):
+    """With an empty newest file, recovery also seals the last file holding bytes; that file is
+    usually sealed and tiered, and the tier mover may delete its hot copy right after
+    recovery listed the shard. Sealing it then must not create an empty sealed file in its
+    place (readers would take it for the whole file and skip its messages; hostile review of
+    c0ac7de, finding 1)."""
+    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="a")
+    first.send(b"m0")
+    first.flush()
+    first.close()
+    store = open_store(root)
+    full = store.list_files("s", 0)[-1]
+    store.write_small(f"s/00000/{next_file_name([full], 'b')}", b"")  # a writer died right after creating it
+    listed = DurableStore.list_file_lengths
+
+    def listed_then_tiered(self, stream, shard):
+        out = listed(self, stream, shard)
+        if self.exists(f"s/00000/{full}"):
+            self.delete(f"s/00000/{full}")  # the mover deletes the hot copy of the tiered file
+        return out
+
+    monkeypatch.setattr(DurableStore, "list_file_lengths", listed_then_tiered)
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="c")
+    monkeypatch.setattr(DurableStore, "list_file_lengths", listed)
+    assert full not in store.list_files("s", 0)
+    successor.close()
+
+
+def test_a_stray_that_cannot_be_sealed_yet_does_not_stop_the_next_writer(root):
+    """A stray whose seal the store refuses for now (HDFS: the dead writer's lease on the file
+    has not expired) is no reason to refuse the shard to the next writer; it is sealed at
+    that writer's next file, and readers then get every message (hostile review of c0ac7de,
+    finding 3)."""
+    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
+    first.send(b"r1")
+    first.flush()
+    first.close()
+    store = open_store(root)
+    created = parse_file_name(store.list_files("s", 0)[-1]).created - datetime.timedelta(microseconds=1)
+    stray = file_name(created, "d")
+    store.write_small(f"s/00000/{stray}", b"")
+    refused = []
+    original = DurableStore.open_appender
+
+    def appender(self, rel):
+        if rel.endswith(stray) and not refused:
+            refused.append(rel)
+            raise StoreError(f"open {rel} for append: AlreadyBeingCreatedException (simulated)")
+        return original(self, rel)
+
+    DurableStore.open_appender = appender
+    try:
+        successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t", roll_bytes=1)  # every block rolls
+    finally:
+        DurableStore.open_appender = original
+    assert refused and not scan_file(store, f"s/00000/{stray}").sealed
+    successor.send(b"t1")
+    successor.flush()
+    assert scan_file(store, f"s/00000/{stray}").sealed
+    successor.close()
+    assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["r1", "t1"]

@@ -25,7 +25,7 @@ import time
 import zlib
 from typing import Any, Callable, List, NamedTuple, Optional, Set, Tuple
 
-from pyspark_acs.errors import CacheError, LeaseError, WriterConflictError
+from pyspark_acs.errors import CacheError, LeaseError, StoreError, WriterConflictError
 from pyspark_acs.format.block import encode_seal
 from pyspark_acs.format.names import next_file_name, shard_dir
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, StoreLease
@@ -254,13 +254,36 @@ class ShardWriter:
             if last_full is not None and last_full != keep:
                 strays.append(last_full)
         for name in strays:
-            self._seal_predecessor(name)
+            self._seal_stray(name)
 
-    def _seal_predecessor(self, name: str) -> FileTail:
-        """Seal ``name`` at its durable length unless sealed (the recovery seal, the fence)."""
+    def _seal_stray(self, name: str) -> None:
+        """Seal a file a deposed writer left unsealed before the newest file, if it can be.
+
+        Failing to is no reason to stop this writer (HDFS refuses a second appender until the
+        dead writer's lease on the file expires): readers wait at the file until it is sealed,
+        and each new file of this writer tries again (its claim seals the files it has not
+        listed)."""
+        try:
+            self._seal_predecessor(name)
+        except (StoreError, AppendConflictError) as exc:
+            self._listed.discard(name)
+            log.warning("%s: could not seal %s, a file a deposed writer left unsealed; readers reaching it "
+                        "wait there until it is sealed (tried again at this writer's next file): %s",
+                        self.what, self.store.uri(f"{self.dir}/{name}"), exc)
+
+    def _seal_predecessor(self, name: str) -> Optional[FileTail]:
+        """Seal ``name`` at its durable length unless sealed (the recovery seal, the fence).
+
+        A file that is gone is left gone (None): the tier mover deletes the hot copy of a
+        sealed, tiered file at any time, and appending the seal would create an empty sealed
+        file in its place, which readers would take for the whole file.
+        """
         rel = f"{self.dir}/{name}"
         for _ in range(_RECOVERY_ATTEMPTS):
-            tail = scan_file(self.store, rel)
+            length = self.store.lengths([rel]).get(rel)
+            if length is None:
+                return None
+            tail = scan_file(self.store, rel, length=length)
             if tail.sealed:
                 return tail
             void_from = tail.end if tail.torn else None
@@ -389,11 +412,11 @@ class ShardWriter:
                 f"{self.what}: new file {self.store.uri(self.dir + '/' + name)} was sealed unused: other writers' "
                 f"files kept sorting after it ({_CLAIM_ATTEMPTS} attempts)"
             )
-        for other in files:
-            if other < name and other not in self._listed:
-                self._seal_predecessor(other)
+        unlisted = [other for other in files if other < name and other not in self._listed]
         self._listed = set(files)
         self._listed.add(name)
+        for other in unlisted:
+            self._seal_stray(other)
         return name
 
     @property
@@ -460,7 +483,7 @@ class ShardWriter:
         or the writer continues it later)."""
         self._close_writer()
 
-    def seal_file(self, name: str) -> FileTail:
+    def seal_file(self, name: str) -> Optional[FileTail]:
         """Seal the shard's file ``name`` where its valid bytes end, unless it is sealed (as a
         recovery seal; for a file this writer will not continue)."""
         if name == self.file:
