@@ -9,6 +9,7 @@ cross-cluster fault tests.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from pyspark_acs import Producer
 from pyspark_acs.cache.poller import LengthPoller
+from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.storage.store import DurableStore
 
@@ -116,6 +119,13 @@ def test_chain_copy_durable_and_cache(make_env):
     assert out.returncode == 0 and out.stdout.count("\n") == 7, out.stderr
     out = subprocess.run([acs, "tree", "--topology", str(env.topology)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "└── C" in out.stdout, out.stderr
+    # The copies say where they come from, and a Producer is refused them (only the source
+    # cluster's stream takes messages).
+    for cluster, parent in (("B", "A"), ("C", "B")):
+        with open(os.path.join(env.roots[cluster], env.stream, "_stream.json")) as f:
+            assert json.load(f)["copied_from"] == parent
+        with pytest.raises(AcsOptionError, match=f"copied from cluster '{parent}'"):
+            Producer(env.roots[cluster], env.stream, 2)
 
 
 def test_cache_copy_after_complete_durable_copy_publishes_cache_length(make_env):

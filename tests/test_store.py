@@ -102,6 +102,24 @@ def test_streams_and_shard_counts(root):
         store.stream_shards("orders")
 
 
+def test_a_copy_is_refused_to_producers_and_sinks_naming_where_to_write(root):
+    """A stream the copy daemon keeps (created with ``copied_from``) is refused to a writer of
+    messages: its take-over would seal the files being copied (recovery seals every empty
+    file, and a copy starts its files empty), and its files would mix with the source's."""
+    store = DurableStore(root)
+    assert store.create_stream("copied", 2, copied_from="A") == 2
+    assert store.create_stream("copied", 2, copied_from="A") == 2  # the copy daemon again
+    with pytest.raises(AcsOptionError, match="copy kept by the copy daemon \\(copied from cluster 'A'\\)") as err:
+        store.create_stream("copied", 2)
+    assert err.value.option == "stream"
+    from pyspark_acs import Producer
+
+    with pytest.raises(AcsOptionError, match="source cluster"):
+        Producer(root, "copied", 2)
+    assert store.create_stream("own", 1) == 1  # a stream of this cluster's own: no marker, no refusal
+    assert store.create_stream("own", 1, copied_from="A") == 1
+
+
 def test_list_files_sorted_and_only_message_files(root):
     store = DurableStore(root)
     store.create_stream("s", 1)

@@ -16,7 +16,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -235,31 +235,61 @@ class DurableStore:
 
     def stream_shards(self, stream: str) -> Optional[int]:
         """Number of shards of ``stream``, or None if the stream does not exist."""
+        meta = self._stream_meta(stream)
+        return None if meta is None else meta["shards"]
+
+    def _stream_meta(self, stream: str) -> Optional[Dict[str, Any]]:
+        """The stream's metadata file (``shards``; ``copied_from``: for a copy, the cluster it was
+        copied from),
+        or None if the stream does not exist."""
         raw = self.read_small(f"{validate_stream(stream)}/{STREAM_META_FILE}")
         if raw is None:
             return None
         try:
-            return int(json.loads(raw)["shards"])
+            meta = json.loads(raw)
+            meta["shards"] = int(meta["shards"])
+            return meta
         except (ValueError, KeyError, TypeError) as exc:
             raise StoreError(f"{self.uri(stream + '/' + STREAM_META_FILE)}: malformed stream metadata: {exc}") from exc
 
     # -- writing ---------------------------------------------------------------------------
 
-    def create_stream(self, stream: str, shards: int) -> int:
+    def create_stream(self, stream: str, shards: int, *, copied_from: Optional[str] = None) -> int:
         """Create ``stream`` with ``shards`` shards, or check that an existing one matches.
 
-        Returns the shard count. Raises AcsOptionError when the count disagrees.
+        ``copied_from``: the stream is a copy the copy daemon keeps, copied from that cluster
+        (its writer passes it). A writer of messages (Producer, sink: no ``copied_from``) is refused a
+        stream that is a copy: its take-over would seal the files being copied, and its own
+        files would mix with the source's history.
+
+        Returns the shard count.
+
+        Raises
+        ------
+        AcsOptionError
+            When the shard count disagrees (option ``shards``), or a writer of messages asks
+            for a copy (option ``stream``).
         """
-        existing = self.stream_shards(stream)
+        existing = self._stream_meta(stream)
         if existing is not None:
-            if existing != shards:
+            if existing["shards"] != shards:
                 raise AcsOptionError(
-                    f"shards: stream {stream!r} in {self.root} has {existing} shards, not {shards}", option="shards"
+                    f"shards: stream {stream!r} in {self.root} has {existing['shards']} shards, not {shards}",
+                    option="shards",
                 )
-            return existing
+            if copied_from is None and existing.get("copied_from"):
+                raise AcsOptionError(
+                    f"stream: {stream!r} in {self.root} is a copy kept by the copy daemon (copied from cluster "
+                    f"{existing['copied_from']!r}); Producers and sinks write a stream in its source cluster (the "
+                    f"topology's 'source'), never in a copy", option="stream"
+                )
+            return existing["shards"]
         for shard in range(shards):
             self.make_dirs(shard_dir(stream, shard))
-        self.write_small(f"{stream}/{STREAM_META_FILE}", json.dumps({"shards": shards, "format": 1}).encode())
+        meta: Dict[str, Any] = {"shards": shards, "format": 1}
+        if copied_from is not None:
+            meta["copied_from"] = copied_from
+        self.write_small(f"{stream}/{STREAM_META_FILE}", json.dumps(meta).encode())
         return shards
 
     def make_dirs(self, rel: str) -> None:

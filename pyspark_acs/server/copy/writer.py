@@ -292,7 +292,7 @@ class _OpWriter:
     def prepare_destination(self) -> None:
         """Make the stream findable in this cluster: _stream.json and the shard head."""
         if self.shards > 0:
-            self.s.ensure_stream(self.stream, self.shards)
+            self.s.ensure_stream(self.stream, self.shards, self.source)
         try:
             self.io.meta.set_head(self.shard_uri, self.file)
         except CacheError as exc:
@@ -669,10 +669,12 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
             except Exception:  # a wake-up only: never fail a write for it
                 log.exception("on_published hook failed for %s", rel)
 
-    def ensure_stream(self, stream: str, shards: int) -> None:
+    def ensure_stream(self, stream: str, shards: int, source: str) -> None:
         """Create ``stream`` with ``shards`` shards in this cluster's store, or check that it matches.
 
-        Remembered per servicer: a stream already checked with this shard count is not asked again.
+        ``source`` (the cluster it is copied from) goes into a stream created here, so that a
+        Producer or sink is refused it. Remembered per servicer: a stream already checked with
+        this shard count is not asked again.
 
         Raises
         ------
@@ -684,7 +686,7 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         with self._lock:
             if self._streams.get(stream) == shards:
                 return
-        self.io.store.create_stream(stream, shards)
+        self.io.store.create_stream(stream, shards, copied_from=source)
         with self._lock:
             self._streams[stream] = shards
 
