@@ -235,13 +235,19 @@ class DurableStore:
 
     def stream_shards(self, stream: str) -> Optional[int]:
         """Number of shards of ``stream``, or None if the stream does not exist."""
-        meta = self._stream_meta(stream)
+        meta = self.stream_meta(stream)
         return None if meta is None else meta["shards"]
 
-    def _stream_meta(self, stream: str) -> Optional[Dict[str, Any]]:
-        """The stream's metadata file (``shards``; ``copied_from``: for a copy, the cluster it was
-        copied from),
-        or None if the stream does not exist."""
+    def stream_meta(self, stream: str) -> Optional[Dict[str, Any]]:
+        """The stream's metadata file as a dict (``shards``; ``copied_from``: for a copy, the
+        cluster it was copied from; ``tier``: :mod:`pyspark_acs.storage.tier`'s settings), or
+        None if the stream does not exist.
+
+        Raises
+        ------
+        StoreError
+            The file is not such an object (naming it).
+        """
         raw = self.read_small(f"{validate_stream(stream)}/{STREAM_META_FILE}")
         if raw is None:
             return None
@@ -270,7 +276,7 @@ class DurableStore:
             When the shard count disagrees (option ``shards``), or a writer of messages asks
             for a copy (option ``stream``).
         """
-        existing = self._stream_meta(stream)
+        existing = self.stream_meta(stream)
         if existing is not None:
             if existing["shards"] != shards:
                 raise AcsOptionError(

@@ -48,7 +48,7 @@ import pyarrow.fs as pafs
 
 from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError
 from pyspark_acs.format.block import HEADER_SIZE
-from pyspark_acs.format.names import shard_dir, validate_stream
+from pyspark_acs.format.names import shard_dir
 from pyspark_acs.storage.store import _translate as _store_translate, open_filesystem
 from pyspark_acs.storage.store import STREAM_META_FILE, DurableStore
 
@@ -199,16 +199,9 @@ class TierSettings:
 
 
 def _stream_meta(store: DurableStore, stream: str) -> Dict[str, Any]:
-    rel = f"{validate_stream(stream)}/{STREAM_META_FILE}"
-    raw = store.read_small(rel)
-    if raw is None:
+    meta = store.stream_meta(stream)
+    if meta is None:
         raise AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
-    try:
-        meta = json.loads(raw)
-        if not isinstance(meta, dict):
-            raise ValueError("not an object")
-    except ValueError as exc:
-        raise StoreError(f"{store.uri(rel)}: malformed stream metadata: {exc}") from exc
     return meta
 
 
