@@ -22,6 +22,8 @@ from pyspark_acs.format.names import file_name, next_file_name, parse_file_name
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.file import scan_file
 
+from _races import later_files_at_first_open
+
 
 def _drain(consumer: Consumer, timeout: float) -> list:
     return [v.decode() for b in consumer.batches(timeout=timeout) for v in b.column("value").to_pylist()]
@@ -82,7 +84,7 @@ def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
     live.close()
 
 
-def test_lease_holder_moves_past_a_deposed_writers_later_file(root):
+def test_lease_holder_moves_past_a_deposed_writers_later_file(root, monkeypatch):
     """The race CI found in the test above: the deposed writer names its file after the
     successor's take-over (so it sorts after the successor's new file) and creates it while
     the successor claims its own. The deposed writer's check fails and it stops; the
@@ -107,16 +109,7 @@ def test_lease_holder_moves_past_a_deposed_writers_later_file(root):
     successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
     taken_over.set()
     writer = successor._shards[0].writer
-    original = writer._open
-    late = []
-
-    def open_and_race(name, length, index):
-        original(name, length, index)
-        if not late:  # the deposed writer's file, named after ours, appears before our claim
-            late.append(next_file_name([name], "d"))
-            writer.store.write_small(f"{writer.dir}/{late[0]}", b"")
-
-    writer._open = open_and_race
+    late = later_files_at_first_open(monkeypatch, writer, ["d"])  # before our claim
     successor.send(b"r1")
     successor.flush()  # failed before: the successor took the later file for a successor's
     seen += _drain(live, 1.5)
@@ -135,12 +128,15 @@ def test_lease_holder_moves_past_a_deposed_writers_later_file(root):
     live.close()
 
 
-def test_a_later_file_that_cannot_be_sealed_strands_no_file_of_ours(root):
-    """Hostile review of the test above's fix: when the deposed writer's later file cannot be
-    sealed (HDFS refuses a second appender while that writer's stream is open; any store error
-    alike), the lease holder stops, but its own empty file must already be sealed: it sorts
-    before the later file, so no take-over's recovery (which seals the newest file) would seal
-    it, and readers entering it would wait there forever."""
+@pytest.mark.parametrize("later", [["x"], ["x", "y"]], ids=["one", "two"])
+def test_a_later_file_that_cannot_be_sealed_strands_no_file(root, monkeypatch, later):
+    """Deposed writers' files appear after the lease holder's new file, and the first cannot be
+    sealed (HDFS refuses a second appender while its writer's stream is open; any store error
+    alike): the holder stops. Its own empty file must already be sealed: it sorts before the
+    later files, so a take-over's newest-file seal would miss it (hostile review of bbd2ce1,
+    finding 1). With two, the first stays unsealed and is not the newest: the next take-over
+    seals every empty file, and with the newest empty, the last file holding bytes too
+    (hostile review of 350838f, finding 3). Readers then get every message."""
     first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
     first.send(b"d0")
     first.flush()
@@ -148,35 +144,21 @@ def test_a_later_file_that_cannot_be_sealed_strands_no_file_of_ours(root):
     successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
     writer = successor._shards[0].writer
     store = writer.store
-    original_open, original_appender = writer._open, store.open_appender
-    late = []
-
-    def open_and_race(name, length, index):
-        original_open(name, length, index)
-        if not late:
-            late.append(next_file_name([name], "x"))
-            store.write_small(f"{writer.dir}/{late[0]}", b"")
-
-    def appender(rel):
-        if late and rel.endswith(late[0]):
-            raise StoreError(f"open {rel} for append: AlreadyBeingCreatedException (simulated)")
-        return original_appender(rel)
-
-    writer._open = open_and_race
-    store.open_appender = appender
+    late = later_files_at_first_open(monkeypatch, writer, later, refuse_first=True)
     successor.send(b"r1")
     with pytest.raises(StoreError, match="AlreadyBeingCreated"):
         successor.flush()
     with pytest.raises(StoreError):
         successor.close()
-    store.open_appender = original_appender
-    files = writer.files()
-    assert [f for f in files if not scan_file(store, f"{writer.dir}/{f}").sealed] == late  # only the newest
+    monkeypatch.undo()  # the refusal ends (the dead writer's HDFS lease on the file expired)
+    unsealed = [f for f in writer.files() if not scan_file(store, f"{writer.dir}/{f}").sealed]
+    assert unsealed == late  # ours is sealed; the refused one and any after it are not
     time.sleep(1.2)  # the successor's lease runs out
-    third = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")  # recovery seals the newest file
+    third = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")
     third.send(b"t1")
     third.flush()
     third.close()
+    assert [f for f in writer.files() if not scan_file(store, f"{writer.dir}/{f}").sealed] == []
     assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["d0", "t1"]
 
 
@@ -225,52 +207,6 @@ def test_a_stray_before_our_file_is_sealed_by_the_next_writers_recovery(root):
     restarted.close()
     assert scan_file(writer.store, f"{writer.dir}/{stray}").sealed
     assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["r1", "r2"]
-
-
-def test_strays_after_the_last_file_with_bytes_are_sealed_with_it(root):
-    """Two deposed writers' later files, the first of which cannot be sealed (HDFS refuses a
-    second appender): the successor stops, leaving it unsealed and not the newest file. The
-    next take-over seals every empty file, and with the newest file empty, the last file
-    holding bytes too (hostile review of 350838f, finding 3)."""
-    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
-    first.send(b"d0")
-    first.flush()
-    first.close()
-    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
-    writer = successor._shards[0].writer
-    store = writer.store
-    original_open, original_appender = writer._open, store.open_appender
-    late = []
-
-    def open_and_race(name, length, index):
-        original_open(name, length, index)
-        if not late:
-            late.append(next_file_name([name], "x"))
-            late.append(next_file_name([late[0]], "y"))
-            for other in late:
-                store.write_small(f"{writer.dir}/{other}", b"")
-
-    def appender(rel):
-        if late and rel.endswith(late[0]):
-            raise StoreError(f"open {rel} for append: AlreadyBeingCreatedException (simulated)")
-        return original_appender(rel)
-
-    writer._open = open_and_race
-    store.open_appender = appender
-    successor.send(b"r1")
-    with pytest.raises(StoreError, match="AlreadyBeingCreated"):
-        successor.flush()
-    with pytest.raises(StoreError):
-        successor.close()
-    store.open_appender = original_appender
-    assert not scan_file(store, f"{writer.dir}/{late[0]}").sealed
-    time.sleep(1.2)  # the successor's lease runs out
-    third = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")
-    third.send(b"t1")
-    third.flush()
-    third.close()
-    assert [f for f in writer.files() if not scan_file(store, f"{writer.dir}/{f}").sealed] == []
-    assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["d0", "t1"]
 
 
 def test_recovery_never_recreates_a_file_the_tier_mover_deleted(root, monkeypatch):

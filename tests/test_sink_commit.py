@@ -17,9 +17,11 @@ from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.datasource.options import parse_sink_options
 from pyspark_acs.datasource.sink import AcsStreamWriter, SinkCommitter
 from pyspark_acs.errors import AcsError, AcsOptionError
-from pyspark_acs.format.names import file_name, next_file_name, parse_file_name
+from pyspark_acs.format.names import file_name, parse_file_name
 from pyspark_acs.storage.store import open_store
 from pyspark_acs.write.file import scan_file
+
+from _races import later_files_at_first_open
 from pyspark_acs.write.shard import ShardWriter
 
 SCHEMA = StructType([StructField("shard", IntegerType()), StructField("value", BinaryType())])
@@ -219,16 +221,7 @@ def test_a_deposed_writers_later_file_redirects_the_batch_not_fails_it(root, mon
     creates its planned file, a deposed writer's file named after it appears. The sink holds
     the lease, so the batch goes on in a new file after that one (a redirect, as after a
     seal) instead of failing the query; every row lands once, in order."""
-    real_open = ShardWriter._open
-    late = []
-
-    def open_and_race(self, name, length, index):
-        real_open(self, name, length, index)
-        if not late and self.shard == 0:
-            late.append(next_file_name([name], "x"))
-            self.store.write_small(f"{self.dir}/{late[0]}", b"")
-
-    monkeypatch.setattr(ShardWriter, "_open", open_and_race)
+    late = later_files_at_first_open(monkeypatch, ShardWriter, ["x"])
     w = writer(root)
     w.commit([w.write(iter([batch([b"a0", b"a1", b"a2"], [0, 1, 0])]))], 0)
     w.commit([w.write(iter([batch([b"b0", b"b1"], [0, 1])]))], 1)
@@ -264,18 +257,7 @@ def test_two_later_files_redirect_the_batch_and_are_both_sealed(root, monkeypatc
     """Two deposed writers' files appear right after the sink creates its planned file: the
     batch is redirected after them and both are sealed (the redirect's recovery seals every
     empty file, not only the newest; hostile review of c06cc8a, finding 2)."""
-    real_open = ShardWriter._open
-    late = []
-
-    def open_and_race(self, name, length, index):
-        real_open(self, name, length, index)
-        if not late and self.shard == 0:
-            late.append(next_file_name([name], "x"))
-            late.append(next_file_name([late[0]], "y"))
-            for other in late:
-                self.store.write_small(f"{self.dir}/{other}", b"")
-
-    monkeypatch.setattr(ShardWriter, "_open", open_and_race)
+    late = later_files_at_first_open(monkeypatch, ShardWriter, ["x", "y"])
     w = writer(root)
     w.commit([w.write(iter([batch([b"a0", b"a1", b"a2"], [0, 1, 0])]))], 0)
     assert not set(late) & set(_unsealed(root))
@@ -286,15 +268,7 @@ def test_a_driver_that_dies_right_after_a_redirect_retries_exactly_once(root, mo
     """The redirect of the test above, with the driver dying right after it (before the intent
     holds the new segments): Spark aborts, the restarted query retries batch 0 and replays
     batch 1; every row lands once, in order (hostile review of c06cc8a)."""
-    real_open = ShardWriter._open
-    late = []
-
-    def open_and_race(self, name, length, index):
-        real_open(self, name, length, index)
-        if not late and self.shard == 0:
-            late.append(next_file_name([name], "x"))
-            self.store.write_small(f"{self.dir}/{late[0]}", b"")
-
+    later_files_at_first_open(monkeypatch, ShardWriter, ["x"])
     real_redirect = SinkCommitter._redirect
     calls = []
 
@@ -305,7 +279,6 @@ def test_a_driver_that_dies_right_after_a_redirect_retries_exactly_once(root, mo
             raise AcsError("injected: the driver died right after the redirect")
         return out
 
-    monkeypatch.setattr(ShardWriter, "_open", open_and_race)
     monkeypatch.setattr(SinkCommitter, "_redirect", redirect_then_die)
     w = writer(root)
     first = [w.write(iter([batch([b"a0", b"a1", b"a2"], [0, 1, 0])]))]
