@@ -10,6 +10,7 @@ the new writer's: live readers would skip its acknowledged messages). Both faile
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -21,6 +22,7 @@ from pyspark_acs.errors import StoreError
 from pyspark_acs.format.names import file_name, next_file_name, parse_file_name
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.file import scan_file
+from pyspark_acs.write.shard import STRAY_RETRY_S
 
 from _races import later_files_at_first_open
 
@@ -237,11 +239,11 @@ def test_recovery_never_recreates_a_file_the_tier_mover_deleted(root, monkeypatc
     successor.close()
 
 
-def test_a_stray_that_cannot_be_sealed_yet_does_not_stop_the_next_writer(root):
-    """A stray whose seal the store refuses for now (HDFS: the dead writer's lease on the file
-    has not expired) is no reason to refuse the shard to the next writer; it is sealed at
-    that writer's next file, and readers then get every message (hostile review of c0ac7de,
-    finding 3)."""
+def test_a_stray_that_cannot_be_sealed_yet_does_not_stop_the_next_writer(root, monkeypatch):
+    """An empty stray whose seal the store refuses for now (HDFS: the dead writer's lease on the
+    file has not expired) is no reason to refuse the shard to the next writer (nothing in it
+    to fence); the writer tries again every STRAY_RETRY_S while idle, and readers then get
+    every message (hostile review of c0ac7de, finding 3, and of a1a24e8, finding 4)."""
     first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
     first.send(b"r1")
     first.flush()
@@ -254,19 +256,56 @@ def test_a_stray_that_cannot_be_sealed_yet_does_not_stop_the_next_writer(root):
     original = DurableStore.open_appender
 
     def appender(self, rel):
-        if rel.endswith(stray) and not refused:
+        if rel.endswith(stray) and len(refused) < 2:  # at recovery, and at the first retry
             refused.append(rel)
             raise StoreError(f"open {rel} for append: AlreadyBeingCreatedException (simulated)")
         return original(self, rel)
 
-    DurableStore.open_appender = appender
-    try:
-        successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t", roll_bytes=1)  # every block rolls
-    finally:
-        DurableStore.open_appender = original
-    assert refused and not scan_file(store, f"s/00000/{stray}").sealed
+    monkeypatch.setattr(DurableStore, "open_appender", appender)
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")
     successor.send(b"t1")
-    successor.flush()
-    assert scan_file(store, f"s/00000/{stray}").sealed
-    successor.close()
+    successor.flush()  # acknowledged while the stray still waits for its seal
+    deadline = time.monotonic() + 10 * STRAY_RETRY_S
+    while not scan_file(store, f"s/00000/{stray}").sealed:  # the idle writer's housekeeping
+        assert time.monotonic() < deadline, refused
+        time.sleep(0.1)
+    assert len(refused) == 2
     assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["r1", "t1"]
+    successor.close()
+
+
+def test_a_refused_seal_of_the_last_file_with_bytes_stops_the_take_over(root, monkeypatch):
+    """With an empty newest file, the last file holding bytes is fenced like the newest one: a
+    deposed writer may still hold it with an append in flight (HDFS refuses the seal then),
+    so a refused seal stops the take-over, it is not logged and passed (hostile review of
+    a1a24e8, finding 1)."""
+    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
+    first.send(b"d0")
+    first.flush()
+    writer = first._shards[0].writer
+    full = writer.file
+    resumed = threading.Event()
+    check = writer.check_leases
+
+    def stalled(every=False):
+        resumed.wait(30)  # d stalls holding its file, unsealed, past its lease
+        return check(every=every)
+
+    writer.check_leases = stalled
+    store = open_store(root)
+    store.write_small(f"s/00000/{next_file_name([full], 'x')}", b"")
+    original = DurableStore.open_appender
+
+    def appender(self, rel):
+        if rel.endswith(full):
+            raise StoreError(f"open {rel} for append: AlreadyBeingCreatedException (simulated)")
+        return original(self, rel)
+
+    monkeypatch.setattr(DurableStore, "open_appender", appender)
+    time.sleep(1.2)  # d's lease runs out
+    with pytest.raises(StoreError, match="AlreadyBeingCreated"):
+        Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")
+    monkeypatch.undo()
+    resumed.set()
+    with contextlib.suppress(WriterConflictError):  # its lease was taken over before the recovery stopped
+        first.close()

@@ -289,3 +289,19 @@ def test_a_driver_that_dies_right_after_a_redirect_retries_exactly_once(root, mo
     w.commit([w.write(iter([batch([b"b0"], [0])]))], 1)
     w.commit([w.write(iter([batch([b"b0"], [0])]))], 1)  # Spark's replay after a restart
     assert stream_values(root) == {0: [b"a0", b"a2", b"b0"], 1: [b"a1"]}
+
+
+def test_a_copy_is_refused_to_the_sink(root):
+    """A stream the copy daemon keeps (its _stream.json names the cluster it is copied from) is
+    refused to the sink, whether the stream is its option or a row's column (hostile review
+    of f5f4808, finding 2: only a missing stream was checked)."""
+    from pyspark_acs.datasource import sink as K
+
+    open_store(root).create_stream("out", 2, copied_from="A")
+    with pytest.raises(AcsOptionError, match="copied from cluster 'A'") as err:
+        writer(root)
+    assert err.value.option == "stream"
+    opts = parse_sink_options({"root": root, "shards": "2", "sinkId": "r"})
+    routed = pa.RecordBatch.from_pydict({"stream": ["out"], "value": [b"x"]})
+    with pytest.raises(AcsOptionError, match="copied from cluster 'A'"):
+        K._Stager(opts, K._sink_id(opts), {}).write(iter([routed]))

@@ -116,8 +116,16 @@ def test_a_copy_is_refused_to_producers_and_sinks_naming_where_to_write(root):
 
     with pytest.raises(AcsOptionError, match="source cluster"):
         Producer(root, "copied", 2)
-    assert store.create_stream("own", 1) == 1  # a stream of this cluster's own: no marker, no refusal
+    with pytest.raises(AcsOptionError, match="copied from cluster 'A'"):
+        store.writer_shards("copied")  # the sink's check of an existing stream
+    assert store.create_stream("own", 1) == 1 and store.writer_shards("own") == 1  # this cluster's own
+    # A copy made before copies said so (or created by a writer first) is marked at the copy
+    # daemon's next check, and a rebuilt tree's new parent replaces the old one.
     assert store.create_stream("own", 1, copied_from="A") == 1
+    with pytest.raises(AcsOptionError, match="copied from cluster 'A'"):
+        store.create_stream("own", 1)
+    store.create_stream("own", 1, copied_from="B")
+    assert store.stream_meta("own")["copied_from"] == "B"
 
 
 def test_list_files_sorted_and_only_message_files(root):

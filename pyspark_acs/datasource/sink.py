@@ -297,7 +297,7 @@ class _Stager:
             validate_stream(stream)
         except ValueError as exc:
             raise AcsOptionError(f"acs sink: column 'stream': {exc}", option="stream") from None
-        existing = store.stream_shards(stream)
+        existing = store.writer_shards(stream)
         if existing is None:
             if self.opts.shards is None:
                 raise AcsOptionError(
@@ -916,7 +916,7 @@ def _prepare(opts: SinkOptions) -> Dict[str, int]:
         return {}
     store = open_store(opts.root)
     try:
-        existing = store.stream_shards(opts.stream)
+        existing = store.writer_shards(opts.stream)
         if existing is None:
             if opts.shards is None:
                 raise AcsOptionError(

@@ -238,6 +238,29 @@ class DurableStore:
         meta = self.stream_meta(stream)
         return None if meta is None else meta["shards"]
 
+    def writer_shards(self, stream: str) -> Optional[int]:
+        """:meth:`stream_shards` for a writer of messages (a Producer, the sink), which a copy
+        is refused (see :meth:`create_stream`).
+
+        Raises
+        ------
+        AcsOptionError
+            The stream is a copy the copy daemon keeps (option ``stream``).
+        """
+        meta = self.stream_meta(stream)
+        if meta is None:
+            return None
+        self._refuse_copy(stream, meta)
+        return meta["shards"]
+
+    def _refuse_copy(self, stream: str, meta: Dict[str, Any]) -> None:
+        if meta.get("copied_from"):
+            raise AcsOptionError(
+                f"stream: {stream!r} in {self.root} is a copy kept by the copy daemon (copied from cluster "
+                f"{meta['copied_from']!r}); Producers and sinks write a stream in its source cluster (the "
+                f"topology's 'source'), never in a copy", option="stream"
+            )
+
     def stream_meta(self, stream: str) -> Optional[Dict[str, Any]]:
         """The stream's metadata file as a dict (``shards``; ``copied_from``: for a copy, the
         cluster it was copied from; ``tier``: :mod:`pyspark_acs.storage.tier`'s settings), or
@@ -283,12 +306,13 @@ class DurableStore:
                     f"shards: stream {stream!r} in {self.root} has {existing['shards']} shards, not {shards}",
                     option="shards",
                 )
-            if copied_from is None and existing.get("copied_from"):
-                raise AcsOptionError(
-                    f"stream: {stream!r} in {self.root} is a copy kept by the copy daemon (copied from cluster "
-                    f"{existing['copied_from']!r}); Producers and sinks write a stream in its source cluster (the "
-                    f"topology's 'source'), never in a copy", option="stream"
-                )
+            if copied_from is None:
+                self._refuse_copy(stream, existing)
+            elif existing.get("copied_from") != copied_from:
+                # A copy made before streams said so, or whose parent changed (the copy tree was
+                # rebuilt): say so now.
+                existing["copied_from"] = copied_from
+                self.write_small(f"{stream}/{STREAM_META_FILE}", json.dumps(existing).encode())
             return existing["shards"]
         for shard in range(shards):
             self.make_dirs(shard_dir(stream, shard))

@@ -618,6 +618,7 @@ class Producer:
         for sh in self._shards:
             sh.writer.check_leases()  # a poisoned lease raises LeasePoisonedError: the writer stops
             sh.writer.roll_if_old()
+            sh.writer.seal_strays_left()
 
     def _write_pending(self) -> int:
         """Write the pending messages as blocks; return how many were written.

@@ -34,9 +34,10 @@ from pyspark_acs.write.file import AppendConflictError, FileTail, FileWriter, sc
 
 __all__ = [
     "DEFAULT_ROLL_BYTES",
-    "LaterFileError",
     "DEFAULT_ROLL_SECONDS",
     "LEASE_FILE",
+    "STRAY_RETRY_S",
+    "LaterFileError",
     "OpenFile",
     "ShardWriter",
     "shard_for_key",
@@ -50,6 +51,8 @@ DEFAULT_ROLL_SECONDS = 600.0
 LEASE_FILE = "_writer.lease"
 #: A recovery seal that keeps losing the race against a deposed writer's appends gives up.
 _RECOVERY_ATTEMPTS = 20
+#: How often a writer tries again to seal an empty stray the store refused to seal (seconds).
+STRAY_RETRY_S = 1.0
 _CLAIM_ATTEMPTS = 5  # new files a claim may start over on (each after deposed writers' later files)
 
 
@@ -128,6 +131,10 @@ class ShardWriter:
         # The shard's files as this writer last listed them (recover, then each claim): a file
         # sorting before a new one of ours and not in it appeared since, a deposed writer's.
         self._listed: Set[str] = set()
+        # Empty strays the store refused to seal, tried again by seal_strays_left (no sooner
+        # than _strays_retry_at, monotonic); the writer's own thread alone touches both.
+        self._strays_left: Set[str] = set()
+        self._strays_retry_at = 0.0
 
     # -- lease -----------------------------------------------------------------------------
 
@@ -240,36 +247,56 @@ class ShardWriter:
         stall, it may sort before the new holder's files), and readers reaching it would wait
         there for good: the newest file is the only one a recovery seals. Such a file is
         always empty (a writer appends nothing before its claim passes) and a sealed file
-        never is, so every empty file is sealed here, at the cost of the listing recovery
-        makes anyway; and when the newest file is empty, the last file holding bytes too (its
-        writer's last one, which the newest-file rule would miss). The newest file is left to
-        the caller.
+        never is, so every empty file is sealed here (:meth:`_seal_stray`), at the cost of the
+        listing recovery makes anyway; and when the newest file is empty, the last file
+        holding bytes too (its writer's last one, which the newest-file rule would miss;
+        fenced as the newest file is). The newest file is left to the caller.
         """
         if not listing:
             return
         newest, newest_size = listing[-1]
-        strays = [name for name, size in listing if size == 0 and name not in (newest, keep)]
         if newest_size == 0:
+            # Its writer's last file may hold acknowledged bytes and a deposed writer's append
+            # in flight: fenced like the newest file, so a refusal stops this take-over.
             last_full = next((name for name, size in reversed(listing) if size), None)
             if last_full is not None and last_full != keep:
-                strays.append(last_full)
-        for name in strays:
-            self._seal_stray(name)
+                self._seal_predecessor(last_full)
+        for name, size in listing:
+            if size == 0 and name not in (newest, keep):
+                self._seal_stray(name)
 
     def _seal_stray(self, name: str) -> None:
-        """Seal a file a deposed writer left unsealed before the newest file, if it can be.
+        """Seal an empty file a deposed writer left unsealed before the newest file, if it can be.
 
         Failing to is no reason to stop this writer (HDFS refuses a second appender until the
-        dead writer's lease on the file expires): readers wait at the file until it is sealed,
-        and each new file of this writer tries again (its claim seals the files it has not
-        listed)."""
+        dead writer's lease on the file expires), as long as the file is still empty (nothing
+        to fence): readers wait at it until it is sealed, and the writer tries again every
+        :data:`STRAY_RETRY_S` (:meth:`seal_strays_left`) and at each new file (its claim seals
+        the files it has not listed). A file that holds bytes by then raises as any fence.
+        """
+        rel = f"{self.dir}/{name}"
         try:
             self._seal_predecessor(name)
         except (StoreError, AppendConflictError) as exc:
+            if self.store.lengths([rel]).get(rel):
+                raise
             self._listed.discard(name)
-            log.warning("%s: could not seal %s, a file a deposed writer left unsealed; readers reaching it "
-                        "wait there until it is sealed (tried again at this writer's next file): %s",
-                        self.what, self.store.uri(f"{self.dir}/{name}"), exc)
+            self._strays_left.add(name)
+            log.warning("%s: could not seal %s, an empty file a deposed writer left unsealed; readers reaching "
+                        "it wait there until it is sealed (tried again every %.0f s): %s",
+                        self.what, self.store.uri(rel), STRAY_RETRY_S, exc)
+        else:
+            self._strays_left.discard(name)
+
+    def seal_strays_left(self) -> None:
+        """Try again to seal the strays whose seal the store refused (housekeeping: at most
+        every :data:`STRAY_RETRY_S`)."""
+        now = time.monotonic()
+        if not self._strays_left or now < self._strays_retry_at:
+            return
+        self._strays_retry_at = now + STRAY_RETRY_S
+        for name in sorted(self._strays_left):
+            self._seal_stray(name)
 
     def _seal_predecessor(self, name: str) -> Optional[FileTail]:
         """Seal ``name`` at its durable length unless sealed (the recovery seal, the fence).
