@@ -631,6 +631,10 @@ def test_takeover_seals_a_torn_tail_and_readers_continue(root, python_exe, subpr
     seal = parse_header(data, complete + 300)
     assert seal.sealed and seal.first_index == 20
     assert seal_void_from(data, complete + 300, seal, complete + 300) == complete
+    # The writers' walk finds that seal too (the read side's rule), so the next take-over does
+    # not seal the file again (hostile review of a1a24e8, finding 5).
+    tail = scan_file(DurableStore(root), f"{shard_dir('torn', 0)}/{name}")
+    assert (tail.sealed_at, tail.end, tail.next_index) == (complete + 300, complete, 20)
     expected = [b"child-%d" % i for i in range(20)] + [b"successor-%d" % i for i in range(5)]
     assert live == expected
     assert fresh_values(root, "torn") == expected

@@ -73,7 +73,7 @@ import threading
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from pyspark_acs.errors import CacheError, CorruptFileError, WriterConflictError
-from pyspark_acs.format.block import HEADER_SIZE, parse_header
+from pyspark_acs.format.block import HEADER_SIZE, find_recovery_seal, parse_header
 from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS, exclusive
 from pyspark_acs.storage.store import Appender, DurableStore
 
@@ -162,7 +162,10 @@ def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int
 
     Bodies are not read (a large block is skipped by its header), so the cost is about the
     number of blocks. Bytes that do not form a complete block (a torn block, a header cut
-    short, or bytes that are not a header) end the walk: they are the torn tail.
+    short, or bytes that are not a header) end the walk: they are the torn tail, and the file
+    is sealed only if a recovery seal voiding them follows (the read side's rule,
+    :func:`~pyspark_acs.format.block.find_recovery_seal`; bytes of the torn block are never
+    taken for one). Without that, every take-over sealed such a file again.
     """
     uri = store.uri(rel)
     if length is None:
@@ -185,6 +188,10 @@ def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int
             return FileTail(length, at, index, at)
         index = header.first_index + header.count
         at += header.size
+    if length - at >= HEADER_SIZE:
+        found = find_recovery_seal(store.read(rel, at, length), at, base=at, path=uri)
+        if found is not None:
+            return FileTail(length, at, index, at + found[0])
     return FileTail(length, at, index, None)
 
 
