@@ -1090,3 +1090,23 @@ def test_an_append_past_a_lock_held_by_a_stopped_process_is_refused_and_appends_
         _end(None, holder)
         f.close()
     assert fresh_values(root, "busy") == [b"a", b"b"]
+
+
+@pytest.mark.parametrize("window", [64, 100, 1000])
+def test_the_walk_finds_a_recovery_seal_across_its_read_windows(root, monkeypatch, window):
+    """scan_file searches a torn tail for its recovery seal window by window (a corrupt header
+    early in a large file must not make it read the rest at once); a seal across a window's
+    end is found in the next window, however the torn bytes fall."""
+    import pyspark_acs.write.file as file_module
+
+    monkeypatch.setattr(file_module, "_SCAN_WINDOW", window)
+    store = DurableStore(root)
+    good = encode_block([b"a" * 40], None, [1], first_index=0)
+    for cut in range(150, 270, 7):
+        torn = encode_block([b"b" * 300], None, [1], first_index=1)[:cut]
+        rel = f"s/00000/20260101T000000{cut:06d}Z-w.acs"
+        appender = store.open_appender(rel)
+        appender.write(good + torn + encode_seal(1, void_from=len(good)))
+        appender.close()
+        tail = scan_file(store, rel)
+        assert (tail.end, tail.next_index, tail.sealed_at) == (len(good), 1, len(good) + cut), cut

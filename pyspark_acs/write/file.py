@@ -188,11 +188,26 @@ def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int
             return FileTail(length, at, index, at)
         index = header.first_index + header.count
         at += header.size
-    if length - at >= HEADER_SIZE:
-        found = find_recovery_seal(store.read(rel, at, length), at, base=at, path=uri)
+    sealed_at = _recovery_seal_after(store, rel, at, length, uri) if length - at >= HEADER_SIZE else None
+    return FileTail(length, at, index, sealed_at)
+
+
+def _recovery_seal_after(store: DurableStore, rel: str, at: int, length: int, uri: str) -> Optional[int]:
+    """Where the recovery seal that voids the torn tail from ``at`` begins (None: none before
+    ``length``), searched window by window: a corrupt header early in a large file, or a
+    large block still landing, would otherwise be read whole at once. Windows overlap by a
+    recovery seal's size, so a seal across a window's end is whole in the next one."""
+    overlap = HEADER_SIZE + 8
+    start = at
+    while start < length:
+        end = min(length, start + _SCAN_WINDOW)
+        found = find_recovery_seal(store.read(rel, start, end), at, base=start, path=uri)
         if found is not None:
-            return FileTail(length, at, index, at + found[0])
-    return FileTail(length, at, index, None)
+            return start + found[0]
+        if end == length:
+            return None
+        start = end - overlap
+    return None
 
 
 def append_lock(store: DurableStore, rel: str) -> "contextlib.AbstractContextManager[bool]":

@@ -25,7 +25,7 @@ import time
 import zlib
 from typing import Any, Callable, List, NamedTuple, Optional, Set, Tuple
 
-from pyspark_acs.errors import CacheError, LeaseError, StoreError, WriterConflictError
+from pyspark_acs.errors import CacheError, LeaseError, StoreError, StoreFileNotFoundError, WriterConflictError
 from pyspark_acs.format.block import encode_seal
 from pyspark_acs.format.names import next_file_name, shard_dir
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, StoreLease
@@ -281,10 +281,12 @@ class ShardWriter:
             if self.store.lengths([rel]).get(rel):
                 raise
             self._listed.discard(name)
+            # Warned once per stray (it is tried again about every second while refused).
+            report = log.debug if name in self._strays_left else log.warning
             self._strays_left.add(name)
-            log.warning("%s: could not seal %s, an empty file a deposed writer left unsealed; readers reaching "
-                        "it wait there until it is sealed (tried again every %.0f s): %s",
-                        self.what, self.store.uri(rel), STRAY_RETRY_S, exc)
+            report("%s: could not seal %s, an empty file a deposed writer left unsealed; readers reaching it "
+                   "wait there until it is sealed (tried again every %.0f s): %s",
+                   self.what, self.store.uri(rel), STRAY_RETRY_S, exc)
         else:
             self._strays_left.discard(name)
 
@@ -310,7 +312,10 @@ class ShardWriter:
             length = self.store.lengths([rel]).get(rel)
             if length is None:
                 return None
-            tail = scan_file(self.store, rel, length=length)
+            try:
+                tail = scan_file(self.store, rel, length=length)
+            except StoreFileNotFoundError:
+                return None  # deleted since (a tiered file's hot copy): sealed before, gone now
             if tail.sealed:
                 return tail
             void_from = tail.end if tail.torn else None
