@@ -207,10 +207,9 @@ class ShardWriter:
         file, and ends at ``resume.length``, it stays open for the next append (a file created
         here is claimed like :meth:`open_new`'s, but keeps its name: :class:`LaterFileError`
         when another writer's file sorts after it, WriterConflictError when the lease is lost,
-        the file then sealed empty). Otherwise
-        (or without ``resume``) the newest file is sealed at its durable length if it is not
-        sealed yet (recovery: the predecessor stopped or was deposed), and the next append
-        starts a new file.
+        the file then sealed empty). Otherwise (or without ``resume``) the newest file is
+        sealed at its durable length if it is not sealed yet (recovery: the predecessor
+        stopped or was deposed), and the next append starts a new file.
 
         Either way deposed writers' strays are sealed (:meth:`_seal_strays`).
 
