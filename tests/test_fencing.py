@@ -19,6 +19,7 @@ import pytest
 
 from pyspark_acs import Consumer, Producer, WriterConflictError
 from pyspark_acs.errors import StoreError
+from pyspark_acs.format.block import encode_seal
 from pyspark_acs.format.names import file_name, next_file_name, parse_file_name
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.file import scan_file
@@ -309,3 +310,35 @@ def test_a_refused_seal_of_the_last_file_with_bytes_stops_the_take_over(root, mo
     resumed.set()
     with contextlib.suppress(WriterConflictError):  # its lease was taken over before the recovery stopped
         first.close()
+
+
+def test_a_file_sealed_unused_after_a_crashed_writers_file_does_not_hide_it(root, monkeypatch):
+    """A deposed writer's file that its claim sealed unused (a lone seal) sorts after the last
+    writer's file, which that writer left unsealed when it crashed: the next take-over must
+    fence that file too, as when the newest file is empty, or readers wait at its end for
+    good and never see the new writer's messages (final review of this session, finding 1)."""
+    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="w")
+    first.send(b"w0")
+    first.flush()
+    writer = first._shards[0].writer
+    full = writer.file
+    resumed = threading.Event()
+    check = writer.check_leases
+
+    def crashed(every=False):
+        resumed.wait(30)  # w crashed (stalls for good here) with its file unsealed
+        return check(every=every)
+
+    writer.check_leases = crashed
+    store = open_store(root)
+    store.write_small(f"s/00000/{next_file_name([full], 'z')}", encode_seal(0))  # sealed unused
+    time.sleep(1.2)  # w's lease runs out
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")
+    assert scan_file(store, f"s/00000/{full}").sealed
+    successor.send(b"t1")
+    successor.flush()
+    successor.close()
+    resumed.set()
+    with contextlib.suppress(WriterConflictError):
+        first.close()
+    assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["w0", "t1"]

@@ -26,7 +26,7 @@ import zlib
 from typing import Any, Callable, List, NamedTuple, Optional, Set, Tuple
 
 from pyspark_acs.errors import CacheError, LeaseError, StoreError, StoreFileNotFoundError, WriterConflictError
-from pyspark_acs.format.block import encode_seal
+from pyspark_acs.format.block import HEADER_SIZE, encode_seal
 from pyspark_acs.format.names import next_file_name, shard_dir
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, StoreLease
 from pyspark_acs.storage.store import DurableStore
@@ -247,17 +247,21 @@ class ShardWriter:
         there for good: the newest file is the only one a recovery seals. Such a file is
         always empty (a writer appends nothing before its claim passes) and a sealed file
         never is, so every empty file is sealed here (:meth:`_seal_stray`), at the cost of the
-        listing recovery makes anyway; and when the newest file is empty, the last file
-        holding bytes too (its writer's last one, which the newest-file rule would miss;
-        fenced as the newest file is). The newest file is left to the caller.
+        listing recovery makes anyway; and when the newest file holds no message (empty, or
+        a deposed writer's file its claim sealed unused), the last file holding messages too
+        (its writer's last one, which the newest-file rule would miss; fenced as the newest
+        file is). The newest file is left to the caller.
         """
         if not listing:
             return
         newest, newest_size = listing[-1]
-        if newest_size == 0:
-            # Its writer's last file may hold acknowledged bytes and a deposed writer's append
-            # in flight: fenced like the newest file, so a refusal stops this take-over.
-            last_full = next((name for name, size in reversed(listing) if size), None)
+        if newest_size <= HEADER_SIZE:
+            # The newest file holds no message (empty, or a lone seal: a deposed writer's file
+            # its claim sealed unused), so the last writer's last file may sort before it,
+            # unsealed, with acknowledged bytes and a deposed writer's append in flight: fenced
+            # like the newest file, so a refusal stops this take-over. (Any block holding a
+            # message is longer than a header.)
+            last_full = next((name for name, size in reversed(listing) if size > HEADER_SIZE), None)
             if last_full is not None and last_full != keep:
                 self._seal_predecessor(last_full)
         for name, size in listing:
