@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import List, Sequence, Union
 
 from pyspark_acs.errors import StoreError
@@ -55,3 +56,18 @@ def later_files_at_first_open(monkeypatch, target: Union[ShardWriter, type], wri
 
         monkeypatch.setattr(DurableStore, "open_appender", refusing)
     return late
+
+
+def stall_at_next_lease_check(writer: ShardWriter) -> threading.Event:
+    """Make ``writer``'s thread stall at its next lease check (a writer stopped or hung past
+    its lease, its file left as it was) until the returned event is set; the check then runs
+    as usual (and finds the lease taken over)."""
+    resumed = threading.Event()
+    check = writer.check_leases
+
+    def stalled(every: bool = False) -> None:
+        resumed.wait(30)
+        check(every=every)
+
+    writer.check_leases = stalled
+    return resumed

@@ -25,7 +25,7 @@ from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.file import scan_file
 from pyspark_acs.write.shard import STRAY_RETRY_S
 
-from _races import later_files_at_first_open
+from _races import later_files_at_first_open, stall_at_next_lease_check
 
 
 def _drain(consumer: Consumer, timeout: float) -> list:
@@ -97,15 +97,7 @@ def test_lease_holder_moves_past_a_deposed_writers_later_file(root, monkeypatch)
     deposed = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
     deposed.send(b"d0")
     deposed.flush()
-    taken_over = threading.Event()
-    stalled = deposed._shards[0].writer
-    check = stalled.check_leases
-
-    def stall_then_check(every=False):
-        taken_over.wait(30)  # the writer thread stalls past its lease at its next renewal
-        return check(every=every)
-
-    stalled.check_leases = stall_then_check
+    taken_over = stall_at_next_lease_check(deposed._shards[0].writer)  # past its lease
     live = Consumer(root, "s", start="earliest")
     seen = _drain(live, 0.5)
     time.sleep(1.2)  # the deposed writer's lease runs out
@@ -285,14 +277,7 @@ def test_a_refused_seal_of_the_last_file_with_bytes_stops_the_take_over(root, mo
     first.flush()
     writer = first._shards[0].writer
     full = writer.file
-    resumed = threading.Event()
-    check = writer.check_leases
-
-    def stalled(every=False):
-        resumed.wait(30)  # d stalls holding its file, unsealed, past its lease
-        return check(every=every)
-
-    writer.check_leases = stalled
+    resumed = stall_at_next_lease_check(writer)  # d stalls holding its file, unsealed, past its lease
     store = open_store(root)
     store.write_small(f"s/00000/{next_file_name([full], 'x')}", b"")
     original = DurableStore.open_appender
@@ -322,14 +307,7 @@ def test_a_file_sealed_unused_after_a_crashed_writers_file_does_not_hide_it(root
     first.flush()
     writer = first._shards[0].writer
     full = writer.file
-    resumed = threading.Event()
-    check = writer.check_leases
-
-    def crashed(every=False):
-        resumed.wait(30)  # w crashed (stalls for good here) with its file unsealed
-        return check(every=every)
-
-    writer.check_leases = crashed
+    resumed = stall_at_next_lease_check(writer)  # w crashed (stalls here) with its file unsealed
     store = open_store(root)
     store.write_small(f"s/00000/{next_file_name([full], 'z')}", encode_seal(0))  # sealed unused
     time.sleep(1.2)  # w's lease runs out
