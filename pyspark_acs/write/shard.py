@@ -370,10 +370,13 @@ class ShardWriter:
         """Seal the open file (if any) and start a new one (named ``name`` or by the name rule)."""
         self.seal()
         named = name is not None
-        name = name or self.new_file_name()
+        return self._claim(self._start_file(name or self.new_file_name()), may_rename=not named)
+
+    def _start_file(self, name: str) -> str:
+        """Create and open the new file ``name`` (empty; a claim makes it this writer's)."""
         self._open(name, 0, 0)
         self.files_opened += 1
-        return self._claim(name, may_rename=not named)
+        return name
 
     def _claim(self, name: str, *, may_rename: bool = False) -> str:
         """A new file is this writer's only if the lease still holds once it exists and no file
@@ -438,9 +441,7 @@ class ShardWriter:
             self.seal()
             for other in later:
                 self._seal_predecessor(other)
-            name = self.new_file_name()
-            self._open(name, 0, 0)
-            self.files_opened += 1
+            name = self._start_file(self.new_file_name())
         else:
             self.seal()
             raise WriterConflictError(
