@@ -906,6 +906,62 @@ def test_a_burst_whose_cache_writes_stall_waits_at_the_bound_and_then_publishes_
         assert all(got is not None for _, _, got in runs)
 
 
+def test_one_shadow_thread_serves_a_writer_s_bursts_and_ends_with_it(dep, root):
+    """The shadow thread waits for the next burst (SHADOW_IDLE_S) instead of ending after each:
+    a thread started per burst made each burst wait for a new thread's first time slice, and a
+    new thread is scheduled last (seconds per flush with 64 consumer processes on 2 cores).
+    Bursts after a pause are published by the same thread, every byte in order; close() ends
+    it; a burst after its idle time starts a new one."""
+    from pyspark_acs.cache.chunks import ChunkReader
+    from pyspark_acs.write import file as file_module
+    from pyspark_acs.write.file import FileWriter
+
+    store = open_store(root)
+    rel = "linger/f.acs"
+    store.write_small(rel, b"")
+    clients = caches(dep)
+    meta = MetadataCache(clients["metadata_cache"])
+    writer = FileWriter(store, rel, data=clients["data_cache"], meta=meta)
+    uri = store.uri(rel)
+
+    def shadows():
+        return [t for t in threading.enumerate() if t.name == f"acs-shadow {uri}"]
+
+    content = b""
+    threads = set()
+    for burst in range(3):
+        for i in range(3):
+            piece = bytes([burst * 3 + i]) * 3000
+            writer.append(piece, more_follows=True)
+            content += piece
+        writer.settle()  # published: the thread now waits for the next burst
+        threads.update(shadows())
+        assert meta.lengths([uri])[uri] == (len(content), len(content))
+        time.sleep(0.05)
+    assert len(threads) == 1 and all(t.is_alive() for t in threads)
+    (thread,) = threads
+    writer.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    runs = ChunkReader(clients["data_cache"]).read(uri, 0, len(content))
+    assert b"".join(got for _, _, got in runs) == content
+
+    store.write_small("linger/g.acs", b"")
+    writer = FileWriter(store, "linger/g.acs", data=clients["data_cache"], meta=meta)
+    uri = store.uri("linger/g.acs")
+    try:
+        writer.append(b"a" * 100, more_follows=True)
+        writer.settle()
+        (first,) = shadows()
+        first.join(file_module.SHADOW_IDLE_S + 10)  # it ends by itself when no burst comes
+        assert not first.is_alive()
+        writer.append(b"b" * 100, more_follows=True)
+        writer.settle()
+        assert meta.lengths([uri])[uri] == (200, 200)
+    finally:
+        writer.close()
+
+
 def test_an_unexpected_error_of_the_shadow_thread_reaches_the_writer(dep, root, monkeypatch):
     """Cache errors are the caller's to count (on_cache_error); anything else the shadow thread
     meets fails the writer's next append before it appends (those bytes are not acknowledged),

@@ -70,6 +70,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from pyspark_acs.errors import CacheError, CorruptFileError, WriterConflictError
@@ -99,6 +100,11 @@ _SCAN_WINDOW = 1024 * 1024
 #: (``cache.client.MAX_BATCH_BYTES``) and four default blocks: enough to keep the thread busy
 #: through a block's durable append, and how far a burst's cached length trails its durable one.
 SHADOW_MAX_BYTES = 4 * 1024 * 1024
+#: How long an idle shadow thread waits for the next burst before it ends (seconds). A thread
+#: started per burst made every burst wait for the new thread's first time slice, and Linux
+#: schedules a new thread after the runnable ones: with 64 consumer processes on 2 cores, two of
+#: four stack dumps of a producer flushing every 10 ms found its writer in ``Thread.start``.
+SHADOW_IDLE_S = 1.0
 
 
 class AppendConflictError(WriterConflictError):
@@ -396,12 +402,16 @@ class FileWriter:
                 self._on_cache_error("chunks", exc)
         # _shadow guards the shadow thread's state below: the verified bytes queued for it, their
         # size (counted until they are published), the durable length they end at, whether the
-        # thread runs, and an unexpected error it met (raised by the next settle()).
+        # thread has work (queued or being published), whether it exists (it idles for
+        # SHADOW_IDLE_S between bursts), whether the writer closes, and an unexpected error it
+        # met (raised by the next settle()).
         self._shadow = threading.Condition()
         self._queued: List[bytes] = []
         self._queued_bytes = 0
         self._queued_end = 0
         self._shadow_running = False
+        self._shadow_alive = False
+        self._closing = False
         self._shadow_error: Optional[BaseException] = None
 
     @property
@@ -496,21 +506,38 @@ class FileWriter:
             if self._shadow_running:
                 return
             self._shadow_running = True
+            if self._shadow_alive:
+                self._shadow.notify_all()  # the idle thread takes it
+                return
+            self._shadow_alive = True
         try:
             threading.Thread(target=self._shadow_run, name=f"acs-shadow {self.uri}", daemon=True).start()
         except RuntimeError:  # no thread to be had (the process is at its limit): publish here
-            self._shadow_run()
+            with self._shadow:
+                self._shadow_alive = False
+            self._shadow_run(linger=False)
 
-    def _shadow_run(self) -> None:
-        """The shadow thread: publish what is queued, coalesced, in order; end when none is, or
-        at an unexpected error (kept for the writer; what is queued then is not published:
-        the mirror's position may no longer be where those bytes start)."""
+    def _shadow_run(self, linger: bool = True) -> None:
+        """The shadow thread: publish what is queued, coalesced, in order; when none is, wait
+        for more (at most :data:`SHADOW_IDLE_S`, and not once the writer closes; not at all
+        without ``linger``), then end; end at an unexpected error (kept for the writer; what is
+        queued then is not published: the mirror's position may no longer be where those bytes
+        start)."""
         while True:
             with self._shadow:
                 if not self._queued:
                     self._shadow_running = False
                     self._shadow.notify_all()
-                    return
+                    until = time.monotonic() + SHADOW_IDLE_S
+                    while linger and not self._queued and not self._closing:
+                        left = until - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._shadow.wait(left)
+                    if not self._queued:
+                        if linger:
+                            self._shadow_alive = False
+                        return
                 pieces, end, size = self._queued, self._queued_end, self._queued_bytes
                 self._queued = []
             try:
@@ -521,6 +548,8 @@ class FileWriter:
                     self._queued = []
                     self._queued_bytes = 0
                     self._shadow_running = False
+                    if linger:
+                        self._shadow_alive = False
                     self._shadow.notify_all()
                 return
             with self._shadow:
@@ -531,8 +560,12 @@ class FileWriter:
         log.warning("%s: cache write of %s failed, readers use the durable store: %s", self.uri, what, exc)
 
     def close(self) -> None:
-        """Publish what the shadow thread holds, then close the durable append stream."""
+        """Publish what the shadow thread holds, end the thread, then close the durable append
+        stream."""
         try:
             self.settle()
         finally:
+            with self._shadow:
+                self._closing = True
+                self._shadow.notify_all()
             self.durable.close()
