@@ -113,13 +113,9 @@ class _FakeStream:
 
     def __init__(self) -> None:
         self.cursors: dict = {}
-        self.reads = 0  # read_on() calls: reads that wake a stream pacing on its readers
 
     def follow(self, fid: bytes, offset: int) -> None:
         self.cursors[fid] = offset
-
-    def read_on(self) -> None:
-        self.reads += 1
 
     def unfollow(self, fid: bytes) -> None:
         self.cursors.pop(fid, None)
@@ -191,26 +187,3 @@ def test_a_reader_inside_a_block_larger_than_the_buffer_keeps_the_push_going():
         f.consumed(uri, "R", 0, held.end)  # no complete block: it stands at 0, read to the end
         assert fid in stream.cursors, "the push stopped inside the block"
     assert not held.paused and held.base > 0 and held.end - held.base <= cap
-
-
-def test_lagging_is_a_push_behind_and_a_read_wakes_the_stream():
-    """What FollowStream paces on (``ChunkFeed.lagging``): a file whose readers have not read
-    up to the start of its newest pushed run. A reader that read the push before the last is
-    not lagging (a reader that keeps up never makes its stream wait); the lead reader counts,
-    not the slowest; a paused file does not count. Every read tells the file's stream
-    (``read_on``), so a pacing wait looks again."""
-    run, uri = RUN, "file:///lagging"
-    f, stream, fid = _feed_following(uri, "A", "B")
-    assert not f.lagging([fid])  # nothing pushed yet
-    stream.push(f, fid, run)
-    assert not f.lagging([fid])  # one push: a reader at its start has read everything before it
-    stream.push(f, fid, run)
-    assert f.lagging([fid])  # two pushes, neither read
-    reads = stream.reads
-    f.consumed(uri, "A", 0, run)  # A read the first push
-    assert stream.reads == reads + 1
-    assert not f.lagging([fid])  # A (the lead) is within a push of the end; B stays behind
-    stream.push(f, fid, run)
-    assert f.lagging([fid]) and not f.lagging([b"another file"])
-    f._files[uri].paused = True
-    assert not f.lagging([fid])

@@ -661,101 +661,6 @@ def test_follow_stream_starts_at_the_offset_and_resumes_after_a_restart(dep):
         client.close()
 
 
-def test_a_lagging_reader_gets_fewer_larger_pushes_and_every_byte(dep):
-    """Pacing: while ``lagging`` says the readers have not read the push before the last, the
-    stream takes no next push for up to FOLLOW_PACE_S; with the small receive window of
-    FOLLOW_CHANNEL_OPTIONS the replica holds the bytes meanwhile and its next message carries
-    all of them (its sender is level-triggered). Here the reader never catches up: the paced
-    stream gets at most one message per FOLLOW_PACE_S, an unpaced one beside it one per append
-    or so, and both get every byte in order."""
-    from pyspark_acs.cache.push import FOLLOW_CHANNEL_OPTIONS, FOLLOW_PACE_S
-
-    uri = f"file:///paced/{time.time_ns()}.acs"
-    fid = file_id(uri)
-    client = CacheClient(dep.data_endpoints, name="data cache", channel_options=FOLLOW_CHANNEL_OPTIONS)
-    endpoint = client.endpoints[0]
-    got = {"paced": bytearray(), "plain": bytearray()}
-    messages = {"paced": 0, "plain": 0}
-
-    def recorder(name):
-        def on_bytes(f, start, run):
-            assert start == len(got[name]), (name, start, len(got[name]))
-            got[name].extend(run)
-            messages[name] += 1
-        return on_bytes
-
-    streams = [FollowStream(client, endpoint, recorder("paced"), lagging=lambda fids: True),
-               FollowStream(client, endpoint, recorder("plain"))]
-    writer = ChunkWriter(CacheClient(dep.data_endpoints), uri)
-    data = bytes(range(256)) * 4 * 200  # 200 appends of 1 KiB
-    try:
-        for s in streams:
-            s.follow(fid, 0)
-        wait_until(lambda: all(s.live.is_set() for s in streams), 10, "both streams")
-        started = time.monotonic()
-        for i in range(200):
-            writer.append(data[i * 1024:(i + 1) * 1024])
-            time.sleep(0.005)
-        wait_until(lambda: len(got["plain"]) == len(data), 20, "the unpaced follower's bytes")
-        wait_until(lambda: len(got["paced"]) == len(data), 20, "the paced follower's bytes")
-        elapsed = time.monotonic() - started
-        assert bytes(got["paced"]) == data and bytes(got["plain"]) == data
-        assert messages["paced"] <= elapsed / FOLLOW_PACE_S + 2, (messages, elapsed)
-        assert messages["paced"] < messages["plain"], messages
-    finally:
-        for s in streams:
-            s.close()
-        client.close()
-
-
-def test_a_paced_stream_goes_on_at_a_read_a_new_subscription_or_close(dep, monkeypatch):
-    """A pacing wait ends at once when a reader reads (``read_on``), when the subscription
-    changes (a file followed) and when the stream closes -- not after FOLLOW_PACE_S, here made
-    30 s so that a wait that is not ended shows as a timeout."""
-    from pyspark_acs.cache import push
-    from pyspark_acs.cache.push import FOLLOW_CHANNEL_OPTIONS
-
-    monkeypatch.setattr(push, "FOLLOW_PACE_S", 30.0)
-    uris = [f"file:///paced-wake/{time.time_ns()}-{i}.acs" for i in range(2)]
-    client = CacheClient(dep.data_endpoints, name="data cache", channel_options=FOLLOW_CHANNEL_OPTIONS)
-    endpoint = client.endpoints[0]
-    got = {file_id(u): bytearray() for u in uris}
-    lag = [True]
-
-    def on_bytes(f, start, run):
-        assert start == len(got[f])
-        got[f].extend(run)
-
-    stream = FollowStream(client, endpoint, on_bytes, lagging=lambda fids: lag[0])
-    writers = [ChunkWriter(CacheClient(dep.data_endpoints), u) for u in uris]
-    try:
-        stream.follow(file_id(uris[0]), 0)
-        writers[0].append(b"a" * 1000)
-        wait_until(lambda: len(got[file_id(uris[0])]) == 1000, 10, "the first push")
-        wait_until(lambda: stream._pacing, 10, "the stream pacing on its lagging reader")
-        # A new subscription ends the wait: the second file's bytes come.
-        writers[1].append(b"b" * 500)
-        stream.follow(file_id(uris[1]), 0)
-        wait_until(lambda: len(got[file_id(uris[1])]) == 500, 10, "the new file's bytes")
-        # A read ends it: the reader caught up, later bytes flow.
-        wait_until(lambda: stream._pacing, 10, "the stream pacing again")
-        writers[0].append(b"c" * 1000)
-        lag[0] = False
-        stream.read_on()
-        wait_until(lambda: len(got[file_id(uris[0])]) == 2000, 10, "the bytes after the read")
-        # close() ends it.
-        lag[0] = True
-        writers[0].append(b"d" * 1000)
-        wait_until(lambda: len(got[file_id(uris[0])]) == 3000, 10, "a push to pace on")
-        wait_until(lambda: stream._pacing, 10, "the stream pacing before close")
-        stream.close()
-        stream._thread.join(10)
-        assert not stream._thread.is_alive()
-    finally:
-        stream.close()
-        client.close()
-
-
 def test_slow_reader_holds_up_nobody_and_grows_no_server_memory(dep):
     """One follower stops reading (its callback blocks); 48 MiB go through a data cache of
     64 MiB. The other follower gets every byte as it lands, and the server's memory grows by
@@ -1242,8 +1147,7 @@ def test_a_stream_that_came_back_backs_off_from_the_start_when_it_breaks_again(d
             return super().wait(timeout)
 
     monkeypatch.setattr(push, "threading", type("T", (), {
-        "Event": RecordingEvent, "Lock": threading.Lock, "Thread": threading.Thread,
-        "Condition": threading.Condition}))
+        "Event": RecordingEvent, "Lock": threading.Lock, "Thread": threading.Thread}))
     client = CacheClient(dep.data_endpoints, name="data cache")
     endpoint = client.endpoints[0]
     index = dep.endpoints("data").index(endpoint)

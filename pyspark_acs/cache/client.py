@@ -306,9 +306,6 @@ class CacheClient:
         (:func:`~pyspark_acs.security.resolve_security`).
     name : str, default "cache"
         Named in error messages (e.g. ``"data cache"``).
-    channel_options : sequence of (str, value), optional
-        gRPC channel arguments added to the client's own (e.g. the push streams' flow control,
-        :data:`~pyspark_acs.cache.push.FOLLOW_CHANNEL_OPTIONS`).
 
     Raises
     ------
@@ -326,7 +323,6 @@ class CacheClient:
         token: Optional[str] = None,
         name: str = "cache",
         security: Optional[SecuritySettings] = None,
-        channel_options: Sequence[Tuple[str, Any]] = (),
     ) -> None:
         self.endpoints: Tuple[str, ...] = parse_endpoints(endpoints)
         if not isinstance(replication, int) or replication < 1:
@@ -339,8 +335,6 @@ class CacheClient:
         self.deadline = float(deadline)
         self.hedge_after = float(hedge_after)
         self.name = name
-        # gRPC channel arguments added to _CHANNEL_OPTIONS (other keys than those).
-        self._channel_options = _CHANNEL_OPTIONS + [o for o in channel_options]
         # The same variables the servers read, so one setting covers both.
         self.security = (security if security is not None else resolve_security()).with_token(token)
         self._metadata = self.security.call_metadata()
@@ -418,7 +412,7 @@ class CacheClient:
                 raise ClosedError(f"{self.name}: client is closed")
             if rep.stub is None:
                 self._pb = acs_pb2
-                rep.channel = self.security.channel(rep.endpoint, self._channel_options)
+                rep.channel = self.security.channel(rep.endpoint, _CHANNEL_OPTIONS)
                 stub = acs_pb2_grpc.CacheStub(rep.channel)
                 # The byte-carrying answers are split from their data by hand (cache/wire.py).
                 for method, (request, _, shape) in _SPLIT_ANSWERS.items():

@@ -35,11 +35,13 @@ import os
 import threading
 import time
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key, file_id
 from pyspark_acs.cache.client import CacheClient
-from pyspark_acs.cache.push import FOLLOW_CHANNEL_OPTIONS, FollowStream
+
+if TYPE_CHECKING:
+    from pyspark_acs.cache.push import FollowStream
 
 __all__ = ["FEED_MAX_BYTES", "PUSH_GRACE_S", "ChunkFeed", "holds_whole_files", "pick_replica"]
 
@@ -157,10 +159,7 @@ class ChunkFeed:
     _registry_lock = threading.Lock()  # guards _registry
 
     def __init__(self, endpoints: Sequence[str], token: Optional[str] = None, security: Any = None) -> None:
-        # Its own channels, used by the Follow streams alone (FOLLOW_CHANNEL_OPTIONS: a small
-        # receive window, so that a lagging reader's pushes coalesce at the replica).
-        self.client = CacheClient(tuple(endpoints), name="data cache", token=token, security=security,
-                                  channel_options=FOLLOW_CHANNEL_OPTIONS)
+        self.client = CacheClient(tuple(endpoints), name="data cache", token=token, security=security)
         # Decided once: then every chunk of a followed file is on its replica (_placed is true
         # without a per-call key hash and ring lookup on the readers' hot path).
         self._whole_files = holds_whole_files(self.client)
@@ -168,7 +167,7 @@ class ChunkFeed:
         self._lock = threading.Lock()
         self._files: Dict[str, _File] = {}
         self._by_fid: Dict[bytes, _File] = {}
-        self._streams: Dict[str, FollowStream] = {}
+        self._streams: Dict[str, "FollowStream"] = {}
         #: Bytes received by push and bytes served from the buffer (since creation).
         self.received = 0
         self.served = 0
@@ -282,22 +281,6 @@ class ChunkFeed:
             if low > f.base:
                 f.drop_to(low)
             self._resume_if_due(f)
-            stream = self._streams.get(f.endpoint)
-        if stream is not None:
-            stream.read_on()
-
-    def lagging(self, fids: Sequence[bytes]) -> bool:
-        """Whether a file of ``fids`` has readers none of which has read up to the start of
-        its newest pushed run (they are a push or more behind; FollowStream paces on this).
-        A paused file does not count: its push is stopped anyway."""
-        with self._lock:
-            for fid in fids:
-                f = self._by_fid.get(fid)
-                if f is None or f.paused or not f.pieces or not f.reached:
-                    continue
-                if max(f.reached.values()) < f.starts[-1]:
-                    return True
-        return False
 
     def unfollow(self, uri: str, reader: int) -> None:
         """Reader ``reader`` left ``uri``; the last one to leave stops its push."""
@@ -316,7 +299,6 @@ class ChunkFeed:
             stream = self._streams.get(f.endpoint)
         if stream is not None:
             stream.unfollow(fid)
-            stream.read_on()  # a stream pacing on this file's readers waits no more
 
     def live(self, uri: str, at_least: int = 0) -> bool:
         """Whether ``uri`` is followed, the stream that pushes it is up (has pushed since it
@@ -348,12 +330,13 @@ class ChunkFeed:
 
     # -- streams ---------------------------------------------------------------------------
 
-    def _stream(self, endpoint: str) -> FollowStream:
+    def _stream(self, endpoint: str) -> "FollowStream":
         """The stream to ``endpoint`` (caller holds _lock)."""
         stream = self._streams.get(endpoint)
         if stream is None:
-            stream = self._streams[endpoint] = FollowStream(self.client, endpoint, self._on_bytes, self._on_state,
-                                                            lagging=self.lagging)
+            from pyspark_acs.cache.push import FollowStream  # imports grpc: only once a file is followed
+
+            stream = self._streams[endpoint] = FollowStream(self.client, endpoint, self._on_bytes, self._on_state)
         return stream
 
     def _on_bytes(self, fid: bytes, start: int, data: bytes) -> None:

@@ -25,31 +25,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Set
 
 from pyspark_acs.cache.client import CacheClient
 
-__all__ = ["FOLLOW_CHANNEL_OPTIONS", "FOLLOW_PACE_S", "RECONNECT_INITIAL_S", "RECONNECT_MAX_S", "FollowStream",
-           "WatchStream"]
+__all__ = ["RECONNECT_INITIAL_S", "RECONNECT_MAX_S", "FollowStream", "WatchStream"]
 
 log = logging.getLogger(__name__)
 
 #: First wait before reconnecting a broken stream; doubled on each failure up to the max.
 RECONNECT_INITIAL_S = 0.05
 RECONNECT_MAX_S = 2.0
-#: Longest a Follow stream waits for a lagging reader before it takes the next push (seconds);
-#: see :class:`FollowStream`. Below the feed's ``PUSH_GRACE_S`` (0.2 s): the other files of the
-#: stream are then late by less than their readers wait for a push before they ask.
-FOLLOW_PACE_S = 0.05
-#: Channel arguments of the data-cache channels Follow streams use: without gRPC's bandwidth-
-#: delay probing a stream's receive window stays at gRPC's 64 KiB lookahead, so bytes the
-#: stream's thread has not taken stop the replica's sender at once, and its next message carries
-#: everything marked meanwhile (the sender is level-triggered). With the probe (gRPC's default)
-#: the window grows with the bandwidth it measures: a follower taking 50 ms per push still got
-#: one message per producer flush (218 for 220), each costing it a thread wake and the replica a
-#: send; without it 63 for 203.
-FOLLOW_CHANNEL_OPTIONS = (("grpc.http2.bdp_probe", 0),)
 _END = object()
 
 
@@ -69,10 +55,6 @@ class _PushStream:
         self._requests: Optional["queue.SimpleQueue[Any]"] = None
         self._call: Any = None
         self._closed = False
-        # Whether the stream's thread waits for its readers (FollowStream._pace), on _paced;
-        # both under _lock, which read_on(), a resubscription and close() hold to wake it.
-        self._pacing = False
-        self._paced = threading.Condition(self._lock)
         #: Set (under _lock) when the subscription changed and the current call is being
         #: replaced by one carrying the new subscription (server-streaming subclasses).
         self._restart = False
@@ -132,7 +114,6 @@ class _PushStream:
         subscription, or holds no call while it has none (see :meth:`_run`). Caller holds
         _lock. Requests queued after this reach the next call as part of its first request."""
         self._restart = True
-        self._wake_pacing()
         if self._requests is not None:
             self._requests.put(_END)
             self._requests = None
@@ -146,16 +127,10 @@ class _PushStream:
             requests, call = self._requests, self._call
             self._requests = None
             self._wanted.set()
-            self._wake_pacing()
         if requests is not None:
             requests.put(_END)
         if call is not None:
             call.cancel()
-
-    def _wake_pacing(self) -> None:
-        """End a pacing wait (FollowStream._pace) at once. Caller holds _lock."""
-        if self._pacing:
-            self._paced.notify_all()
 
     def _iterate(self, requests: "queue.SimpleQueue[Any]") -> Iterator[Any]:
         while True:
@@ -316,35 +291,14 @@ class FollowStream(_PushStream):
         The replica.
     on_bytes : callable
         ``on_bytes(file id, start, data)`` for every pushed run, on the stream's thread.
-    on_state : callable, optional
-        ``on_state(endpoint, live)`` when the stream comes up or breaks.
-    lagging : callable, optional
-        ``lagging(file ids)``: whether the readers of any of these files (those of the push
-        just handed over) have not yet read the push before it. The stream then waits for them
-        (:meth:`read_on`), at most :data:`FOLLOW_PACE_S`, before it takes the next push.
-
-    Notes
-    -----
-    Pacing is how a lagging reader gets fewer, larger pushes, as a Redis reader's next XREAD
-    gets everything since its last: while the stream's thread waits, the bytes stay in the
-    replica (its window is small, :data:`FOLLOW_CHANNEL_OPTIONS`) and the next message carries
-    all of them. A reader that keeps up never makes the stream wait (it has read the push
-    before the last when the last arrives), so it costs no thread wake. One process's lagging
-    reader delays the pushes of the other files on the same stream by at most
-    :data:`FOLLOW_PACE_S` each; other processes' streams are not touched.
     """
 
     method = "Follow"
 
     def __init__(self, client: CacheClient, endpoint: str, on_bytes: Callable[[bytes, int, bytes], None],
-                 on_state: Optional[Callable[[str, bool], None]] = None,
-                 lagging: Optional[Callable[[Sequence[bytes]], bool]] = None) -> None:
+                 on_state: Optional[Callable[[str, bool], None]] = None) -> None:
         self._cursors: Dict[bytes, int] = {}
         self.on_bytes = on_bytes
-        self.lagging = lagging
-        # Reads reported by read_on() (guarded by _lock): a pacing wait that saw this count
-        # before it asked lagging() cannot miss a read made after that.
-        self._reads = 0
         super().__init__(client, endpoint, on_state)
 
     def follow(self, fid: bytes, offset: int) -> None:
@@ -364,35 +318,6 @@ class FollowStream(_PushStream):
     def following(self) -> int:
         with self._lock:
             return len(self._cursors)
-
-    def read_on(self) -> None:
-        """A reader of a followed file read from the feed: a stream waiting for its lagging
-        readers looks again."""
-        with self._lock:
-            self._reads += 1
-            if self._pacing:
-                self._paced.notify_all()
-
-    def _pace(self, fids: Sequence[bytes]) -> None:
-        """Wait (on the stream's thread, before it takes the next push) while ``lagging(fids)``,
-        at most :data:`FOLLOW_PACE_S`; a resubscription or close ends the wait at once."""
-        lagging = self.lagging
-        if lagging is None:
-            return
-        until = time.monotonic() + FOLLOW_PACE_S
-        while True:
-            with self._lock:
-                seen = self._reads
-            if not lagging(fids):  # takes the feed's lock: never called under _lock
-                return
-            with self._lock:
-                left = until - time.monotonic()
-                if self._closed or self._restart or left <= 0:
-                    return
-                if self._reads == seen:
-                    self._pacing = True
-                    self._paced.wait(left)
-                    self._pacing = False
 
 
     def _open(self, stub: Any, requests: "queue.SimpleQueue[Any]") -> Any:
@@ -424,5 +349,3 @@ class FollowStream(_PushStream):
                     continue  # unfollowed meanwhile, or the subscription is being replaced
                 self._cursors[fid] = start + size  # a reconnect resumes here
             self.on_bytes(fid, start, run)
-        if runs.files:
-            self._pace(runs.files)
