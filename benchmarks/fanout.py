@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -474,6 +475,33 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
     }
 
 
+_CALLS = re.compile(r'^acs_cache_request_seconds_count\{[^}]*method="(\w+)"[^}]*\} (\S+)$', re.M)
+_PUSHED = re.compile(r"^acs_cache_pushed_messages_total(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def server_calls(dep: Any) -> Dict[str, Dict[str, float]]:
+    """Requests handled so far by method, and push messages sent, summed over each role's
+    servers (from their /metrics): what the servers spend their CPU on, per point."""
+    import urllib.request
+
+    out: Dict[str, Dict[str, float]] = {}
+    for role in ("data", "metadata"):
+        counts: Dict[str, float] = {}
+        for server in dep.servers.get(role, []):
+            if not server.metrics_url:
+                continue
+            try:
+                text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+            except OSError:
+                continue
+            for method, value in _CALLS.findall(text):
+                counts[method] = counts.get(method, 0.0) + float(value)
+            for value in _PUSHED.findall(text):
+                counts["pushed"] = counts.get("pushed", 0.0) + float(value)
+        out[role] = counts
+    return out
+
+
 def plot(path: str, table: Dict[str, Dict[int, Dict[str, float]]]) -> Optional[str]:
     try:
         import matplotlib
@@ -572,8 +600,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "grpc": {"relay": [floor_server.pid] if floor_server else []},
                         "grpc3": {"data": [f.pid for f in floor3[:3]], "metadata": [f.pid for f in floor3[3:]]},
                         }.get(kind, {})
+                calls0 = server_calls(dep) if kind == "caches" else None
                 table.setdefault(kind, {})[n] = run_point(args, kind, n, pids)
                 r = table[kind][n]
+                if calls0 is not None:
+                    calls1 = server_calls(dep)
+                    progress(f"{kind} N={n} server requests (pushed: push messages): " + "; ".join(
+                        f"{role} " + ", ".join(f"{m} {calls1[role][m] - calls0[role].get(m, 0.0):.0f}"
+                                               for m in sorted(calls1[role]))
+                        for role in calls1))
                 progress(f"{kind} N={n} per second sent, largest delay ms (consumers over {SLOW_MS:g} ms): "
                          + " ".join(f"{sec}:{ms:.0f}({slow})" for sec, (ms, slow) in r["timeline"].items()))
                 progress(f"{kind} N={n}: {r['mb_s']:.1f} MB/s, p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, "
