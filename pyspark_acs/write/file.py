@@ -48,7 +48,8 @@ Bursts
 A writer with more blocks right behind this one (a Producer's ``send_many`` backlog) may
 append with ``more_follows=True``: the verified bytes are handed to the file's shadow thread,
 which mirrors and publishes them (coalescing what queued while it was busy) while the writer
-verifies its next block. The order of each byte's steps is unchanged (durable and verified,
+verifies its next block; it waits :data:`SHADOW_IDLE_S` for the next burst before it ends, and
+the writer's close ends it. The order of each byte's steps is unchanged (durable and verified,
 then chunks, then lengths: the thread only gets verified bytes, and publishes the durable
 length they end at); what overlaps is one block's cache writes with the next appends. The
 writer waits once :data:`SHADOW_MAX_BYTES` wait for the thread (so less than that plus one
@@ -85,6 +86,7 @@ __all__ = [
     "DurableFile",
     "FileTail",
     "FileWriter",
+    "SHADOW_IDLE_S",
     "SHADOW_MAX_BYTES",
     "append_lock",
     "scan_file",
