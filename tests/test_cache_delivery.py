@@ -938,6 +938,7 @@ def test_one_shadow_thread_serves_a_writer_s_bursts_and_ends_with_it(dep, root):
         threads.update(shadows())
         assert meta.lengths([uri])[uri] == (len(content), len(content))
         time.sleep(0.05)
+        assert shadows(), "the shadow thread waits for the next burst"
     assert len(threads) == 1 and all(t.is_alive() for t in threads)
     (thread,) = threads
     writer.close()

@@ -71,6 +71,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "MAX_MESSAGE_INDEX",
+    "RECOVERY_SEAL_SIZE",
     "BlockHeader",
     "body_intact",
     "check_block_bodies",
@@ -102,6 +103,8 @@ _KNOWN_FLAGS = FLAG_END_OF_FILE | FLAG_HEADERS
 _HEADER = struct.Struct("<4sBBHIIIIQqq")
 _SEAL_BODY = struct.Struct("<Q")  # a recovery seal's body: void_from
 assert _HEADER.size == HEADER_SIZE
+#: Bytes of a recovery seal (:func:`encode_seal` with ``void_from``); a plain seal is a header.
+RECOVERY_SEAL_SIZE = HEADER_SIZE + _SEAL_BODY.size
 # Offsets are int32 as in Arrow's binary type: one block's keys or values stay below 2 GiB.
 _MAX_SECTION_BYTES = 2**31 - 1
 _LITTLE = sys.byteorder == "little"

@@ -20,7 +20,8 @@ from collections import OrderedDict
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from pyspark_acs.errors import CorruptFileError
-from pyspark_acs.format.block import HEADER_SIZE, BlockHeader, find_recovery_seal, parse_header, scan_blocks
+from pyspark_acs.format.block import (HEADER_SIZE, RECOVERY_SEAL_SIZE, BlockHeader, find_recovery_seal,
+                                      parse_header, scan_blocks)
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.format.offsets import Offset
 from pyspark_acs.read.readpath import ReadPath
@@ -144,7 +145,7 @@ def seal_behind(path: ReadPath, rel: str, at: int, *, start: int = 0) -> Optiona
 
 def _seal_size(path: ReadPath, rel: str, at: int) -> Optional[int]:
     """The size of the seal a walk proved to end at ``at``: its last 48 or 56 bytes."""
-    for size in (HEADER_SIZE, HEADER_SIZE + 8):
+    for size in (HEADER_SIZE, RECOVERY_SEAL_SIZE):
         if at < size:
             continue
         try:

@@ -225,7 +225,7 @@ class DurableStore:
 
     def list_files(self, stream: str, shard: int) -> List[str]:
         """Message files of a shard, oldest first."""
-        return [n for n in self.list_dir(shard_dir(stream, shard)) if n.endswith(FILE_SUFFIX)]
+        return [name for name, _ in self.list_file_lengths(stream, shard)]
 
     def list_file_lengths(self, stream: str, shard: int) -> List[Tuple[str, int]]:
         """Message files of a shard with their lengths in bytes, oldest first (one listing)."""

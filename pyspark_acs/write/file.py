@@ -75,7 +75,7 @@ import time
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from pyspark_acs.errors import CacheError, CorruptFileError, WriterConflictError
-from pyspark_acs.format.block import HEADER_SIZE, find_recovery_seal, parse_header
+from pyspark_acs.format.block import HEADER_SIZE, RECOVERY_SEAL_SIZE, find_recovery_seal, parse_header
 from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS, exclusive
 from pyspark_acs.storage.store import Appender, DurableStore
 
@@ -205,7 +205,6 @@ def _recovery_seal_after(store: DurableStore, rel: str, at: int, length: int, ur
     ``length``), searched window by window: a corrupt header early in a large file, or a
     large block still landing, would otherwise be read whole at once. Windows overlap by a
     recovery seal's size, so a seal across a window's end is whole in the next one."""
-    overlap = HEADER_SIZE + 8
     start = at
     while start < length:
         end = min(length, start + _SCAN_WINDOW)
@@ -214,7 +213,7 @@ def _recovery_seal_after(store: DurableStore, rel: str, at: int, length: int, ur
             return start + found[0]
         if end == length:
             return None
-        start = end - overlap
+        start = end - RECOVERY_SEAL_SIZE
     return None
 
 
