@@ -651,3 +651,84 @@ def test_a_file_with_a_backlog_does_not_hold_a_follow_streams_other_files_off():
     order = [follow.take(store, 8 * 4096)[0][0] for _ in range(9)]
     assert order == fids * 3
     assert all(follow.cursors[fid] == 3 * 8 * 4096 for fid in fids)
+
+
+def test_followers_at_one_cursor_share_one_message_until_the_file_grows():
+    """``Watchers.next_message``: the first stream at a cursor takes its run from the store and
+    encodes it; the others at that cursor are sent the same message, with no store read and no
+    encode, and move to the same cursor. A stored chunk of the file drops what was kept: the
+    next message holds the new bytes. A stream elsewhere in the file gets its own bytes, and a
+    run cut by the budget (more bytes follow) is not kept."""
+    from pyspark_acs.cache.chunks import chunk_key, file_id
+    from pyspark_acs.server.cache.watch import SENT_KEPT_PER_FILE, FileFollow, Watchers
+
+    store = Store(1 << 30, 600.0)
+    watchers = Watchers(store)
+    fid = file_id("file:///s/00000/shared.acs")
+    data = bytes(range(251)) * 100  # 25,100 bytes: six chunks and a partial one
+
+    def put(upto: int) -> None:
+        keys = []
+        for n in range(0, (upto + 4095) // 4096):
+            value = data[n * 4096:min(upto, (n + 1) * 4096)]
+            store.put(chunk_key("", n, file_id=fid), value, len(value))
+            keys.append(chunk_key("", n, file_id=fid))
+        watchers.stored(keys)
+
+    encoded = []
+
+    def encode(runs):
+        encoded.append([(r[1], r[3]) for r in runs])
+        return b"|".join(b"".join(r[2]) for r in runs)
+
+    reads = [0]
+    read_many = store.read_many
+
+    def counting(*a, **kw):
+        reads[0] += 1
+        return read_many(*a, **kw)
+
+    store.read_many = counting
+    streams = [FileFollow() for _ in range(5)]
+    for f in streams[:4]:
+        watchers.follow(f, [fid], [0], ())
+    watchers.follow(streams[4], [fid], [10_000], ())
+    put(12_000)
+    sent = [watchers.next_message(f, encode) for f in streams]
+    assert [m for m, _ in sent[:4]] == [data[:12_000]] * 4
+    assert all(m is sent[0][0] for m, _ in sent[:4])  # the one message object, sent again
+    assert sent[4] == (data[10_000:12_000], 2_000)
+    assert encoded == [[(0, 12_000)], [(10_000, 2_000)]]
+    assert watchers.counts["pushed_shared_total"] == 3
+    assert all(f.cursors[fid] == 12_000 and not f.marked for f in streams)
+    # The file grows: nothing kept is sent again; every stream gets the new bytes.
+    put(20_000)
+    reads_before = reads[0]
+    again = [watchers.next_message(f, encode) for f in streams]
+    assert all(m == data[12_000:20_000] for m, _ in again)
+    assert reads[0] > reads_before and encoded[-1] == [(12_000, 8_000)]
+    assert watchers.counts["pushed_shared_total"] == 3 + 4
+    # Nothing marked: nothing to send.
+    assert watchers.next_message(streams[0], encode) == (None, 0)
+    # A run that used a message's budget up is not kept (the file stays marked for the rest).
+    from pyspark_acs.server.cache.watch import MAX_PUSH_BYTES
+
+    big = file_id("file:///s/00000/big.acs")
+    for n in range(MAX_PUSH_BYTES // 4096 + 8):
+        store.put(chunk_key("", n, file_id=big), b"b" * 4096, 4096)
+    a, b = FileFollow(), FileFollow()
+    watchers.follow(a, [big], [0], ())
+    watchers.follow(b, [big], [0], ())
+    shared = watchers.counts["pushed_shared_total"]
+    assert [watchers.next_message(f, encode)[1] for f in (a, b)] == [MAX_PUSH_BYTES] * 2
+    assert a.marked and b.marked and watchers.counts["pushed_shared_total"] == shared
+    assert big not in watchers._sent
+    # Kept messages are bounded per file, and the last follower's leaving drops them.
+    for i in range(SENT_KEPT_PER_FILE + 2):
+        f = FileFollow()
+        watchers.follow(f, [fid], [i * 100], ())
+        watchers.next_message(f, encode)
+    assert len(watchers._sent[fid]) == SENT_KEPT_PER_FILE
+    for f in list(watchers._by_file[fid]):
+        watchers.drop_follow(f)
+    assert fid not in watchers._sent

@@ -661,6 +661,55 @@ def test_follow_stream_starts_at_the_offset_and_resumes_after_a_restart(dep):
         client.close()
 
 
+def test_many_followers_of_a_file_get_its_exact_bytes_from_one_message_per_put(dep):
+    """Eight streams follow one file on one replica from its start and a ninth from inside it,
+    each on a client of its own (a process's stream, as eight consumer processes have). Every
+    stream gets exactly the file's bytes from its offset, in order, through puts of odd sizes
+    that end inside chunks; and the replica built about one message per put and cursor, not
+    one per stream (``pushed_shared_total``: sent again as built for another stream)."""
+    uri = f"file:///shared/{time.time_ns()}.acs"
+    fid = file_id(uri)
+    data = bytes(range(251)) * 400  # 100,400 bytes
+    endpoint = CacheClient(dep.data_endpoints).endpoints[0]
+    offsets = [0] * 8 + [7_000]
+    got = [bytearray() for _ in offsets]
+    clients, streams = [], []
+
+    def on_bytes_of(i):
+        def on_bytes(f, start, run):
+            assert start == offsets[i] + len(got[i]), (i, start, len(got[i]))
+            got[i].extend(run)
+        return on_bytes
+
+    before = total(server_stats(endpoint), "pushed_shared_total")
+    writer = ChunkWriter(CacheClient(dep.data_endpoints), uri)
+    writer.append(data[:10_000])
+    try:
+        for i, offset in enumerate(offsets):
+            client = CacheClient(dep.data_endpoints, name="data cache")
+            clients.append(client)
+            streams.append(FollowStream(client, endpoint, on_bytes_of(i)))
+            streams[-1].follow(fid, offset)
+        wait_until(lambda: all(len(g) == 10_000 - o for g, o in zip(got, offsets)), 20, "the first bytes")
+        at, puts = 10_000, 0
+        while at < len(data):
+            step = min(len(data) - at, 3_001 + 977 * (puts % 5))
+            writer.append(data[at:at + step])
+            at += step
+            puts += 1
+            wait_until(lambda: all(len(g) == at - o for g, o in zip(got, offsets)), 20, f"the bytes to {at}")
+        for g, o in zip(got, offsets):
+            assert bytes(g) == data[o:]
+        shared = total(server_stats(endpoint), "pushed_shared_total") - before
+        # Eight streams at one cursor per put: seven of them are sent the first one's message.
+        assert shared >= puts * 7 // 2, (shared, puts)
+    finally:
+        for stream in streams:
+            stream.close()
+        for client in clients:
+            client.close()
+
+
 def test_slow_reader_holds_up_nobody_and_grows_no_server_memory(dep):
     """One follower stops reading (its callback blocks); 48 MiB go through a data cache of
     64 MiB. The other follower gets every byte as it lands, and the server's memory grows by

@@ -44,7 +44,7 @@ from pyspark_acs.units import parse_bytes, parse_duration
 from pyspark_acs.cache import wire
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, PutResult, Store
-from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Watchers
+from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Run, Watchers
 from pyspark_acs.server.strict import add_servicer
 from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
 from pyspark_acs.server.malloc import tune_malloc
@@ -131,6 +131,14 @@ class _Refused(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+def _encode_runs(runs: List[Run]) -> bytes:
+    """A Follow stream's message (``FileBytes``) carrying ``runs``, encoded once
+    (:func:`pyspark_acs.cache.wire.encode`: each run's pieces are copied once, into it)."""
+    sizes = [r[3] for r in runs]
+    return wire.encode(acs_pb2.FileBytes(files=[r[0] for r in runs], starts=[r[1] for r in runs], sizes=sizes),
+                       [piece for r in runs for piece in r[2]], sum(sizes))
 
 
 def _decode_put(raw: bytes) -> "wire.WithData":
@@ -357,13 +365,12 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         # yet, may count on the stream (and wait for pushes instead of polling).
         yield acs_pb2.FileBytes()
         self.watchers.follow(f, request.follow, request.offsets, ())
-        async for runs, _ in self._push(None, f, None, "follow_streams",
-                                        lambda: (f.take(self.store), None), self.watchers.drop_follow, context):
-            sizes = [r[3] for r in runs]
-            total = sum(sizes)
-            self.watchers.counts["pushed_bytes_total"] += total
-            yield wire.encode(acs_pb2.FileBytes(files=[r[0] for r in runs], starts=[r[1] for r in runs], sizes=sizes),
-                              [piece for r in runs for piece in r[2]], total)
+        counts = self.watchers.counts
+        async for message, size in self._push(None, f, None, "follow_streams",
+                                              lambda: self.watchers.next_message(f, _encode_runs),
+                                              self.watchers.drop_follow, context):
+            counts["pushed_bytes_total"] += size
+            yield message
 
     async def _push(self, request_iterator, stream, apply, gauge: str, take, drop, context=None):
         """The loop of one push stream: apply the reader's requests as they come (a

@@ -19,6 +19,16 @@ stream (gRPC flow control suspends its sender at the ``yield``), and at most
 :data:`MAX_PUSH_BYTES` are built per message. Bytes that left the store before a slow reader
 got them stop its run (a missing chunk); the reader asks for them as it does without push.
 
+**One message, many followers.** Followers of a hot file stand at the same cursor after each
+put (they all got the last push), so the message one of them is sent is what the next will be
+sent: :meth:`Watchers.next_message` keeps the last messages of each followed file by the cursor
+they start at and sends them again to a stream at that cursor, without a store read or an
+encode, until the next chunk of the file is stored (which drops them). A file's bytes at a
+position never change (the fence: only verified bytes reach the cache), so a kept message is
+the file's bytes even if its chunks have since been evicted. Measured with one data server, 20
+followers and a 40 KB put every 20 ms: 1.17-1.54 -> 0.90-0.96 s of server CPU for ~7,400
+pushes (the grpcio floor relay: 0.58-0.61 s).
+
 Every method runs on the server's event loop thread (put handlers and stream senders alike),
 so the registries need no lock.
 """
@@ -26,18 +36,25 @@ so the registries need no lock.
 from __future__ import annotations
 
 import asyncio
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_keys, parse_chunk_key
 from pyspark_acs.server.cache.store import Store
 
-__all__ = ["MAX_PUSH_BYTES", "TAKE_WINDOW_CHUNKS", "FileFollow", "KeyWatch", "Watchers"]
+__all__ = ["MAX_PUSH_BYTES", "SENT_KEPT_PER_FILE", "TAKE_WINDOW_CHUNKS", "FileFollow", "KeyWatch", "Watchers"]
 
 #: Largest payload of one pushed message (bytes); more is sent in the next message.
 MAX_PUSH_BYTES = 1024 * 1024
 #: Chunks a Follow stream first looks up at once from a file's cursor (then twice as many, as
 #: long as they are all there): a caught-up follower's push is a few chunks.
 TAKE_WINDOW_CHUNKS = 8
+#: Messages kept per followed file for other streams at the same cursor (each at most
+#: MAX_PUSH_BYTES and its header): followers that keep up share one cursor, those behind are
+#: spread, and each put of the file drops them all.
+SENT_KEPT_PER_FILE = 4
+
+#: A pushed file's run: (file id, start, pieces, size).
+Run = Tuple[bytes, int, List[bytes], int]
 
 
 class KeyWatch:
@@ -76,7 +93,7 @@ class FileFollow:
         self.marked[fid] = None
         self.wake.set()
 
-    def take(self, store: Store, budget: int = MAX_PUSH_BYTES) -> List[Tuple[bytes, int, List[bytes], int]]:
+    def take(self, store: Store, budget: int = MAX_PUSH_BYTES) -> List[Run]:
         """Runs ``(file id, start, pieces, size)`` from the marked files' cursors, as far as the
         store holds each contiguously (whole chunks, then the valid prefix of the last one),
         within ``budget`` bytes; files left over stay marked. Moves the cursors. A run's bytes
@@ -86,7 +103,7 @@ class FileFollow:
         The chunks are looked up a window at a time (:data:`TAKE_WINDOW_CHUNKS`, doubling),
         under one lock each: a caught-up follower's push is a few chunks, and a key built and
         looked up on its own cost ~4 us a chunk for each follower of the file."""
-        runs: List[Tuple[bytes, int, List[bytes], int]] = []
+        runs: List[Run] = []
         left = budget
         for fid in list(self.marked):
             if left <= 0:
@@ -138,9 +155,13 @@ class Watchers:
         self.store = store
         self._by_key: Dict[bytes, Set[KeyWatch]] = {}
         self._by_file: Dict[bytes, Set[FileFollow]] = {}
+        #: file id -> cursor -> (cursor after, message): what a Follow stream at that cursor of
+        #: the file was last sent, while no chunk of the file was stored since
+        #: (:meth:`next_message`; at most SENT_KEPT_PER_FILE per file, oldest dropped first).
+        self._sent: Dict[bytes, Dict[int, Tuple[int, bytes]]] = {}
         #: Counters for /metrics: streams open now, messages and bytes pushed since start.
         self.counts: Dict[str, int] = {"watch_streams": 0, "follow_streams": 0, "pushed_messages_total": 0,
-                                       "pushed_bytes_total": 0}
+                                       "pushed_bytes_total": 0, "pushed_shared_total": 0}
 
     @property
     def idle(self) -> bool:
@@ -159,6 +180,7 @@ class Watchers:
                 parsed = parse_chunk_key(key)
                 follows = by_file.get(parsed[0]) if parsed is not None else None
                 if follows:
+                    self._sent.pop(parsed[0], None)  # the file grew: what was sent is not all there is
                     for f in follows:
                         f.mark(parsed[0])
 
@@ -193,6 +215,7 @@ class Watchers:
                 s.discard(f)
                 if not s:
                     del self._by_file[fid]
+                    self._sent.pop(fid, None)
         for fid, offset in zip(files, offsets):
             f.cursors[fid] = int(offset)
             self._by_file.setdefault(fid, set()).add(f)
@@ -200,3 +223,34 @@ class Watchers:
 
     def drop_follow(self, f: FileFollow) -> None:
         self.follow(f, (), (), list(f.cursors))
+
+    def next_message(self, f: FileFollow, encode: Callable[[List[Run]], bytes]) -> Tuple[Optional[bytes], int]:
+        """The next message of Follow stream ``f`` and the file bytes it carries (``None, 0``:
+        nothing to send): its runs taken from the store (:meth:`FileFollow.take`) and encoded by
+        ``encode``. When ``f``'s one marked file stands at a cursor from which another stream
+        of the file was sent a message since the file's last stored chunk, that message again:
+        the same bytes, with no store read and no encode (the module's "one message, many
+        followers"). Moves ``f``'s cursors as :meth:`FileFollow.take` does."""
+        fid = next(iter(f.marked)) if len(f.marked) == 1 else None
+        start = f.cursors.get(fid) if fid is not None else None
+        if start is not None:
+            sent = self._sent.get(fid)
+            hit = sent.get(start) if sent is not None else None
+            if hit is not None:
+                del f.marked[fid]
+                f.wake.clear()
+                f.cursors[fid] = hit[0]
+                self.counts["pushed_shared_total"] += 1
+                return hit[1], hit[0] - start
+        runs = f.take(self.store)
+        if not runs:
+            return None, 0
+        message = encode(runs)
+        # Kept only when it is the whole of what the file had from ``start``: one run, and the
+        # file not marked again (a run that used the budget up leaves it marked).
+        if start is not None and len(runs) == 1 and not f.marked and fid in self._by_file:
+            sent = self._sent.setdefault(fid, {})
+            if len(sent) >= SENT_KEPT_PER_FILE:
+                del sent[next(iter(sent))]
+            sent[start] = (start + runs[0][3], message)
+        return message, sum(r[3] for r in runs)
