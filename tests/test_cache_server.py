@@ -732,3 +732,46 @@ def test_followers_at_one_cursor_share_one_message_until_the_file_grows():
     for f in list(watchers._by_file[fid]):
         watchers.drop_follow(f)
     assert fid not in watchers._sent
+
+
+def test_kept_follow_messages_are_bounded_per_replica_and_a_delete_drops_them():
+    """Kept messages are not charged to the store, so a replica holds at most SENT_KEPT_BYTES of
+    them (review reproduction: 32 files of ~1 MB with readers at four cursors each kept 133 MB
+    beside an 8 MB store); past it a message is sent and not kept, and /metrics shows the
+    bytes kept. A ``Delete`` of a chunk drops its file's kept messages: the push then stops at
+    the missing chunk, as a Get misses it."""
+    from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key, file_id
+    from pyspark_acs.server.cache.server import _encode_runs
+    from pyspark_acs.server.cache.watch import MAX_PUSH_BYTES, SENT_KEPT_BYTES, SENT_KEPT_PER_FILE, FileFollow, Watchers
+
+    store = Store(64 << 20, 600.0)  # holds every file: the Delete below is the only gap
+    watchers = Watchers(store)
+    nchunks = MAX_PUSH_BYTES // CHUNK_SIZE - 1  # a file just under one message
+    fids = []
+    for i in range(32):
+        fid = file_id(f"file:///k/{i}.acs")
+        fids.append(fid)
+        store.put_many([(chunk_key("", n, file_id=fid), bytes([i]) * CHUNK_SIZE, CHUNK_SIZE)
+                        for n in range(nchunks)])
+        for j in range(SENT_KEPT_PER_FILE):
+            f = FileFollow()
+            watchers.follow(f, [fid], [j * CHUNK_SIZE], ())
+            message, size = watchers.next_message(f, _encode_runs)
+            assert size == (nchunks - j) * CHUNK_SIZE and message is not None
+    kept = sum(len(m) for per in watchers._sent.values() for _, m in per.values())
+    assert kept == watchers.kept_bytes <= SENT_KEPT_BYTES
+    assert kept > SENT_KEPT_BYTES - MAX_PUSH_BYTES - 1024  # it filled up to the bound
+    # A Delete of one chunk of a file drops what was kept for it (and the count follows).
+    kept_file = next(fid for fid in fids if fid in watchers._sent)
+    dropped = sum(len(m) for _, m in watchers._sent[kept_file].values())
+    store.delete_many([chunk_key("", 5, file_id=kept_file)])
+    watchers.deleted([chunk_key("", 5, file_id=kept_file), b"not a chunk key"])
+    assert kept_file not in watchers._sent and watchers.kept_bytes == kept - dropped
+    f = FileFollow()
+    watchers.follow(f, [kept_file], [0], ())
+    assert watchers.next_message(f, _encode_runs)[1] == 5 * CHUNK_SIZE  # stops at the deleted chunk
+    # The last follower of each file leaving drops everything.
+    for fid in fids:
+        for s in list(watchers._by_file.get(fid, ())):
+            watchers.drop_follow(s)
+    assert watchers._sent == {} and watchers.kept_bytes == 0

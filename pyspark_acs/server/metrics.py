@@ -135,6 +135,8 @@ CACHE_METRICS: Dict[str, MetricSpec] = {
     "put_streams": MetricSpec("gauge", "PutStream calls open now (writers: one per client process)."),
     "pushed_messages_total": MetricSpec("counter", "Messages sent on push streams."),
     "pushed_bytes_total": MetricSpec("counter", "File bytes sent on Follow streams."),
+    "push_kept_bytes": MetricSpec("gauge", "Bytes of Follow messages kept to be sent again to streams at "
+                                           "the same cursor (at most SENT_KEPT_BYTES)."),
     "pushed_shared_total": MetricSpec("counter", "Follow messages sent again as built for another stream "
                                                  "at the same cursor (no store read, no encode)."),
 }

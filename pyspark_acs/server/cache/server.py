@@ -303,6 +303,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"delete: {len(request.keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
         deleted = self.store.delete_many(request.keys)
+        self.watchers.deleted(request.keys)
         self._latency["Delete"].observe(time.perf_counter() - started)
         return acs_pb2.DeleteResponse(deleted=deleted)
 
@@ -310,6 +311,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         """The store's stats, the push streams' counters and this process's ``rss_bytes``."""
         values = self.store.stats()
         values.update(self.watchers.counts)
+        values["push_kept_bytes"] = self.watchers.kept_bytes
         values["put_streams"] = self.put_streams
         values["rss_bytes"] = _rss_bytes()
         return values

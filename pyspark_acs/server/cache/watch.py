@@ -17,17 +17,22 @@ sends. A stream therefore never queues entries or bytes: what it owes is a set o
 or files and their cursors, however slow the reader. A slow reader only holds up its own
 stream (gRPC flow control suspends its sender at the ``yield``), and at most
 :data:`MAX_PUSH_BYTES` are built per message. Bytes that left the store before a slow reader
-got them stop its run (a missing chunk); the reader asks for them as it does without push.
+got them stop its run (a missing chunk); the reader asks for them as it does without push --
+unless a message kept for its cursor still holds them (below).
 
 **One message, many followers.** Followers of a hot file stand at the same cursor after each
 put (they all got the last push), so the message one of them is sent is what the next will be
 sent: :meth:`Watchers.next_message` keeps the last messages of each followed file by the cursor
 they start at and sends them again to a stream at that cursor, without a store read or an
-encode, until the next chunk of the file is stored (which drops them). A file's bytes at a
-position never change (the fence: only verified bytes reach the cache), so a kept message is
-the file's bytes even if its chunks have since been evicted. Measured with one data server, 20
-followers and a 40 KB put every 20 ms: 1.17-1.54 -> 0.90-0.96 s of server CPU for ~7,400
-pushes (the grpcio floor relay: 0.58-0.61 s).
+encode. What makes a kept message the one :meth:`FileFollow.take` would build is that every
+stored chunk of the file drops the file's kept messages (a longer prefix, or a dueling writer's
+bytes at the same version, alike), and so does a ``Delete`` of one. Chunks that expire or are
+evicted meanwhile do not: a kept message still carries their bytes, which are the file's (only
+verified bytes reach the cache), so a reader gets a longer run than the store holds, never a
+different one. Kept messages are bounded per file (:data:`SENT_KEPT_PER_FILE`) and per replica
+(:data:`SENT_KEPT_BYTES`, shown as ``acs_cache_push_kept_bytes``). Measured with one data
+server, 20 followers and a 40 KB put every 20 ms: 1.17-1.54 -> 0.95-0.99 s of server CPU for
+~7,300 pushes (the grpcio floor relay: 0.58-0.61 s).
 
 Every method runs on the server's event loop thread (put handlers and stream senders alike),
 so the registries need no lock.
@@ -41,7 +46,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_keys, parse_chunk_key
 from pyspark_acs.server.cache.store import Store
 
-__all__ = ["MAX_PUSH_BYTES", "SENT_KEPT_PER_FILE", "TAKE_WINDOW_CHUNKS", "FileFollow", "KeyWatch", "Watchers"]
+__all__ = ["MAX_PUSH_BYTES", "SENT_KEPT_BYTES", "SENT_KEPT_PER_FILE", "TAKE_WINDOW_CHUNKS", "FileFollow", "KeyWatch",
+           "Watchers"]
 
 #: Largest payload of one pushed message (bytes); more is sent in the next message.
 MAX_PUSH_BYTES = 1024 * 1024
@@ -52,6 +58,11 @@ TAKE_WINDOW_CHUNKS = 8
 #: MAX_PUSH_BYTES and its header): followers that keep up share one cursor, those behind are
 #: spread, and each put of the file drops them all.
 SENT_KEPT_PER_FILE = 4
+#: Bytes of kept messages one replica holds at most, over all files (they are not charged to
+#: the store's capacity): a message that would pass it is sent but not kept. Followers that
+#: keep up need one small message per hot file (a flush's bytes); 32 followed files with
+#: readers spread over four cursors each kept 133 MB without it (review reproduction).
+SENT_KEPT_BYTES = 16 * 1024 * 1024
 
 #: A pushed file's run: (file id, start, pieces, size).
 Run = Tuple[bytes, int, List[bytes], int]
@@ -157,8 +168,10 @@ class Watchers:
         self._by_file: Dict[bytes, Set[FileFollow]] = {}
         #: file id -> cursor -> (cursor after, message): what a Follow stream at that cursor of
         #: the file was last sent, while no chunk of the file was stored since
-        #: (:meth:`next_message`; at most SENT_KEPT_PER_FILE per file, oldest dropped first).
+        #: (:meth:`next_message`; at most SENT_KEPT_PER_FILE per file, oldest dropped first),
+        #: and the bytes of all of them (at most SENT_KEPT_BYTES).
         self._sent: Dict[bytes, Dict[int, Tuple[int, bytes]]] = {}
+        self.kept_bytes = 0
         #: Counters for /metrics: streams open now, messages and bytes pushed since start.
         self.counts: Dict[str, int] = {"watch_streams": 0, "follow_streams": 0, "pushed_messages_total": 0,
                                        "pushed_bytes_total": 0, "pushed_shared_total": 0}
@@ -180,7 +193,7 @@ class Watchers:
                 parsed = parse_chunk_key(key)
                 follows = by_file.get(parsed[0]) if parsed is not None else None
                 if follows:
-                    self._sent.pop(parsed[0], None)  # the file grew: what was sent is not all there is
+                    self._drop_sent(parsed[0])  # the file grew: what was sent is not all there is
                     for f in follows:
                         f.mark(parsed[0])
 
@@ -215,7 +228,7 @@ class Watchers:
                 s.discard(f)
                 if not s:
                     del self._by_file[fid]
-                    self._sent.pop(fid, None)
+                    self._drop_sent(fid)
         for fid, offset in zip(files, offsets):
             f.cursors[fid] = int(offset)
             self._by_file.setdefault(fid, set()).add(f)
@@ -223,6 +236,21 @@ class Watchers:
 
     def drop_follow(self, f: FileFollow) -> None:
         self.follow(f, (), (), list(f.cursors))
+
+    def deleted(self, keys: Iterable[bytes]) -> None:
+        """Keys a ``Delete`` removed: messages kept for their files go (a push then stops at
+        the missing chunk, as a Get misses it)."""
+        if not self._sent:
+            return
+        for key in keys:
+            parsed = parse_chunk_key(key)
+            if parsed is not None:
+                self._drop_sent(parsed[0])
+
+    def _drop_sent(self, fid: bytes) -> None:
+        sent = self._sent.pop(fid, None)
+        if sent:
+            self.kept_bytes -= sum(len(message) for _, message in sent.values())
 
     def next_message(self, f: FileFollow, encode: Callable[[List[Run]], bytes]) -> Tuple[Optional[bytes], int]:
         """The next message of Follow stream ``f`` and the file bytes it carries (``None, 0``:
@@ -248,9 +276,14 @@ class Watchers:
         message = encode(runs)
         # Kept only when it is the whole of what the file had from ``start``: one run, and the
         # file not marked again (a run that used the budget up leaves it marked).
-        if start is not None and len(runs) == 1 and not f.marked and fid in self._by_file:
+        if (start is not None and len(runs) == 1 and not f.marked and fid in self._by_file
+                and self.kept_bytes + len(message) <= SENT_KEPT_BYTES):
             sent = self._sent.setdefault(fid, {})
-            if len(sent) >= SENT_KEPT_PER_FILE:
-                del sent[next(iter(sent))]
+            old = sent.pop(start, None)
+            if old is None and len(sent) >= SENT_KEPT_PER_FILE:
+                old = sent.pop(next(iter(sent)))
+            if old is not None:
+                self.kept_bytes -= len(old[1])
             sent[start] = (start + runs[0][3], message)
+            self.kept_bytes += len(message)
         return message, sum(r[3] for r in runs)
