@@ -18,7 +18,7 @@ from pyspark_acs.errors import (
     WriterConflictError,
 )
 from pyspark_acs.storage.leases import LeaseRecord, StoreLease
-from pyspark_acs.storage.store import STREAM_META_FILE, DurableStore, open_store
+from pyspark_acs.storage.store import STREAM_LOCK_FILE, STREAM_META_FILE, DurableStore, open_store
 
 REL = "s/00000/20260102T030405000006Z-w.acs"
 
@@ -87,7 +87,8 @@ def test_streams_and_shard_counts(root):
     assert store.stream_shards("orders") is None
     assert store.create_stream("orders", 3) == 3
     assert store.create_stream("orders", 3) == 3
-    assert sorted(os.listdir(os.path.join(root, "orders"))) == ["00000", "00001", "00002", STREAM_META_FILE]
+    assert sorted(os.listdir(os.path.join(root, "orders"))) == ["00000", "00001", "00002", STREAM_META_FILE,
+                                                                 STREAM_LOCK_FILE]
     with pytest.raises(AcsOptionError, match="has 3 shards, not 2") as err:
         store.create_stream("orders", 2)
     assert err.value.option == "shards"
@@ -126,6 +127,70 @@ def test_a_copy_is_refused_to_producers_and_sinks_naming_where_to_write(root):
         store.create_stream("own", 1)
     store.create_stream("own", 1, copied_from="B")
     assert store.stream_meta("own")["copied_from"] == "B"
+
+
+def _race(root: str, jobs, rounds: int):
+    """Run ``jobs`` (functions of (store, round)) in forked processes that start each round at
+    one barrier; returns per round what each returned ("ok", value) or raised ("err", message)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    results = []
+    for r in range(rounds):
+        barrier, queue = ctx.Barrier(len(jobs)), ctx.Queue()
+
+        def run(i, job, r=r):
+            store = DurableStore(root)
+            barrier.wait()
+            try:
+                queue.put((i, "ok", job(store, r)))
+            except AcsOptionError as exc:
+                queue.put((i, "err", f"{exc.option}: {exc}"))
+
+        procs = [ctx.Process(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+        for p in procs:
+            p.start()
+        got = dict((i, (kind, value)) for i, kind, value in (queue.get(timeout=30) for _ in procs))
+        for p in procs:
+            p.join(10)
+            assert p.exitcode == 0
+        results.append(got)
+    return results
+
+
+def test_creators_racing_for_a_stream_are_never_told_a_count_it_does_not_have(root):
+    """Producers of different shard counts that start at once: before the stream's metadata was
+    changed under a lock, two of them could both "create" it and each be told its own count,
+    so one wrote shards no reader reads (reproduced in 15 of 30 rounds of four creators). Now
+    the one whose count stands is told it and every other is refused, naming ``shards``."""
+    rounds = 12
+    results = _race(root, [lambda store, r, k=k: store.create_stream(f"race{r}", k) for k in (1, 2, 3, 4)],
+                    rounds)
+    for r, got in enumerate(results):
+        shards = DurableStore(root).stream_shards(f"race{r}")
+        ok = [value for kind, value in got.values() if kind == "ok"]
+        assert ok == [shards], (r, got)
+        assert all(kind == "ok" or value.startswith("shards: ") for kind, value in got.values()), got
+        assert sorted(os.listdir(os.path.join(root, f"race{r}"))) == [
+            f"{s:05d}" for s in range(shards)] + [STREAM_META_FILE, STREAM_LOCK_FILE]
+
+
+def test_tier_settings_and_a_copy_mark_written_at_once_both_stand(root, tmp_path):
+    """``acs tier`` and the copy daemon marking a stream a copy change the one metadata file:
+    each reads, changes a field and writes it back, so unlocked, the later write dropped the
+    other's field."""
+    from pyspark_acs.storage.tier import configure_tier, stream_tier_settings
+
+    rounds = 8
+    for r in range(rounds):
+        DurableStore(root).create_stream(f"both{r}", 1)
+    tier = str(tmp_path / "tier")
+    _race(root, [lambda store, r: configure_tier(store, f"both{r}", tier, hot_retention_s=5).uri,
+                 lambda store, r: store.create_stream(f"both{r}", 1, copied_from="A")], rounds)
+    store = DurableStore(root)
+    for r in range(rounds):
+        assert store.stream_meta(f"both{r}")["copied_from"] == "A"
+        assert stream_tier_settings(store, f"both{r}").hot_retention_s == 5
 
 
 def test_list_files_sorted_and_only_message_files(root):

@@ -16,7 +16,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -24,10 +24,13 @@ import pyarrow.fs as pafs
 from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError
 from pyspark_acs.format.names import FILE_SUFFIX, shard_dir, validate_stream
 
-__all__ = ["STREAM_META_FILE", "Appender", "DurableStore", "open_store"]
+__all__ = ["STREAM_LOCK_FILE", "STREAM_META_FILE", "Appender", "DurableStore", "open_store"]
 
 #: Per-stream metadata file (shard count), beside the shard folders.
 STREAM_META_FILE = "_stream.json"
+#: Lock file beside it: every change of the metadata file is a read-modify-write under it
+#: (:meth:`DurableStore.update_stream_meta`), so two creators cannot both be told a count.
+STREAM_LOCK_FILE = "_stream.lock"
 #: How many open input files a store keeps for range reads (tail readers reread the same files).
 MAX_OPEN_READ_FILES = 256
 
@@ -291,6 +294,10 @@ class DurableStore:
         stream that is a copy: its take-over would seal the files being copied, and its own
         files would mix with the source's history.
 
+        Callers that race to create one stream (producers of several shard counts starting at
+        once) are decided by :meth:`update_stream_meta`'s lock: the first one's count stands and
+        the others are refused, never told a count the stream does not have.
+
         Returns the shard count.
 
         Raises
@@ -299,8 +306,15 @@ class DurableStore:
             When the shard count disagrees (option ``shards``), or a writer of messages asks
             for a copy (option ``stream``).
         """
-        existing = self.stream_meta(stream)
-        if existing is not None:
+
+        def change(existing: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+            if existing is None:
+                for shard in range(shards):
+                    self.make_dirs(shard_dir(stream, shard))
+                meta: Dict[str, Any] = {"shards": shards, "format": 1}
+                if copied_from is not None:
+                    meta["copied_from"] = copied_from
+                return meta
             if existing["shards"] != shards:
                 raise AcsOptionError(
                     f"shards: stream {stream!r} in {self.root} has {existing['shards']} shards, not {shards}",
@@ -311,16 +325,48 @@ class DurableStore:
             elif existing.get("copied_from") != copied_from:
                 # A copy made before streams said so, or whose parent changed (the copy tree was
                 # rebuilt): say so now.
-                existing["copied_from"] = copied_from
-                self.write_small(f"{stream}/{STREAM_META_FILE}", json.dumps(existing).encode())
+                return dict(existing, copied_from=copied_from)
+            return None
+
+        # The common case, an existing stream that matches, needs no write and so no lock.
+        existing = self.stream_meta(stream)
+        if existing is not None and change(existing) is None:
             return existing["shards"]
-        for shard in range(shards):
-            self.make_dirs(shard_dir(stream, shard))
-        meta: Dict[str, Any] = {"shards": shards, "format": 1}
-        if copied_from is not None:
-            meta["copied_from"] = copied_from
-        self.write_small(f"{stream}/{STREAM_META_FILE}", json.dumps(meta).encode())
-        return shards
+        return self.update_stream_meta(stream, change)["shards"]
+
+    def update_stream_meta(
+        self, stream: str, change: "Callable[[Optional[Dict[str, Any]]], Optional[Dict[str, Any]]]"
+    ) -> Dict[str, Any]:
+        """Change the stream's metadata file: ``change`` gets the current metadata (None when
+        the stream does not exist) and returns what to write, or None to leave it; an exception
+        it raises leaves the file as it was. Returns the metadata after the change.
+
+        The read, ``change`` and the write run under the lock file :data:`STREAM_LOCK_FILE`
+        (:func:`pyspark_acs.storage.leases.exclusive`), so concurrent changes (creators of one
+        stream, the copy daemon marking a copy, ``acs tier``) each see the one before: none is
+        lost, and no caller is told a shard count the stream does not have. On filesystems
+        without locks (HDFS, object stores) the change runs unlocked, as their other
+        read-modify-writes do.
+
+        Raises
+        ------
+        StoreError
+            The metadata file is malformed or cannot be written (naming it).
+        """
+        from pyspark_acs.storage.leases import exclusive  # leases builds on this module
+
+        rel = f"{validate_stream(stream)}/{STREAM_META_FILE}"
+        with exclusive(self, f"{stream}/{STREAM_LOCK_FILE}"):
+            # Not locked only when a holder kept the lock past LOCK_WAIT_SECONDS (stopped or
+            # hung; exclusive() warns): going on is then as safe as on a store without locks.
+            current = self.stream_meta(stream)
+            new = change(None if current is None else dict(current))
+            if new is None:
+                if current is None:
+                    raise StoreError(f"{self.uri(rel)}: no stream {stream!r} to change")
+                return current
+            self.write_small(rel, json.dumps(new).encode())
+            return new
 
     def make_dirs(self, rel: str) -> None:
         """Create the folder ``rel`` with its parents (existing folders are fine)."""

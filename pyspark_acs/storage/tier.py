@@ -242,24 +242,34 @@ def configure_tier(
             raise AcsOptionError(f"{name}: must be >= 0 or None (keep forever), got {value!r}", option=name)
     if uri is not None:
         TierStore(uri).check()  # raises naming the URI when it cannot be reached
-    meta = _stream_meta(store, stream)
-    current = TierSettings.from_json(meta.get("tier"))
-    if current.enabled and (uri is None or _public_uri(uri) != _public_uri(current.uri)):
-        # Tier records name objects of the current location: readers find them nowhere else.
-        recorded = sum(len(read_manifest(store, stream, shard)) for shard in range(store.stream_shards(stream) or 0))
-        if recorded:
-            change = "turning tiering off" if uri is None else f"moving it to {_public_uri(uri)}"
-            raise AcsOptionError(
-                f"uri: {recorded} files of stream {stream!r} are recorded in its secondary store "
-                f"{_public_uri(current.uri)} (their only copy may be there); {change} would leave them "
-                f"unreadable. Keep the secondary store (a retention of None stops deletions), or let "
-                f"secondary_retention_s delete them first", option="uri")
-    # The owner id outlives reconfiguration: objects written under it stay this stream's.
-    owner = current.owner or secrets.token_hex(4)
-    settings = TierSettings(uri, hot_retention_s, hot_retention_bytes, secondary_retention_s, owner)
-    meta["tier"] = settings.to_json() if settings.enabled else None
-    store.write_small(f"{stream}/{STREAM_META_FILE}", json.dumps(meta).encode())
-    return settings
+    _stream_meta(store, stream)  # no such stream: say so before taking its lock
+    written: List[TierSettings] = []
+
+    def change(meta: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        if meta is None:  # deleted since the check above
+            raise AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
+        current = TierSettings.from_json(meta.get("tier"))
+        if current.enabled and (uri is None or _public_uri(uri) != _public_uri(current.uri)):
+            # Tier records name objects of the current location: readers find them nowhere else.
+            recorded = sum(len(read_manifest(store, stream, shard)) for shard in range(meta["shards"]))
+            if recorded:
+                what = "turning tiering off" if uri is None else f"moving it to {_public_uri(uri)}"
+                raise AcsOptionError(
+                    f"uri: {recorded} files of stream {stream!r} are recorded in its secondary store "
+                    f"{_public_uri(current.uri)} (their only copy may be there); {what} would leave them "
+                    f"unreadable. Keep the secondary store (a retention of None stops deletions), or let "
+                    f"secondary_retention_s delete them first", option="uri")
+        # The owner id outlives reconfiguration: objects written under it stay this stream's.
+        owner = current.owner or secrets.token_hex(4)
+        settings = TierSettings(uri, hot_retention_s, hot_retention_bytes, secondary_retention_s, owner)
+        written.append(settings)
+        meta["tier"] = settings.to_json() if settings.enabled else None
+        return meta
+
+    # Under the stream's lock: a copy daemon marking the stream a copy at the same moment keeps
+    # its field, and this keeps ours.
+    store.update_stream_meta(stream, change)
+    return written[-1]
 
 
 # -- tier records --------------------------------------------------------------------------
