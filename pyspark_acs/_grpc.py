@@ -10,8 +10,9 @@ local server: 28 of 1000 such children died; 0 of 1000 with the handlers off. A 
 local deployment followed by ``SparkSession.builder.getOrCreate()`` in one process hits it as
 "Java gateway process exited before sending its port number" (a full test run did).
 
-This package never uses a gRPC channel across a fork (a forked Spark worker opens its own), so
-it turns the core's fork handlers off, unless the environment already says otherwise. The core
+This package never uses a gRPC channel across a fork (a forked Spark worker opens its own; a
+child forked while channels were open is refused gRPC, see :mod:`pyspark_acs._fork`), so it
+turns the core's fork handlers off, unless the environment already says otherwise. The core
 reads the variable when grpc is first imported in the process: a program that imports grpc
 itself before pyspark_acs must set ``GRPC_ENABLE_FORK_SUPPORT=false`` itself (docs/deploy.md).
 Child processes (cache servers, Spark's JVM and its Python workers) inherit the setting.
@@ -78,3 +79,4 @@ try:
 finally:
     if EXPERIMENTS_APPLIED is not None:
         os.environ.pop(EXPERIMENTS_ENV, None)  # read at import: no child inherits it
+

@@ -23,7 +23,8 @@ that already catch ``ValueError``, ``OSError``, ``ConnectionError`` or
     ├── DataLossError                        bytes a reader needed are gone; says which
     ├── AcsTimeoutError (TimeoutError)       flush/close did not finish in the time given
     ├── TopologyError (ValueError)           bad copy-daemon topology file
-    └── ClosedError (RuntimeError)           use of a closed Producer, Consumer or client
+    ├── ClosedError (RuntimeError)           use of a closed Producer, Consumer or client
+    └── ForkError (RuntimeError)             gRPC or a Producer used in a child forked from the process that opened them
 
 gRPC and pyarrow errors are translated where they enter the package (``raise ... from exc``)
 so a traceback always shows both the pyspark_acs meaning and the original cause.
@@ -45,6 +46,7 @@ __all__ = [
     "CorruptFileError",
     "DataLossError",
     "DeploymentError",
+    "ForkError",
     "InvalidNameError",
     "LeaseError",
     "LeasePoisonedError",
@@ -198,3 +200,20 @@ class TopologyError(AcsError, ValueError):
 
 class ClosedError(AcsError, RuntimeError):
     """A Producer, Consumer or client was used after ``close()``."""
+
+
+class ForkError(AcsError, RuntimeError):
+    """A process forked (``os.fork``, ``multiprocessing``'s default start method on Linux) from
+    one that had gRPC channels open used gRPC, or used a Producer made before the fork: the
+    child inherits gRPC's core state (it hangs or aborts) but not the Producer's writer thread
+    (its messages would never be written). The message names both processes and the remedy.
+
+    Attributes
+    ----------
+    parent_pid : int
+        The process that opened the channels or made the Producer.
+    """
+
+    def __init__(self, message: str, *, parent_pid: int) -> None:
+        super().__init__(message)
+        self.parent_pid = parent_pid

@@ -180,8 +180,10 @@ class SecuritySettings:
         """A gRPC channel to ``address``: TLS when a CA bundle is set, else plaintext; with
         ``with_token`` every call on it carries the token (callers that pass
         :meth:`call_metadata` themselves leave it off)."""
+        from pyspark_acs._fork import check_not_forked, opened_channel
         from pyspark_acs._grpc import grpc
 
+        check_not_forked(f"gRPC channel to {address}")
         if not self.client_tls:
             channel = grpc.insecure_channel(address, options=list(options))
         else:
@@ -191,6 +193,7 @@ class SecuritySettings:
                 certificate_chain=_read_pem(self.tls_cert, ENV_TLS_CERT) if self.mtls else None,
             )
             channel = grpc.secure_channel(address, creds, options=list(options))
+        opened_channel(channel)
         if with_token and self.token:
             channel = grpc.intercept_channel(channel, _grpc_classes()[0](self.call_metadata()))
         return channel

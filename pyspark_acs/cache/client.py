@@ -39,6 +39,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+from pyspark_acs import _fork
 from pyspark_acs.security import SecuritySettings, resolve_security
 from pyspark_acs.errors import AcsOptionError, CacheError, CacheTimeoutError, CacheUnavailableError, ClosedError
 from pyspark_acs.cache import wire
@@ -402,6 +403,8 @@ class CacheClient:
         # Caller holds no lock. Channels are created once per endpoint and shared by all threads.
         stub = rep.stub
         if stub is not None:
+            if _fork.forked_from is not None:  # a parent's channel: it would hang here
+                _fork.check_not_forked(self.name)
             return stub
         from pyspark_acs._grpc import grpc  # deferred: importing pyspark_acs must not import grpc
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import random
 import threading
 import time
 from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Set, Tuple, Union
 
+from pyspark_acs import _fork
 from pyspark_acs.cache.client import CacheClient, client_for
 from pyspark_acs.cache.chunks import ChunkReader
 from pyspark_acs.cache.feed import ChunkFeed, holds_whole_files
@@ -188,6 +190,8 @@ class CachedReadPath:
         security: Optional[SecuritySettings] = None,
     ) -> None:
         self.store = store
+        #: The process that made this path: the only one with its feed's and poller's threads.
+        self._pid = os.getpid()
         self._own = []
         self.data = client_for(data_cache, "data cache", self._own, token, security)
         meta = client_for(metadata_cache, "metadata cache", self._own, token, security)
@@ -260,6 +264,7 @@ class CachedReadPath:
 
     def lengths(self, rels: Sequence[str]) -> Dict[str, Optional[int]]:
         """Readable length per file: the larger of the published cache and durable lengths."""
+        _fork.check_same_process(self._pid, "CachedReadPath (a Consumer's, through the caches)")
         rels = list(rels)
         published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
         now = time.monotonic()

@@ -17,11 +17,13 @@ import bisect
 import datetime as _dt
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from pyspark_acs import _fork
 from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.errors import AcsOptionError, AcsTimeoutError, ClosedError, LeaseError
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block
@@ -293,6 +295,8 @@ class Producer:
             acknowledge,
         )
         self.stream = validate_stream(stream)
+        #: The process that made this Producer: the only one with its writer thread.
+        self._pid = os.getpid()
         self.store = open_store(root)
         self.writer_id = writer_id or new_writer_id()
         self.shards = self.store.create_stream(stream, shards)
@@ -377,6 +381,7 @@ class Producer:
         ts = _timestamp_us(timestamp)
         hdrs = _as_headers(headers)
         size = _message_bytes(value_b, key_b, hdrs)
+        self._check_process()
         with self._cond:
             self._check_open()
             if shard is None:
@@ -422,6 +427,7 @@ class Producer:
         if ks is not None and len(ks) != n:
             raise ValueError(f"send_many: {len(ks)} keys for {n} values")
         ts = _timestamp_us(timestamp)
+        self._check_process()
         with self._cond:
             self._check_open()
             if shard is not None:
@@ -495,6 +501,7 @@ class Producer:
         TimeoutError
             If ``timeout`` seconds pass first.
         """
+        self._check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             targets = [(sh, sh.queued) for sh in self._shards]
@@ -511,6 +518,7 @@ class Producer:
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Flush, seal the open files, release the shard leases and stop the writer thread."""
+        self._check_process()
         with self._cond:
             if self._closed:
                 return
@@ -556,6 +564,11 @@ class Producer:
         self.close()
 
     # -- writer thread ---------------------------------------------------------------------
+
+    def _check_process(self) -> None:
+        """Refuse a forked child (before taking a lock: the parent's writer thread may have held
+        it at the fork, and nothing releases it in the child)."""
+        _fork.check_same_process(self._pid, f"Producer of stream {self.stream!r}")
 
     def _check_open(self) -> None:
         if self._error is not None:
