@@ -180,20 +180,20 @@ class SecuritySettings:
         """A gRPC channel to ``address``: TLS when a CA bundle is set, else plaintext; with
         ``with_token`` every call on it carries the token (callers that pass
         :meth:`call_metadata` themselves leave it off)."""
-        from pyspark_acs._fork import check_not_forked, opened_channel
+        from pyspark_acs._fork import open_grpc
         from pyspark_acs._grpc import grpc
 
-        check_not_forked(f"gRPC channel to {address}")
         if not self.client_tls:
-            channel = grpc.insecure_channel(address, options=list(options))
+            channel = open_grpc(f"gRPC channel to {address}",
+                                lambda: grpc.insecure_channel(address, options=list(options)))
         else:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=_read_pem(self.tls_ca, ENV_TLS_CA),
                 private_key=_read_pem(self.tls_key, ENV_TLS_KEY) if self.mtls else None,
                 certificate_chain=_read_pem(self.tls_cert, ENV_TLS_CERT) if self.mtls else None,
             )
-            channel = grpc.secure_channel(address, creds, options=list(options))
-        opened_channel(channel)
+            channel = open_grpc(f"gRPC channel to {address}",
+                                lambda: grpc.secure_channel(address, creds, options=list(options)))
         if with_token and self.token:
             channel = grpc.intercept_channel(channel, _grpc_classes()[0](self.call_metadata()))
         return channel

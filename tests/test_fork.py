@@ -55,6 +55,18 @@ def round_trip(kw, stream):
         return [v.decode() for b in c.batches(timeout=3) for v in b.column("value").to_pylist()]
 
 
+results["parent pid"] = os.getpid()
+if sys.argv[2] == "server":
+    # A process that runs a cache server in it, with no client channel, has gRPC open too.
+    from pyspark_acs.server.cache.server import CacheServer
+
+    server = CacheServer("data", host="127.0.0.1", port=0, metrics_port=None)
+    server.start()
+    in_child("beside a server", lambda: CacheClient(f"127.0.0.1:{server.port}", deadline=3).get([b"k"]))
+    server.stop()
+    print(json.dumps(results))
+    sys.exit(0)
+
 # A child forked before any channel is open: the caches work there (its own channels).
 endpoints = ctx.Queue()
 clean = ctx.Process(target=lambda: endpoints.put(round_trip(endpoints.get(), "clean")))
@@ -77,6 +89,8 @@ with LocalDeployment(os.path.join(base, "caches"), data_replicas=1, metadata_rep
     in_child("parent's producer send", lambda: producer.send(b"two"))
     in_child("parent's producer flush", lambda: producer.flush(timeout=5))
     in_child("parent's consumer", lambda: [b.num_rows for b in consumer.batches(timeout=3)])
+    in_child("parent's producer stats", lambda: producer.stats())
+    in_child("closing a parent's client", lambda: [consumer.path.data.close(), "closed"][1])
 
     producer.send(b"two")  # the parent goes on as before
     producer.flush()
@@ -87,22 +101,38 @@ print(json.dumps(results))
 '''
 
 
-def test_a_child_forked_with_channels_open_is_told_so_and_a_clean_child_works(tmp_path):
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True,
+def _run(tmp_path, mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), mode], capture_output=True, text=True,
                          timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _refused(result, parent: int) -> str:
+    kind, *rest = result
+    assert kind == "ForkError", result
+    message, parent_pid, child_pid = rest[0]
+    assert parent_pid == parent, rest
+    assert f"process {child_pid} was forked from process {parent}" in message
+    assert "'spawn' or 'forkserver'" in message
+    return message
+
+
+def test_a_child_forked_with_channels_open_is_told_so_and_a_clean_child_works(tmp_path):
+    results = _run(tmp_path, "main")
     assert results["clean child"] == ["ok", ["hello"]]
     assert results["parent"] == ["one"]
     assert results["parent after"] == ["two"]
     parent = results["parent pid"]
+    assert results["closing a parent's client"] == ["ok", "closed"]  # dropped, not closed: that hangs
     for name in ("new consumer", "new client", "parent's producer send", "parent's producer flush",
-                 "parent's consumer"):
-        kind, *rest = results[name]
-        assert kind == "ForkError", (name, results[name])
-        message, parent_pid, child_pid = rest[0]
-        assert parent_pid == parent, (name, rest)
-        assert f"process {child_pid} was forked from process {parent}" in message
-        assert "'spawn' or 'forkserver'" in message
+                 "parent's consumer", "parent's producer stats"):
+        _refused(results[name], parent)
     assert "which made it at the fork" in results["parent's producer send"][1][0]
-    assert "gRPC channels open" in results["new consumer"][1][0]
+    assert "had gRPC open at the fork" in results["new consumer"][1][0]
+
+
+def test_a_child_forked_beside_an_in_process_cache_server_is_told_so(tmp_path):
+    """A server is gRPC open as a channel is: the child's first call hung (3 of 3, the review)."""
+    results = _run(tmp_path, "server")
+    assert "had gRPC open at the fork" in _refused(results["beside a server"], results["parent pid"])

@@ -175,6 +175,28 @@ def test_creators_racing_for_a_stream_are_never_told_a_count_it_does_not_have(ro
             f"{s:05d}" for s in range(shards)] + [STREAM_META_FILE, STREAM_LOCK_FILE]
 
 
+def test_a_change_of_stream_metadata_fails_naming_the_lock_rather_than_go_on_unlocked(root, monkeypatch):
+    """A creator that keeps the lock past STREAM_LOCK_WAIT_S (a stopped process; one making
+    50,000 shard folders took 4 s) makes the next change fail: going on unlocked, as appends do
+    after their wait, let a 1-shard and a 50,000-shard creator both be told their own count."""
+    import fcntl
+
+    import pyspark_acs.storage.store as store_mod
+
+    monkeypatch.setattr(store_mod, "STREAM_LOCK_WAIT_S", 0.3)
+    store = DurableStore(root)
+    os.makedirs(os.path.join(root, "held"))
+    fd = os.open(os.path.join(root, "held", STREAM_LOCK_FILE), os.O_RDONLY | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another open file: flock conflicts within a process too
+    try:
+        with pytest.raises(StoreError, match=r"held/_stream.lock: held by another process for more than"):
+            store.create_stream("held", 2)
+        assert store.stream_meta("held") is None
+    finally:
+        os.close(fd)
+    assert store.create_stream("held", 2) == 2
+
+
 def test_tier_settings_and_a_copy_mark_written_at_once_both_stand(root, tmp_path):
     """``acs tier`` and the copy daemon marking a stream a copy change the one metadata file:
     each reads, changes a field and writes it back, so unlocked, the later write dropped the

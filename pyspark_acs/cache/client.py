@@ -379,6 +379,8 @@ class CacheClient:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False)  # stragglers end by their deadline
+        if _fork.forked_from is not None:
+            return  # a parent's channels: closing them here hangs in gRPC's core; dropped only
         for stream in streams:
             stream.close()
         for channel in channels:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import random
 import threading
 import time
@@ -191,7 +190,7 @@ class CachedReadPath:
     ) -> None:
         self.store = store
         #: The process that made this path: the only one with its feed's and poller's threads.
-        self._pid = os.getpid()
+        self._made = _fork.mark()
         self._own = []
         self.data = client_for(data_cache, "data cache", self._own, token, security)
         meta = client_for(metadata_cache, "metadata cache", self._own, token, security)
@@ -264,7 +263,8 @@ class CachedReadPath:
 
     def lengths(self, rels: Sequence[str]) -> Dict[str, Optional[int]]:
         """Readable length per file: the larger of the published cache and durable lengths."""
-        _fork.check_same_process(self._pid, "CachedReadPath (a Consumer's, through the caches)")
+        if self._made[0] != _fork.generation:
+            raise _fork.made_elsewhere(self._made, "CachedReadPath (a Consumer's, through the caches)")
         rels = list(rels)
         published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
         now = time.monotonic()

@@ -54,7 +54,7 @@ _LOCK_POLL_MIN_S, _LOCK_POLL_MAX_S = 0.001, 0.05
 
 
 @contextlib.contextmanager
-def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS) -> Iterator[bool]:
+def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS, *, warn: bool = True) -> Iterator[bool]:
     """Hold an exclusive lock on the file ``rel`` of ``store`` (created if missing) while the
     block runs: ``flock`` on local files, which every process of the machine honours. On
     other filesystems ``pyarrow.fs`` has no lock: the block runs unlocked.
@@ -64,7 +64,8 @@ def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS) ->
     the block then runs unlocked, like on HDFS, with a warning. Yields whether the lock is
     held: the block decides whether going on unlocked is safe (an append is only when it is a
     recovery seal, see :meth:`pyspark_acs.write.file.DurableFile.append`; the holder resumes
-    inside its block and finishes it).
+    inside its block and finishes it). ``warn=False``: the caller reports a lock it did not
+    get itself (the warning names appends and leases).
     """
     if not store.local:
         yield False
@@ -83,9 +84,10 @@ def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS) ->
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    log.warning("%s: the lock is held for more than %.1f s (a stopped or hung writer?); not "
-                                "waiting longer (a recovery seal or a lease re-checked after the wait goes on "
-                                "without it, any other append is refused)", store.uri(rel), wait)
+                    if warn:
+                        log.warning("%s: the lock is held for more than %.1f s (a stopped or hung writer?); not "
+                                    "waiting longer (a recovery seal or a lease re-checked after the wait goes on "
+                                    "without it, any other append is refused)", store.uri(rel), wait)
                     locked = False
                     break
                 time.sleep(pause)

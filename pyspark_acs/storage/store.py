@@ -31,6 +31,10 @@ STREAM_META_FILE = "_stream.json"
 #: Lock file beside it: every change of the metadata file is a read-modify-write under it
 #: (:meth:`DurableStore.update_stream_meta`), so two creators cannot both be told a count.
 STREAM_LOCK_FILE = "_stream.lock"
+#: How long a change of ``_stream.json`` waits for that lock (seconds) before it fails. Its
+#: holders hold it for a change, which for a creator includes making every shard folder (50,000
+#: folders took 4 s here), so it waits longer than the appends' lock (``LOCK_WAIT_SECONDS``).
+STREAM_LOCK_WAIT_S = 30.0
 #: How many open input files a store keeps for range reads (tail readers reread the same files).
 MAX_OPEN_READ_FILES = 256
 
@@ -351,14 +355,19 @@ class DurableStore:
         Raises
         ------
         StoreError
-            The metadata file is malformed or cannot be written (naming it).
+            The metadata file is malformed or cannot be written (naming it), or the lock was
+            held for more than :data:`STREAM_LOCK_WAIT_S` (naming the lock file).
         """
         from pyspark_acs.storage.leases import exclusive  # leases builds on this module
 
         rel = f"{validate_stream(stream)}/{STREAM_META_FILE}"
-        with exclusive(self, f"{stream}/{STREAM_LOCK_FILE}"):
-            # Not locked only when a holder kept the lock past LOCK_WAIT_SECONDS (stopped or
-            # hung; exclusive() warns): going on is then as safe as on a store without locks.
+        lock = f"{stream}/{STREAM_LOCK_FILE}"
+        with exclusive(self, lock, STREAM_LOCK_WAIT_S, warn=False) as locked:
+            if self.local and not locked:
+                # Going on unlocked would bring back the race the lock exists for.
+                raise StoreError(
+                    f"{self.uri(lock)}: held by another process for more than {STREAM_LOCK_WAIT_S:.0f} s (a "
+                    f"stopped or hung creator of stream {stream!r}?); {rel} was not changed")
             current = self.stream_meta(stream)
             new = change(None if current is None else dict(current))
             if new is None:

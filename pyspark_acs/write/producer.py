@@ -17,7 +17,6 @@ import bisect
 import datetime as _dt
 import itertools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -296,7 +295,7 @@ class Producer:
         )
         self.stream = validate_stream(stream)
         #: The process that made this Producer: the only one with its writer thread.
-        self._pid = os.getpid()
+        self._made = _fork.mark()
         self.store = open_store(root)
         self.writer_id = writer_id or new_writer_id()
         self.shards = self.store.create_stream(stream, shards)
@@ -547,6 +546,7 @@ class Producer:
         overlapped the next block's durable append (``overlapped_blocks``, a backlog's blocks
         but the last of each round; every block with ``acknowledge="durable"``); batching
         averages."""
+        self._check_process()
         with self._lock:
             files = sum(sh.writer.files_opened for sh in self._shards)
             overlapped = sum(sh.writer.overlapped_appends for sh in self._shards)
@@ -568,7 +568,8 @@ class Producer:
     def _check_process(self) -> None:
         """Refuse a forked child (before taking a lock: the parent's writer thread may have held
         it at the fork, and nothing releases it in the child)."""
-        _fork.check_same_process(self._pid, f"Producer of stream {self.stream!r}")
+        if self._made[0] != _fork.generation:
+            raise _fork.made_elsewhere(self._made, f"Producer of stream {self.stream!r}")
 
     def _check_open(self) -> None:
         if self._error is not None:

@@ -36,6 +36,7 @@ import time
 from concurrent import futures
 from typing import Callable, Dict, List, Optional, Sequence
 
+from pyspark_acs._fork import open_grpc
 from pyspark_acs._grpc import grpc
 
 from pyspark_acs.errors import AcsOptionError
@@ -578,7 +579,7 @@ class CacheServer:
 
     async def _main(self, address: str, listening: "futures.Future[int]") -> None:
         interceptors = [_TokenInterceptor(self.token)] if self.token else []
-        server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
+        server = open_grpc("cache server", lambda: grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors))
         add_servicer(acs_pb2_grpc.add_CacheServicer_to_server, self.servicer, server, aio=True,
                      decoders={"Put": _decode_put, "PutStream": _decode_put})
         try:

@@ -37,6 +37,7 @@ import threading
 from concurrent import futures
 from typing import Dict, Optional, Sequence
 
+from pyspark_acs._fork import open_grpc
 from pyspark_acs._grpc import grpc
 
 from pyspark_acs.errors import AcsError, AcsOptionError, TopologyError
@@ -189,10 +190,10 @@ class CopyDaemon:
         port = self.options.port if self.options.port >= 0 else int(address.rsplit(":", 1)[1])
         check_bind(self.options.host, self.security, self.insecure, what=f"acs-copy-daemon (cluster {self.cluster})")
         interceptors = [TokenInterceptor(self.security.token, stream_methods={"Copy"})] if self.security.token else []
-        server = grpc.server(
+        server = open_grpc(f"acs-copy-daemon (cluster {self.cluster})", lambda: grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="acs-copy-rpc"),
             options=_SERVER_OPTIONS, interceptors=interceptors,
-        )
+        ))
         add_servicer(copy_pb2_grpc.add_CopyServicer_to_server, self.servicer, server, aio=False)
         try:
             bound = self.security.add_port(server, f"{self.options.host}:{port}")
