@@ -56,6 +56,29 @@ def round_trip(kw, stream):
 
 
 results["parent pid"] = os.getpid()
+if sys.argv[2] == "opening":
+    # Forked while another thread makes the process's first channel (holding the client's
+    # lock): the child is told so, and neither a call nor close() waits on that lock.
+    import threading
+    from pyspark_acs._grpc import grpc
+
+    real, started = grpc.insecure_channel, threading.Event()
+
+    def slow(*args, **kwargs):
+        started.set()
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    grpc.insecure_channel = slow
+    client = CacheClient("127.0.0.1:9", deadline=1)
+    maker = threading.Thread(target=lambda: client._stub(client._replicas["127.0.0.1:9"]))
+    maker.start()
+    started.wait(5)
+    in_child("get", lambda: client.get([b"k"]))
+    in_child("close", lambda: [client.close(), "closed"][1])
+    maker.join()
+    print(json.dumps(results))
+    sys.exit(0)
 if sys.argv[2] == "server":
     # A process that runs a cache server in it, with no client channel, has gRPC open too.
     from pyspark_acs.server.cache.server import CacheServer
@@ -136,3 +159,11 @@ def test_a_child_forked_beside_an_in_process_cache_server_is_told_so(tmp_path):
     """A server is gRPC open as a channel is: the child's first call hung (3 of 3, the review)."""
     results = _run(tmp_path, "server")
     assert "had gRPC open at the fork" in _refused(results["beside a server"], results["parent pid"])
+
+
+def test_a_child_forked_while_a_channel_is_being_made_is_told_so_without_waiting_on_its_lock(tmp_path):
+    """The thread making the channel holds the client's lock at the fork: a check after the
+    lock hung the child (the second review)."""
+    results = _run(tmp_path, "opening")
+    assert "had gRPC open at the fork" in _refused(results["get"], results["parent pid"])
+    assert results["close"] == ["ok", "closed"]

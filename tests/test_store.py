@@ -197,6 +197,44 @@ def test_a_change_of_stream_metadata_fails_naming_the_lock_rather_than_go_on_unl
     assert store.create_stream("held", 2) == 2
 
 
+def test_a_child_forked_while_a_stream_change_holds_the_lock_does_not_keep_it(root, monkeypatch):
+    """A flock belongs to the open file, which a forked child shares: the child's copy kept
+    the lock a parent's thread held at the fork until the child exited (the review: every
+    change of the stream failed meanwhile). The child now closes its copies at once."""
+    import multiprocessing
+    import threading
+
+    import pyspark_acs.storage.store as store_mod
+
+    monkeypatch.setattr(store_mod, "STREAM_LOCK_WAIT_S", 2.0)
+    store = DurableStore(root)
+    store.create_stream("fk", 1)
+    inside, release = threading.Event(), threading.Event()
+
+    def change(meta):
+        inside.set()
+        release.wait(10)
+        return None
+
+    holder = threading.Thread(target=store.update_stream_meta, args=("fk", change))
+    holder.start()
+    assert inside.wait(10)
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    child = ctx.Process(target=stop.wait, args=(30,))
+    child.start()  # forked while the holder is inside its change
+    release.set()
+    holder.join(10)
+    try:
+        assert child.is_alive()
+        started = time.monotonic()
+        assert store.create_stream("fk", 1, copied_from="A") == 1  # a write: it takes the lock
+        assert time.monotonic() - started < 1.0
+    finally:
+        stop.set()
+        child.join(10)
+
+
 def test_tier_settings_and_a_copy_mark_written_at_once_both_stand(root, tmp_path):
     """``acs tier`` and the copy daemon marking a stream a copy change the one metadata file:
     each reads, changes a field and writes it back, so unlocked, the later write dropped the

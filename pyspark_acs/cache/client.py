@@ -369,6 +369,11 @@ class CacheClient:
 
     def close(self) -> None:
         """Close every channel. Later calls raise :class:`~pyspark_acs.errors.ClosedError`."""
+        if _fork.forked_from is not None:
+            # A child forked while gRPC was open: its channels are the parent's (closing them
+            # hangs in gRPC's core) and _lock may be one a parent's thread held. Drop them only.
+            self._closed = True
+            return
         with self._lock:
             self._closed = True
             channels = [rep.channel for rep in self._replicas.values() if rep.channel is not None]
@@ -379,8 +384,6 @@ class CacheClient:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False)  # stragglers end by their deadline
-        if _fork.forked_from is not None:
-            return  # a parent's channels: closing them here hangs in gRPC's core; dropped only
         for stream in streams:
             stream.close()
         for channel in channels:
@@ -403,10 +406,10 @@ class CacheClient:
 
     def _stub(self, rep: _Replica):
         # Caller holds no lock. Channels are created once per endpoint and shared by all threads.
+        if _fork.forked_from is not None:  # before any lock: a parent's thread may have held one
+            _fork.check_not_forked(self.name)
         stub = rep.stub
         if stub is not None:
-            if _fork.forked_from is not None:  # a parent's channel: it would hang here
-                _fork.check_not_forked(self.name)
             return stub
         from pyspark_acs._grpc import grpc  # deferred: importing pyspark_acs must not import grpc
 

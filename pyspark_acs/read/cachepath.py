@@ -263,8 +263,7 @@ class CachedReadPath:
 
     def lengths(self, rels: Sequence[str]) -> Dict[str, Optional[int]]:
         """Readable length per file: the larger of the published cache and durable lengths."""
-        if self._made[0] != _fork.generation:
-            raise _fork.made_elsewhere(self._made, "CachedReadPath (a Consumer's, through the caches)")
+        self._check_process()
         rels = list(rels)
         published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
         now = time.monotonic()
@@ -415,6 +414,7 @@ class CachedReadPath:
         copy must not wait for the cache). ``reader`` names one of several readers of a file
         sharing this path (:meth:`for_reader`): the feed keeps bytes until each has read them.
         """
+        self._check_process()
         if end > start and self.holding():
             return self._durable(rel, start, end)
         feed = self.feed
@@ -607,12 +607,21 @@ class CachedReadPath:
         if self.poller is not None:
             self.poller.uncover(uri)
 
+    def _check_process(self) -> None:
+        """Refuse a forked child (before any lock: a parent's thread may have held one)."""
+        if self._made[0] != _fork.generation:
+            raise _fork.made_elsewhere(self._made, "CachedReadPath (a Consumer's, through the caches)")
+
     def close(self) -> None:
         """Close the cache clients this path created from endpoint strings, and the store's open files.
 
         Clients passed in as :class:`~pyspark_acs.cache.client.CacheClient` objects stay open.
         The shared poller stops polling the files this path asked for (unless others follow them).
+        In a child forked after the path was made, nothing is this process's to close: it does
+        nothing (the locks and calls are the parent's).
         """
+        if self._made[0] != _fork.generation:
+            return
         if self.poller is not None:
             with self._lock:
                 rels, self._polled = list(self._polled), set()

@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from typing import Iterator, Optional
 
@@ -51,6 +52,28 @@ LOCK_WAIT_SECONDS = 2.0
 
 #: Polling interval bounds of a contended lock (seconds): flock has no timed wait.
 _LOCK_POLL_MIN_S, _LOCK_POLL_MAX_S = 0.001, 0.05
+
+#: Descriptors of the lock files open in :func:`exclusive` now. A flock belongs to the open
+#: file, which a forked child shares: its copy kept a lock its parent's thread held at the fork
+#: until the child exited (every later change of that stream failed meanwhile, review). The
+#: child closes its copies at once (:func:`_close_inherited_locks`); the blocks that held them
+#: do not run in it. Guarded by _held_lock.
+_held: "set[int]" = set()
+_held_lock = threading.Lock()
+
+
+def _close_inherited_locks() -> None:
+    global _held_lock
+    _held_lock = threading.Lock()  # a parent's thread may have held it
+    for fd in _held:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 @contextlib.contextmanager
@@ -74,7 +97,9 @@ def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS, *,
 
     path = store.path(rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    with _held_lock:
+        _held.add(fd)
     try:
         deadline, pause = time.monotonic() + wait, _LOCK_POLL_MIN_S
         while True:
@@ -94,7 +119,9 @@ def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS, *,
                 pause = min(pause * 2, _LOCK_POLL_MAX_S)
         yield locked
     finally:
-        os.close(fd)  # releases the lock
+        with _held_lock:
+            _held.discard(fd)
+        os.close(fd)  # releases the lock (and the last copy of it: see _held)
 
 
 #: Fields of a lease record and the JSON types each may hold.
