@@ -188,6 +188,101 @@ def test_a_file_whose_feed_flows_skips_the_safety_poll_and_one_that_stands_still
             poller.meta.lengths = real
 
 
+def test_a_feed_behind_the_known_length_is_not_polled_every_round_while_it_moves(dep, root):
+    """Measured at 64 consumers: CPU starvation kept the feeds a push or more behind the lengths
+    the safety polls brought, and every consumer's poller then read the lengths every round (10
+    ms), ~7,000 consistent Gets a point against ~1,900, until the overload fed itself (53-93
+    against 127.6 MB/s). A stream thread slowed to 60 ms a push, beside a producer flushing every
+    20 ms, keeps this feed behind: while it moves the file is polled at the safety period only,
+    and every message arrives in order."""
+    with Producer(root, "behind", shards=1, **endpoints(dep)) as p, Consumer(root, "behind", **endpoints(dep)) as c:
+        col, t, feed, uri = live_feed_after_msg0(p, c)
+        poller = c.path.poller
+        asked: List[float] = []
+        real = poller.meta.lengths
+
+        def lengths(uris):
+            if uri in uris:
+                asked.append(time.monotonic())
+            return real(uris)
+
+        streams = list(feed._streams.values())
+        slowed = {}
+        for stream in streams:
+            handle = slowed[stream] = stream._handle
+
+            def slow(message, handle=handle):
+                time.sleep(0.06)
+                handle(message)
+
+            stream._handle = slow
+        behind = [0, 0]  # rounds sampled: [not covered, all]
+        sent = 1
+        store = DurableStore(root)
+        poller.meta.lengths = lengths
+        try:
+            end = time.monotonic() + 3 * PUSH_SAFETY_POLL_S * (1 + PUSH_SAFETY_JITTER)
+            while time.monotonic() < end:
+                p.send(msg(sent))
+                p.flush()
+                sent += 1
+                # What a poll would bring (the published durable length): the safety poll is
+                # skipped while the feed flows, so it is handed in as a poll would.
+                poller.notify(uri, durable_length=store.length(t.rel))
+                col.pump(0.02)
+                behind[0] += not poller._covered(uri)
+                behind[1] += 1
+        finally:
+            poller.meta.lengths = real
+            for stream, handle in slowed.items():
+                stream._handle = handle
+        assert behind[0] >= behind[1] // 4, f"the feed was not behind the known length: {behind}"
+        # Safety polls at most (one per half period), not a poll every 10 ms round.
+        most = int(4.5 / (PUSH_SAFETY_POLL_S * (1 - PUSH_SAFETY_JITTER))) + 2
+        assert len(asked) <= most, f"{len(asked)} polls in 4.5 s while the feed moved behind ({behind})"
+        col.until(lambda: len(col.values) == sent, 30, "every message")
+        assert_exact(col.values, sent)
+
+
+def test_a_feed_that_stands_still_behind_the_known_length_is_polled_every_round(dep):
+    """The other side of the rule: a fed file whose feed is behind the longest length known and
+    has not moved for PUSH_GRACE_S is polled every round (its bytes may never come by push: a
+    replica lacking a chunk stops its run there), and a feed that moves stops that at once."""
+    from pyspark_acs.cache.feed import PUSH_GRACE_S
+    from pyspark_acs.cache.poller import LengthPoller
+
+    poller = LengthPoller(tuple(dep.metadata_endpoints.split(",")), interval=0.01)
+    uri = "file:///nowhere/still.acs"
+    asked: List[float] = []
+    real = poller.meta.lengths
+
+    def lengths(uris):
+        if uri in uris:
+            asked.append(time.monotonic())
+        return real(uris)
+
+    poller.meta.lengths = lengths
+    try:
+        poller.lengths([uri])
+        poller.cover(uri, lambda known: False)  # a feed that is up but behind every known length
+        time.sleep(0.5)
+        still = len(asked)
+        assert still >= 10, f"a fed file standing still behind was polled {still} times in 0.5 s"
+        moving_until = time.monotonic() + 0.6
+        step = 0
+        while time.monotonic() < moving_until:  # the feed moves: it raises the cache length
+            step += 1
+            poller.notify(uri, cache_length=step, fed=True)
+            time.sleep(PUSH_GRACE_S / 4)
+        moved = len(asked) - still
+        assert moved <= 3, f"a fed file whose feed moved was polled {moved} times in 0.6 s"
+    finally:
+        poller.meta.lengths = real
+        poller.uncover(uri)
+        poller.release([uri])
+        poller.meta.client.close()  # the thread ends at its next round (ClosedError)
+
+
 def test_a_failed_safety_poll_does_not_send_the_reader_of_a_live_feed_to_the_store(dep, root):
     """Measured at 64 consumers: safety polls timing out on overloaded metadata replicas sent
     readers whose files a live feed pushes to the store for a hold (19 of 28 holds), which made

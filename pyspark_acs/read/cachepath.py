@@ -473,7 +473,7 @@ class CachedReadPath:
 
     def _grown(self, uri: str, end: int) -> None:
         """The feed holds ``uri``'s bytes up to ``end`` (stream thread): a cache length."""
-        self.poller.notify(uri, cache_length=end)
+        self.poller.notify(uri, cache_length=end, fed=True)
 
     def _read(self, rel: str, start: int, end: int, postpone: bool) -> bytes:
         with self._lock:
