@@ -247,7 +247,8 @@ def test_a_feed_behind_the_known_length_is_not_polled_every_round_while_it_moves
 def test_a_feed_that_stands_still_behind_the_known_length_is_polled_every_round(dep):
     """The other side of the rule: a fed file whose feed is behind the longest length known and
     has not moved for PUSH_GRACE_S is polled every round (its bytes may never come by push: a
-    replica lacking a chunk stops its run there), and a feed that moves stops that at once."""
+    replica lacking a chunk stops its run there), a feed that moves stops that at once, and one
+    that stops again is polled every round again within PUSH_GRACE_S."""
     from pyspark_acs.cache.feed import PUSH_GRACE_S
     from pyspark_acs.cache.poller import LengthPoller
 
@@ -276,6 +277,11 @@ def test_a_feed_that_stands_still_behind_the_known_length_is_polled_every_round(
             time.sleep(PUSH_GRACE_S / 4)
         moved = len(asked) - still
         assert moved <= 3, f"a fed file whose feed moved was polled {moved} times in 0.6 s"
+        # The feed stops: polled every round again once PUSH_GRACE_S has passed, not from the
+        # next safety poll (up to 1.5 s later: the review).
+        time.sleep(0.6)
+        resumed = len(asked) - still - moved
+        assert resumed >= 10, f"a fed file whose feed stopped behind was polled {resumed} times in 0.6 s"
     finally:
         poller.meta.lengths = real
         poller.uncover(uri)

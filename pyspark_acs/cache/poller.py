@@ -461,6 +461,7 @@ class LengthPoller:
                     self._close_streams()
                     return  # nothing followed: stop; the next lengths() call restarts it
             poll = uris
+            feeds_behind = False  # a file was skipped only because its feed moves (see below)
             if self.push:
                 try:
                     self._update_watches(uris)
@@ -472,7 +473,9 @@ class LengthPoller:
                     self._next_full_poll = started + safety_period()
                     poll = [u for u in uris if not self._flowing(u, started)]
                 else:
-                    poll = [u for u in uris if not self._covered(u) and not self._fed_recently(u, started)]
+                    behind = [u for u in uris if not self._covered(u)]
+                    poll = [u for u in behind if not self._fed_recently(u, started)]
+                    feeds_behind = len(poll) < len(behind)
             try:
                 got = self.meta.lengths(poll) if poll else {}
                 error = None
@@ -499,8 +502,11 @@ class LengthPoller:
                     self._moved(moved)
             if self.push and not poll and uris:
                 # Every file is pushed: nothing to do until the safety poll, a new file or a
-                # broken stream (a round every interval cost a tailing reader ~10 % of its CPU).
-                self._kick.wait(max(0.0, self._next_full_poll - time.monotonic()))
+                # broken stream (a round every interval cost a tailing reader ~10 % of its CPU);
+                # a feed behind that moves is looked at again within PUSH_GRACE_S, so one that
+                # stops is polled every round from then on, not from the next safety poll.
+                wait = max(0.0, self._next_full_poll - time.monotonic())
+                self._kick.wait(min(wait, PUSH_GRACE_S) if feeds_behind else wait)
                 self._kick.clear()
             else:
                 time.sleep(max(0.0, self.interval - (time.monotonic() - started)))
