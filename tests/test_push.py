@@ -82,6 +82,24 @@ def live_feed_after_msg0(p: Producer, c: Consumer):
     return col, t, feed, uri
 
 
+@contextlib.contextmanager
+def polls_of(poller, uri: str):
+    """The times ``poller`` reads ``uri``'s lengths from the metadata cache while the block runs."""
+    asked: List[float] = []
+    real = poller.meta.lengths
+
+    def lengths(uris):
+        if uri in uris:
+            asked.append(time.monotonic())
+        return real(uris)
+
+    poller.meta.lengths = lengths
+    try:
+        yield asked
+    finally:
+        poller.meta.lengths = real
+
+
 def learn_from_the_safety_poll(c: Consumer, t, uri: str, published: int) -> None:
     """Wait until the consumer's poller read the published cache length ``published`` (its
     safety poll: nothing is pushed), then hand it to the read path. Waiting on the path's own
@@ -148,14 +166,6 @@ def test_a_file_whose_feed_flows_skips_the_safety_poll_and_one_that_stands_still
     with Producer(root, "safety", shards=1, **endpoints(dep)) as p, Consumer(root, "safety", **endpoints(dep)) as c:
         col, t, feed, uri = live_feed_after_msg0(p, c)
         poller = c.path.poller
-        asked: List[float] = []
-        real = poller.meta.lengths
-
-        def lengths(uris):
-            if uri in uris:
-                asked.append(time.monotonic())
-            return real(uris)
-
         longest = PUSH_SAFETY_POLL_S * (1 + PUSH_SAFETY_JITTER)
         sent = [1]
 
@@ -167,8 +177,7 @@ def test_a_file_whose_feed_flows_skips_the_safety_poll_and_one_that_stands_still
                 sent[0] += 1
                 col.pump(0.02)
 
-        poller.meta.lengths = lengths
-        try:
+        with polls_of(poller, uri) as asked:
             flow(2 * longest + 0.5)
             # A poll that began while the feed had not flowed yet may still ask; after it, none.
             assert len(asked) <= 1, f"the file was polled {len(asked)} times while its feed flowed"
@@ -184,8 +193,6 @@ def test_a_file_whose_feed_flows_skips_the_safety_poll_and_one_that_stands_still
             assert len(asked) > followed, "the safety poll stopped for a file whose feed stands still"
             col.until(lambda: len(col.values) == sent[0], 20, "every message")
             assert_exact(col.values, sent[0])
-        finally:
-            poller.meta.lengths = real
 
 
 def test_a_feed_behind_the_known_length_is_not_polled_every_round_while_it_moves(dep, root):
@@ -198,14 +205,6 @@ def test_a_feed_behind_the_known_length_is_not_polled_every_round_while_it_moves
     with Producer(root, "behind", shards=1, **endpoints(dep)) as p, Consumer(root, "behind", **endpoints(dep)) as c:
         col, t, feed, uri = live_feed_after_msg0(p, c)
         poller = c.path.poller
-        asked: List[float] = []
-        real = poller.meta.lengths
-
-        def lengths(uris):
-            if uri in uris:
-                asked.append(time.monotonic())
-            return real(uris)
-
         streams = list(feed._streams.values())
         slowed = {}
         for stream in streams:
@@ -219,21 +218,20 @@ def test_a_feed_behind_the_known_length_is_not_polled_every_round_while_it_moves
         behind = [0, 0]  # rounds sampled: [not covered, all]
         sent = 1
         store = DurableStore(root)
-        poller.meta.lengths = lengths
         try:
-            end = time.monotonic() + 3 * PUSH_SAFETY_POLL_S * (1 + PUSH_SAFETY_JITTER)
-            while time.monotonic() < end:
-                p.send(msg(sent))
-                p.flush()
-                sent += 1
-                # What a poll would bring (the published durable length): the safety poll is
-                # skipped while the feed flows, so it is handed in as a poll would.
-                poller.notify(uri, durable_length=store.length(t.rel))
-                col.pump(0.02)
-                behind[0] += not poller._covered(uri)
-                behind[1] += 1
+            with polls_of(poller, uri) as asked:
+                end = time.monotonic() + 3 * PUSH_SAFETY_POLL_S * (1 + PUSH_SAFETY_JITTER)
+                while time.monotonic() < end:
+                    p.send(msg(sent))
+                    p.flush()
+                    sent += 1
+                    # What a poll would bring (the published durable length): the safety poll
+                    # is skipped while the feed flows, so it is handed in as a poll would.
+                    poller.notify(uri, durable_length=store.length(t.rel))
+                    col.pump(0.02)
+                    behind[0] += not poller._covered(uri)
+                    behind[1] += 1
         finally:
-            poller.meta.lengths = real
             for stream, handle in slowed.items():
                 stream._handle = handle
         assert behind[0] >= behind[1] // 4, f"the feed was not behind the known length: {behind}"
@@ -254,36 +252,27 @@ def test_a_feed_that_stands_still_behind_the_known_length_is_polled_every_round(
 
     poller = LengthPoller(tuple(dep.metadata_endpoints.split(",")), interval=0.01)
     uri = "file:///nowhere/still.acs"
-    asked: List[float] = []
-    real = poller.meta.lengths
-
-    def lengths(uris):
-        if uri in uris:
-            asked.append(time.monotonic())
-        return real(uris)
-
-    poller.meta.lengths = lengths
     try:
-        poller.lengths([uri])
-        poller.cover(uri, lambda known: False)  # a feed that is up but behind every known length
-        time.sleep(0.5)
-        still = len(asked)
-        assert still >= 10, f"a fed file standing still behind was polled {still} times in 0.5 s"
-        moving_until = time.monotonic() + 0.6
-        step = 0
-        while time.monotonic() < moving_until:  # the feed moves: it raises the cache length
-            step += 1
-            poller.notify(uri, cache_length=step, fed=True)
-            time.sleep(PUSH_GRACE_S / 4)
-        moved = len(asked) - still
-        assert moved <= 3, f"a fed file whose feed moved was polled {moved} times in 0.6 s"
-        # The feed stops: polled every round again once PUSH_GRACE_S has passed, not from the
-        # next safety poll (up to 1.5 s later: the review).
-        time.sleep(0.6)
-        resumed = len(asked) - still - moved
-        assert resumed >= 10, f"a fed file whose feed stopped behind was polled {resumed} times in 0.6 s"
+        with polls_of(poller, uri) as asked:
+            poller.lengths([uri])
+            poller.cover(uri, lambda known: False)  # a feed that is up but behind every known length
+            time.sleep(0.5)
+            still = len(asked)
+            assert still >= 10, f"a fed file standing still behind was polled {still} times in 0.5 s"
+            moving_until = time.monotonic() + 0.6
+            step = 0
+            while time.monotonic() < moving_until:  # the feed moves: it raises the cache length
+                step += 1
+                poller.notify(uri, cache_length=step, fed=True)
+                time.sleep(PUSH_GRACE_S / 4)
+            moved = len(asked) - still
+            assert moved <= 3, f"a fed file whose feed moved was polled {moved} times in 0.6 s"
+            # The feed stops: polled every round again once PUSH_GRACE_S has passed, not from the
+            # next safety poll (up to 1.5 s later: the review).
+            time.sleep(0.6)
+            resumed = len(asked) - still - moved
+            assert resumed >= 10, f"a fed file whose feed stopped behind was polled {resumed} times in 0.6 s"
     finally:
-        poller.meta.lengths = real
         poller.uncover(uri)
         poller.release([uri])
         poller.meta.client.close()  # the thread ends at its next round (ClosedError)
