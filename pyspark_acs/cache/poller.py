@@ -406,7 +406,7 @@ class LengthPoller:
         Measured at 64 consumers, where CPU starvation kept the feeds a push or more behind the
         lengths the safety polls brought: every consumer's poller then read the lengths every
         10 ms (6,000-8,800 consistent Gets a point against 970-2,900 without them) and the
-        overload fed itself. Without those polls the point held Redis's MB/s (127.6) in 3 of 6
+        overload fed itself. Without those polls the point held Redis's MB/s (127.6) in 4 of 10
         runs, against 0 of 7 before; the runs that still collapse do so from their start, with
         the producer's flushes seconds apart, so the feeds stand still and are polled."""
         with self._lock:
