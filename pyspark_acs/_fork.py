@@ -5,8 +5,9 @@ parent had gRPC open (a channel, or a server in the process) inherits the core's
 a channel it opens then hangs, or the core aborts (measured: 8 of 8 children hung on their
 first call; with every channel of the parent closed first, 8 of 8 worked). A process's readers
 keep their shared length poller and chunk feed (and their channels) for the life of the
-process, so in practice: fork before opening anything, or use ``spawn``. A Producer made before a fork has no writer thread in the
-child, so its messages would never be written and ``flush()`` would wait for ever. Such a child
+process, so in practice: fork before opening anything, or use ``spawn``. A Producer made
+before a fork has no writer thread in the child, so its messages would never be written and
+``flush()`` would wait for ever. Such a child
 is told so (:class:`~pyspark_acs.errors.ForkError`) where it would use them, instead of
 hanging. Spark's Python workers are forked from ``pyspark.daemon``, which opens no channel, and
 every Spark task opens its own (per process: ``datasource/source.py`` ``_task_read_path``).
@@ -22,8 +23,8 @@ import threading
 import weakref
 from typing import Any, Callable, Optional, Tuple, TypeVar
 
-__all__ = ["ProcessMark", "check_not_forked", "fork_error", "forked_from", "generation", "made_elsewhere", "mark",
-           "open_grpc"]
+__all__ = ["ProcessMark", "check_not_forked", "fork_error", "forked_from", "generation", "made_elsewhere", "made_here",
+           "mark", "open_grpc"]
 
 T = TypeVar("T")
 
@@ -87,10 +88,16 @@ def check_not_forked(what: str) -> None:
         raise fork_error(what, forked_from)
 
 
+def made_here(made: ProcessMark) -> bool:
+    """Whether an object marked ``made`` (:func:`mark`) was made in this process, not in one
+    this process was forked from (then its threads are not here). Check before taking the
+    object's locks: a thread of the parent may have held one."""
+    return made[0] == generation
+
+
 def made_elsewhere(made: ProcessMark, what: str) -> Exception:
     """The error of ``what``, made by the process ``made`` marks, used in this one (a caller
-    that found ``made[0] != generation``: an object whose threads this child does not have).
-    Check before taking the object's locks: a thread of the parent may have held one."""
+    that found not :func:`made_here`: an object whose threads this child does not have)."""
     return fork_error(what, made[1], "made it")
 
 

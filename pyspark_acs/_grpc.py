@@ -79,4 +79,3 @@ try:
 finally:
     if EXPERIMENTS_APPLIED is not None:
         os.environ.pop(EXPERIMENTS_ENV, None)  # read at import: no child inherits it
-

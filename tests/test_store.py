@@ -195,6 +195,9 @@ def test_a_change_of_stream_metadata_fails_naming_the_lock_rather_than_go_on_unl
     finally:
         os.close(fd)
     assert store.create_stream("held", 2) == 2
+    # A change that writes nothing to a stream that does not exist says so, naming the file.
+    with pytest.raises(StoreError, match=r"ghost/_stream.json: no stream 'ghost' to change"):
+        store.update_stream_meta("ghost", lambda meta: None)
 
 
 def test_a_child_forked_while_a_stream_change_holds_the_lock_does_not_keep_it(root, monkeypatch):

@@ -397,9 +397,8 @@ class LengthPoller:
         return self._fed_recently(uri, now) and self._covered(uri)
 
     def _fed_recently(self, uri: str, now: float) -> bool:
-        """Whether a feed raised ``uri``'s cache length within
-        :data:`~pyspark_acs.cache.feed.PUSH_GRACE_S` before ``now`` (and no reader follows it
-        explicitly). Such a file is not polled every round even while its feed is behind the
+        """Whether a feed of ``uri`` grew within :data:`~pyspark_acs.cache.feed.PUSH_GRACE_S`
+        before ``now`` (and no reader follows it explicitly). Such a file is not polled every round even while its feed is behind the
         longest length known here (not :meth:`_covered`): the feed is catching up, and a poll
         brings lengths, not its bytes. Its readers still look every poll interval (they are not
         :meth:`all_pushed`), and a feed that stops for the grace is polled every round again.

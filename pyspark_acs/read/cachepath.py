@@ -609,7 +609,7 @@ class CachedReadPath:
 
     def _check_process(self) -> None:
         """Refuse a forked child (before any lock: a parent's thread may have held one)."""
-        if self._made[0] != _fork.generation:
+        if not _fork.made_here(self._made):
             raise _fork.made_elsewhere(self._made, "CachedReadPath (a Consumer's, through the caches)")
 
     def close(self) -> None:
@@ -620,7 +620,7 @@ class CachedReadPath:
         In a child forked after the path was made, nothing is this process's to close: it does
         nothing (the locks and calls are the parent's).
         """
-        if self._made[0] != _fork.generation:
+        if not _fork.made_here(self._made):
             return
         if self.poller is not None:
             with self._lock:

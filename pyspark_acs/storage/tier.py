@@ -198,10 +198,14 @@ class TierSettings:
                 f"secondary: {age(self.secondary_retention_s)}")
 
 
+def _no_stream(store: DurableStore, stream: str) -> AcsOptionError:
+    return AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
+
+
 def _stream_meta(store: DurableStore, stream: str) -> Dict[str, Any]:
     meta = store.stream_meta(stream)
     if meta is None:
-        raise AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
+        raise _no_stream(store, stream)
     return meta
 
 
@@ -247,7 +251,7 @@ def configure_tier(
 
     def change(meta: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         if meta is None:  # deleted since the check above
-            raise AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
+            raise _no_stream(store, stream)
         current = TierSettings.from_json(meta.get("tier"))
         if current.enabled and (uri is None or _public_uri(uri) != _public_uri(current.uri)):
             # Tier records name objects of the current location: readers find them nowhere else.

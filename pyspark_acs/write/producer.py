@@ -568,7 +568,7 @@ class Producer:
     def _check_process(self) -> None:
         """Refuse a forked child (before taking a lock: the parent's writer thread may have held
         it at the fork, and nothing releases it in the child)."""
-        if self._made[0] != _fork.generation:
+        if not _fork.made_here(self._made):
             raise _fork.made_elsewhere(self._made, f"Producer of stream {self.stream!r}")
 
     def _check_open(self) -> None:
