@@ -27,7 +27,7 @@ from pyspark_acs.datasource.source import (
 )
 from pyspark_acs.format.block import scan_blocks
 from pyspark_acs.format.names import shard_dir
-from pyspark_acs.read.batches import READ_BATCH_BYTES, coalesce_batches
+from pyspark_acs.read.batches import READ_BATCH_BYTES, ROW_BYTES, batch_bytes, coalesce_batches
 from pyspark_acs.read.readpath import DurableReadPath
 from pyspark_acs.storage.store import open_store
 
@@ -201,6 +201,28 @@ def test_coalesced_batches_keep_order_and_bound_size(stream_root):
     assert 1 < len(small) < len(pieces) and all(b.nbytes <= 3000 for b in small)
     assert [v for b in small for v in b.column("value").to_pylist()] == raw[0].column("value").to_pylist()
     assert READ_BATCH_BYTES >= 1024 * 1024
+
+
+def test_batch_bytes_counts_a_slice_by_its_own_rows(stream_root):
+    """The size coalescing caps is read from the key and value offsets (RecordBatch.nbytes
+    walked every column: ~20 us a block), exactly for a slice of a larger batch too."""
+    import pyarrow as pa
+
+    part = AcsBatchReader(opts(stream_root)).partitions()[0]
+    whole = list(read_partition(opts(stream_root), part, RecordingPath(stream_root)))[0]
+
+    def expected(b):
+        keys, values = b.column("key").to_pylist(), b.column("value").to_pylist()
+        data = sum(len(k or b"") for k in keys) + sum(len(v or b"") for v in values)
+        return data + 2 * 4 * (b.num_rows + 1) + ROW_BYTES * b.num_rows
+
+    for b in (whole, whole.slice(0, 1), whole.slice(5, 9), whole.slice(whole.num_rows - 3)):
+        assert batch_bytes(b) == expected(b)
+    assert batch_bytes(whole.slice(5, 9)) < batch_bytes(whole) // 2
+    other = pa.RecordBatch.from_pydict({"n": list(range(10))})  # no key/value: nbytes
+    assert batch_bytes(other) == other.nbytes
+    as_strings = pa.RecordBatch.from_pydict({"key": ["a"], "value": ["b"]})  # not binary: nbytes
+    assert batch_bytes(as_strings) == as_strings.nbytes
 
 
 def test_spark_pushdown_same_rows_as_without(spark, stream_root):
