@@ -223,6 +223,12 @@ def test_batch_bytes_counts_a_slice_by_its_own_rows(stream_root):
     assert batch_bytes(other) == other.nbytes
     as_strings = pa.RecordBatch.from_pydict({"key": ["a"], "value": ["b"]})  # not binary: nbytes
     assert batch_bytes(as_strings) == as_strings.nbytes
+    from pyspark_acs.format.block import HEADERS_TYPE
+
+    with_headers = pa.RecordBatch.from_arrays(
+        [pa.array([b"k"], pa.binary()), pa.array([b"v"], pa.binary()),
+         pa.array([[{"key": "h", "value": b"x" * 5000}]], HEADERS_TYPE)], names=["key", "value", "headers"])
+    assert batch_bytes(with_headers) >= 5000 + 2 + ROW_BYTES  # the headers count too
 
 
 def test_spark_pushdown_same_rows_as_without(spark, stream_root):

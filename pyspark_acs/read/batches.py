@@ -15,6 +15,8 @@ from typing import Iterable, Iterator, List, Tuple, TypeVar
 
 import pyarrow as pa
 
+from pyspark_acs.format.block import BLOCK_SCHEMA_WITH_HEADERS
+
 __all__ = ["READ_BATCH_BYTES", "ROW_BYTES", "batch_bytes", "coalesce_batches", "coalesce_tagged"]
 
 #: Bytes of one Arrow batch handed out, at most (a single larger block is a batch of its own).
@@ -32,8 +34,9 @@ T = TypeVar("T")
 
 def batch_bytes(batch: pa.RecordBatch) -> int:
     """The size :func:`coalesce_tagged` caps (bytes): the ``key`` and ``value`` columns' bytes
-    and offsets, read from their offsets, plus :data:`ROW_BYTES` per row for the others; a
-    batch without binary ``key`` and ``value`` columns counts its ``nbytes``.
+    and offsets, read from their offsets, the ``headers`` column's buffers when there is one,
+    plus :data:`ROW_BYTES` per row for the others; a batch without binary ``key`` and ``value``
+    columns counts its ``nbytes``.
 
     Not ``RecordBatch.nbytes``: that walks every column's buffers to count shared ones once,
     ~20 us a block here (the reader's constant columns are slices of one array), and a reader
@@ -48,10 +51,16 @@ def batch_bytes(batch: pa.RecordBatch) -> int:
     values, keys = batch.column(value), batch.column(key)
     if values.type.id != _BINARY_ID or keys.type.id != _BINARY_ID:
         return batch.nbytes
-    return _binary_bytes(values) + _binary_bytes(keys) + ROW_BYTES * batch.num_rows
+    size = _binary_bytes(values) + _binary_bytes(keys) + ROW_BYTES * batch.num_rows
+    headers = schema.get_field_index(_HEADERS)
+    if headers >= 0:
+        # Their buffers whole: exact for a decoded block, more for a slice (a smaller batch).
+        size += batch.column(headers).get_total_buffer_size()
+    return size
 
 
 _BINARY_ID = pa.binary().id
+_HEADERS = BLOCK_SCHEMA_WITH_HEADERS.names[-1]  # the messages' headers (include_headers)
 _OFFSET = struct.Struct("<i")
 
 
