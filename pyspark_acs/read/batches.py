@@ -68,6 +68,8 @@ def _binary_bytes(array: pa.Array) -> int:
     """Data and offset bytes of a ``binary`` array's rows (slices count only their own rows)."""
     first, n = array.offset, len(array)
     offsets = array.buffers()[1]
+    if offsets is None:  # an empty array may have none
+        return 0
     return _OFFSET.unpack_from(offsets, 4 * (first + n))[0] - _OFFSET.unpack_from(offsets, 4 * first)[0] + 4 * (n + 1)
 
 
