@@ -329,9 +329,9 @@ def test_offsets_after_each_batch_of_a_poll(root):
 
 def test_a_backlog_is_handed_out_in_a_few_large_batches_with_exact_offsets(root):
     """Blocks read together are coalesced (read/batches.py): a consumer that is behind gets its
-    backlog in batches of up to READ_BATCH_BYTES, not one per block, in order, each of one
+    backlog in batches of up to CONSUMER_BATCH_BYTES, not one per block, in order, each of one
     file's messages; the offsets after each batch resume exactly after it."""
-    from pyspark_acs.read.batches import READ_BATCH_BYTES
+    from pyspark_acs.read.batches import CONSUMER_BATCH_BYTES, batch_bytes
 
     with Producer(root, "backlog", max_block_bytes=64 * 1024) as p:
         for i in range(2000):
@@ -347,11 +347,13 @@ def test_a_backlog_is_handed_out_in_a_few_large_batches_with_exact_offsets(root)
     offsets = c.offsets()
     it.close()
     c.close()
-    assert 1 < first.num_rows < 2000 and first.nbytes <= READ_BATCH_BYTES + 64 * 1024
+    assert 1 < first.num_rows < 2000 and batch_bytes(first) <= CONSUMER_BATCH_BYTES + 64 * 1024
     rest = Consumer(root, "backlog", start=offsets)
     batches = list(rest.batches(timeout=0.5))
     rest.close()
-    assert len(batches) + 1 < blocks / 10  # blocks of ~16 messages came in a handful of batches
+    # blocks of ~16 messages came in batches of about CONSUMER_BATCH_BYTES (~128 messages)
+    assert len(batches) + 1 < blocks / 4
+    assert all(batch_bytes(b) <= CONSUMER_BATCH_BYTES + 64 * 1024 for b in batches)
     assert _numbers(rows_of([first] + batches)) == list(range(2010))
     # A batch holds one file's messages: the seal between the files is never inside one.
     assert all(len(set(b.column("file").to_pylist())) == 1 for b in [first] + batches)

@@ -3,73 +3,85 @@
 A block becomes one Arrow batch when it is decoded (no copy). Blocks are often small (a
 producer's linger flush of a few dozen messages), and whoever takes the batches pays per
 batch: the JVM for a Spark read task, the user's code for a Consumer. So consecutive blocks
-read together are concatenated into batches of up to :data:`READ_BATCH_BYTES` (one copy, in
-Arrow: no per-row Python). A caught-up Consumer reads one block at a time and hands it out as
-it is; one that is behind hands out its backlog in a few large batches.
+read together are concatenated into batches of up to :data:`READ_BATCH_BYTES` for Spark and
+:data:`CONSUMER_BATCH_BYTES` for a Consumer (one copy, in Arrow: no per-row Python). A
+caught-up Consumer reads one block at a time and hands it out as it is; one that is behind
+hands out its backlog in large batches.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Iterable, Iterator, List, Tuple, TypeVar
+from typing import Dict, Iterable, Iterator, List, Tuple, TypeVar
 
 import pyarrow as pa
 
-from pyspark_acs.format.block import BLOCK_SCHEMA_WITH_HEADERS
-
-__all__ = ["READ_BATCH_BYTES", "ROW_BYTES", "batch_bytes", "coalesce_batches", "coalesce_tagged"]
+__all__ = ["CONSUMER_BATCH_BYTES", "READ_BATCH_BYTES", "batch_bytes", "coalesce_batches", "coalesce_tagged"]
 
 #: Bytes of one Arrow batch handed out, at most (a single larger block is a batch of its own).
 #: Measured with Spark's ceiling probe (benchmarks/spark_source.py): batches of ~90 rows ran at
 #: about half the rate of batches of 1000 rows.
 READ_BATCH_BYTES = 4 * 1024 * 1024
-
-#: What :func:`batch_bytes` counts per row for the columns besides ``key`` and ``value`` (the
-#: reader's ``stream``, ``shard`` and ``file``, ``position``, ``timestamp``): a bound on a
-#: batch of many small messages, not an exact figure.
-ROW_BYTES = 64
+#: Bytes of one batch a :class:`~pyspark_acs.read.consumer.Consumer` hands out of a backlog, at
+#: most: a batch this size already spreads the taker's cost per batch over hundreds of rows, and
+#: the concat that makes it writes into memory a core's cache still holds (1 MiB of L2 a core
+#: here). Measured at 64 consumers behind their producer on two cores, a 4 MiB concat ran at
+#: ~0.6 GB/s; in alternated runs 512 KiB held Redis's MB/s in 4 of 4, 4 MiB in 1 of 4.
+CONSUMER_BATCH_BYTES = 512 * 1024
 
 T = TypeVar("T")
 
 
 def batch_bytes(batch: pa.RecordBatch) -> int:
-    """The size :func:`coalesce_tagged` caps (bytes): the ``key`` and ``value`` columns' bytes
-    and offsets, read from their offsets, the ``headers`` column's buffers when there is one,
-    plus :data:`ROW_BYTES` per row for the others; a batch without binary ``key`` and ``value``
-    columns counts its ``nbytes``.
+    """The size :func:`coalesce_tagged` caps (bytes): what the rows take in a concatenated
+    batch. Binary and string columns count their data and offsets, read from the offsets
+    (exact for slices too); fixed-width columns count their width; other columns (the
+    messages' ``headers`` lists) count their buffers whole, which can be more than their rows
+    need (a slice) but not less. Validity bitmaps are left out (an eighth of a byte a row).
 
     Not ``RecordBatch.nbytes``: that walks every column's buffers to count shared ones once,
     ~20 us a block here (the reader's constant columns are slices of one array): 2.5-2.8 ms
-    for a backlog of 200 blocks, whose concat took 0.6-1.3 ms. This costs ~2.5 us a block
-    and is exact for slices too.
+    for a backlog of 200 blocks, whose concat took 0.6-1.3 ms.
     """
-    schema = batch.schema
-    value = schema.get_field_index("value")
-    key = schema.get_field_index("key")
-    if value < 0 or key < 0:
-        return batch.nbytes
-    values, keys = batch.column(value), batch.column(key)
-    if values.type.id != _BINARY_ID or keys.type.id != _BINARY_ID:
-        return batch.nbytes
-    size = _binary_bytes(values) + _binary_bytes(keys) + ROW_BYTES * batch.num_rows
-    headers = schema.get_field_index(_HEADERS)
-    if headers >= 0:
-        # Their buffers whole: exact for a decoded block, more for a slice (a smaller batch).
-        size += batch.column(headers).get_total_buffer_size()
+    n = batch.num_rows
+    size = 0
+    for column in batch.columns:
+        kind = _KINDS.get(column.type.id)
+        if kind is None:
+            kind = _KINDS[column.type.id] = _kind(column.type)
+        if kind == _OFFSETS:
+            size += _binary_bytes(column)
+        elif kind > 0:  # fixed width: bits a row
+            size += (kind * n + 7) // 8
+        else:  # nested: its buffers whole; a list has one offset a row at least
+            size += max(column.get_total_buffer_size(), 4 * (n + 1))
     return size
 
 
-_BINARY_ID = pa.binary().id
-_HEADERS = BLOCK_SCHEMA_WITH_HEADERS.names[-1]  # the messages' headers (include_headers)
+_OFFSETS = 0
+_NESTED = -1
+# Arrow type id -> _OFFSETS (binary, string), _NESTED, or the bits of a fixed-width row. Plain
+# dict operations, each atomic under the GIL: two threads filling one id store the same value.
+_KINDS: Dict[int, int] = {}
 _OFFSET = struct.Struct("<i")
 
 
+def _kind(type_: pa.DataType) -> int:
+    if pa.types.is_binary(type_) or pa.types.is_string(type_):
+        return _OFFSETS
+    try:
+        return type_.bit_width
+    except ValueError:  # not fixed-width
+        return _NESTED
+
+
 def _binary_bytes(array: pa.Array) -> int:
-    """Data and offset bytes of a ``binary`` array's rows (slices count only their own rows)."""
+    """Data and offset bytes of a ``binary`` or ``string`` array's rows (a slice counts only its
+    own rows)."""
     first, n = array.offset, len(array)
     offsets = array.buffers()[1]
-    if offsets is None:  # an empty array may have none
-        return 0
+    if n == 0 or offsets is None or offsets.size < 4 * (first + n + 1):
+        return 0  # no rows (an empty array may have no offsets, or none past the first)
     return _OFFSET.unpack_from(offsets, 4 * (first + n))[0] - _OFFSET.unpack_from(offsets, 4 * first)[0] + 4 * (n + 1)
 
 

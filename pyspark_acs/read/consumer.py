@@ -30,7 +30,7 @@ from pyspark_acs.format.arrays import ConstantColumns
 from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, decode_block
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
-from pyspark_acs.read.batches import coalesce_tagged
+from pyspark_acs.read.batches import CONSUMER_BATCH_BYTES, coalesce_tagged
 from pyspark_acs.read.positions import ends_with_seal, latest_offset, read_blocks, seal_behind, skip_void
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
@@ -579,11 +579,12 @@ class Consumer:
             # the last batch of a round ends where the tailer is (it may have passed a seal)
             tagged = [(batch, ends[j] if j < len(got) - 1 and j < len(ends) else t.offset)
                       for j, batch in enumerate(got)]
-            # A backlog (several blocks in one read) is handed out in a few large batches, each
-            # of one file's messages (a batch's ``file`` column holds one value).
+            # A backlog (several blocks in one read) is handed out in batches of up to
+            # CONSUMER_BATCH_BYTES, each of one file's messages (a batch's ``file`` column
+            # holds one value).
             files = [ends[j].file if j < len(ends) else None for j in range(len(got))]
             for _, run in itertools.groupby(zip(tagged, files), key=lambda item: item[1]):
-                for batch, end in coalesce_tagged(item for item, _ in run):
+                for batch, end in coalesce_tagged((item for item, _ in run), CONSUMER_BATCH_BYTES):
                     self._pending.append((batch, i, end))
             if not got:
                 self._reported[i] = t.offset
