@@ -7,10 +7,10 @@ first call; with every channel of the parent closed first, 8 of 8 worked). A pro
 keep their shared length poller and chunk feed (and their channels) for the life of the
 process, so in practice: fork before opening anything, or use ``spawn``. A Producer made
 before a fork has no writer thread in the child, so its messages would never be written and
-``flush()`` would wait for ever. Such a child
-is told so (:class:`~pyspark_acs.errors.ForkError`) where it would use them, instead of
-hanging. Spark's Python workers are forked from ``pyspark.daemon``, which opens no channel, and
-every Spark task opens its own (per process: ``datasource/source.py`` ``_task_read_path``).
+``flush()`` would wait for ever. Such a child is told so (:class:`~pyspark_acs.errors.ForkError`)
+where it would use them, instead of hanging. Spark's Python workers are forked from
+``pyspark.daemon``, which opens no channel, and every Spark task opens its own (per process:
+``datasource/source.py`` ``_task_read_path``).
 
 This module does not import grpc: the cache client checks it on every call, the Producer on
 every send (a comparison of :data:`generation`, not a system call).

@@ -234,6 +234,10 @@ def test_batch_bytes_counts_a_slice_by_its_own_rows(stream_root):
         [pa.array([b"k"], pa.binary()), pa.array([b"v"], pa.binary()),
          pa.array([[{"key": "h", "value": b"x" * 5000}]], HEADERS_TYPE)], names=["key", "value", "headers"])
     assert batch_bytes(with_headers) >= 5000 + 2  # nested columns count their buffers
+    words = pa.array(["w" * 1000, "w" * 1000, None]).dictionary_encode()  # indices and values
+    as_dictionary = pa.RecordBatch.from_arrays([words], names=["word"])
+    assert batch_bytes(as_dictionary) >= 1000
+    assert batch_bytes(pa.RecordBatch.from_arrays([pa.nulls(3)], names=["nothing"])) >= 0  # no buffers: counted, not raised
     no_offsets = pa.Array.from_buffers(pa.binary(), 0, [None, pa.py_buffer(b""), pa.py_buffer(b"")])
     assert batch_bytes(pa.RecordBatch.from_arrays([no_offsets], names=["value"])) == 0
 

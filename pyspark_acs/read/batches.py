@@ -51,17 +51,17 @@ def batch_bytes(batch: pa.RecordBatch) -> int:
             kind = _KINDS[column.type.id] = _kind(column.type)
         if kind == _OFFSETS:
             size += _binary_bytes(column)
-        elif kind > 0:  # fixed width: bits a row
+        elif kind >= 0:  # fixed width: bits a row
             size += (kind * n + 7) // 8
         else:  # nested: its buffers whole; a list has one offset a row at least
             size += max(column.get_total_buffer_size(), 4 * (n + 1))
     return size
 
 
-_OFFSETS = 0
+_OFFSETS = -2
 _NESTED = -1
-# Arrow type id -> _OFFSETS (binary, string), _NESTED, or the bits of a fixed-width row. Plain
-# dict operations, each atomic under the GIL: two threads filling one id store the same value.
+# Arrow type id -> _OFFSETS (binary, string), _NESTED, or the bits of a fixed-width row (>= 0).
+# Plain dict operations, each atomic under the GIL: two threads filling one id store the same value.
 _KINDS: Dict[int, int] = {}
 _OFFSET = struct.Struct("<i")
 
@@ -69,6 +69,8 @@ _OFFSET = struct.Struct("<i")
 def _kind(type_: pa.DataType) -> int:
     if pa.types.is_binary(type_) or pa.types.is_string(type_):
         return _OFFSETS
+    if pa.types.is_dictionary(type_):  # its width is the indices'; the values count too
+        return _NESTED
     try:
         return type_.bit_width
     except ValueError:  # not fixed-width
