@@ -76,6 +76,12 @@ def test_server_answers_encoded_and_the_client_reads_both_shapes(tmp_path):
             assert sizes == [len(v) for _, v, _ in items] + [-1]
             entries = client.get([b"absent", b"k3", b"k19"], consistent=True)
             assert entries[0] is None and entries[1].value == b"\x03" * 300 and entries[2].value == b"\x13" * 1900
+            # The one-call read hands out a view of the answer, not a copy of it; values read
+            # per key, relaxed or consistent, are bytes of their own.
+            assert isinstance(data, memoryview)
+            relaxed = client.get([b"k3"])
+            assert type(relaxed[0].value) is bytes and type(entries[1].value) is bytes
+            assert relaxed[0].value == b"\x03" * 300
         with grpc.insecure_channel(ep) as ch:
             answer = acs_pb2_grpc.CacheStub(ch).Get(acs_pb2.GetRequest(keys=[b"k5", b"absent"]), timeout=10)
         assert list(answer.found) == [True, False] and answer.data == b"\x05" * 500

@@ -423,7 +423,7 @@ class CacheClient:
                 rep.channel = self.security.channel(rep.endpoint, _CHANNEL_OPTIONS)
                 stub = acs_pb2_grpc.CacheStub(rep.channel)
                 # The byte-carrying answers are split from their data by hand (cache/wire.py).
-                for method, (request, _, shape) in _SPLIT_ANSWERS.items():
+                for method, (request, _, shape, _view) in _SPLIT_ANSWERS.items():
                     setattr(stub, method, getattr(rep.channel, shape)(
                         _method_path(acs_pb2, method), request_serializer=getattr(acs_pb2, request).SerializeToString,
                         response_deserializer=_answer_parser(acs_pb2, method), _registered_method=True))
@@ -699,11 +699,12 @@ class CacheClient:
         """
         return self._get(list(keys), consistent, joined=False)
 
-    def get_joined(self, keys: Sequence[bytes]) -> Tuple[bytes, List[int]]:
+    def get_joined(self, keys: Sequence[bytes]) -> Tuple[Union[bytes, memoryview], List[int]]:
         """A relaxed :meth:`get` of ``keys`` as ``(values concatenated, size of each)``, the size
-        ``-1`` for a miss: the values of a run of chunks as one bytes object, with no Python
+        ``-1`` for a miss: the values of a run of chunks as one bytes-like object, with no Python
         object per key (on a 256-key read that bookkeeping cost ~140 us of the client's ~500).
-        Raises as :meth:`get`."""
+        When one replica answered every key (the common case) it is a memoryview of that
+        answer, not a copy of it. Raises as :meth:`get`."""
         return self._get(list(keys), False, joined=True)
 
     def _get(self, keys: List[bytes], consistent: bool, joined: bool) -> Any:
@@ -842,7 +843,7 @@ class CacheClient:
                 if found:
                     current = best[i]
                     if current is None or version > current.version:
-                        best[i] = Entry(data[start_at:offset], version)
+                        best[i] = Entry(bytes(data[start_at:offset]), version)
                 if answers[i] >= need[i]:
                     done[i] = True
                     remaining -= 1
@@ -1322,9 +1323,13 @@ class _NoAnswer(Exception):
 
 #: Methods whose answers carry a run of bytes: split from their data by hand
 #: (:func:`pyspark_acs.cache.wire.split`) instead of parsed into a message whose ``.data``
-#: copies the bytes once more. Method: (request type, answer type, the channel's call shape).
-_SPLIT_ANSWERS = {"Get": ("GetRequest", "GetResponse", "unary_unary"),
-                  "Follow": ("FollowRequest", "FileBytes", "unary_stream")}
+#: copies the bytes once more. Method: (request type, answer type, the channel's call shape,
+#: whether ``data`` is a memoryview of the answer). A Get's is: :meth:`CacheClient.get_joined`
+#: hands it out as it is and :meth:`CacheClient.get` copies each value out once (with bytes,
+#: the split copied the whole run first: one copy of every byte more). A Follow push stays
+#: ``bytes``: the feed keeps the runs and hands them to readers whole.
+_SPLIT_ANSWERS = {"Get": ("GetRequest", "GetResponse", "unary_unary", True),
+                  "Follow": ("FollowRequest", "FileBytes", "unary_stream", False)}
 
 
 def _method_path(pb: Any, method: str) -> str:
@@ -1338,7 +1343,7 @@ def _answer_parser(pb: Any, method: str) -> Callable[[bytes], Any]:
     split = _SPLIT_ANSWERS.get(method)
     if split is None:
         return getattr(pb, f"{method}Response").FromString
-    return functools.partial(wire.split, message_type=getattr(pb, split[1]))
+    return functools.partial(wire.split, message_type=getattr(pb, split[1]), view=split[3])
 
 
 def _entries(response: "wire.WithData") -> List[Optional[Entry]]:
@@ -1349,7 +1354,7 @@ def _entries(response: "wire.WithData") -> List[Optional[Entry]]:
     append = result.append
     offset = 0
     for found, size, version in zip(got.found, got.sizes, got.versions):
-        append(Entry(data[offset:offset + size], version) if found else None)
+        append(Entry(bytes(data[offset:offset + size]), version) if found else None)
         offset += size
     return result
 

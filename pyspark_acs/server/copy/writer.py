@@ -546,7 +546,7 @@ class _CacheWriter(_OpWriter):
                 try:
                     got = ChunkReader(self.io.data).read(self.uri, cache_len - need, cache_len)
                     if got and got[0][2] is not None:
-                        position, prefix = cache_len, got[0][2]
+                        position, prefix = cache_len, bytes(got[0][2])  # a view of the cache's answer
                 except CacheError:
                     pass
                 if prefix is None:
