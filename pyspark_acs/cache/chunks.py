@@ -15,7 +15,7 @@ import collections
 import hashlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from pyspark_acs.cache.client import CacheClient, Entry
 from pyspark_acs.errors import CacheError
@@ -185,7 +185,7 @@ class ChunkReader:
         self._lock = threading.Lock()
         self.counters: Dict[str, int] = {"relaxed_chunks": 0, "consistent_chunks": 0, "cache_bytes": 0, "missing_chunks": 0}
 
-    def read(self, uri: str, start: int, end: int) -> List[Tuple[int, int, Optional[bytes]]]:
+    def read(self, uri: str, start: int, end: int) -> List[Tuple[int, int, Optional[Union[bytes, memoryview]]]]:
         """Runs covering ``[start, end)`` in order, as ``(run_start, run_end, bytes or None)``.
 
         ``bytes`` is exactly ``[run_start, run_end)``: bytes-like, often a memoryview of a
@@ -254,7 +254,7 @@ class ChunkReader:
             self.counters["missing_chunks"] += missing
         return out  # type: ignore[return-value]  (every None was filled in above)
 
-    def _pieces(self, keys: Sequence[bytes]) -> List[Tuple[bytes, List[int]]]:
+    def _pieces(self, keys: Sequence[bytes]) -> List[Tuple[Union[bytes, memoryview], List[int]]]:
         """Relaxed reads of ``keys`` in pieces of :data:`READ_PIECE_CHUNKS`, up to
         :data:`READ_PIECES_IN_FLIGHT` at once, answered in order, each as
         :meth:`CacheClient.get_joined` gives it. The pieces before the first that failed;
@@ -270,8 +270,8 @@ class ChunkReader:
             return [self.client.get_joined(keys)]
         pieces = [keys[at:at + READ_PIECE_CHUNKS] for at in range(0, len(keys), READ_PIECE_CHUNKS)]
         pool = _piece_pool()
-        waiting: Deque["Future[Tuple[bytes, List[int]]]"] = collections.deque()
-        answers: List[Tuple[bytes, List[int]]] = []
+        waiting: Deque["Future[Tuple[Union[bytes, memoryview], List[int]]]"] = collections.deque()
+        answers: List[Tuple[Union[bytes, memoryview], List[int]]] = []
         sent = 0
         try:
             while sent < len(pieces) or waiting:
