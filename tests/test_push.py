@@ -1651,3 +1651,37 @@ def test_a_reader_that_leaves_after_a_concurrent_forget_is_not_left_in_the_feed(
         op.leave(rel)
         with path.feed._lock:
             assert uri not in path.feed._files, dict(path.feed._files[uri].readers)
+
+
+def test_a_consumer_follows_a_new_file_in_the_feed_before_its_first_length(dep, root, monkeypatch):
+    """A tailer that moves to a file (here the stream's first, made after the consumer
+    started) has it followed in the feed at once, from its position (CachedReadPath.expect):
+    the feed covers the file before its lengths are first asked for, so the poller never
+    watches them (three Watch calls that went idle a moment later, about half of a consumer's
+    CPU for its first message), and the first bytes and length arrive by push."""
+    from pyspark_acs.cache.metadata import length_keys
+
+    added: List[bytes] = []
+    real_watch = WatchStream.watch
+
+    def watch(self, add=(), remove=()):
+        add = list(add)
+        added.extend(add)
+        return real_watch(self, add, remove)
+
+    monkeypatch.setattr(WatchStream, "watch", watch)
+    DurableStore(root).create_stream("first-sight", 1)
+    with Consumer(root, "first-sight", **endpoints(dep)) as c, \
+            Producer(root, "first-sight", shards=1, **endpoints(dep)) as p:
+        col = Collector(c)
+        col.pump(0.3)  # the consumer looks for a file: none yet
+        for i in range(20):
+            p.send(msg(i))
+            p.flush()
+        col.until(lambda: len(col.values) == 20, 20, "every message")
+        assert_exact(col.values, 20)
+        t = c._tailers[0]
+        uri = c.store.uri(t.rel)
+        assert c.path.feed.follows(uri)
+        assert not set(length_keys(uri)) & set(added), "the new file's lengths were watched"
+        assert c.stats()["pushed_bytes"] > 0 and c.stats()["durable_bytes"] == 0

@@ -174,6 +174,9 @@ class ShardTailer:
         self.sealed = False
         self._check_behind = True  # a position saved right after a seal is at a finished file's end
         self._void_checked = None
+        expect = getattr(self.path, "expect", None)
+        if expect is not None and self.file:
+            expect(self.rel, self.length)  # a pushing path follows the file from here at once
 
     def step(self, length: Optional[int] = None, *, known: bool = False, end: Optional[Offset] = None) -> List[pa.RecordBatch]:
         """Read what is new; return decoded batches (possibly none).
