@@ -220,3 +220,28 @@ def test_a_wake_left_over_from_a_timed_out_wait_does_not_end_the_next_one():
         poller._wakes.queue = real
     finally:
         poller._client.close()
+
+
+def test_bytes_a_feed_pushed_before_a_files_first_lengths_are_kept():
+    """A reader follows a file in the feed as soon as it moves to it, so the feed may push the
+    file's first bytes while its first lengths are still being read. That read can return the
+    length from before those bytes were published; the pushed length is merged into it, not
+    dropped (a reader whose producer then went idle waited for the next safety poll). Files
+    nobody covers are still ignored, and an uncover forgets what was kept."""
+    poller = LengthPoller(("127.0.0.1:1",), push=False)  # the metadata reads are stood in for below
+    uri, other = "file:///x/s/00000/f.acs", "file:///x/s/00000/g.acs"
+    poller.meta.lengths = lambda uris: {u: (None, None) for u in uris}  # read before the publish
+    try:
+        poller.cover(uri, lambda known: True)
+        poller.notify(uri, cache_length=4096, fed=True)  # pushed during the first read
+        poller.notify(other, cache_length=4096, fed=True)  # not covered, not polled: ignored
+        assert poller.lengths([uri, other]) == {uri: (4096, None), other: (None, None)}
+        poller.notify(uri, cache_length=8192, fed=True)  # known now: the usual way
+        assert poller.lengths([uri])[uri] == (8192, None)
+        third = "file:///x/s/00000/h.acs"
+        poller.cover(third, lambda known: True)
+        poller.notify(third, cache_length=100, fed=True)
+        poller.uncover(third)
+        assert third not in poller._early
+    finally:
+        poller._client.close()

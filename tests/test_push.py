@@ -17,6 +17,7 @@ from pyspark_acs.cache.chunks import ChunkWriter, file_id
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.cache.poller import PUSH_SAFETY_JITTER, PUSH_SAFETY_POLL_S
 from pyspark_acs.cache.push import FollowStream, WatchStream
+from pyspark_acs.errors import ClosedError
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.read.cachepath import (STORE_HOLD_JITTER, STORE_HOLD_MAX_S, STORE_HOLD_MIN_S,
                                         STORE_HOLD_RESET_S, StoreHold)
@@ -1685,3 +1686,10 @@ def test_a_consumer_follows_a_new_file_in_the_feed_before_its_first_length(dep, 
         assert c.path.feed.follows(uri)
         assert not set(length_keys(uri)) & set(added), "the new file's lengths were watched"
         assert c.stats()["pushed_bytes"] > 0 and c.stats()["durable_bytes"] == 0
+    # Closed, the consumer refuses a seek (which would follow files in the feed for nobody),
+    # and its path has left the feed.
+    with pytest.raises(ClosedError, match="consumer is closed"):
+        c.seek("earliest")
+    assert not c.path.feed.follows(uri)
+    c.path.expect(t.rel, 0)  # a closed path follows nothing
+    assert not c.path.feed.follows(uri)

@@ -120,8 +120,12 @@ class LengthPoller:
         #: skips the safety poll (:meth:`_flowing`), and one whose feed moves is not polled
         #: every round while it is behind (:meth:`_fed_recently`).
         self._fed_at: Dict[str, float] = {}
-        # _lock guards _values, _asked, _followers, _error, _thread, _generation, _fed and
-        # _waiting: the wake queues of the readers blocked in wait_for_change (see there).
+        #: uri -> how far a feed held a covered file before its first lengths were read
+        #: (``notify(fed=True)`` before :meth:`lengths` first saw it: a reader follows a file
+        #: in the feed as soon as it moves to it); merged into that first read (guarded by _lock).
+        self._early: Dict[str, int] = {}
+        # _lock guards _values, _asked, _followers, _error, _thread, _generation, _fed, _early
+        # and _waiting: the wake queues of the readers blocked in wait_for_change (see there).
         self._lock = threading.Lock()
         self._generation = 0
         self._waiting: Set["queue.SimpleQueue[None]"] = set()
@@ -206,6 +210,10 @@ class LengthPoller:
         far a feed of this process holds the file (``CachedReadPath._grown``): the feed moved."""
         with self._lock:
             if uri not in self._values and uri not in self._followers:
+                if fed and cache_length is not None and uri in self._fed:
+                    # Pushed before the file's first lengths were read: dropped, a reader whose
+                    # producer then went idle would wait for the next safety poll.
+                    self._early[uri] = max(self._early.get(uri, 0), cache_length)
                 return
             if fed:
                 self._fed_at[uri] = time.monotonic()
@@ -240,8 +248,11 @@ class LengthPoller:
             self._kick.set()
             got = self.meta.lengths(new)
             with self._lock:
-                for u, v in got.items():
-                    self._values.setdefault(u, v)
+                for u, (c, d) in got.items():
+                    # Lengths only grow: merged with what a push or a poll brought meanwhile.
+                    old = self._values.get(u, (None, None))
+                    early = self._early.pop(u, None)
+                    self._values[u] = (_max_known(_max_known(old[0], c), early), _max_known(old[1], d))
         with self._lock:
             return {u: self._values.get(u, (None, None)) for u in uris}
 
@@ -324,6 +335,7 @@ class LengthPoller:
                 entry[0] -= 1
                 if entry[0] <= 0:
                     del self._fed[uri]
+                    self._early.pop(uri, None)
         self._kick.set()
 
     def _stream(self, endpoint: str) -> "WatchStream":

@@ -210,6 +210,7 @@ class CachedReadPath:
                                           if push and self.data and holds_whole_files(self.data) else None)
         # rel -> the readers of it this path follows in the feed (guarded by _lock)
         self._fed: Dict[str, Set[Hashable]] = {}
+        self._closed = False  # set by close(): expect() follows nothing after it
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval
         # _lock guards _fed, _published, _polled, _recent, _delays, _durable_cache, _standing,
@@ -437,7 +438,7 @@ class CachedReadPath:
         feed.consumed(uri, rid, start, start + len(got))  # it reads on from its last complete block
         return got
 
-    def expect(self, rel: str, position: int) -> None:
+    def expect(self, rel: str, position: int, *, reader: Optional[Hashable] = None) -> None:
         """This path's reader (a Consumer's tailer) moved to ``rel`` at ``position`` and reads
         on from there: follow the file in the feed now, before its first length is known,
         rather than at the first read that finds bytes.
@@ -451,9 +452,9 @@ class CachedReadPath:
         """
         self._check_process()
         feed = self.feed
-        if feed is None or self.holding():
+        if feed is None or self._closed or self.holding():
             return
-        self._follow(feed, rel, self.store.uri(rel), id(self), position)
+        self._follow(feed, rel, self.store.uri(rel), id(self) if reader is None else reader, position)
 
     def _follow(self, feed: ChunkFeed, rel: str, uri: str, rid: Hashable, start: int) -> None:
         """Have ``rel``'s bytes pushed to reader ``rid`` from ``start`` (once per reader and
@@ -646,6 +647,7 @@ class CachedReadPath:
         """
         if not _fork.made_here(self._made):
             return
+        self._closed = True  # expect() follows nothing from now on
         if self.poller is not None:
             with self._lock:
                 rels, self._polled = list(self._polled), set()
@@ -676,6 +678,10 @@ class ReaderView:
     def leave(self, rel: str) -> None:
         """This reader is done with ``rel`` (:meth:`CachedReadPath.leave`)."""
         self.path.leave(rel, self.reader)
+
+    def expect(self, rel: str, position: int) -> None:
+        """:meth:`CachedReadPath.expect` as this reader."""
+        self.path.expect(rel, position, reader=self.reader)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.path, name)

@@ -539,7 +539,15 @@ class Consumer:
         self.seek(start)
 
     def seek(self, start: StartSpec) -> None:
-        """Move every followed shard to ``start`` ("earliest", "latest" or an offsets dict)."""
+        """Move every followed shard to ``start`` ("earliest", "latest" or an offsets dict).
+
+        Raises
+        ------
+        ClosedError
+            After :meth:`close` (a seek has a pushing read path follow the files it moves to).
+        """
+        if self._closed:
+            raise ClosedError("consumer is closed")
         if isinstance(start, str) and start.strip().lower() in ("earliest", "latest"):
             mode = start.strip().lower()
             for t in self._tailers:
