@@ -1694,6 +1694,12 @@ def test_a_consumer_follows_a_new_file_in_the_feed_before_its_first_length(dep, 
         assert_exact(col.values, 20)
         assert not set(length_keys(uri)) & set(added), "the new file's lengths were watched"
         assert c.stats()["pushed_bytes"] > pushed
+        # A reader of a shared path (the copy daemon's) expects a file as itself.
+        view = c.path.for_reader("another reader")
+        view.expect(t.rel, 0)
+        assert "another reader" in feed._files[uri].readers
+        view.leave(t.rel)
+        assert "another reader" not in feed._files[uri].readers
     # Closed, the consumer refuses a seek (which would follow files in the feed for nobody),
     # and its path has left the feed.
     with pytest.raises(ClosedError, match="consumer is closed"):

@@ -189,8 +189,8 @@ class ChunkReader:
         """Runs covering ``[start, end)`` in order, as ``(run_start, run_end, bytes or None)``.
 
         ``bytes`` is exactly ``[run_start, run_end)``: bytes-like, often a memoryview of a
-        cache answer (:meth:`CacheClient.get_joined`), to be joined or copied by the caller. A run is a whole piece of
-        :data:`READ_PIECE_CHUNKS` chunks (clipped to the range) when every chunk of it was
+        cache answer (:meth:`CacheClient.get_joined`), to be joined or copied by the caller.
+        A run is a whole piece of :data:`READ_PIECE_CHUNKS` chunks (clipped to the range) when every chunk of it was
         there in full, else one chunk; a chunk absent or shorter than needed after a
         consistent read is a run of its own with None.
 

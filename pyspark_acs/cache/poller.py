@@ -412,8 +412,9 @@ class LengthPoller:
         """Whether a feed of ``uri`` grew within :data:`~pyspark_acs.cache.feed.PUSH_GRACE_S`
         before ``now`` (and no reader follows it explicitly). Such a file is not polled every
         round even while its feed is behind the longest length known here (not
-        :meth:`_covered`): the feed is catching up, and a poll brings lengths, not its bytes. Its readers still look every poll interval (they are not
-        :meth:`all_pushed`), and a feed that stops for the grace is polled every round again.
+        :meth:`_covered`): the feed is catching up, and a poll brings lengths, not its bytes.
+        Its readers still look every poll interval (they are not :meth:`all_pushed`), and a
+        feed that stops for the grace is polled every round again.
         Measured at 64 consumers, where CPU starvation kept the feeds a push or more behind the
         lengths the safety polls brought: every consumer's poller then read the lengths every
         10 ms (6,000-8,800 consistent Gets a point against 970-2,900 without them) and the

@@ -422,8 +422,7 @@ class CachedReadPath:
         if feed is None or end <= start:
             return self._read(rel, start, end, postpone)
         uri = self.store.uri(rel)
-        rid = id(self) if reader is None else reader
-        self._follow(feed, rel, uri, rid, start)
+        rid = self._follow(feed, rel, uri, reader, start)
         # The pushed bytes are the cache's, i.e. the file's own (a chunk is written only
         # after the durable append it mirrors was verified); the caller reads only below the
         # readable length, so they may even be ahead of the published cache length.
@@ -454,12 +453,14 @@ class CachedReadPath:
         feed = self.feed
         if feed is None or self._closed or self.holding():
             return
-        self._follow(feed, rel, self.store.uri(rel), id(self) if reader is None else reader, position)
+        self._follow(feed, rel, self.store.uri(rel), reader, start=position)
 
-    def _follow(self, feed: ChunkFeed, rel: str, uri: str, rid: Hashable, start: int) -> None:
-        """Have ``rel``'s bytes pushed to reader ``rid`` from ``start`` (once per reader and
-        file: later reads tell the feed where the reader stands), and cover the file in the
-        poller when it is the path's first reader of it."""
+    def _follow(self, feed: ChunkFeed, rel: str, uri: str, reader: Optional[Hashable], start: int) -> Hashable:
+        """Have ``rel``'s bytes pushed to ``reader`` (None: this path's own) from ``start``
+        (once per reader and file: later reads tell the feed where the reader stands), and
+        cover the file in the poller when it is the path's first reader of it. Returns the
+        reader's id in the feed."""
+        rid = id(self) if reader is None else reader
         with self._lock:
             readers = self._fed.get(rel)
             first = readers is None
@@ -474,6 +475,7 @@ class CachedReadPath:
             feed.follow(uri, rid, start, self._grown if self.poller is not None else None)
             if first and self.poller is not None:
                 self.poller.cover(uri, lambda known: feed.live(uri, known))
+        return rid
 
     def for_reader(self, reader: Hashable) -> "ReaderView":
         """This path as one of several readers sharing it sees it (the copy daemon's
