@@ -15,6 +15,7 @@ import pytest
 
 from pyspark_acs.cache.chunks import ChunkWriter, file_id
 from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.cache.metadata import length_keys
 from pyspark_acs.cache.poller import PUSH_SAFETY_JITTER, PUSH_SAFETY_POLL_S
 from pyspark_acs.cache.push import FollowStream, WatchStream
 from pyspark_acs.errors import ClosedError
@@ -121,8 +122,9 @@ def total(stats: dict, name: str) -> int:
 
 
 def test_following_reader_is_pushed_lengths_and_bytes_without_asking(dep, root):
-    """Caught up, a reader makes no Get calls at all: the metadata replicas push lengths and
-    the data replica pushes bytes."""
+    """Caught up, a reader makes almost no Get calls: the data replica pushes the bytes, and
+    the pushed bytes are the file's cache length (a fed file is not watched; a reader without
+    a feed has its lengths pushed by the metadata replicas: see the watched-reader test)."""
     with Producer(root, "steady", shards=1, **endpoints(dep)) as p, Consumer(root, "steady", **endpoints(dep)) as c:
         col = Collector(c)
         p.send(msg(0))
@@ -910,6 +912,51 @@ def test_a_feed_whose_readers_all_lag_stops_its_push_then_resumes_without_asking
         writer_client.close()
 
 
+def test_a_consumer_the_feed_dropped_bytes_for_asks_for_them_and_the_others_go_on(dep, root, monkeypatch):
+    """Two consumers of one process share its feed: one reads as the producer writes, the
+    other reads nothing until the producer is done. The feed keeps pushing for the one at the
+    head and drops the oldest bytes above FEED_MAX_BYTES (bounded memory), so the laggard's
+    bytes are gone from it: it falls back to asking the data cache for them, and gets every
+    message in order. The one at the head is not held up: it has every message while the
+    laggard has read nothing."""
+    from pyspark_acs.cache import feed as feed_module
+
+    cap = 1024 * 1024
+    monkeypatch.setattr(feed_module, "FEED_MAX_BYTES", cap)
+    count = 8000  # ~1.6 MB of messages: past the cap, so the feed must drop for the laggard
+    with Producer(root, "laggard", shards=1, **endpoints(dep)) as p, \
+            Consumer(root, "laggard", **endpoints(dep)) as fast, Consumer(root, "laggard", **endpoints(dep)) as slow:
+        assert slow.path.feed is fast.path.feed  # one feed per process: the readers share it
+        quick, behind = Collector(fast), Collector(slow)
+        p.send(msg(0))
+        p.flush()
+        # Both follow the file in the feed, at the same place, before the rest is written.
+        quick.until(lambda: len(quick.values) == 1, 20, "the first message to the reader at the head")
+        behind.until(lambda: len(behind.values) == 1, 20, "the first message to the laggard")
+        uri = fast.store.uri(fast._tailers[0].rel)
+        wait_until(lambda: fast.path.feed.live(uri, fast._tailers[0].length), 20, "the feed is live")
+        for i in range(1, count):
+            p.send(msg(i))
+            if i % 20 == 19:
+                p.flush()
+                quick.pump(0.001)
+        p.flush()
+        quick.until(lambda: len(quick.values) == count, 30, "every message to the reader at the head")
+        assert_exact(quick.values, count)
+        f = fast.path.feed._files[uri]
+        assert f.end - f.base <= 2 * cap and f.base > 0, (f.base, f.end)  # bounded: the oldest dropped
+        assert not f.paused  # a reader at the head keeps the push going
+        behind.until(lambda: len(behind.values) == count, 30, "every message to the laggard")
+        assert_exact(behind.values, count)
+        fast_stats, slow_stats = fast.stats(), slow.stats()
+        assert slow_stats["durable_bytes"] == 0 and fast_stats["durable_bytes"] == 0
+        # The laggard asked the data cache for what the feed no longer held: its cache bytes
+        # are the pushed ones and the asked ones, and together the whole file, as the head's.
+        asked = slow_stats["cache_bytes"] - slow_stats["pushed_bytes"]
+        assert asked >= f.base - slow_stats["pushed_bytes"], (asked, f.base, slow_stats)
+        assert slow_stats["cache_bytes"] == fast_stats["cache_bytes"]
+
+
 def test_blocks_larger_than_one_push_are_read_from_the_feed(dep, root):
     """A producer writing blocks of ~1.5 MiB (more than one push message carries): a tailing
     reader gets part of a block in one push, reads it, finds no complete block and reads again
@@ -1469,6 +1516,70 @@ def test_readers_of_a_deployment_with_more_data_replicas_than_copies_read_by_ask
             col.until(lambda: len(col.values) == 200, 30, "every message")
             assert [v[:len(msg(i))] for i, v in enumerate(col.values)] == [msg(i) for i in range(200)]
             assert c.stats()["pushed_bytes"] == 0 and c.stats()["durable_bytes"] == 0
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_watched_reader_keeps_every_message_while_a_metadata_replica_dies_and_returns(tmp_path, how):
+    """A reader whose lengths come by Watch alone (no feed: 4 data replicas for 3 copies): its
+    poller covers the file with a majority of the metadata replicas' streams. One metadata
+    replica is SIGKILLed and restarted, or stopped (SIGSTOP) and resumed, while the reader
+    follows: the two live streams still make the majority, so the reader gets every message
+    in order, reads nothing from the store, and is pushed lengths by the third replica again
+    once it is back. (The three-replica readers elsewhere here get their lengths from the
+    pushed bytes, so their metadata faults touch no stream of theirs.)"""
+    with LocalDeployment(tmp_path / "watched", data_replicas=4, metadata_replicas=3, capacity="32MiB") as d:
+        eps = {"data_cache": d.data_endpoints, "metadata_cache": d.metadata_endpoints}
+        root = str(tmp_path / "store")
+        with Producer(root, "watched", shards=1, **eps) as p, Consumer(root, "watched", **eps) as c:
+            assert c.path.feed is None
+            poller = c.path.poller
+            col = Collector(c)
+            store_bytes, real_read = [0], c.store.read
+
+            def counting_read(rel, start, end):
+                got = real_read(rel, start, end)
+                store_bytes[0] += len(got)
+                return got
+
+            c.store.read = counting_read
+            sender = Sender(p)
+            sender.start()
+            try:
+                col.until(lambda: len(col.values) >= 300, 30, "first messages")
+                uri = c.store.uri(c._tailers[0].rel)
+                wait_until(lambda: poller._covered(uri), 20, "the file's lengths pushed by a majority")
+                endpoint = d.endpoints("metadata")[0]
+                wait_until(lambda: endpoint in poller._streams, 20, "a stream to the replica")
+                stream = poller._streams[endpoint]
+                pid = d.server("metadata", 0).pid
+                if how == "kill":
+                    d.kill("metadata", 0, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGSTOP)
+                seen = len(col.values)
+                try:
+                    if how == "kill":
+                        wait_until(lambda: not stream.live.is_set(), 20, "the stream to notice the death")
+                    col.until(lambda: len(col.values) >= seen + 800, 30, "messages with a replica down")
+                finally:
+                    if how == "kill":
+                        d.restart("metadata", 0)
+                    else:
+                        os.kill(pid, signal.SIGCONT)
+                # Back: the third replica's stream confirms the file's keys again and pushes.
+                wait_until(lambda: all(stream.confirmed(k) for k in length_keys(c.store.uri(c._tailers[0].rel))),
+                           30, "the replica's stream to come back")
+                pushed = poller.pushed
+                seen = len(col.values)
+                col.until(lambda: len(col.values) >= seen + 800, 30, "messages after the return")
+                wait_until(lambda: poller.pushed > pushed, 20, "lengths pushed after the return")
+            finally:
+                count = sender.stop()
+            col.until(lambda: len(col.values) >= count, 30, "every message")
+            col.pump(0.2)
+            assert_exact(col.values, count)
+            assert c.stats()["durable_bytes"] == 0
+            assert store_bytes[0] == 0
 
 
 def test_a_follow_request_with_files_and_offsets_that_disagree_is_refused_naming_both(dep):
