@@ -528,6 +528,54 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
         assert store_bytes[0] == 0
 
 
+def test_a_stalled_data_replica_loses_its_followers_to_the_next_replica(dep, root):
+    """The data replica a consumer's feed follows its file on is stopped (SIGSTOP: alive but
+    silent; gRPC's keepalive would notice only after 30 s). Its readers ask the others for the
+    bytes, and once the stream has been silent for FEED_STALL_S while they do, the file moves
+    to its next replica, which pushes it from where the readers are: bytes are pushed again
+    while the first replica is still stopped, and every message arrives in order, none from
+    the store."""
+    with Producer(root, "stalled", shards=1, **endpoints(dep)) as p, Consumer(root, "stalled", **endpoints(dep)) as c:
+        col = Collector(c)
+        store_bytes, real_read = [0], c.store.read
+
+        def counting_read(rel, start, end):
+            got = real_read(rel, start, end)
+            store_bytes[0] += len(got)
+            return got
+
+        c.store.read = counting_read
+        sender = Sender(p)
+        sender.start()
+        try:
+            col.until(lambda: len(col.values) >= 300, 30, "first messages")
+            feed = c.path.feed
+            index = followed_replica(dep, c)
+            stopped = dep.endpoints("data")[index]
+            moves = feed.moves
+            os.kill(dep.server("data", index).pid, signal.SIGSTOP)
+            try:
+                col.until(lambda: feed.moves > moves, 30, "the file moving off the stalled replica")
+                with feed._lock:
+                    (f,) = feed._files.values()
+                    assert f.endpoint != stopped
+                pushed = col.stat("pushed_bytes")
+                seen = len(col.values)
+                col.until(lambda: len(col.values) >= seen + 500 and col.stat("pushed_bytes") > pushed, 30,
+                          "bytes pushed by the next replica while the first is stopped")
+            finally:
+                os.kill(dep.server("data", index).pid, signal.SIGCONT)
+            seen = len(col.values)
+            col.until(lambda: len(col.values) >= seen + 500, 30, "messages after the replica resumed")
+        finally:
+            count = sender.stop()
+        col.until(lambda: len(col.values) >= count, 30, "every message")
+        col.pump(0.2)
+        assert_exact(col.values, count)
+        assert c.stats()["durable_bytes"] == 0
+        assert store_bytes[0] == 0
+
+
 def test_a_reader_the_caches_fail_reads_the_store_alone_for_a_hold_then_returns(dep, root):
     """Every data replica stopped (SIGSTOP: calls to them only time out): the reader's first
     failed read starts a store hold -- lengths and bytes from the store alone, its file no

@@ -43,7 +43,7 @@ from pyspark_acs.cache.client import CacheClient
 if TYPE_CHECKING:
     from pyspark_acs.cache.push import FollowStream
 
-__all__ = ["FEED_MAX_BYTES", "PUSH_GRACE_S", "ChunkFeed", "holds_whole_files", "pick_replica"]
+__all__ = ["FEED_MAX_BYTES", "FEED_STALL_S", "PUSH_GRACE_S", "ChunkFeed", "holds_whole_files", "pick_replica"]
 
 #: Most bytes buffered per followed file (a caught-up reader needs a few KiB).
 FEED_MAX_BYTES = 8 * 1024 * 1024
@@ -51,6 +51,12 @@ FEED_MAX_BYTES = 8 * 1024 * 1024
 #: grow (seconds), before it asks the cache for them: a replica that lacks a chunk stops its
 #: run there and never pushes past it.
 PUSH_GRACE_S = 0.2
+#: A file's readers read past its feed by asking while the stream that should push it has
+#: received nothing for this long (seconds): the replica is stalled (alive but silent, which
+#: gRPC's keepalive notices only after 30 s), and the file moves to its next replica, as for a
+#: broken stream. Five grace periods: a replica that merely lacks a chunk keeps its stream
+#: busy with the other files' bytes, or answers a re-follow at once.
+FEED_STALL_S = 5 * PUSH_GRACE_S
 
 
 def holds_whole_files(client: CacheClient) -> bool:
@@ -75,13 +81,16 @@ class _File:
     (a bytearray copied each run in and twice out, four copies of every pushed byte in all).
     """
 
-    __slots__ = ("uri", "replicas", "endpoint", "base", "pieces", "starts", "readers", "reached", "listeners",
-                 "short_since", "paused")
+    __slots__ = ("uri", "replicas", "endpoint", "since", "base", "pieces", "starts", "readers", "reached",
+                 "listeners", "short_since", "paused")
 
     def __init__(self, uri: str, replicas: Tuple[str, ...]) -> None:
         self.uri = uri
         self.replicas = replicas
         self.endpoint = pick_replica(replicas, uri)
+        #: Since when the file is followed on ``endpoint`` (monotonic): its stream's silence
+        #: counts as a stall of this file only after it (ChunkFeed._stalled).
+        self.since = time.monotonic()
         #: Since when a reader has waited for bytes past ``end`` (monotonic; None: nobody is).
         self.short_since: Optional[float] = None
         self.base = 0
@@ -168,9 +177,11 @@ class ChunkFeed:
         self._files: Dict[str, _File] = {}
         self._by_fid: Dict[bytes, _File] = {}
         self._streams: Dict[str, "FollowStream"] = {}
-        #: Bytes received by push and bytes served from the buffer (since creation).
+        #: Bytes received by push and bytes served from the buffer (since creation), and how
+        #: often a file moved to another replica (its stream broke or stalled).
         self.received = 0
         self.served = 0
+        self.moves = 0
 
     @classmethod
     def shared(cls, endpoints: Sequence[str], token: Optional[str] = None, security: Any = None) -> "ChunkFeed":
@@ -274,9 +285,13 @@ class ChunkFeed:
             ahead = min([through] + others)
             if ahead > f.end:
                 # Every reader is past the feed (the replica lacked bytes, or its stream is
-                # down): follow from where they are.
+                # down or stalled): follow from where they are, on the next replica if this
+                # one is stalled.
                 f.restart(ahead)
-                self._stream(f.endpoint).follow(file_id(uri), ahead)
+                if self._stalled(f):
+                    self._move(f)
+                else:
+                    self._stream(f.endpoint).follow(file_id(uri), ahead)
                 return
             if low > f.base:
                 f.drop_to(low)
@@ -394,26 +409,41 @@ class ChunkFeed:
             f.paused = False
             self._stream(f.endpoint).follow(file_id(f.uri), f.end)
 
+    def _stalled(self, f: _File) -> bool:
+        """Whether ``f``'s replica is stalled for it (caller holds _lock; its readers just went
+        past the feed by asking): the stream is up but has received nothing, not even the
+        empty first message a re-follow is answered with, for :data:`FEED_STALL_S`, and not
+        since the file came to it."""
+        if len(f.replicas) < 2:
+            return False
+        stream = self._streams.get(f.endpoint)
+        if stream is None or not stream.live.is_set():
+            return False  # a broken stream's files were moved by _on_state
+        return time.monotonic() - max(stream.last_message, f.since) > FEED_STALL_S
+
+    def _move(self, f: _File) -> None:
+        """Follow ``f`` on its next replica from where its buffer ends (caller holds _lock):
+        hedging off a replica whose stream broke or stalled. A paused file is followed there
+        when it resumes."""
+        fid = file_id(f.uri)
+        old = self._streams.get(f.endpoint)
+        if old is not None:
+            old.unfollow(fid)
+        f.endpoint = f.replicas[(f.replicas.index(f.endpoint) + 1) % len(f.replicas)]
+        f.since = time.monotonic()
+        self.moves += 1
+        if not f.paused:
+            self._stream(f.endpoint).follow(fid, f.end)
+
     def _on_state(self, endpoint: str, live: bool) -> None:
         """A stream came up or broke. A broken one's files move to their next replica (hedging),
         resuming where their buffers end; the stream itself keeps reconnecting."""
         if live:
             return
-        moves = []
         with self._lock:
-            for f in self._files.values():
-                if f.endpoint != endpoint or len(f.replicas) < 2:
-                    continue
-                f.endpoint = f.replicas[(f.replicas.index(endpoint) + 1) % len(f.replicas)]
-                moves.append((f, f.end, f.paused))
-        for f, end, paused in moves:
-            fid = file_id(f.uri)
-            old = self._streams.get(endpoint)
-            if old is not None:
-                old.unfollow(fid)
-            if not paused:  # a paused file is followed on its new replica when it resumes
-                with self._lock:
-                    self._stream(f.endpoint).follow(fid, end)
+            for f in list(self._files.values()):
+                if f.endpoint == endpoint and len(f.replicas) >= 2:
+                    self._move(f)
 
     def close(self) -> None:
         """Close every stream and the client (the shared feed is dropped from the registry)."""

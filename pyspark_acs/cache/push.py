@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Set
 
 from pyspark_acs.cache.client import CacheClient
@@ -60,6 +61,10 @@ class _PushStream:
         self._restart = False
         #: Set while the stream is up and has answered since it (re)connected.
         self.live = threading.Event()
+        #: When the stream last received a message (monotonic; its start until the first): a
+        #: stalled replica (alive but silent, SIGSTOP) keeps a stream "live" until keepalive
+        #: ends it, so the feed judges a stall by this (ChunkFeed.consumed).
+        self.last_message = time.monotonic()
         #: Set (under _lock) by a new subscription and by close(): wakes a broken stream that
         #: subscribes to nothing, which waits for it instead of reconnecting (see _run).
         self._wanted = threading.Event()
@@ -173,6 +178,7 @@ class _PushStream:
                 if self.live.is_set():
                     wait = RECONNECT_INITIAL_S  # up: the next break backs off from the start
                 for message in call:
+                    self.last_message = time.monotonic()
                     if self._restart:
                         continue  # the old subscription's call ending: its bytes may be stale
                     self._up()  # a replica that sends no headers first is up with its first message
