@@ -531,8 +531,8 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
 def test_a_stalled_data_replica_loses_its_followers_to_the_next_replica(dep, root):
     """The data replica a consumer's feed follows its file on is stopped (SIGSTOP: alive but
     silent; gRPC's keepalive would notice only after 30 s). Its readers ask the others for the
-    bytes, and once the stream has been silent for FEED_STALL_S while they do, the file moves
-    to its next replica, which pushes it from where the readers are: bytes are pushed again
+    bytes, and once the stream has left its subscription unanswered for FEED_STALL_S while they
+    do, the file moves to its next replica, which pushes it from where the readers are: bytes are pushed again
     while the first replica is still stopped, and every message arrives in order, none from
     the store."""
     with Producer(root, "stalled", shards=1, **endpoints(dep)) as p, Consumer(root, "stalled", **endpoints(dep)) as c:
@@ -556,9 +556,8 @@ def test_a_stalled_data_replica_loses_its_followers_to_the_next_replica(dep, roo
             os.kill(dep.server("data", index).pid, signal.SIGSTOP)
             try:
                 col.until(lambda: feed.moves > moves, 30, "the file moving off the stalled replica")
-                with feed._lock:
-                    (f,) = feed._files.values()
-                    assert f.endpoint != stopped
+                with feed._lock:  # the feed is the process's: other tests' files may be in it
+                    assert feed._files[c.store.uri(c._tailers[0].rel)].endpoint != stopped
                 pushed = col.stat("pushed_bytes")
                 seen = len(col.values)
                 col.until(lambda: len(col.values) >= seen + 500 and col.stat("pushed_bytes") > pushed, 30,
@@ -574,6 +573,48 @@ def test_a_stalled_data_replica_loses_its_followers_to_the_next_replica(dep, roo
         assert_exact(col.values, count)
         assert c.stats()["durable_bytes"] == 0
         assert store_bytes[0] == 0
+
+
+def test_a_file_followed_on_a_replica_that_never_answers_moves_to_the_next(dep):
+    """A replica stopped before a file is followed on it (SIGSTOP): its stream never answers,
+    so it never comes up and no break is announced (the moves of a broken stream never
+    happen). Once its reader has gone past the feed by asking for FEED_STALL_S, the file moves
+    to its next replica, which pushes it from there: exactly the file's bytes."""
+    from pyspark_acs.cache.chunks import chunk_key
+    from pyspark_acs.cache.feed import ChunkFeed, pick_replica
+
+    feed = ChunkFeed(dep.data_endpoints.split(","))
+    writer_client = CacheClient(dep.data_endpoints)
+    stopped = dep.endpoints("data")[0]
+    pid = dep.server("data", 0).pid
+    # A file this process follows on the replica about to stop.
+    uri = next(u for u in (f"file:///never/{time.time_ns()}-{i}.acs" for i in range(1000))
+               if pick_replica(feed.client.replicas_for(chunk_key(u, 0)), u) == stopped)
+    piece = bytes(range(256)) * 16  # 4 KiB
+    data = b""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        writer = ChunkWriter(writer_client, uri)
+        feed.follow(uri, 1, 0)
+        deadline = time.monotonic() + 30
+        while feed.moves == 0:  # the reader asks for what is written and reads on past the feed
+            assert time.monotonic() < deadline, "the file never left the replica that does not answer"
+            writer.append(piece)
+            data += piece
+            feed.consumed(uri, 1, len(data))
+            time.sleep(0.05)
+        with feed._lock:
+            f = feed._files[uri]
+            assert f.endpoint != stopped and f.base == f.end == len(data)
+        at = len(data)
+        for _ in range(8):
+            writer.append(piece)
+            data += piece
+        wait_until(lambda: feed.read(uri, at, len(data)) == data[at:], 20, "the next replica's push")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        feed.close()
+        writer_client.close()
 
 
 def test_a_reader_the_caches_fail_reads_the_store_alone_for_a_hold_then_returns(dep, root):

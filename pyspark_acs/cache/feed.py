@@ -51,12 +51,13 @@ FEED_MAX_BYTES = 8 * 1024 * 1024
 #: grow (seconds), before it asks the cache for them: a replica that lacks a chunk stops its
 #: run there and never pushes past it.
 PUSH_GRACE_S = 0.2
-#: A file's readers read past its feed by asking while the stream that should push it has
-#: received nothing for this long (seconds): the replica is stalled (alive but silent, which
-#: gRPC's keepalive notices only after 30 s), and the file moves to its next replica, as for a
-#: broken stream. Five grace periods: a replica that merely lacks a chunk keeps its stream
-#: busy with the other files' bytes, or answers a re-follow at once.
-FEED_STALL_S = 5 * PUSH_GRACE_S
+#: How long a file's stream may leave its subscription unanswered (seconds) while the file's
+#: readers read past the feed by asking, before the file moves to its next replica, as a
+#: broken stream's files do. A replica answers a new or changed subscription at once with an
+#: empty message, so silence this long is a replica that is stalled (alive but silent, which
+#: gRPC's keepalive notices only after 30 s) or was never reachable. Ten grace periods: on a
+#: starved machine a healthy replica's answer can take a good part of a second.
+FEED_STALL_S = 10 * PUSH_GRACE_S
 
 
 def holds_whole_files(client: CacheClient) -> bool:
@@ -411,15 +412,14 @@ class ChunkFeed:
 
     def _stalled(self, f: _File) -> bool:
         """Whether ``f``'s replica is stalled for it (caller holds _lock; its readers just went
-        past the feed by asking): the stream is up but has received nothing, not even the
-        empty first message a re-follow is answered with, for :data:`FEED_STALL_S`, and not
-        since the file came to it."""
+        past the feed by asking): the stream has left a subscription unanswered for
+        :data:`FEED_STALL_S`, counted from when the file came to the replica at the earliest.
+        A quiet stream is not stalled: nothing it was asked waits for an answer."""
         if len(f.replicas) < 2:
             return False
         stream = self._streams.get(f.endpoint)
-        if stream is None or not stream.live.is_set():
-            return False  # a broken stream's files were moved by _on_state
-        return time.monotonic() - max(stream.last_message, f.since) > FEED_STALL_S
+        asked = stream.asked_at if stream is not None else None
+        return asked is not None and time.monotonic() - max(asked, f.since) > FEED_STALL_S
 
     def _move(self, f: _File) -> None:
         """Follow ``f`` on its next replica from where its buffer ends (caller holds _lock):

@@ -61,10 +61,14 @@ class _PushStream:
         self._restart = False
         #: Set while the stream is up and has answered since it (re)connected.
         self.live = threading.Event()
-        #: When the stream last received a message (monotonic; its start until the first): a
-        #: stalled replica (alive but silent, SIGSTOP) keeps a stream "live" until keepalive
-        #: ends it, so the feed judges a stall by this (ChunkFeed.consumed).
-        self.last_message = time.monotonic()
+        #: Since when a subscription sent (a call opened, or reopened with a new subscription)
+        #: is unanswered: not even the replica's first, empty message has come since
+        #: (monotonic; None when nothing is waiting for an answer). Written by any thread that
+        #: changes the subscription and by the stream's thread, read by the feed: a stalled
+        #: replica (alive but silent, SIGSTOP) keeps a stream "live" until keepalive ends it
+        #: after 30 s, and one that never answered was never live at all, so the feed judges
+        #: a stall by this (ChunkFeed._stalled).
+        self.asked_at: Optional[float] = None
         #: Set (under _lock) by a new subscription and by close(): wakes a broken stream that
         #: subscribes to nothing, which waits for it instead of reconnecting (see _run).
         self._wanted = threading.Event()
@@ -119,11 +123,19 @@ class _PushStream:
         subscription, or holds no call while it has none (see :meth:`_run`). Caller holds
         _lock. Requests queued after this reach the next call as part of its first request."""
         self._restart = True
+        self._asked()
         if self._requests is not None:
             self._requests.put(_END)
             self._requests = None
         if self._call is not None:
             self._call.cancel()
+
+    def _asked(self) -> None:
+        """A subscription is being sent: the stream waits for an answer from now, unless it
+        waited already (a replica that answers none of a series of re-subscriptions has been
+        silent since the first). Caller holds _lock."""
+        if self.asked_at is None:
+            self.asked_at = time.monotonic()
 
     def close(self) -> None:
         """End the stream and its thread (does not wait)."""
@@ -156,11 +168,13 @@ class _PushStream:
                 idle = not self._subscribed()
                 if idle:
                     self._wanted.clear()  # under _lock: a subscription made after this sets it
+                    self.asked_at = None  # no call, nothing asked
                 else:
                     requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
                     requests.put(self._initial())
                     self._requests = requests
                     self._restart = False
+                    self._asked()
             if idle:
                 # Nothing to follow or watch: hold no call open (an open idle call cost a
                 # tailing consumer ~6 % of its CPU: grpc's waits on it wake ten times a second)
@@ -178,7 +192,7 @@ class _PushStream:
                 if self.live.is_set():
                     wait = RECONNECT_INITIAL_S  # up: the next break backs off from the start
                 for message in call:
-                    self.last_message = time.monotonic()
+                    self.asked_at = None  # answered
                     if self._restart:
                         continue  # the old subscription's call ending: its bytes may be stale
                     self._up()  # a replica that sends no headers first is up with its first message
