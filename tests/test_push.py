@@ -57,6 +57,30 @@ def followed_replica(dep: LocalDeployment, consumer: Consumer) -> int:
         return dep.endpoints("data").index(f.endpoint)
 
 
+def count_store_reads(consumer: Consumer) -> List[int]:
+    """Count every byte ``consumer`` reads from the durable store from now on, whether its read
+    path's stats count it or not: ``[bytes]``, updated in place."""
+    counted, real_read = [0], consumer.store.read
+
+    def counting_read(rel, start, end):
+        got = real_read(rel, start, end)
+        counted[0] += len(got)
+        return got
+
+    consumer.store.read = counting_read
+    return counted
+
+
+def assert_all_from_the_caches(col: Collector, consumer: Consumer, count: int, store_bytes: List[int]) -> None:
+    """All ``count`` messages arrive at ``col``, exactly and in order, and ``consumer`` read
+    none of them from the durable store (``store_bytes``: :func:`count_store_reads`)."""
+    col.until(lambda: len(col.values) >= count, 30, "every message")
+    col.pump(0.2)
+    assert_exact(col.values, count)
+    assert consumer.stats()["durable_bytes"] == 0
+    assert store_bytes[0] == 0
+
+
 def first_message_pushed(p: Producer, c: Consumer, timeout=None):
     """Send msg(0), read it through ``c.batches(timeout)`` and wait until every file the
     consumer follows is pushed (its streams confirmed): ``(the batches iterator, [msg(0)])``."""
@@ -484,15 +508,7 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
     roles = ["data", "metadata"] if role == "both" else [role]
     with Producer(root, "faults", shards=1, **endpoints(dep)) as p, Consumer(root, "faults", **endpoints(dep)) as c:
         col = Collector(c)
-        # Every store read of the reader, counted or not by its read path's stats.
-        store_bytes, real_read = [0], c.store.read
-
-        def counting_read(rel, start, end):
-            got = real_read(rel, start, end)
-            store_bytes[0] += len(got)
-            return got
-
-        c.store.read = counting_read
+        store_bytes = count_store_reads(c)
         sender = Sender(p)
         sender.start()
         try:
@@ -521,30 +537,19 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
             col.until(lambda: col.stat("pushed_bytes") > pushed, 30, "bytes pushed after the restart")
         finally:
             count = sender.stop()
-        col.until(lambda: len(col.values) >= count, 30, "every message")
-        col.pump(0.2)
-        assert_exact(col.values, count)
-        assert c.stats()["durable_bytes"] == 0
-        assert store_bytes[0] == 0
+        assert_all_from_the_caches(col, c, count, store_bytes)
 
 
 def test_a_stalled_data_replica_loses_its_followers_to_the_next_replica(dep, root):
     """The data replica a consumer's feed follows its file on is stopped (SIGSTOP: alive but
     silent; gRPC's keepalive would notice only after 30 s). Its readers ask the others for the
     bytes, and once the stream has left its subscription unanswered for FEED_STALL_S while they
-    do, the file moves to its next replica, which pushes it from where the readers are: bytes are pushed again
-    while the first replica is still stopped, and every message arrives in order, none from
-    the store."""
+    do, the file moves to its next replica, which pushes it from where the readers are: bytes
+    are pushed again while the first replica is still stopped, and every message arrives in
+    order, none from the store."""
     with Producer(root, "stalled", shards=1, **endpoints(dep)) as p, Consumer(root, "stalled", **endpoints(dep)) as c:
         col = Collector(c)
-        store_bytes, real_read = [0], c.store.read
-
-        def counting_read(rel, start, end):
-            got = real_read(rel, start, end)
-            store_bytes[0] += len(got)
-            return got
-
-        c.store.read = counting_read
+        store_bytes = count_store_reads(c)
         sender = Sender(p)
         sender.start()
         try:
@@ -568,11 +573,7 @@ def test_a_stalled_data_replica_loses_its_followers_to_the_next_replica(dep, roo
             col.until(lambda: len(col.values) >= seen + 500, 30, "messages after the replica resumed")
         finally:
             count = sender.stop()
-        col.until(lambda: len(col.values) >= count, 30, "every message")
-        col.pump(0.2)
-        assert_exact(col.values, count)
-        assert c.stats()["durable_bytes"] == 0
-        assert store_bytes[0] == 0
+        assert_all_from_the_caches(col, c, count, store_bytes)
 
 
 def test_a_file_followed_on_a_replica_that_never_answers_moves_to_the_next(dep):
@@ -1623,14 +1624,7 @@ def test_a_watched_reader_keeps_every_message_while_a_metadata_replica_dies_and_
             assert c.path.feed is None
             poller = c.path.poller
             col = Collector(c)
-            store_bytes, real_read = [0], c.store.read
-
-            def counting_read(rel, start, end):
-                got = real_read(rel, start, end)
-                store_bytes[0] += len(got)
-                return got
-
-            c.store.read = counting_read
+            store_bytes = count_store_reads(c)
             sender = Sender(p)
             sender.start()
             try:
@@ -1664,11 +1658,7 @@ def test_a_watched_reader_keeps_every_message_while_a_metadata_replica_dies_and_
                 wait_until(lambda: poller.pushed > pushed, 20, "lengths pushed after the return")
             finally:
                 count = sender.stop()
-            col.until(lambda: len(col.values) >= count, 30, "every message")
-            col.pump(0.2)
-            assert_exact(col.values, count)
-            assert c.stats()["durable_bytes"] == 0
-            assert store_bytes[0] == 0
+            assert_all_from_the_caches(col, c, count, store_bytes)
 
 
 def test_a_follow_request_with_files_and_offsets_that_disagree_is_refused_naming_both(dep):
