@@ -576,7 +576,7 @@ def test_a_stalled_data_replica_loses_its_followers_to_the_next_replica(dep, roo
         assert_all_from_the_caches(col, c, count, store_bytes)
 
 
-def test_a_file_followed_on_a_replica_that_never_answers_moves_to_the_next(dep):
+def test_a_file_followed_on_a_replica_that_never_answers_moves_to_the_next(dep, caplog):
     """A replica stopped before a file is followed on it (SIGSTOP): its stream never answers,
     so it never comes up and no break is announced (the moves of a broken stream never
     happen). Once its reader has gone past the feed by asking for FEED_STALL_S, the file moves
@@ -607,6 +607,8 @@ def test_a_file_followed_on_a_replica_that_never_answers_moves_to_the_next(dep):
         with feed._lock:
             f = feed._files[uri]
             assert f.endpoint != stopped and f.base == f.end == len(data)
+        said = [r.getMessage() for r in caplog.records if r.name == "pyspark_acs.cache.feed"]
+        assert any(stopped in m and "unanswered" in m and f.endpoint in m for m in said), said
         at = len(data)
         for _ in range(8):
             writer.append(piece)

@@ -31,6 +31,7 @@ arrived by push).
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import threading
 import time
@@ -58,6 +59,10 @@ PUSH_GRACE_S = 0.2
 #: gRPC's keepalive notices only after 30 s) or was never reachable. Ten grace periods: on a
 #: starved machine a healthy replica's answer can take a good part of a second.
 FEED_STALL_S = 10 * PUSH_GRACE_S
+#: A stalled replica is reported at most this often (seconds; each of its files moves).
+_WARN_INTERVAL_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 def holds_whole_files(client: CacheClient) -> bool:
@@ -183,6 +188,7 @@ class ChunkFeed:
         self.received = 0
         self.served = 0
         self.moves = 0
+        self._warned: Dict[str, float] = {}  # endpoint -> when its stall was last reported (under _lock)
 
     @classmethod
     def shared(cls, endpoints: Sequence[str], token: Optional[str] = None, security: Any = None) -> "ChunkFeed":
@@ -289,14 +295,26 @@ class ChunkFeed:
                 # down or stalled): follow from where they are, on the next replica if this
                 # one is stalled.
                 f.restart(ahead)
-                if self._stalled(f):
+                stalled = self._stalled(f)
+                if stalled:
+                    old = f.endpoint
                     self._move(f)
+                    warn = time.monotonic() - self._warned.get(old, -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S
+                    if warn:
+                        self._warned[old] = time.monotonic()
+                    new = f.endpoint
                 else:
                     self._stream(f.endpoint).follow(file_id(uri), ahead)
-                return
-            if low > f.base:
-                f.drop_to(low)
-            self._resume_if_due(f)
+            else:
+                stalled = False
+                if low > f.base:
+                    f.drop_to(low)
+                self._resume_if_due(f)
+        if stalled and warn:  # outside the lock: a log handler may write
+            log.warning("data cache replica %s left a Follow subscription unanswered for %.0f s (stalled?): "
+                        "%s is pushed by %s from byte %d; until then its readers asked for its bytes "
+                        "(said at most every %.0f s per replica)", old, FEED_STALL_S, uri, new, ahead,
+                        _WARN_INTERVAL_S)
 
     def unfollow(self, uri: str, reader: int) -> None:
         """Reader ``reader`` left ``uri``; the last one to leave stops its push."""
