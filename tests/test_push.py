@@ -57,28 +57,34 @@ def followed_replica(dep: LocalDeployment, consumer: Consumer) -> int:
         return dep.endpoints("data").index(f.endpoint)
 
 
-def count_store_reads(consumer: Consumer) -> List[int]:
-    """Count every byte ``consumer`` reads from the durable store from now on, whether its read
-    path's stats count it or not: ``[bytes]``, updated in place."""
-    counted, real_read = [0], consumer.store.read
+@contextlib.contextmanager
+def following_through_a_fault(root: str, stream: str, eps: dict):
+    """A Producer sending numbered messages (a Sender) and a Consumer already following them
+    when the test's fault begins: yields ``(consumer, collector)``. On a clean exit the sender
+    stops, and every message sent must arrive at the collector exactly and in order, none of
+    them read from the durable store (every store read is counted, whether the read path's
+    stats count it or not)."""
+    with Producer(root, stream, shards=1, **eps) as p, Consumer(root, stream, **eps) as c:
+        col = Collector(c)
+        store_bytes, real_read = [0], c.store.read
 
-    def counting_read(rel, start, end):
-        got = real_read(rel, start, end)
-        counted[0] += len(got)
-        return got
+        def counting_read(rel, start, end):
+            got = real_read(rel, start, end)
+            store_bytes[0] += len(got)
+            return got
 
-    consumer.store.read = counting_read
-    return counted
-
-
-def assert_all_from_the_caches(col: Collector, consumer: Consumer, count: int, store_bytes: List[int]) -> None:
-    """All ``count`` messages arrive at ``col``, exactly and in order, and ``consumer`` read
-    none of them from the durable store (``store_bytes``: :func:`count_store_reads`)."""
-    col.until(lambda: len(col.values) >= count, 30, "every message")
-    col.pump(0.2)
-    assert_exact(col.values, count)
-    assert consumer.stats()["durable_bytes"] == 0
-    assert store_bytes[0] == 0
+        c.store.read = counting_read
+        sender = Sender(p)
+        sender.start()
+        try:
+            yield c, col
+        finally:
+            count = sender.stop()
+        col.until(lambda: len(col.values) >= count, 30, "every message")
+        col.pump(0.2)
+        assert_exact(col.values, count)
+        assert c.stats()["durable_bytes"] == 0
+        assert store_bytes[0] == 0
 
 
 def first_message_pushed(p: Producer, c: Consumer, timeout=None):
@@ -506,38 +512,30 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
     the reader hedges (bytes from another replica, lengths polled while no majority of streams
     is live), gets every message in order, and is pushed to again afterwards."""
     roles = ["data", "metadata"] if role == "both" else [role]
-    with Producer(root, "faults", shards=1, **endpoints(dep)) as p, Consumer(root, "faults", **endpoints(dep)) as c:
-        col = Collector(c)
-        store_bytes = count_store_reads(c)
-        sender = Sender(p)
-        sender.start()
+    with following_through_a_fault(root, "faults", endpoints(dep)) as (c, col):
+        col.until(lambda: len(col.values) >= 500, 30, "first messages")
+        # The data replica killed is the one this process's feed follows the file on.
+        index = {"data": followed_replica(dep, c), "metadata": 0}
+        for r in roles:
+            if how == "kill":
+                dep.kill(r, index[r], signal.SIGKILL)
+            else:
+                os.kill(dep.server(r, index[r]).pid, signal.SIGSTOP)
+        seen = len(col.values)
         try:
-            col.until(lambda: len(col.values) >= 500, 30, "first messages")
-            # The data replica killed is the one this process's feed follows the file on.
-            index = {"data": followed_replica(dep, c), "metadata": 0}
+            col.until(lambda: len(col.values) >= seen + 1000, 30, "messages with a replica dead")
+        finally:
             for r in roles:
                 if how == "kill":
-                    dep.kill(r, index[r], signal.SIGKILL)
+                    dep.restart(r, index[r])
                 else:
-                    os.kill(dep.server(r, index[r]).pid, signal.SIGSTOP)
-            seen = len(col.values)
-            try:
-                col.until(lambda: len(col.values) >= seen + 1000, 30, "messages with a replica dead")
-            finally:
-                for r in roles:
-                    if how == "kill":
-                        dep.restart(r, index[r])
-                    else:
-                        os.kill(dep.server(r, index[r]).pid, signal.SIGCONT)
-            pushed = col.stat("pushed_bytes")
-            seen = len(col.values)
-            col.until(lambda: len(col.values) >= seen + 1000, 30, "messages after the restart")
-            # Pushed to again: on a loaded machine a reader woken by a length may read a flush
-            # by asking before its pushed bytes land, so give the stream time, not a count.
-            col.until(lambda: col.stat("pushed_bytes") > pushed, 30, "bytes pushed after the restart")
-        finally:
-            count = sender.stop()
-        assert_all_from_the_caches(col, c, count, store_bytes)
+                    os.kill(dep.server(r, index[r]).pid, signal.SIGCONT)
+        pushed = col.stat("pushed_bytes")
+        seen = len(col.values)
+        col.until(lambda: len(col.values) >= seen + 1000, 30, "messages after the restart")
+        # Pushed to again: on a loaded machine a reader woken by a length may read a flush
+        # by asking before its pushed bytes land, so give the stream time, not a count.
+        col.until(lambda: col.stat("pushed_bytes") > pushed, 30, "bytes pushed after the restart")
 
 
 def test_a_stalled_data_replica_loses_its_followers_to_the_next_replica(dep, root):
@@ -547,33 +545,25 @@ def test_a_stalled_data_replica_loses_its_followers_to_the_next_replica(dep, roo
     do, the file moves to its next replica, which pushes it from where the readers are: bytes
     are pushed again while the first replica is still stopped, and every message arrives in
     order, none from the store."""
-    with Producer(root, "stalled", shards=1, **endpoints(dep)) as p, Consumer(root, "stalled", **endpoints(dep)) as c:
-        col = Collector(c)
-        store_bytes = count_store_reads(c)
-        sender = Sender(p)
-        sender.start()
+    with following_through_a_fault(root, "stalled", endpoints(dep)) as (c, col):
+        col.until(lambda: len(col.values) >= 300, 30, "first messages")
+        feed = c.path.feed
+        index = followed_replica(dep, c)
+        stopped = dep.endpoints("data")[index]
+        moves = feed.moves
+        os.kill(dep.server("data", index).pid, signal.SIGSTOP)
         try:
-            col.until(lambda: len(col.values) >= 300, 30, "first messages")
-            feed = c.path.feed
-            index = followed_replica(dep, c)
-            stopped = dep.endpoints("data")[index]
-            moves = feed.moves
-            os.kill(dep.server("data", index).pid, signal.SIGSTOP)
-            try:
-                col.until(lambda: feed.moves > moves, 30, "the file moving off the stalled replica")
-                with feed._lock:  # the feed is the process's: other tests' files may be in it
-                    assert feed._files[c.store.uri(c._tailers[0].rel)].endpoint != stopped
-                pushed = col.stat("pushed_bytes")
-                seen = len(col.values)
-                col.until(lambda: len(col.values) >= seen + 500 and col.stat("pushed_bytes") > pushed, 30,
-                          "bytes pushed by the next replica while the first is stopped")
-            finally:
-                os.kill(dep.server("data", index).pid, signal.SIGCONT)
+            col.until(lambda: feed.moves > moves, 30, "the file moving off the stalled replica")
+            with feed._lock:  # the feed is the process's: other tests' files may be in it
+                assert feed._files[c.store.uri(c._tailers[0].rel)].endpoint != stopped
+            pushed = col.stat("pushed_bytes")
             seen = len(col.values)
-            col.until(lambda: len(col.values) >= seen + 500, 30, "messages after the replica resumed")
+            col.until(lambda: len(col.values) >= seen + 500 and col.stat("pushed_bytes") > pushed, 30,
+                      "bytes pushed by the next replica while the first is stopped")
         finally:
-            count = sender.stop()
-        assert_all_from_the_caches(col, c, count, store_bytes)
+            os.kill(dep.server("data", index).pid, signal.SIGCONT)
+        seen = len(col.values)
+        col.until(lambda: len(col.values) >= seen + 500, 30, "messages after the replica resumed")
 
 
 def test_a_file_followed_on_a_replica_that_never_answers_moves_to_the_next(dep, caplog):
@@ -1622,45 +1612,37 @@ def test_a_watched_reader_keeps_every_message_while_a_metadata_replica_dies_and_
     with LocalDeployment(tmp_path / "watched", data_replicas=4, metadata_replicas=3, capacity="32MiB") as d:
         eps = {"data_cache": d.data_endpoints, "metadata_cache": d.metadata_endpoints}
         root = str(tmp_path / "store")
-        with Producer(root, "watched", shards=1, **eps) as p, Consumer(root, "watched", **eps) as c:
+        with following_through_a_fault(root, "watched", eps) as (c, col):
             assert c.path.feed is None
             poller = c.path.poller
-            col = Collector(c)
-            store_bytes = count_store_reads(c)
-            sender = Sender(p)
-            sender.start()
+            col.until(lambda: len(col.values) >= 300, 30, "first messages")
+            uri = c.store.uri(c._tailers[0].rel)
+            wait_until(lambda: poller._covered(uri), 20, "the file's lengths pushed by a majority")
+            endpoint = d.endpoints("metadata")[0]
+            wait_until(lambda: endpoint in poller._streams, 20, "a stream to the replica")
+            stream = poller._streams[endpoint]
+            pid = d.server("metadata", 0).pid
+            if how == "kill":
+                d.kill("metadata", 0, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGSTOP)
+            seen = len(col.values)
             try:
-                col.until(lambda: len(col.values) >= 300, 30, "first messages")
-                uri = c.store.uri(c._tailers[0].rel)
-                wait_until(lambda: poller._covered(uri), 20, "the file's lengths pushed by a majority")
-                endpoint = d.endpoints("metadata")[0]
-                wait_until(lambda: endpoint in poller._streams, 20, "a stream to the replica")
-                stream = poller._streams[endpoint]
-                pid = d.server("metadata", 0).pid
                 if how == "kill":
-                    d.kill("metadata", 0, signal.SIGKILL)
-                else:
-                    os.kill(pid, signal.SIGSTOP)
-                seen = len(col.values)
-                try:
-                    if how == "kill":
-                        wait_until(lambda: not stream.live.is_set(), 20, "the stream to notice the death")
-                    col.until(lambda: len(col.values) >= seen + 800, 30, "messages with a replica down")
-                finally:
-                    if how == "kill":
-                        d.restart("metadata", 0)
-                    else:
-                        os.kill(pid, signal.SIGCONT)
-                # Back: the third replica's stream confirms the file's keys again and pushes.
-                wait_until(lambda: all(stream.confirmed(k) for k in length_keys(c.store.uri(c._tailers[0].rel))),
-                           30, "the replica's stream to come back")
-                pushed = poller.pushed
-                seen = len(col.values)
-                col.until(lambda: len(col.values) >= seen + 800, 30, "messages after the return")
-                wait_until(lambda: poller.pushed > pushed, 20, "lengths pushed after the return")
+                    wait_until(lambda: not stream.live.is_set(), 20, "the stream to notice the death")
+                col.until(lambda: len(col.values) >= seen + 800, 30, "messages with a replica down")
             finally:
-                count = sender.stop()
-            assert_all_from_the_caches(col, c, count, store_bytes)
+                if how == "kill":
+                    d.restart("metadata", 0)
+                else:
+                    os.kill(pid, signal.SIGCONT)
+            # Back: the third replica's stream confirms the file's keys again and pushes.
+            wait_until(lambda: all(stream.confirmed(k) for k in length_keys(c.store.uri(c._tailers[0].rel))),
+                       30, "the replica's stream to come back")
+            pushed = poller.pushed
+            seen = len(col.values)
+            col.until(lambda: len(col.values) >= seen + 800, 30, "messages after the return")
+            wait_until(lambda: poller.pushed > pushed, 20, "lengths pushed after the return")
 
 
 def test_a_follow_request_with_files_and_offsets_that_disagree_is_refused_naming_both(dep):

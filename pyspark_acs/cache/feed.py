@@ -290,31 +290,29 @@ class ChunkFeed:
             others = [at for r, at in f.readers.items() if r != reader]
             low = min([position] + others)
             ahead = min([through] + others)
-            if ahead > f.end:
-                # Every reader is past the feed (the replica lacked bytes, or its stream is
-                # down or stalled): follow from where they are, on the next replica if this
-                # one is stalled.
-                f.restart(ahead)
-                stalled = self._stalled(f)
-                if stalled:
-                    old = f.endpoint
-                    self._move(f)
-                    warn = time.monotonic() - self._warned.get(old, -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S
-                    if warn:
-                        self._warned[old] = time.monotonic()
-                    new = f.endpoint
-                else:
-                    self._stream(f.endpoint).follow(file_id(uri), ahead)
-            else:
-                stalled = False
+            if ahead <= f.end:
                 if low > f.base:
                     f.drop_to(low)
                 self._resume_if_due(f)
-        if stalled and warn:  # outside the lock: a log handler may write
-            log.warning("data cache replica %s left a Follow subscription unanswered for %.0f s (stalled?): "
-                        "%s is pushed by %s from byte %d; until then its readers asked for its bytes "
-                        "(said at most every %.0f s per replica)", old, FEED_STALL_S, uri, new, ahead,
-                        _WARN_INTERVAL_S)
+                return
+            # Every reader is past the feed (the replica lacked bytes, or its stream is down
+            # or stalled): follow from where they are, on the next replica if this one stalled.
+            f.restart(ahead)
+            if not self._stalled(f):
+                self._stream(f.endpoint).follow(file_id(uri), ahead)
+                return
+            stalled = f.endpoint
+            self._move(f)
+            now = time.monotonic()
+            if now - self._warned.get(stalled, -_WARN_INTERVAL_S) < _WARN_INTERVAL_S:
+                return
+            self._warned[stalled] = now
+            moved_to = f.endpoint
+        # Outside the lock: a log handler may write.
+        log.warning("data cache replica %s left a Follow subscription unanswered for %.0f s (stalled?): "
+                    "%s is pushed by %s from byte %d; until then its readers asked for its bytes "
+                    "(said at most every %.0f s per replica)", stalled, FEED_STALL_S, uri, moved_to, ahead,
+                    _WARN_INTERVAL_S)
 
     def unfollow(self, uri: str, reader: int) -> None:
         """Reader ``reader`` left ``uri``; the last one to leave stops its push."""
