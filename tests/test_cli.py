@@ -114,6 +114,23 @@ def test_offsets_out_then_resume_from_file_without_gap_or_duplicate(acs, acs_inp
     assert (code, out) == (0, b"")
 
 
+def test_max_messages_then_resume_prints_every_remaining_message_once(acs, root, tmp_path):
+    """`acs tail --max-messages 10 --offsets-out o.json`, then `--from @o.json`: the saved offset
+    names the 11th message, inside the batch the 10 came from (it used to be that batch's end,
+    so the resume printed 0 of the 990 left)."""
+    offsets = tmp_path / "o.json"
+    acs("produce", "--root", root, "--stream", "s", input=b"".join(b"%d\n" % i for i in range(1, 1001)), check=0)
+    t = acs("tail", "--root", root, "--stream", "s", "--max-messages", "10", "--offsets-out", str(offsets), check=0)
+    assert _lines(t.stdout) == [str(i) for i in range(1, 11)]
+    saved = json.loads(offsets.read_text())["s"]["0"]
+    assert saved["position"] == 10  # the 11th message of the file
+    t = acs("tail", "--root", root, "--stream", "s", "--timeout", "0.5", "--from", "@" + str(offsets),
+            "--max-messages", "500", "--offsets-out", str(offsets), check=0)
+    assert _lines(t.stdout) == [str(i) for i in range(11, 511)]
+    t = acs("tail", "--root", root, "--stream", "s", "--timeout", "0.5", "--from", "@" + str(offsets), check=0)
+    assert _lines(t.stdout) == [str(i) for i in range(511, 1001)]
+
+
 def test_ls(acs, acs_inproc, root):
     with Producer(root, "alpha", shards=2) as p:
         for v in (b"a", b"b", b"c"):

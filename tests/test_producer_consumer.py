@@ -327,6 +327,56 @@ def test_offsets_after_each_batch_of_a_poll(root):
     assert _numbers(rows) == list(range(200))
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(0, 400), min_size=1, max_size=6))
+def test_offsets_in_the_middle_of_a_batch_resume_at_its_next_row(root, cuts):
+    """``offsets(consumed=n)`` names row ``n`` of the last batch (an offset with a ``position``
+    inside a block): a chain of consumers, each taking ``n`` rows of one batch and stopping,
+    reads every message exactly once, across blocks, coalesced backlogs and a file's seal."""
+    stream = "mid"
+    if DurableStore(root).stream_shards(stream) is None:
+        with Producer(root, stream, roll_bytes=20000, max_block_bytes=2048) as p:
+            for i in range(1500):
+                p.send(b"msg-%05d" % i + b"m" * (i % 40))
+    got = []
+    offsets = "earliest"
+    for n in cuts * 40:
+        with Consumer(root, stream, start=offsets) as c:
+            batch = next(iter(c.batches(timeout=0.3)), None)
+            if batch is None:
+                break
+            n = min(n, batch.num_rows)
+            got.extend(rows_of([batch.slice(0, n)]))
+            offsets = c.offsets(consumed=n)
+            if n < batch.num_rows:  # a position unless row n starts its block
+                assert offsets[stream]["0"].get("position", 0) in (0, batch.column("position")[n].as_py())
+    with Consumer(root, stream, start=offsets) as c:
+        got.extend(rows_of(list(c.batches(timeout=0.3))))
+    assert _numbers(got) == list(range(1500))
+
+
+def test_offsets_consumed_is_checked(root):
+    with Producer(root, "oc") as p:
+        p.send(b"msg-00000")
+    with Consumer(root, "oc") as c:
+        with pytest.raises(AcsOptionError, match="consumed: no batch was handed out"):
+            c.offsets(consumed=0)
+        batch = next(iter(c.batches(timeout=0.3)))
+        with pytest.raises(AcsOptionError, match=r"consumed: 2 is not a row count of the last batch \(0 \.\. 1\)"):
+            c.offsets(consumed=2)
+        assert c.offsets(consumed=0)["oc"]["0"] == {"file": batch.column("file")[0].as_py(), "length": 0}
+        assert c.offsets(consumed=1) == c.offsets()
+
+
+@pytest.mark.parametrize("bad", [{"position": -1}, {"position": "3"}, {"file": "", "length": 0, "position": 2}])
+def test_a_bad_position_in_an_offset_is_named(root, bad):
+    from pyspark_acs.format.offsets import Offset
+
+    value = dict({"file": "20261122T091242032052Z-5f2c.acs", "length": 0}, **bad)
+    with pytest.raises(AcsOptionError, match="position must be a non-negative integer"):
+        Offset.from_json(value)
+
+
 def test_a_backlog_is_handed_out_in_a_few_large_batches_with_exact_offsets(root):
     """Blocks read together are coalesced (read/batches.py): a consumer that is behind gets its
     backlog in batches of up to CONSUMER_BATCH_BYTES, not one per block, in order, each of one

@@ -164,6 +164,35 @@ def test_offsets_latest_timestamp_and_ending(spark, root):
     assert values == [b"new-%d" % i for i in range(10)]
 
 
+def test_offsets_taken_in_the_middle_of_a_batch_start_and_end_spark_reads_exactly(spark, root, tmp_path):
+    """An offset a Consumer took after 7 rows of a batch (``offsets(consumed=7)``: a position
+    inside a block) starts a batch read and a streaming query at the 8th message, and ends a
+    batch read after the 7th: each offset a reader hands out follows one rule."""
+    def value(i):
+        return b"m-%03d" % i + b"." * 100  # about nine messages a block
+
+    produce(root, "mid", [(0, None, value(i)) for i in range(60)], shards=1, max_block_bytes=1024)
+    c = Consumer(root, "mid", max_read_bytes=1 << 20)
+    first = next(c.batches(timeout=1))
+    assert first.num_rows > 7
+    mid = c.offsets(consumed=7)
+    c.close()
+    assert mid["mid"]["0"]["position"] == 7
+    rest = [value(i) for i in range(7, 60)]
+    got = [r.value for r in ordered(read_acs(spark, root, "mid", startingOffsets=json.dumps(mid))).collect()]
+    assert got == rest
+    got = [r.value for r in ordered(read_acs(spark, root, "mid", endingOffsets=json.dumps(mid))).collect()]
+    assert got == [value(i) for i in range(7)]
+    q = start_query(
+        spark.readStream.format("acs").option("root", root).option("stream", "mid")
+        .option("startingOffsets", json.dumps(mid)).option("maxRowsPerTrigger", 5).load()
+        .writeStream.format("memory").queryName("mid_rows").trigger(availableNow=True)
+    )
+    q.awaitTermination(180)
+    assert q.exception() is None
+    assert [r.value for r in spark.table("mid_rows").orderBy("position").collect()] == rest
+
+
 def test_fail_on_data_loss_both_ways(spark, root):
     produce(root, "lossy", [(0, None, b"a%d" % i) for i in range(50)], shards=1, flush_each=True, roll_bytes=1500)
     c = Consumer(root, "lossy")

@@ -204,9 +204,11 @@ def cmd_tail(args: argparse.Namespace) -> int:
     )
     out = sys.stdout.buffer
     seen = 0
+    printed: Optional[int] = None  # rows printed of the batch being printed (None: all of it)
     try:
         for batch in consumer.batches(timeout=args.timeout):
             rows = batch.to_pydict()
+            printed = 0
             for i in range(batch.num_rows):
                 if args.format == "raw":
                     out.write(rows["value"][i] or b"")
@@ -224,19 +226,21 @@ def cmd_tail(args: argparse.Namespace) -> int:
                     }
                     out.write(json.dumps(rec).encode() + b"\n")
                 seen += 1
+                printed = i + 1
                 if args.max_messages is not None and seen >= args.max_messages:
                     break
             out.flush()
+            if printed == batch.num_rows:
+                printed = None
             if args.max_messages is not None and seen >= args.max_messages:
                 break
     except KeyboardInterrupt:
         pass
     finally:
         if args.offsets_out:
-            # Offsets are per batch: with --max-messages a partly printed batch is not
-            # counted as consumed, so a resume may print its tail again (at least once).
+            # Exact: a partly printed batch (--max-messages, Ctrl-C) resumes at its next row.
             with open(args.offsets_out, "w", encoding="utf-8") as f:
-                json.dump(consumer.offsets(), f)
+                json.dump(consumer.offsets(consumed=printed), f)
         consumer.close()
     return 0
 

@@ -57,6 +57,7 @@ from pyspark_acs.read.positions import (
     ShardExtent,
     _read_now,
     advance,
+    block_end,
     carries_messages,
     latest_offset,
     offset_for_timestamp,
@@ -64,6 +65,7 @@ from pyspark_acs.read.positions import (
     walk_blocks,
 )
 from pyspark_acs.read.batches import READ_BATCH_BYTES, coalesce_batches
+from pyspark_acs.format.names import shard_dir
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.datasource.options import SourceOptions
 
@@ -99,7 +101,7 @@ IDLE_WAIT_S = 0.1
 class AcsPartition(InputPartition):
     """One shard's byte range: plain, picklable data (no channels or files)."""
 
-    def __init__(self, stream: str, shard: int, start: Tuple[str, int], end: Tuple[str, int],
+    def __init__(self, stream: str, shard: int, start: Tuple[Any, ...], end: Tuple[Any, ...],
                  before_us: Optional[int] = None) -> None:
         super().__init__((stream, shard, tuple(start)))
         self.stream = stream
@@ -161,6 +163,13 @@ def read_partition(opts: SourceOptions, partition: AcsPartition,
 
 def _read_range(opts: SourceOptions, partition: AcsPartition, path: ReadPath) -> Iterator[pa.RecordBatch]:
     end = Offset(*partition.end)
+    cut: Optional[Offset] = None
+    if end.position:
+        # An end inside a block (endingOffsets a Consumer took mid-batch): that block is read
+        # and its messages from the end's position on are dropped.
+        cut = end
+        end = Offset(end.file, block_end(path, f"{shard_dir(partition.stream, partition.shard)}/{end.file}",
+                                         end.length))
     tailer = ShardTailer(
         path,
         partition.stream,
@@ -178,6 +187,8 @@ def _read_range(opts: SourceOptions, partition: AcsPartition, path: ReadPath) ->
                 waited_since = None
                 if partition.before_us is not None:
                     batches = [_before(b, partition.before_us) for b in batches]
+                if cut is not None and tailer.offset >= end:
+                    batches = [_up_to(b, cut) for b in batches]
                 yield from batches
                 continue
             if tailer.offset >= end:
@@ -200,6 +211,15 @@ def _read_range(opts: SourceOptions, partition: AcsPartition, path: ReadPath) ->
         # The path outlives the task: drop the per-file state of the file the task ended in.
         if tailer.rel and hasattr(path, "forget"):
             path.forget(tailer.rel)
+
+
+def _up_to(batch: pa.RecordBatch, end: Offset) -> pa.RecordBatch:
+    """The rows of ``batch`` before ``end`` (an offset with a position in ``batch``'s file)."""
+    if batch.num_rows == 0 or batch.column("file")[0].as_py() != end.file:
+        return batch
+    import pyarrow.compute as pc  # see _before
+
+    return batch.filter(pc.less(batch.column("position"), end.position))
 
 
 def _before(batch: pa.RecordBatch, before_us: int) -> pa.RecordBatch:
@@ -479,27 +499,31 @@ class _Planner:
         outside it too (a header walk, and for blocks whose first and last stamps miss the
         filter, a read of the block's timestamps alone)."""
         runs: List[Tuple[Tuple[str, int], Offset, Offset]] = []
+
+        def at(name: str, length: int) -> Offset:  # a run starting where `a` does keeps its position
+            return a if (name, length) == (a.file, a.length) else Offset(name, length)
+
         for name, rel, begin, stop in self._extent(s, a, extents).ranges(a, b):
             if stop <= begin or not pruning.wants_file(name):
                 continue
             if not pruning.by_time:
-                runs.append((s, Offset(name, begin), Offset(name, stop)))
+                runs.append((s, at(name, begin), Offset(name, stop)))
                 continue
             headers: List[BlockHeader] = []
             walk_blocks(self.path, rel, begin, stop, stop_before=lambda h: (headers.append(h), False)[1])
-            at = begin
+            pos = begin
             run: Optional[List[int]] = None  # [start, end) of the run being built
             for h in headers:
-                if h.count and self._block_wanted(rel, at, h, pruning):
-                    if run is not None and run[1] == at:
-                        run[1] = at + h.size
+                if h.count and self._block_wanted(rel, pos, h, pruning):
+                    if run is not None and run[1] == pos:
+                        run[1] = pos + h.size
                     else:
                         if run is not None:
-                            runs.append((s, Offset(name, run[0]), Offset(name, run[1])))
-                        run = [at, at + h.size]
-                at += h.size
+                            runs.append((s, at(name, run[0]), Offset(name, run[1])))
+                        run = [pos, pos + h.size]
+                pos += h.size
             if run is not None:
-                runs.append((s, Offset(name, run[0]), Offset(name, run[1])))
+                runs.append((s, at(name, run[0]), Offset(name, run[1])))
         return runs
 
     def _block_wanted(self, rel: str, at: int, h: BlockHeader, pruning: "Pruning") -> bool:

@@ -3,10 +3,15 @@
 An offsets dict covers several streams the way Spark's Kafka source does for topics::
 
     {"orders": {"0": {"file": "20261122T091242032052Z-5f2c.acs", "length": 4096},
-                "1": {"file": "", "length": 0}}}
+                "1": {"file": "", "length": 0},
+                "2": {"file": "20261122T091242032052Z-77ab.acs", "length": 8192, "position": 130}}}
 
 ``file == ""`` means "before the first file of the shard". Lengths are always block
-boundaries. Positions compare by file name (names sort chronologically), then by length.
+boundaries. An offset names the next message to hand out: the first message of the block at
+``length``, or, with ``position``, message ``position`` of the file (the ``position`` column)
+inside the block at ``length`` -- a reader that stopped in the middle of a batch resumes at the
+exact message. Offsets compare by file name (names sort chronologically), then by length, then
+by position.
 """
 
 from __future__ import annotations
@@ -21,14 +26,25 @@ __all__ = ["Offset", "OffsetMap", "format_offsets", "parse_offsets", "parse_time
 
 
 class Offset(NamedTuple):
-    """A position in one shard: consumed ``length`` bytes of ``file``."""
+    """A position in one shard: consumed ``length`` bytes of ``file`` and, of the block at
+    ``length``, the messages before message ``position`` of the file (0: none of it)."""
 
     file: str = ""
     length: int = 0
+    #: The file's index of the next message (its ``position`` column), when that message is not
+    #: the first of the block at ``length``; 0 otherwise.
+    position: int = 0
 
     def to_json(self) -> Dict[str, Any]:
-        """The JSON form: ``{"file": name, "length": bytes}``."""
+        """The JSON form: ``{"file": name, "length": bytes}``, with ``"position"`` when not 0."""
+        if self.position:
+            return {"file": self.file, "length": self.length, "position": self.position}
         return {"file": self.file, "length": self.length}
+
+    @property
+    def boundary(self) -> "Offset":
+        """The block boundary at or before this offset (the offset without its position)."""
+        return Offset(self.file, self.length) if self.position else self
 
     @classmethod
     def from_json(cls, value: Any, where: str = "offset") -> "Offset":
@@ -37,25 +53,30 @@ class Offset(NamedTuple):
         Parameters
         ----------
         value : mapping
-            ``{"file": name, "length": bytes}``; either key may be left out (``""`` and 0).
+            ``{"file": name, "length": bytes, "position": index}``; any key may be left out
+            (``""``, 0 and 0).
         where : str
             What the value is, for error messages.
 
         Raises
         ------
         AcsOptionError
-            For other keys, a file that is not a message-file name, or a length that is not a
-            non-negative integer (or is non-zero with an empty file).
+            For other keys, a file that is not a message-file name, or a length or position
+            that is not a non-negative integer (or is non-zero with an empty file).
         """
-        if not isinstance(value, Mapping) or set(value) - {"file", "length"}:
-            raise AcsOptionError(f"{where}: expected {{\"file\": name, \"length\": bytes}}, got {value!r}")
+        if not isinstance(value, Mapping) or set(value) - {"file", "length", "position"}:
+            raise AcsOptionError(
+                f"{where}: expected {{\"file\": name, \"length\": bytes[, \"position\": index]}}, got {value!r}")
         file = value.get("file", "") or ""
         length = value.get("length", 0)
+        position = value.get("position", 0)
         if not isinstance(file, str) or (file and _bad_file(file)):
             raise AcsOptionError(f"{where}: {file!r} is not a message file name")
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0 or (not file and length):
-            raise AcsOptionError(f"{where}: length must be a non-negative integer (0 when file is empty), got {length!r}")
-        return cls(file, length)
+        for key, number in (("length", length), ("position", position)):
+            if isinstance(number, bool) or not isinstance(number, int) or number < 0 or (not file and number):
+                raise AcsOptionError(
+                    f"{where}: {key} must be a non-negative integer (0 when file is empty), got {number!r}")
+        return cls(file, length, position)
 
 
 def _bad_file(name: str) -> bool:

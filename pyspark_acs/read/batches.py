@@ -16,7 +16,7 @@ from typing import Dict, Iterable, Iterator, List, Tuple, TypeVar
 
 import pyarrow as pa
 
-__all__ = ["CONSUMER_BATCH_BYTES", "READ_BATCH_BYTES", "batch_bytes", "coalesce_batches", "coalesce_tagged"]
+__all__ = ["CONSUMER_BATCH_BYTES", "READ_BATCH_BYTES", "batch_bytes", "coalesce_batches", "coalesce_runs", "coalesce_tagged"]
 
 #: Bytes of one Arrow batch handed out, at most (a single larger block is a batch of its own).
 #: Measured with Spark's ceiling probe (benchmarks/spark_source.py): batches of ~90 rows ran at
@@ -87,30 +87,36 @@ def _binary_bytes(array: pa.Array) -> int:
     return _OFFSET.unpack_from(offsets, 4 * (first + n))[0] - _OFFSET.unpack_from(offsets, 4 * first)[0] + 4 * (n + 1)
 
 
-def coalesce_tagged(items: Iterable[Tuple[pa.RecordBatch, T]],
-                    max_bytes: int = READ_BATCH_BYTES) -> Iterator[Tuple[pa.RecordBatch, T]]:
+def coalesce_runs(items: Iterable[Tuple[pa.RecordBatch, T]],
+                  max_bytes: int = READ_BATCH_BYTES) -> Iterator[Tuple[pa.RecordBatch, List[T]]]:
     """Concatenate consecutive ``(batch, tag)`` items into batches of up to ``max_bytes`` (as
-    :func:`batch_bytes` counts them); each result carries the tag of the last batch in it (a
-    reader's position after it).
+    :func:`batch_bytes` counts them); each result carries the tags of the batches in it, in
+    order.
 
-    Empty batches are dropped (their tags with them, unless a later batch joins theirs); a
-    batch larger than ``max_bytes`` passes alone.
+    Empty batches are dropped with their tags; a batch larger than ``max_bytes`` passes alone.
     """
     pending: List[pa.RecordBatch] = []
-    tag = None
+    tags: List[T] = []
     size = 0
     for batch, item_tag in items:
         if not batch.num_rows:
             continue
         nbytes = batch_bytes(batch)
         if pending and size + nbytes > max_bytes:
-            yield (pending[0] if len(pending) == 1 else pa.concat_batches(pending)), tag
-            pending, size = [], 0
+            yield (pending[0] if len(pending) == 1 else pa.concat_batches(pending)), tags
+            pending, tags, size = [], [], 0
         pending.append(batch)
-        tag = item_tag
+        tags.append(item_tag)
         size += nbytes
     if pending:
-        yield (pending[0] if len(pending) == 1 else pa.concat_batches(pending)), tag
+        yield (pending[0] if len(pending) == 1 else pa.concat_batches(pending)), tags
+
+
+def coalesce_tagged(items: Iterable[Tuple[pa.RecordBatch, T]],
+                    max_bytes: int = READ_BATCH_BYTES) -> Iterator[Tuple[pa.RecordBatch, T]]:
+    """:func:`coalesce_runs` with the tag of the last batch in each result (a reader's position
+    after it)."""
+    return ((batch, tags[-1]) for batch, tags in coalesce_runs(items, max_bytes))
 
 
 def coalesce_batches(batches: Iterable[pa.RecordBatch], max_bytes: int = READ_BATCH_BYTES) -> Iterator[pa.RecordBatch]:

@@ -30,7 +30,7 @@ from pyspark_acs.format.arrays import ConstantColumns
 from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, decode_block
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
-from pyspark_acs.read.batches import CONSUMER_BATCH_BYTES, coalesce_tagged
+from pyspark_acs.read.batches import CONSUMER_BATCH_BYTES, coalesce_runs
 from pyspark_acs.read.positions import ends_with_seal, latest_offset, read_blocks, seal_behind, skip_void
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
@@ -120,7 +120,9 @@ class ShardTailer:
         self.stream = stream
         self.shard = shard
         self.dir = shard_dir(stream, shard)
-        self.file, self.length = offset
+        # _position: messages of the file before it are not handed out (an offset taken in the
+        # middle of a block); 0 once the block holding it is read.
+        self.file, self.length, self._position = offset
         self.sealed = False
         self.max_read_bytes = max_read_bytes
         self.fail_on_data_loss = fail_on_data_loss
@@ -138,6 +140,9 @@ class ShardTailer:
         self._loss_logged: Optional[Offset] = None  # the lost position already logged
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
+        #: Position before each batch of the last step's result: where its block starts, with
+        #: the position of its first message when that is not the block's first.
+        self.batch_starts: List[Offset] = []
         #: Whether the last step left bytes below the readable length unread: it stopped at
         #: ``max_read_bytes``, or the read path returned fewer bytes than asked (a live feed
         #: about to push them, Algorithm 1 postponing a durable read). Such a round is not
@@ -151,7 +156,7 @@ class ShardTailer:
     @property
     def offset(self) -> Offset:
         """The position: the file followed and the bytes of it consumed."""
-        return Offset(self.file, self.length)
+        return Offset(self.file, self.length, self._position)
 
     @property
     def next_listing(self) -> Optional[float]:
@@ -167,10 +172,11 @@ class ShardTailer:
         return f"{self.dir}/{self.file}" if self.file else None
 
     def seek(self, offset: Offset) -> None:
-        """Move to ``offset`` (a block boundary), forgetting per-file read state of the old file."""
+        """Move to ``offset`` (a block boundary, and the message of its block to start at),
+        forgetting per-file read state of the old file."""
         if self.file and offset.file != self.file and hasattr(self.path, "forget"):
             self.path.forget(self.rel)  # drop per-file read state of the file we leave
-        self.file, self.length = offset
+        self.file, self.length, self._position = offset
         self.sealed = False
         self._check_behind = True  # a position saved right after a seal is at a finished file's end
         self._void_checked = None
@@ -193,6 +199,7 @@ class ShardTailer:
         """
         out: List[pa.RecordBatch] = []
         self.batch_ends = []
+        self.batch_starts = []
         self.short = False
         while True:
             if end is not None and self.offset >= end:
@@ -263,7 +270,11 @@ class ShardTailer:
             consts = self._consts = ConstantColumns(
                 ((self.stream, pa.string()), (self.shard, pa.int32()), (self.file, pa.string())))
         for at, header in blocks:
-            if header.count:
+            # Messages before an offset's position (a resume in the middle of a block) are
+            # decoded with their block and dropped from it.
+            skip = min(header.count, max(0, self._position - header.first_index)) if self._position else 0
+            handed = header.count > skip
+            if handed:
                 try:
                     _, batch = decode_block(buf, at, path=self.store.uri(self.rel), position=start + at,
                                             headers=self.include_headers, header=header,
@@ -274,9 +285,12 @@ class ShardTailer:
                     if self.length == start:
                         raise
                     break
-                out.append(batch)
+                out.append(batch.slice(skip) if skip else batch)
+                self.batch_starts.append(Offset(self.file, start + at, self._position if skip else 0))
             self.length = start + at + header.size
-            if header.count:
+            if self._position and header.count and header.first_index + header.count >= self._position:
+                self._position = 0  # the block holding it is read: later blocks hand out every message
+            if handed:
                 self.batch_ends.append(self.offset)
             if header.sealed:
                 self.sealed = True
@@ -396,7 +410,7 @@ class ShardTailer:
             return True
         if length is not None:
             log.warning("%s; continuing from the end of that file (byte %d)", msg, length)
-            self.length = length
+            self.length, self._position = length, 0
             return True
         # Wait at this position for a newer file. (Seeking to Offset() would restart the shard
         # from its oldest file and replay messages already consumed.)
@@ -404,6 +418,20 @@ class ShardTailer:
             log.warning("%s; waiting for new data", msg)
             self._loss_logged = self.offset
         return False
+
+
+#: A batch read and not handed out yet, or the last one handed out: (batch, tailer index,
+#: position after it, ``(row, position before it)`` of each block in it).
+_Pending = Tuple[pa.RecordBatch, int, Offset, Tuple[Tuple[int, Offset], ...]]
+
+
+def _inside(batch: pa.RecordBatch, starts: Sequence[Tuple[int, Offset]], row: int) -> Offset:
+    """The offset of row ``row`` of ``batch`` (the next message to hand out): the start of the
+    block holding it, with the row's ``position`` unless the row starts that block."""
+    block_row, start = max((part for part in starts if part[0] <= row), key=lambda part: part[0])
+    if row == block_row:
+        return start
+    return Offset(start.file, start.length, batch.column("position")[row].as_py())
 
 
 def earliest_offset(store: DurableStore, stream: str, shard: int) -> Offset:
@@ -528,9 +556,11 @@ class Consumer:
         self._closed = False
         self._stats = {"messages": 0, "batches": 0}
         # Batches read from the tailers but not handed out yet: (batch, tailer index, position
-        # after it). offsets() reports _reported, the position after what was handed out.
-        self._pending: Deque[Tuple[pa.RecordBatch, int, Offset]] = collections.deque()
+        # after it, (row, position) where each of its blocks starts). offsets() reports
+        # _reported, the position after what was handed out.
+        self._pending: Deque[_Pending] = collections.deque()
         self._reported: List[Offset] = []
+        self._last: Optional[_Pending] = None  # the batch handed out last, for offsets(consumed=)
         # The change token taken before a round of batches() that read everything readable (no
         # tailer left bytes unread: ShardTailer.short): if nothing moved since, the next round
         # would find nothing, so the loop waits at once instead (once; after the wait it always
@@ -556,9 +586,7 @@ class Consumer:
                     if mode == "earliest"
                     else latest_offset(self.path, t.stream, t.shard)
                 )
-            self._pending.clear()
-            self._settled = None
-            self._reported = [t.offset for t in self._tailers]
+            self._forget_pending()
             return
         if isinstance(start, str) and not start.lstrip().startswith("{"):
             raise AcsOptionError(
@@ -567,41 +595,89 @@ class Consumer:
         offsets: OffsetMap = parse_offsets(start, option="start")
         for t in self._tailers:
             t.seek(offsets.get((t.stream, t.shard)) or earliest_offset(self.store, t.stream, t.shard))
+        self._forget_pending()
+
+    def _forget_pending(self) -> None:
         self._pending.clear()
+        self._last = None
         self._settled = None
         self._reported = [t.offset for t in self._tailers]
 
-    def offsets(self) -> Dict[str, Dict[str, Dict[str, Any]]]:
-        """The JSON-able position of every followed shard (after the last returned batch)."""
-        return format_offsets({(t.stream, t.shard): off for t, off in zip(self._tailers, self._reported)})
+    def offsets(self, consumed: Optional[int] = None) -> Dict[str, Dict[str, Dict[str, Any]]]:
+        """The JSON-able position of every followed shard: where a consumer started from it
+        goes on, with no message skipped or repeated.
+
+        Parameters
+        ----------
+        consumed : int, optional
+            How many rows of the last batch handed out were processed (default: all of it).
+            With fewer, that batch's shard is positioned at its next row: a consumer that
+            stops in the middle of a batch resumes at the exact message (the offset then has
+            a ``position``, see :mod:`pyspark_acs.format.offsets`).
+
+        Raises
+        ------
+        AcsOptionError
+            ``consumed`` is given while no batch was handed out since the last seek or look
+            for more, or is not within ``0 .. rows of that batch``.
+
+        Examples
+        --------
+        >>> for batch in consumer.batches(timeout=1.0):          # doctest: +SKIP
+        ...     done = process_until_full(batch)                  # rows processed
+        ...     if done < batch.num_rows:
+        ...         save(consumer.offsets(consumed=done))         # resume at row `done`
+        ...         break
+        """
+        reported = list(self._reported)
+        if consumed is not None:
+            last = self._last
+            if last is None:
+                raise AcsOptionError(
+                    "consumed: no batch was handed out since the consumer last moved or looked for more; "
+                    "call offsets(consumed=...) right after the batch it counts", option="consumed")
+            batch, i, _, starts = last
+            if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= batch.num_rows:
+                raise AcsOptionError(
+                    f"consumed: {consumed!r} is not a row count of the last batch (0 .. {batch.num_rows})",
+                    option="consumed")
+            if consumed < batch.num_rows:
+                reported[i] = _inside(batch, starts, consumed)
+        return format_offsets({(t.stream, t.shard): off for t, off in zip(self._tailers, reported)})
 
     def _fill(self) -> None:
         """One round over every shard: queue what is new. Call only when nothing is pending."""
         if self._closed:
             raise ClosedError("consumer is closed")
+        self._last = None  # looking for more: the batch handed out last counts as processed
         rels = [t.rel for t in self._tailers if t.rel]
         lengths = self.path.lengths(rels) if rels else {}
         for i, t in enumerate(self._tailers):
             got = t.step(lengths.get(t.rel), known=True) if t.rel else t.step()
+            starts = t.batch_starts
             if len(got) == 1:  # a caught-up reader's round: one block, nothing to coalesce
-                self._pending.append((got[0], i, t.offset))
+                self._pending.append((got[0], i, t.offset, ((0, starts[0]),)))
                 continue
-            ends = list(t.batch_ends)
+            ends = t.batch_ends
             # the last batch of a round ends where the tailer is (it may have passed a seal)
-            tagged = [(batch, ends[j] if j < len(got) - 1 and j < len(ends) else t.offset)
+            tagged = [(batch, (ends[j] if j < len(got) - 1 else t.offset, starts[j], batch.num_rows))
                       for j, batch in enumerate(got)]
             # A backlog (several blocks in one read) is handed out in batches of up to
             # CONSUMER_BATCH_BYTES, each of one file's messages (a batch's ``file`` column
             # holds one value).
-            files = [ends[j].file if j < len(ends) else None for j in range(len(got))]
-            for _, run in itertools.groupby(zip(tagged, files), key=lambda item: item[1]):
-                for batch, end in coalesce_tagged((item for item, _ in run), CONSUMER_BATCH_BYTES):
-                    self._pending.append((batch, i, end))
+            for _, run in itertools.groupby(tagged, key=lambda item: item[1][1].file):
+                for batch, tags in coalesce_runs(run, CONSUMER_BATCH_BYTES):
+                    row, parts = 0, []
+                    for _, start, rows in tags:
+                        parts.append((row, start))
+                        row += rows
+                    self._pending.append((batch, i, tags[-1][0], tuple(parts)))
             if not got:
                 self._reported[i] = t.offset
 
     def _hand_out(self) -> pa.RecordBatch:
-        batch, i, end = self._pending.popleft()
+        item = self._pending.popleft()
+        batch, i, end, _ = self._last = item
         self._reported[i] = end
         self._stats["batches"] += 1
         self._stats["messages"] += batch.num_rows

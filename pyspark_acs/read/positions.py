@@ -31,6 +31,7 @@ __all__ = [
     "BoundaryCache",
     "ShardExtent",
     "advance",
+    "block_end",
     "carries_messages",
     "ends_with_seal",
     "latest_offset",
@@ -124,6 +125,18 @@ def skip_void(path: ReadPath, rel: str, at: int, length: int) -> Optional[int]:
     data = _read_now(path, rel, at, length)
     found = find_recovery_seal(data, at, base=at, path=path.store.uri(rel))
     return None if found is None else at + found[0] + found[1].size
+
+
+def block_end(path: ReadPath, rel: str, at: int) -> int:
+    """Where the block at ``at`` (a block boundary of ``rel``) ends, by its header.
+
+    Raises
+    ------
+    CorruptFileError
+        No valid block header is at ``at`` (naming the file and byte).
+    """
+    data = _read_now(path, rel, at, at + HEADER_SIZE)
+    return at + parse_header(data, 0, path=path.store.uri(rel), position=at).size
 
 
 def seal_behind(path: ReadPath, rel: str, at: int, *, start: int = 0) -> Optional[int]:
