@@ -131,6 +131,25 @@ def test_max_messages_then_resume_prints_every_remaining_message_once(acs, root,
     assert _lines(t.stdout) == [str(i) for i in range(511, 1001)]
 
 
+def test_tail_of_a_truncated_file_fails_naming_the_file_and_byte(acs, root):
+    """3000 messages in files of ~20 KB, the first cut to 10,000 bytes (`truncate -s 10000`):
+    `acs tail` (no --timeout) stops with exit 1 and the data loss named by file and byte, after
+    printing the messages before the cut; it used to print 501 of 3000 and wait forever."""
+    with Producer(root, "s", roll_bytes=20000) as p:
+        for i in range(3000):
+            p.send(b"%d" % i)
+            if i % 50 == 49:
+                p.flush()  # blocks of 50 messages, as a trickle makes them
+    first = sorted(os.listdir(os.path.join(root, "s", "00000")))[0]
+    os.truncate(os.path.join(root, "s", "00000", first), 10000)
+    t = acs("tail", "--root", root, "--stream", "s", check=1)
+    err = t.stderr.decode()
+    assert f"data loss in stream 's' shard 0: file {first} has no seal" in err, err
+    assert "truncated or damaged" in err and len(err.strip().splitlines()) == 1
+    printed = _lines(t.stdout)
+    assert printed == [str(i) for i in range(len(printed))] and 0 < len(printed) < 3000
+
+
 def test_ls(acs, acs_inproc, root):
     with Producer(root, "alpha", shards=2) as p:
         for v in (b"a", b"b", b"c"):

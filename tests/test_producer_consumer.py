@@ -488,32 +488,83 @@ def _consume_until_error(consumer, exc_type):
     return rows, err.value
 
 
-@pytest.mark.parametrize("damage", ["truncated_header", "block_longer_than_file"])
-def test_truncated_file_is_waited_at_and_named_never_skipped(root, damage, monkeypatch, caplog):
-    """The seal rule: a file whose end (and seal) is cut off is indistinguishable from one still
-    being written or copied, so the reader never leaves it (a newer file proves nothing); it
-    stops before the incomplete bytes and names the file and byte range in a warning."""
-    monkeypatch.setattr(consumer_mod, "STUCK_WARN_AFTER_S", 0.2)
-    files = _three_sealed_files(root)
-    path = file_path(root, "bad", files[0])
-    uri = DurableStore(root).uri(f"{shard_dir('bad', 0)}/{files[0]}")
+def _truncate_first(root, stream, damage):
+    """Cut the first of three sealed files: ``(file, uri, cut-off byte, rows before it, rows of
+    the later files)``."""
+    files = _three_sealed_files(root, stream)
+    path = file_path(root, stream, files[0])
+    uri = DurableStore(root).uri(f"{shard_dir(stream, 0)}/{files[0]}")
     data = open(path, "rb").read()
     starts = _block_starts(path)
     counts = {at: h.count for at, h in scan_blocks(data, final=True)}
     if damage == "truncated_header":  # the file ends 10 bytes into the seal
         bad_at = starts[-1]
         os.truncate(path, bad_at + 10)
-    else:  # the file ends inside its last message block (seal and tail cut off)
+    elif damage == "block_longer_than_file":  # the file ends inside its last message block
         bad_at = starts[-2]
         os.truncate(path, len(data) - HEADER_SIZE - 7)
+    else:  # cut at a block boundary: the seal and the last block gone, no torn bytes left
+        bad_at = starts[-2]
+        os.truncate(path, bad_at)
     before = sum(n for at, n in counts.items() if at < bad_at)
-    with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
-        with Consumer(root, "bad") as c:
-            rows = consume(c, before)
-            assert_quiet(c, 0.6)  # nothing from the newer files: the first one has no seal
-            assert c.offsets()["bad"]["0"] == {"file": files[0], "length": bad_at}
+    return files[0], uri, bad_at, before, sum(counts.values())
+
+
+@pytest.mark.parametrize("damage", ["truncated_header", "block_longer_than_file", "at_a_block_boundary"])
+def test_a_truncated_file_in_the_source_cluster_is_data_loss_named_by_file_and_bytes(root, damage, caplog):
+    """The finality rule (read/positions.py unfinished_file): in the stream's source cluster an
+    unsealed file that a later file with messages follows was cut after the fact (writers seal
+    before they roll), so the reader raises DataLossError naming the file and the byte it was
+    cut at -- it used to stop there in silence -- and with fail_on_data_loss=False goes on
+    with the later file after a warning."""
+    first, uri, bad_at, before, in_first = _truncate_first(root, "bad", damage)
+    with Consumer(root, "bad") as c:
+        rows, err = _consume_until_error(c, DataLossError)
     assert _numbers(rows) == list(range(before))
-    assert any(uri in r.getMessage() and f"[{bad_at}, " in r.getMessage() for r in caplog.records)
+    assert (err.stream, err.shard, err.file, err.start) == ("bad", 0, first, bad_at)
+    assert f"file {first} has no seal: its last complete block ends at byte {bad_at}" in str(err)
+    assert "truncated or damaged" in str(err) and "failOnDataLoss=false" in str(err)
+    with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
+        with Consumer(root, "bad", fail_on_data_loss=False) as c:
+            rows = consume(c, 30 - (in_first - before))
+            assert_quiet(c, 0.1)
+    assert _numbers(rows) == list(range(before)) + list(range(in_first, 30))
+    assert any(f"file {first} has no seal" in r.getMessage() and "continuing from file" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_truncated_file_in_a_destination_is_waited_at_until_its_copy_arrives(root, tmp_path, monkeypatch,
+                                                                                caplog):
+    """In a destination (``copied_from``) files are copied side by side: an unsealed file with
+    a later file after it is a copy still coming. The reader waits (saying so once after
+    STUCK_WARN_AFTER_S, after its first look for a later file), raises nothing, and reads every
+    message once the rest arrives."""
+    monkeypatch.setattr(consumer_mod, "STUCK_WARN_AFTER_S", consumer_mod.UNFINISHED_CHECK_S[0] * 1.5)
+    source = str(tmp_path / "source")
+    files = _three_sealed_files(source, "cp")
+    DurableStore(root).create_stream("cp", 1, copied_from="A")
+    whole = {}
+    for name in files:
+        whole[name] = open(file_path(source, "cp", name), "rb").read()
+    cut = _block_starts(file_path(source, "cp", files[0]))[2] + 5  # inside the third block
+    for name in files:
+        with open(file_path(root, "cp", name), "wb") as f:
+            f.write(whole[name][:cut] if name == files[0] else whole[name])
+    with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
+        with Consumer(root, "cp") as c:
+            rows = consume(c, 2)
+            deadline = time.monotonic() + WAIT_S
+            while not any("still being copied" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "the wait was never reported"
+                assert rows_of(c.poll()) == []
+                time.sleep(0.05)
+            with open(file_path(root, "cp", files[0]), "ab") as f:
+                f.write(whole[files[0]][cut:])
+            rows += consume(c, 28)
+            assert_quiet(c, 0.1)
+    assert _numbers(rows) == list(range(30))
+    warning = [r.getMessage() for r in caplog.records if "still being copied" in r.getMessage()]
+    assert len(warning) == 1 and files[0] in warning[0] and files[1] in warning[0]
 
 
 @pytest.mark.parametrize("damage", ["body_byte", "header_byte", "magic", "garbage_tail"])

@@ -77,17 +77,20 @@ def _quiet(consumer: Consumer, seconds: float) -> None:
         time.sleep(0.02)
 
 
-# -- bug 1 (single-cluster form): a newer file never finishes an older one --------------------
+# -- bug 1: a newer file never finishes an older one --------------------------------------------
+# In a destination (a stream the copy daemon keeps) files are copied side by side: an older file
+# may still grow while a newer one exists. (In the source cluster that is damage:
+# test_producer_consumer.py's truncated-file tests.)
 
 
 def test_unsealed_file_is_not_left_for_a_newer_file(root):
-    DurableStore(root).create_stream("s", 1)
+    DurableStore(root).create_stream("s", 1, copied_from="A")
     f1, f2 = _name(0), _name(1)
     _append(root, "s", f1, _block(0, 3, "a"))
     _append(root, "s", f2, _block(0, 2, "b"))  # a newer file exists while f1 still grows
     with Consumer(root, "s") as c:
         assert _values(c, 3) == [b"a0", b"a1", b"a2"]
-        _quiet(c, 1.5)  # the old rule moved on after ABANDON_CHECK_INTERVAL_S (1 s)
+        _quiet(c, 1.5)  # past UNFINISHED_CHECK_S (1 s): it looked at the newer file and stayed
         assert c.offsets()["s"]["0"]["file"] == f1
         b = _block(3, 2, "a")
         _append(root, "s", f1, b + encode_seal(5))
@@ -95,7 +98,7 @@ def test_unsealed_file_is_not_left_for_a_newer_file(root):
 
 
 def test_spark_planner_stops_at_the_first_unsealed_file(root):
-    DurableStore(root).create_stream("p", 1)
+    DurableStore(root).create_stream("p", 1, copied_from="A")
     f1, f2 = _name(0), _name(1)
     b1 = _block(0, 3)
     _append(root, "p", f1, b1)
@@ -251,7 +254,7 @@ def test_timestamp_start_does_not_skip_an_unsealed_file(root):
     from pyspark_acs.read.positions import offset_for_timestamp
     from pyspark_acs.read.readpath import DurableReadPath
 
-    DurableStore(root).create_stream("ts", 1)
+    DurableStore(root).create_stream("ts", 1, copied_from="A")  # files copied side by side
     f1, f2 = _name(0), _name(1)
     b1 = encode_block([b"a0", b"a1", b"a2"], None, [1, 2, 3], first_index=0)
     _append(root, "ts", f1, b1)  # unsealed: its writer may still append
@@ -380,7 +383,7 @@ def test_message_ending_in_seal_bytes_does_not_finish_its_file(root):
     sealed there and moved on to the next file (here one that already exists, as at a
     destination where a newer file's copy arrived while this one's is still in flight),
     skipping the rest of this one. Now a seal is proven by walking block headers."""
-    DurableStore(root).create_stream("f3", 1)
+    DurableStore(root).create_stream("f3", 1, copied_from="A")  # files copied side by side
     x, y = _name(0), _name(1)
     forged = b"payload-" + encode_seal(7)  # its last 48 bytes are a valid seal
     head = _block(0, 1, "a") + encode_block([forged], None, [1], first_index=1)

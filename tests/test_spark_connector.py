@@ -210,6 +210,46 @@ def test_fail_on_data_loss_both_ways(spark, root):
     assert 0 < rest < 50
 
 
+def test_a_truncated_file_fails_batch_and_available_now_reads_or_is_skipped(spark, root):
+    """The first of several files cut to 10,000 bytes in the source cluster: a batch read and
+    an availableNow query fail naming the file (they used to return the messages before the
+    cut and succeed); with failOnDataLoss=false both read every message of the later files."""
+    values = [b"%05d" % i for i in range(3000)]
+    with Producer(root, "cut", roll_bytes=20000) as p:
+        for i, v in enumerate(values):
+            p.send(v)
+            if i % 50 == 49:
+                p.flush()  # blocks of 50 messages, as a trickle makes them
+    assert len(os.listdir(os.path.join(root, "cut", "00000"))) > 3
+    first = sorted(f for f in os.listdir(os.path.join(root, "cut", "00000")) if f.endswith(".acs"))[0]
+    os.truncate(os.path.join(root, "cut", "00000", first), 10000)
+    with pytest.raises(Exception) as err:
+        read_acs(spark, root, "cut").count()
+    assert f"file {first} has no seal" in str(err.value) and "failOnDataLoss=false" in str(err.value)
+
+    def stream(name, **opts):
+        reader = spark.readStream.format("acs").option("root", root).option("stream", "cut") \
+            .option("startingOffsets", "earliest")
+        for k, v in opts.items():
+            reader = reader.option(k, v)
+        q = start_query(reader.load().writeStream.format("memory").queryName(name).trigger(availableNow=True))
+        try:
+            q.awaitTermination(180)
+        except Exception:  # a failed query raises here too; q.exception() holds it
+            pass
+        return q
+
+    q = stream("cut_fail")
+    assert q.exception() is not None and f"file {first} has no seal" in str(q.exception())
+    kept = [r.value for r in ordered(read_acs(spark, root, "cut", failOnDataLoss="false")).collect()]
+    q = stream("cut_skip", failOnDataLoss="false")
+    assert q.exception() is None
+    streamed = [r.value for r in spark.table("cut_skip").orderBy("file", "position").collect()]
+    assert streamed == kept
+    gap = next(i for i, v in enumerate(kept) if int(v) != i)  # the messages cut off the first file
+    assert gap > 0 and kept == values[:gap] + values[int(kept[gap]):], "the messages before the cut, then the rest"
+
+
 @pytest.mark.parametrize(
     "opts, needle",
     [

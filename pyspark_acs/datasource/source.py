@@ -426,8 +426,12 @@ class _Planner:
                 out[s] = latest_offset(self.path, s[0], s[1])
                 continue
             extent = shard_extent(self.path, s[0], s[1], begin)
-            out[s] = max(extent.latest(self._boundaries, self.path, begin), begin)
+            out[s] = max(self._latest(extent, begin), begin)
         return out
+
+    def _latest(self, extent: ShardExtent, start: Offset) -> Offset:
+        return extent.latest(self._boundaries, self.path, start, fail_on_data_loss=self.opts.fail_on_data_loss,
+                             hint=" (set failOnDataLoss=false to skip to the next available data)")
 
     def limited(self, start: OffsetMap, limit: ReadLimit) -> Tuple[OffsetMap, OffsetMap]:
         """End offsets from ``start`` under ``limit`` (plus the other configured budget), and
@@ -445,7 +449,7 @@ class _Planner:
                     f"maxBytesPerTrigger (ReadMaxBytes) and maxRowsPerTrigger (ReadMaxRows)"
                 )
         extents = self.extents = {s: shard_extent(self.path, s[0], s[1], start[s]) for s in shards}
-        latest = {s: max(extents[s].latest(self._boundaries, self.path, start[s]), start[s]) for s in shards}
+        latest = {s: max(self._latest(extents[s], start[s]), start[s]) for s in shards}
         if max_bytes is None and max_rows is None:
             return latest, latest
         backlog = {s: extents[s].backlog(start[s]) for s in shards}

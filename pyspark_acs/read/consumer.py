@@ -31,7 +31,8 @@ from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, de
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
 from pyspark_acs.read.batches import CONSUMER_BATCH_BYTES, coalesce_runs
-from pyspark_acs.read.positions import ends_with_seal, latest_offset, read_blocks, seal_behind, skip_void
+from pyspark_acs.read.positions import (ends_with_seal, latest_offset, read_blocks, seal_behind, skip_void,
+                                        unfinished_file)
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import retention_gap
@@ -72,6 +73,11 @@ PUSHED_WAIT_S = PUSH_SAFETY_POLL_S
 #: the store 3,200 times a second, 0.77 cores of this 2-core machine, and on HDFS each listing
 #: is a NameNode call).
 LISTING_BACKOFF_S = (0.01, 0.1)
+#: A tailer stuck at the end of an unsealed file looks for a later file (the finality rule,
+#: :func:`~pyspark_acs.read.positions.unfinished_file`) after the first value in seconds, then
+#: with the wait doubling up to the second while the position stays: a caught-up reader of an
+#: idle stream lists its shard a few times a minute, not every poll.
+UNFINISHED_CHECK_S = (1.0, 30.0)
 #: Bytes read from one shard in one step: bounds memory when a consumer is far behind.
 DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
 
@@ -137,6 +143,9 @@ class ShardTailer:
         # a tailer waits at byte 0 of every new file at a destination, and those waits must
         # not add up to one warning.
         self._stuck: Optional[Tuple[Optional[str], int, float]] = None
+        # ((file, length) stuck at, next look for a later file (monotonic), the wait after it)
+        self._unfinished: Optional[Tuple[Tuple[str, int], float, float]] = None
+        self._copy_later: Optional[str] = None  # the later file it found there, in a destination
         self._loss_logged: Optional[Offset] = None  # the lost position already logged
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
@@ -230,6 +239,8 @@ class ShardTailer:
             progressed = self._read(limit, out) if limit > self.length and not self.sealed else False
             if not progressed and not self.sealed:
                 self._check_finished(limit)
+                if not self.sealed and self._check_unfinished(limit, end):
+                    continue  # a damaged file skipped (fail_on_data_loss=False): read the next one
             if self.sealed:
                 if not self._next_file():
                     return out
@@ -352,18 +363,47 @@ class ShardTailer:
         if limit > self.length and (self._cut_short or not self._pass_void(limit)) and not self.sealed:
             self._warn_stuck(limit)
 
+    def _check_unfinished(self, limit: int, end: Optional[Offset]) -> bool:
+        """Stuck at the end of an unsealed file: is a later file there, and what does it mean
+        (the rule: :func:`~pyspark_acs.read.positions.unfinished_file`)? Looked at with a
+        back-off (:data:`UNFINISHED_CHECK_S`) while the position stays, at once for a bounded
+        read whose end lies in a later file. Returns True when it moved to the later file."""
+        now = time.monotonic()
+        if self._unfinished is None or self._unfinished[0] != (self.file, self.length):
+            first = 0.0 if end is not None and end.file > self.file else UNFINISHED_CHECK_S[0]
+            self._unfinished = ((self.file, self.length), now + first, UNFINISHED_CHECK_S[0])
+            self._copy_later = None
+        key, due, wait = self._unfinished
+        if now < due:
+            return False
+        self._unfinished = (key, now + wait, min(UNFINISHED_CHECK_S[1], 2 * wait))
+        # The listing before the lengths (unfinished_file reads them): see its docstring.
+        found = unfinished_file(self.path, self.stream, self.shard, self.file, self.length,
+                                self.store.list_files(self.stream, self.shard))
+        if found is None:
+            return False
+        if found.copy:
+            self._copy_later = found.later
+            self._warn_stuck(limit)
+            return False
+        if self.fail_on_data_loss:
+            raise found.error(_SKIP_HINT)
+        log.warning("%s; continuing from file %s", found.error().args[0], found.later)
+        self.seek(Offset(found.later, 0))
+        return True
+
     def _warn_stuck(self, limit: int) -> None:
         now = time.monotonic()
         if self._stuck is None or self._stuck[:2] != (self.rel, self.length):
             self._stuck = (self.rel, self.length, now)
         elif now - self._stuck[2] >= STUCK_WARN_AFTER_S:
             self._stuck = (self.rel, self.length, math.inf)  # once per position
-            log.warning(
-                "%s: bytes [%d, %d) have been no complete block for %.0f s; waiting for them or for a seal "
-                "(a writer or copy still at work, a crashed writer whose shard nobody took over yet, or a file "
-                "truncated after the fact)",
-                self.store.uri(self.rel), self.length, limit, STUCK_WARN_AFTER_S,
-            )
+            copy = self._copy_later if self._unfinished and self._unfinished[0] == (self.file, self.length) else None
+            why = (f"the later file {copy} exists and this cluster keeps a copy of the stream: the rest of "
+                   f"{self.file} is still being copied" if copy else
+                   "a writer still at work, or a crashed writer whose shard nobody took over yet")
+            log.warning("%s: bytes [%d, %d) have been no complete block and no seal for %.0f s; waiting for "
+                        "them (%s)", self.store.uri(self.rel), self.length, limit, STUCK_WARN_AFTER_S, why)
 
     def _pass_void(self, limit: int) -> bool:
         """Skip a torn block up to and including the recovery seal that voids it (logged with

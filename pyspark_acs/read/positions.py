@@ -6,20 +6,23 @@ small blocks), through a read path, so it costs little even on large files. Read
 the blocks' bytes (the Consumer's tailer, the copy reader) take them with :func:`read_blocks`:
 with :func:`~pyspark_acs.format.block.scan_blocks` the one block walk of the read side.
 
-The seal rule lives here, once: a file is finished only at its seal (DESIGN.md section 5,
-step 6). A walk crosses from one file to the next only after passing the first file's seal;
-a newer file, a listing, an age or a timeout never finishes a file. A reader stuck at a block
-its crashed writer never finished (a torn block) passes it only through the recovery seal
-that the next writer appended (:func:`skip_void`).
+The seal rule lives here, once: a file is finished only at its seal (docs/format.md,
+section 6). A walk crosses from one file to the next only after passing the first file's
+seal; a newer file, a listing, an age or a timeout never finishes a file. A reader stuck at a
+block its crashed writer never finished (a torn block) passes it only through the recovery
+seal that the next writer appended (:func:`skip_void`). What an unsealed file followed by a
+later file means depends on the cluster (:func:`unfinished_file`): damage in the stream's
+source cluster, a copy still coming in a destination.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-from pyspark_acs.errors import CorruptFileError
+from pyspark_acs.errors import CorruptFileError, DataLossError
 from pyspark_acs.format.block import (HEADER_SIZE, RECOVERY_SEAL_SIZE, BlockHeader, find_recovery_seal,
                                       parse_header, scan_blocks)
 from pyspark_acs.format.names import shard_dir
@@ -40,8 +43,12 @@ __all__ = [
     "seal_behind",
     "shard_extent",
     "skip_void",
+    "unfinished_file",
     "walk_blocks",
+    "Unfinished",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Bytes read at once while walking headers of small blocks.
 WALK_WINDOW_BYTES = 256 * 1024
@@ -292,20 +299,38 @@ class ShardExtent:
         self.shard = shard
         self.files = files  # [(name, readable length)], oldest first
 
-    def latest(self, boundaries: BoundaryCache, path: ReadPath, start: Offset = Offset()) -> Offset:
+    def latest(self, boundaries: BoundaryCache, path: ReadPath, start: Offset = Offset(), *,
+               fail_on_data_loss: bool = True, hint: str = "") -> Offset:
         """How far a reader at ``start`` can read now: through every sealed file, up to the last
-        complete block of the first file that is not sealed (the seal rule: an unsealed file
-        is never left, whatever files come after it)."""
+        complete block of the first file that is not sealed (the seal rule), unless
+        :func:`unfinished_file` finds that file damaged (the source cluster, a later file
+        holding messages): then :class:`~pyspark_acs.errors.DataLossError` (with ``hint``
+        added), or with ``fail_on_data_loss=False`` a warning and on through the later file.
+
+        Raises
+        ------
+        DataLossError
+            An unsealed file is damaged and ``fail_on_data_loss`` is set.
+        """
         at = start
+        names = [name for name, _ in self.files]
+        skip_to = ""  # after a damaged file: the later file readers go on with
         for name, length in self.files:
-            if name < start.file:
+            if name < start.file or name < skip_to:
                 continue
             rel = f"{shard_dir(self.stream, self.shard)}/{name}"
             begin = start.length if name == start.file else 0
             end, sealed = boundaries.boundary(path, rel, length, begin)
             at = Offset(name, end)
-            if not sealed:
+            if sealed:
+                continue
+            found = unfinished_file(path, self.stream, self.shard, name, end, names)
+            if found is None or found.copy:
                 return at
+            if fail_on_data_loss:
+                raise found.error(hint)
+            log.warning("%s; continuing from file %s", found.error().args[0], found.later)
+            skip_to = found.later
         return at
 
     def ranges(self, start: Offset, end: Offset) -> Iterator[Tuple[str, str, int, int]]:
@@ -371,6 +396,95 @@ def advance(
     return at
 
 
+class Unfinished(NamedTuple):
+    """An unsealed file of a shard at whose last complete block a reader stops, while a later
+    file of the shard holds messages (:func:`unfinished_file`)."""
+
+    stream: str
+    shard: int
+    #: The unsealed file (base name) and where its last complete block ends.
+    file: str
+    at: int
+    #: The file's length in the durable store (None: it is gone).
+    durable: Optional[int]
+    #: The first later file of the shard (holding messages, in a source cluster).
+    later: str
+    #: This cluster keeps a copy of the stream (``copied_from``): the file's copy is coming.
+    copy: bool
+
+    def describe(self) -> str:
+        """What the reader found, naming the file and the byte range."""
+        size = "is gone from the store" if self.durable is None else f"is {self.durable} bytes long"
+        torn = "" if self.durable is None or self.durable <= self.at else \
+            f" (bytes [{self.at}, {self.durable}) are no complete block)"
+        return (f"stream {self.stream!r} shard {self.shard}: file {self.file} has no seal: its last complete "
+                f"block ends at byte {self.at} and it {size}{torn}, while the later file {self.later} "
+                f"holds messages")
+
+    def error(self, hint: str = "") -> DataLossError:
+        """The data loss this is in a source cluster: the file's bytes from ``at`` on are lost."""
+        return DataLossError(
+            f"data loss in {self.describe()}; in the stream's source cluster a writer seals a file "
+            f"before it starts the next one, and a writer that takes a shard over seals its "
+            f"predecessor's file first, so {self.file} was truncated or damaged after it was written: "
+            f"its messages from byte {self.at} on are lost{hint}",
+            stream=self.stream, shard=self.shard, file=self.file, start=self.at, end=-1,
+        )
+
+
+def unfinished_file(path: ReadPath, stream: str, shard: int, name: str, at: int,
+                    files: Sequence[str]) -> Optional[Unfinished]:
+    """The finality rule for an unsealed file ``name`` whose readable bytes end at ``at`` (its
+    last complete block), given the shard's ``files`` (a listing taken before this call).
+
+    Returns None while the file may still go on: no later file (after strays: empty files a
+    deposed writer created and sealed unused hold no message), or the durable copy holds
+    complete blocks or the seal past ``at``. Otherwise an :class:`Unfinished`:
+
+    - in the stream's **source cluster** (``_stream.json`` without ``copied_from``) the file
+      is damaged (:meth:`Unfinished.error`): writers seal before they roll, a take-over seals
+      its predecessor first, and a deposed writer's stray never holds a message;
+    - in a **destination** (``copied_from``) files are copied side by side, so the later file
+      proves nothing: the reader waits for the copy (``copy`` is True).
+
+    The listing must come first: a seal is durable before the next file is created, so a
+    length read after the listing that showed the later file shows the seal, if there is one.
+    """
+    d = shard_dir(stream, shard)
+    later = [f for f in files if f > name]
+    if not later:
+        return None
+    rel = f"{d}/{name}"
+    meta = path.store.stream_meta(stream) or {}
+    copy = bool(meta.get("copied_from"))
+    if copy:
+        return Unfinished(stream, shard, name, at, None, later[0], True)
+    after = next((f for f in later if _holds_message(path, f"{d}/{f}", 0, path.durable_length(f"{d}/{f}") or 0)),
+                 None)
+    if after is None:
+        return None
+    durable = path.durable_length(rel)
+    if durable is not None and durable > at:
+        _, _, blocks, sealed = walk_blocks(path, rel, at, durable)
+        if blocks or sealed:
+            return None  # readable blocks (or the seal) are there: the reader goes on
+    return Unfinished(stream, shard, name, at, durable, after, False)
+
+
+def _holds_message(path: ReadPath, rel: str, begin: int, stop: int) -> bool:
+    """Whether a block holding messages lies in ``[begin, stop)`` of ``rel``: a header walk that
+    stops at the first one (usually the first header read)."""
+    found: List[BlockHeader] = []
+
+    def first_message(header: BlockHeader) -> bool:
+        if header.count:
+            found.append(header)
+        return bool(header.count)
+
+    walk_blocks(path, rel, begin, stop, stop_before=first_message, first_read=HEADER_SIZE)
+    return bool(found)
+
+
 def carries_messages(path: ReadPath, extent: ShardExtent, start: Offset, end: Offset,
                      boundaries: Optional[BoundaryCache] = None) -> bool:
     """Whether any message lies between two offsets of a shard.
@@ -386,17 +500,9 @@ def carries_messages(path: ReadPath, extent: ShardExtent, start: Offset, end: Of
     for _, rel, begin, stop in extent.ranges(start, end):
         if boundaries is not None and boundaries.passed_messages(rel, begin, stop):
             return True
-        found: List[BlockHeader] = []
-
-        def first_message(header: BlockHeader) -> bool:
-            if header.count:
-                found.append(header)
-            return bool(header.count)
-
         # Usually the first header answers: read it alone, not a window of the bytes after it
         # (a streaming planner asks this at every trigger, right after the boundary walk).
-        walk_blocks(path, rel, begin, stop, stop_before=first_message, first_read=HEADER_SIZE)
-        if found:
+        if _holds_message(path, rel, begin, stop):
             return True
     return False
 
