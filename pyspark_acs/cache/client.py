@@ -579,11 +579,11 @@ class CacheClient:
         back is two thread wakes per call, which cost a 1 MiB read from one replica about a
         tenth of its client CPU. Not for puts (they are pipelined anyway).
 
-        Blocking gRPC calls on a shared thread pool measured faster than gRPC futures
-        (``stub.Get.future``) here: about 20 % more MB/s on batched reads over three replicas and
-        ~25 % lower latency on small reads, because gRPC starts a channel polling thread
-        whenever a channel goes from zero to one call in flight. Calls are never cancelled:
-        a straggler runs to its deadline and its outcome still marks the replica up or down.
+        Blocking gRPC calls on a shared thread pool are cheaper than gRPC futures
+        (``stub.Get.future``), for batched and small reads alike, because gRPC starts a channel
+        polling thread whenever a channel goes from zero to one call in flight. Calls are never
+        cancelled: a straggler runs to its deadline and its outcome still marks the replica up or
+        down.
 
         Puts are pipelined on the replica's one PutStream (:mod:`pyspark_acs.cache.pipeline`:
         half a unary Put's server CPU); a replica that answers it UNIMPLEMENTED gets unary Puts.
@@ -702,7 +702,7 @@ class CacheClient:
     def get_joined(self, keys: Sequence[bytes]) -> Tuple[Union[bytes, memoryview], List[int]]:
         """A relaxed :meth:`get` of ``keys`` as ``(values concatenated, size of each)``, the size
         ``-1`` for a miss: the values of a run of chunks as one bytes-like object, with no Python
-        object per key (on a 256-key read that bookkeeping cost ~140 us of the client's ~500).
+        object per key (per-key bookkeeping is a large share of a 256-key read's client CPU).
         When one replica answered every key (the common case) it is a memoryview of that
         answer, not a copy of it. Raises as :meth:`get`."""
         return self._get(list(keys), False, joined=True)
