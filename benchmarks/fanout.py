@@ -1,5 +1,5 @@
 """Fan-out: one producer, N consumer processes, ours through the caches vs the durable store
-alone vs Redis Streams, the same load in one run (issue 9).
+alone vs Redis Streams, the same load in one run (figures: benchmarks/RESULTS.md).
 
 One producer sends 1 KiB messages carrying their send time at a fixed rate (default 2 MB/s);
 each of N consumer processes receives all of them (so each consumer receives 2 MB/s). The
@@ -266,8 +266,8 @@ def run_consumer(args: argparse.Namespace) -> int:
         with Consumer(args.root, args.stream, **kw) as c:
             print("ready", flush=True)
             # The read path's counters when the steady state began (the first batch holding a
-            # message sent after WARMUP_S): the store bytes and holds after it are the issue's
-            # "0 bytes from the store in steady state", apart from a start-up burst.
+            # message sent after WARMUP_S): the store bytes and holds after it are the steady
+            # state's (0 when the caches keep up), apart from a start-up burst.
             at_warm: Optional[Dict[str, int]] = None
             while not stopped():
                 # batches() waits for news (the cached path wakes on a pushed length) instead

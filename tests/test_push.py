@@ -1,4 +1,4 @@
-"""Push streams (issue 9) against real cache-server processes: readers are told instead of
+"""Push streams (docs/cache.md) against real cache-server processes: readers are told instead of
 polling, keep every message in order while replicas die and come back, resume by offset, and a
 slow reader holds up nobody and grows no server's memory."""
 
@@ -1536,7 +1536,7 @@ def test_a_feed_at_a_chunk_its_replica_never_holds_neither_waits_nor_covers(tmp_
     - ``waiting``: the feed's grace waited PUSH_GRACE_S at every such chunk before asking (a
       caught-up reader was ~0.2 s late once every few chunks). Such a chunk is asked for at
       once; the bytes of a chunk the replica holds are still waited for.
-    - ``live`` (older than issue 9's last change): a file whose bytes a live feed pushes is not
+    - ``live``: a file whose bytes a live feed pushes is not
       watched; its lengths come from the pushed bytes (and a safety poll every second). A feed
       stuck before such a chunk never pushes again, so the file must not count as covered, or
       its caught-up readers wait for the safety poll (1 s) at each such chunk.
