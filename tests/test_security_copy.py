@@ -257,7 +257,7 @@ def test_forged_heads_are_ignored(make_env):
     # What matters is above: every real message arrived in order and no forged file exists. The
     # counter of ignored heads is not asserted: in full-suite runs (not alone) the daemon was
     # seen not to count the forged head within the wait although it ignored it -- cause not found
-    # yet (noted in the closing note of 2026-11-23).
+    # yet.
 
 
 def test_an_operation_that_cannot_progress_gives_up_its_worker(make_env):
