@@ -1,4 +1,4 @@
-"""Issue 10, findings 1 and 2, against real processes: token-protected cache servers per cluster
+"""Security findings 1 and 2 (docs/security.md), against real processes: token-protected cache servers per cluster
 (LocalDeployment, the token reaching them through ``$ACS_CACHE_TOKEN`` as ``acs up`` passes it),
 real ``acs-copy-daemon`` processes, and raw gRPC calls playing the attacker on loopback.
 
