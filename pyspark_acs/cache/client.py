@@ -96,9 +96,8 @@ MAX_BATCH_KEYS = 1024
 IO_THREADS = 32
 #: A client's first call waits this long at most, once, for its channels to connect (or fail to:
 #: a refused connection ends the wait at once) before its deadline clock starts. Importing grpc
-#: and connecting are no call: on a loaded machine (Spark starting on 2 cores) they took 1.5-2.6 s
-#: and 0.03-0.46 s, and counted against the first call's 0.5 s deadline they made healthy
-#: replicas look down (the demo's "metadata cache unavailable ... DEADLINE_EXCEEDED" warnings).
+#: and connecting are no call: on a loaded machine they take seconds, and counted against the
+#: first call's 0.5 s deadline they make healthy replicas look down (DEADLINE_EXCEEDED).
 CONNECT_TIMEOUT_S = 1.0
 #: Largest gRPC message accepted or sent; equal to the server's.
 MAX_MESSAGE_BYTES = 64 * 1024**2

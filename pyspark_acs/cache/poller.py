@@ -506,7 +506,7 @@ class LengthPoller:
                     self._moved(moved)
             if self.push and not poll and uris:
                 # Every file is pushed: nothing to do until the safety poll, a new file or a
-                # broken stream (a round every interval cost a tailing reader ~10 % of its CPU);
+                # broken stream (a round every interval costs a tailing reader ~10 % of its CPU);
                 # a feed behind that moves is looked at again within PUSH_GRACE_S, so one that
                 # stops is polled every round from then on, not from the next safety poll.
                 wait = max(0.0, self._next_full_poll - time.monotonic())

@@ -176,8 +176,8 @@ class _PushStream:
                     self._restart = False
                     self._asked()
             if idle:
-                # Nothing to follow or watch: hold no call open (an open idle call cost a
-                # tailing consumer ~6 % of its CPU: grpc's waits on it wake ten times a second)
+                # Nothing to follow or watch: hold no call open (an open idle call costs a
+                # tailing consumer CPU: grpc's waits on it wake ten times a second)
                 # and, when the replica is gone, do not reconnect every RECONNECT_MAX_S for
                 # ever. A process keeps its shared feeds and pollers (ChunkFeed.shared,
                 # LengthPoller.shared) after its readers of a cluster are gone, and that
