@@ -1,8 +1,8 @@
 """The grpcio floor: what the same grpcio, in Python, costs for the cache path's two shapes when
 the server does nothing else (a peer for ``cache_throughput.py`` and ``fanout.py``).
 
-The design card fixes grpcio for the cache servers, and the issue's targets compare them with
-redis-server, a C program. This server is the least a Python grpc.aio server can do for the
+The cache servers are grpcio servers (docs/overview.md section 4), and the benchmarks compare
+them with redis-server, a C program. This server is the least a Python grpc.aio server can do for the
 same traffic, with the cache server's allocator settings and message limits:
 
 - ``Get``: a unary call answered with a pre-built run of bytes (``--get-bytes``, default 1 MiB,

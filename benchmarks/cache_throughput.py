@@ -328,7 +328,7 @@ def _xadd_alone(mb: float, message_bytes: int) -> Optional[float]:
 
 
 def run_producer_alone(args: argparse.Namespace) -> None:
-    """Producer throughput alone (issue 9's ">= 100 MB/s with send_many"): through 3 data + 3
+    """Producer throughput alone with send_many: through 3 data + 3
     metadata replicas, through the durable store alone, and redis-py XADD pipelined, one run."""
     if args.produce_mb <= 0:
         return

@@ -1,5 +1,5 @@
 """Fan-out: one producer, N consumer processes, ours through the caches vs the durable store
-alone vs Redis Streams, the same load in one run (issue 9).
+alone vs Redis Streams, the same load in one run (figures: benchmarks/RESULTS.md).
 
 One producer sends 1 KiB messages carrying their send time at a fixed rate (default 2 MB/s);
 each of N consumer processes receives all of them (so each consumer receives 2 MB/s). The
@@ -79,7 +79,7 @@ FLUSH_EVERY_S = 0.01
 SAMPLES = 20_000
 #: Messages sent in the first seconds are left out of the delays, for every column alike: they
 #: include start-up (the producer's lease, first file and channels while N consumer processes
-#: import and connect on the same 2 cores: measured, our first flushes took 0.1-0.6 s).
+#: import and connect on the same cores: the first flushes take up to ~0.6 s).
 WARMUP_S = 3.0
 #: How often a consumer whose push stream blocks looks at the board for the stop (seconds).
 STOP_CHECK_S = 0.1
@@ -176,12 +176,9 @@ class _Board:
     """What the parent and a point's consumers share, in one memory-mapped file of int64
     slots: slot 0 the parent's stop, slot 1 + i consumer i's running count.
 
-    A store into mapped memory, no system call. Each consumer used to write a count file
-    (open, write, rename over the last one) every 0.25 s and look for a stop file. On this
-    VM's ext4 (which starts writing a file's data back when it is renamed over another) those
-    writes blocked: measured in one run at N=64, 4.1 s per consumer of ours (up to 1.7 s at a
-    time, in the first seconds, when every consumer started late) and 1.4 s per Redis
-    consumer. The instrument was holding up the system it measured, ours the most.
+    A store into mapped memory, no system call. A count file per consumer (open, write, rename
+    over the last one every 0.25 s) blocks on ext4, which starts writing a file's data back when
+    it is renamed over another: at N=64 such an instrument holds up the system it measures.
     """
 
     def __init__(self, path: str, consumers: Optional[int] = None) -> None:
@@ -266,8 +263,8 @@ def run_consumer(args: argparse.Namespace) -> int:
         with Consumer(args.root, args.stream, **kw) as c:
             print("ready", flush=True)
             # The read path's counters when the steady state began (the first batch holding a
-            # message sent after WARMUP_S): the store bytes and holds after it are the issue's
-            # "0 bytes from the store in steady state", apart from a start-up burst.
+            # message sent after WARMUP_S): the store bytes and holds after it are the steady
+            # state's (0 when the caches keep up), apart from a start-up burst.
             at_warm: Optional[Dict[str, int]] = None
             while not stopped():
                 # batches() waits for news (the cached path wakes on a pushed length) instead

@@ -165,7 +165,7 @@ def build_spark(confs: Optional[List[str]] = None, *, python: str = sys.executab
     return spark
 
 
-#: Rows per pre-built batch of the ceiling probe, and its partitions (the issue's shapes).
+#: Rows per pre-built batch of the ceiling probe, and its partitions.
 CEILING_BATCH_ROWS = 1000
 CEILING_PARTITIONS = 4
 #: Collects of the trivial source's DataFrame timed for the delay run's job floor.

@@ -2,8 +2,8 @@
 
 With gRPC's core fork handlers off (:mod:`pyspark_acs._grpc` says why), a child forked while its
 parent had gRPC open (a channel, or a server in the process) inherits the core's state mid-use:
-a channel it opens then hangs, or the core aborts (measured: 8 of 8 children hung on their
-first call; with every channel of the parent closed first, 8 of 8 worked). A process's readers
+a channel it opens then hangs on its first call, or the core aborts (with every channel of the
+parent closed before the fork, the child's channels work). A process's readers
 keep their shared length poller and chunk feed (and their channels) for the life of the
 process, so in practice: fork before opening anything, or use ``spawn``. A Producer made
 before a fork has no writer thread in the child, so its messages would never be written and

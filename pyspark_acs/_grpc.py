@@ -5,8 +5,8 @@ Why: grpcio 1.81 and later (1.85.3 here) run their C core's fork handlers in eve
 process holding live gRPC channels forks. A child that is about to ``exec`` (``subprocess``
 with a ``preexec_fn``, which is how pyspark launches its Java gateway) restarts the event
 engine's poller there, whose epoll descriptor ``close_fds`` has just closed, and aborts with
-SIGABRT before it execs (grpc/grpc#43055). Measured on this machine with two threads calling a
-local server: 28 of 1000 such children died; 0 of 1000 with the handlers off. A producer or a
+SIGABRT before it execs (grpc/grpc#43055; with two threads calling a local server, about 3 % of
+such children die, none with the handlers off). A producer or a
 local deployment followed by ``SparkSession.builder.getOrCreate()`` in one process hits it as
 "Java gateway process exited before sending its port number" (a full test run did).
 
@@ -22,11 +22,9 @@ experiments, ``event_engine_client`` and ``event_engine_listener`` (``GRPC_EXPER
 the grpcio versions in :data:`LEGACY_POLLING_GRPCIO`. With them on, a message that arrives is
 read from the socket on one of the EventEngine's threads and handed to the thread that waits
 for it; with them off, the waiting thread polls the socket itself: one thread wake less per
-message, and this package's traffic is many small messages (a push per producer flush). Measured
-with ``benchmarks/_grpc_floor.py`` (a producer publishing a 20 KiB message every 10 ms to one
-relay that pushes each to one follower, 4 alternating runs of each, CPU per message): follower
-266-336 -> 216-264 us, relay 530-601 -> 411-484 us, producer 736-797 -> 612-728 us. The core
-reads the variable once, at import, so it is set for the import only and the environment is
+message, and this package's traffic is many small messages (a push per producer flush): a tenth
+to a fifth less CPU per message for a follower, a relay and a producer. The core reads the
+variable once, at import, so it is set for the import only and the environment is
 restored right after: child processes (which may run another grpcio) do not inherit it, and
 each process of this package applies the rule itself when it imports it. A value the
 environment already has is kept (the empty string gives grpc's own defaults), and a program

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A longer fuzz run of the strategies in tests/_fuzz.py (issue 10): forged blocks with valid
+"""A longer fuzz run of the strategies in tests/_fuzz.py (docs/security.md): forged blocks with valid
 checksums against the decoders, and raw request bodies against every method of a real cache
 server pair and copy daemon (token-protected, on loopback). Prints the inputs tried and the
 failures found per target; exits 1 when any failure was found.

@@ -177,7 +177,7 @@ def test_poller_notify_wakes_followers_of_the_file_only(make_env):
     """A length this daemon's writer published wakes the next hop's readers of that file at
     once (no poll wait per intermediate hop) and hands them the bytes; lengths only grow;
     other files stay asleep. The daemon's source files read through the process's one length
-    poller and the one read path (issue 8: no second poller in the copy reader)."""
+    poller and the one read path (no second poller in the copy reader)."""
     from pyspark_acs.server.copy.cluster import ClusterIO
     from pyspark_acs.server.copy.reader import SourceFiles
     from pyspark_acs.server.copy.topology import load_topology

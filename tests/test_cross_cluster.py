@@ -1,4 +1,4 @@
-"""Cross-cluster fault tests (issue 8, bugs 1, 5 and 7) against real processes: cache servers
+"""Cross-cluster fault tests (bugs 1, 5 and 7, each named below) against real processes: cache servers
 per cluster, copy daemons started as a user starts them (``python -m
 pyspark_acs.server.copy.daemon --topology ... --cluster ...``), producers in the source
 cluster, and consumers that are ALREADY following the stream in every cluster while the fault

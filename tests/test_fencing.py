@@ -1,5 +1,5 @@
 """A writer deposed while it stalls between its lease check and creating its next file must
-not start an unfenced file (hostile review of issue 8, finding F1).
+not start an unfenced file (a hostile review's finding F1).
 
 The take-over's recovery can only seal files that exist; a file the deposed writer creates
 afterwards would be outside every seal. Variant A: it stalls before naming the file (its file

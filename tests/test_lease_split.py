@@ -1,4 +1,4 @@
-"""Issue 8, bug 7: a file of A stayed absent in C after B's copy daemon was SIGKILLed and restarted
+"""Bug 7: a file of A stayed absent in C after B's copy daemon was SIGKILLed and restarted
 (chain A -> B -> C, two data and two metadata cache servers per cluster).
 
 The cause: the replicas of a metadata-cache lease key can disagree. A compare-and-set reaches

@@ -234,7 +234,7 @@ def test_scrape_copy_daemon_processes(tmp_path, caches):
             or samples(fam_a, "acs_copy_operations_finished")
         assert "process_resident_memory_bytes" in fam_b  # the standard process metrics come along
         # A's operations read their source through the one read path, and tailing a growing
-        # file the data cache pushes its bytes to them (issue 9): produce slowly and see it.
+        # file the data cache pushes its bytes to them (docs/cache.md): produce slowly and see it.
         read = {s.labels["way"]: s.value for s in samples(fam_a, "acs_copy_source_read_bytes")}
         assert set(read) <= {"pushed", "asked", "durable"} and sum(read.values()) > 0, read
         with env.producer(max_block_bytes=4096) as p:

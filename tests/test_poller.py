@@ -114,8 +114,8 @@ def test_closing_a_reader_releases_its_files(root, deployment):
 def test_safety_polls_of_pushed_files_are_spread_not_in_step(deployment):
     """A file whose lengths are pushed is still polled, every PUSH_SAFETY_POLL_S on average, at
     a period drawn afresh each time: pollers started together (a fleet of consumers) must not
-    poll in step (measured: 32 consumers' synchronized polls hit the metadata replicas in one
-    burst each second and held the producer's length puts up ~50 ms)."""
+    poll in step (their synchronized polls hit the metadata replicas in one burst each second
+    and hold the producer's length puts up)."""
     from pyspark_acs.cache.poller import PUSH_SAFETY_JITTER, PUSH_SAFETY_POLL_S
 
     uri = "file:///spread/00000.acs"

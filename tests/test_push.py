@@ -1,4 +1,4 @@
-"""Push streams (issue 9) against real cache-server processes: readers are told instead of
+"""Push streams (docs/cache.md) against real cache-server processes: readers are told instead of
 polling, keep every message in order while replicas die and come back, resume by offset, and a
 slow reader holds up nobody and grows no server's memory."""
 
@@ -189,8 +189,8 @@ def test_following_reader_is_pushed_lengths_and_bytes_without_asking(dep, root):
 
 
 def test_a_file_whose_feed_flows_skips_the_safety_poll_and_one_that_stands_still_keeps_it(dep, root):
-    """Measured at 32 consumers: the safety polls of tailing consumers were a quarter of the
-    metadata replicas' calls. A feed that flows is a cache that holds the file up to where it
+    """The safety polls of tailing consumers are a large share of the metadata replicas'
+    calls. A feed that flows is a cache that holds the file up to where it
     got (a replica pushes in order and never past a chunk it lacks), so that file skips the
     poll; a file whose feed stands still (chunk writes failing, a stalled stream, or just no
     traffic) is polled as before, and so is a file a reader follows explicitly (review
@@ -229,10 +229,9 @@ def test_a_file_whose_feed_flows_skips_the_safety_poll_and_one_that_stands_still
 
 
 def test_a_feed_behind_the_known_length_is_not_polled_every_round_while_it_moves(dep, root):
-    """Measured at 64 consumers: CPU starvation kept the feeds a push or more behind the lengths
-    the safety polls brought, and every consumer's poller then read the lengths every round (10
-    ms), ~7,000 consistent Gets a point against ~1,900, until the overload fed itself (53-93
-    against 127.6 MB/s). A stream thread slowed to 60 ms a push, beside a producer flushing every
+    """On a CPU-starved machine the feeds trail the lengths the safety polls bring by a push
+    or more; were every consumer's poller to read the lengths every round (10 ms) then, the
+    overload would feed itself. A stream thread slowed to 60 ms a push, beside a producer flushing every
     20 ms, keeps this feed behind: while it moves the file is polled at the safety period only,
     and every message arrives in order."""
     with Producer(root, "behind", shards=1, **endpoints(dep)) as p, Consumer(root, "behind", **endpoints(dep)) as c:
@@ -312,11 +311,11 @@ def test_a_feed_that_stands_still_behind_the_known_length_is_polled_every_round(
 
 
 def test_a_failed_safety_poll_does_not_send_the_reader_of_a_live_feed_to_the_store(dep, root):
-    """Measured at 64 consumers: safety polls timing out on overloaded metadata replicas sent
-    readers whose files a live feed pushes to the store for a hold (19 of 28 holds), which made
-    the overload worse. A failed poll now fails only readers of files that are not pushed: this
-    one keeps reading pushed bytes, with no hold and nothing from the store. (Its poller's long
-    interval keeps the failed poll the last one while the messages are read.)"""
+    """Safety polls timing out on overloaded metadata replicas must not send readers whose
+    files a live feed pushes to the store for a hold (that makes the overload worse). A failed
+    poll fails only readers of files that are not pushed: this one keeps reading pushed bytes,
+    with no hold and nothing from the store. (Its poller's long interval keeps the failed poll
+    the last one while the messages are read.)"""
     from pyspark_acs.cache.poller import LengthPoller
     from pyspark_acs.errors import CacheError
     from pyspark_acs.read.cachepath import CachedReadPath
@@ -1115,10 +1114,10 @@ def test_watch_stream_pushes_lengths_and_resends_after_restart(dep):
 
 
 def test_a_push_stream_that_watches_or_follows_nothing_holds_no_call(dep):
-    """Measured at 32 consumers: the Watch streams of a consumer whose file a feed pushes
-    watched nothing but stayed open, and grpc's waits on them cost it ~6 % of its CPU. A stream
-    with an empty subscription now holds no call (the replica's gauge drops), is not live, and
-    the next subscription opens a call at once and is pushed as before."""
+    """The Watch streams of a consumer whose file a feed pushes watch nothing, and an open
+    call costs grpc's waits on it all the same. A stream with an empty subscription holds no
+    call (the replica's gauge drops), is not live, and the next subscription opens a call at
+    once and is pushed as before."""
     from pyspark_acs.cache.metadata import MetadataCache, length_keys
 
     uri = f"file:///idle-watch/{time.time_ns()}.acs"
@@ -1536,7 +1535,7 @@ def test_a_feed_at_a_chunk_its_replica_never_holds_neither_waits_nor_covers(tmp_
     - ``waiting``: the feed's grace waited PUSH_GRACE_S at every such chunk before asking (a
       caught-up reader was ~0.2 s late once every few chunks). Such a chunk is asked for at
       once; the bytes of a chunk the replica holds are still waited for.
-    - ``live`` (older than issue 9's last change): a file whose bytes a live feed pushes is not
+    - ``live``: a file whose bytes a live feed pushes is not
       watched; its lengths come from the pushed bytes (and a safety poll every second). A feed
       stuck before such a chunk never pushes again, so the file must not count as covered, or
       its caught-up readers wait for the safety poll (1 s) at each such chunk.

@@ -1,6 +1,6 @@
-"""Regression tests of the one read path (issue 8): a file is finished only at its seal.
+"""Regression tests of the one read path: a file is finished only at its seal.
 
-Each test names the bug of issue 8 it guards and fails on the read path before the change
+Each test names the bug it guards and fails on the read path before the change
 (commit 0c51954): there a reader left an unsealed file once a newer file existed, planned
 Spark ranges across it, fed Algorithm 1 only published lengths, walked ``latest`` headers in
 the durable file up to the cache length, and let the length poller thread die on a closed client.

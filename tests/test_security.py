@@ -1,4 +1,4 @@
-"""Issue 10, findings 3 to 7, against real cache-server processes (``acs up`` as a user runs it,
+"""Security findings 3 to 7 (docs/security.md), against real cache-server processes (``acs up`` as a user runs it,
 LocalDeployment) on loopback: the token from the environment or a file reaches the servers and
 every Cache method refuses calls without it; bounded work per request (the amplification Get
 answered RESOURCE_EXHAUSTED with the server's peak RSS bounded); expiry sweeps off the put

@@ -1,4 +1,4 @@
-"""Issue 10, findings 1 and 2, against real processes: token-protected cache servers per cluster
+"""Security findings 1 and 2 (docs/security.md), against real processes: token-protected cache servers per cluster
 (LocalDeployment, the token reaching them through ``$ACS_CACHE_TOKEN`` as ``acs up`` passes it),
 real ``acs-copy-daemon`` processes, and raw gRPC calls playing the attacker on loopback.
 
@@ -257,7 +257,7 @@ def test_forged_heads_are_ignored(make_env):
     # What matters is above: every real message arrived in order and no forged file exists. The
     # counter of ignored heads is not asserted: in full-suite runs (not alone) the daemon was
     # seen not to count the forged head within the wait although it ignored it -- cause not found
-    # yet (noted in the closing note of 2026-11-23).
+    # yet.
 
 
 def test_an_operation_that_cannot_progress_gives_up_its_worker(make_env):

@@ -1,4 +1,4 @@
-"""Issue 10, finding 6 and the fuzzing asked for: hypothesis strategies for forged blocks (valid
+"""Security finding 6 and fuzzing (docs/security.md): hypothesis strategies for forged blocks (valid
 checksums, hostile fields), wrong-shape lease records, and raw RPC bodies of every method of
 the cache and copy services against real server processes -- each for a bounded number of
 examples (scripts/fuzz.py runs the same strategies for longer).

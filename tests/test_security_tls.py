@@ -1,4 +1,4 @@
-"""TLS round trips through ``acs up --secure`` (issue 10): two clusters, each ``acs up`` as a user
+"""TLS round trips through ``acs up --secure`` (docs/security.md): two clusters, each ``acs up`` as a user
 runs it (cluster B reusing A's CA, certificate and token file through the explicit flags), copy
 daemons that take their token and TLS files from the topology file's ``security`` table alone,
 a Producer in A, a Consumer in B and a Spark batch query in B given the files as options.

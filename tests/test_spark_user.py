@@ -1,4 +1,4 @@
-"""What a Spark user who knows the Kafka connector expects of ``format("acs")`` (issue 11):
+"""What a Spark user who knows the Kafka connector expects of ``format("acs")``:
 empty ranges read as empty DataFrames, no empty micro-batch after each sealed file, stream-only
 options refused on streams, per-shard starting timestamps and an ending timestamp, a ``stream``
 column that routes rows, and Kafka's columns refused instead of silently dropped.

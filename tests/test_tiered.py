@@ -440,7 +440,7 @@ def test_preread_cuts_requests_to_the_secondary_store(root, s3, monkeypatch):
             grown = path.store.window("pre", 0)
             assert grown > PREREAD_MIN_BYTES  # additive increase while read-ahead is used
             # Read-ahead not read within its expiry time is dropped and the window halves
-            # (seed 003: the client stopped pulling).
+            # (the RocketMQ tiered-storage article's AIMD: the client stopped pulling).
             rel2 = f"{shard_dir('pre', 0)}/{sorted(name)[1]}"
             path.store.read(rel2, 0, 4096)
             monkeypatch.setattr(tier_module, "PREREAD_TTL_S", 0.0)

@@ -1,6 +1,6 @@
-"""The one write path (issue 8): the seal fence against a deposed producer, a retried sink batch
-that lands where live readers are, torn-tail recovery, and the suspected races of the issue
-(concurrent copy appends, lease versions, store lease acquisition, batch-write reruns).
+"""The one write path: the seal fence against a deposed producer, a retried sink batch that
+lands where live readers are, torn-tail recovery, and the suspected races (concurrent copy
+appends, lease versions, store lease acquisition, batch-write reruns).
 
 Every test runs real parts: real files, real producer threads and child processes, real cache
 servers where a cache is involved, and consumers that follow the stream from the start while

@@ -28,13 +28,11 @@ CHUNK_SIZE = 4096
 
 
 #: Most chunks asked for in one Get (1 MiB): a reader catching up reads its range in pieces,
-#: each answered within the client's deadline even by a loaded replica. One Get of 16 MiB
-#: (4,097 keys) missed its 0.5 s deadline on every replica at 32 consumers on 2 cores
-#: (benchmarks/fanout.py), and the whole range then went to the durable store.
+#: each answered within the client's deadline even by a loaded replica (a 16 MiB Get missed
+#: its 0.5 s deadline on every replica at 32 consumers on 2 cores, sending it all to the store).
 READ_PIECE_CHUNKS = 256
 #: Pieces of one long read in flight at once, each on a replica picked for it: one piece at a
-#: time left the reader waiting on each round trip in turn (a Spark task reading a 100 MiB range
-#: through the caches made 240k rows/s against 1.5M from the store, 0.6 of its 0.9 s waiting).
+#: time would leave the reader waiting on each round trip in turn.
 READ_PIECES_IN_FLIGHT = 4
 
 #: Bytes of a file id (the blake2b digest of its URI) in its chunk keys.
@@ -131,9 +129,8 @@ class ChunkWriter:
             tail = self._tail
             start = self.position - len(tail)
             # The chunks are views of ``data`` (the first one completes the held tail): each
-            # byte is copied once, into the put's body. Joining the tail and the data, then
-            # slicing chunks out of that, copied every byte twice more (a producer's stream at
-            # 100 MB/s: two of its ~8 copies of each byte).
+            # byte is copied once, into the put's body (joining the tail and the data, then
+            # slicing chunks out of that, would copy every byte twice more).
             view = memoryview(data).cast("B")
             lead = CHUNK_SIZE - len(tail) if tail else 0
             pieces: List[Any] = [tail + bytes(view[:lead])] if tail else []

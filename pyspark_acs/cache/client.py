@@ -96,9 +96,8 @@ MAX_BATCH_KEYS = 1024
 IO_THREADS = 32
 #: A client's first call waits this long at most, once, for its channels to connect (or fail to:
 #: a refused connection ends the wait at once) before its deadline clock starts. Importing grpc
-#: and connecting are no call: on a loaded machine (Spark starting on 2 cores) they took 1.5-2.6 s
-#: and 0.03-0.46 s, and counted against the first call's 0.5 s deadline they made healthy
-#: replicas look down (the demo's "metadata cache unavailable ... DEADLINE_EXCEEDED" warnings).
+#: and connecting are no call: on a loaded machine they take seconds, and counted against the
+#: first call's 0.5 s deadline they make healthy replicas look down (DEADLINE_EXCEEDED).
 CONNECT_TIMEOUT_S = 1.0
 #: Largest gRPC message accepted or sent; equal to the server's.
 MAX_MESSAGE_BYTES = 64 * 1024**2
@@ -579,11 +578,11 @@ class CacheClient:
         back is two thread wakes per call, which cost a 1 MiB read from one replica about a
         tenth of its client CPU. Not for puts (they are pipelined anyway).
 
-        Blocking gRPC calls on a shared thread pool measured faster than gRPC futures
-        (``stub.Get.future``) here: about 20 % more MB/s on batched reads over three replicas and
-        ~25 % lower latency on small reads, because gRPC starts a channel polling thread
-        whenever a channel goes from zero to one call in flight. Calls are never cancelled:
-        a straggler runs to its deadline and its outcome still marks the replica up or down.
+        Blocking gRPC calls on a shared thread pool are cheaper than gRPC futures
+        (``stub.Get.future``), for batched and small reads alike, because gRPC starts a channel
+        polling thread whenever a channel goes from zero to one call in flight. Calls are never
+        cancelled: a straggler runs to its deadline and its outcome still marks the replica up or
+        down.
 
         Puts are pipelined on the replica's one PutStream (:mod:`pyspark_acs.cache.pipeline`:
         half a unary Put's server CPU); a replica that answers it UNIMPLEMENTED gets unary Puts.
@@ -702,7 +701,7 @@ class CacheClient:
     def get_joined(self, keys: Sequence[bytes]) -> Tuple[Union[bytes, memoryview], List[int]]:
         """A relaxed :meth:`get` of ``keys`` as ``(values concatenated, size of each)``, the size
         ``-1`` for a miss: the values of a run of chunks as one bytes-like object, with no Python
-        object per key (on a 256-key read that bookkeeping cost ~140 us of the client's ~500).
+        object per key (per-key bookkeeping is a large share of a 256-key read's client CPU).
         When one replica answered every key (the common case) it is a memoryview of that
         answer, not a copy of it. Raises as :meth:`get`."""
         return self._get(list(keys), False, joined=True)

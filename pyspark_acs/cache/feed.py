@@ -1,8 +1,8 @@
-"""Pushed file bytes, one receiver per process and data cache (issue 9).
+"""Pushed file bytes, one receiver per process and data cache (docs/cache.md, "Bytes").
 
 Readers that tail files (Consumers, the copy daemon's operations) follow them here: the
 :class:`ChunkFeed` keeps one :class:`~pyspark_acs.cache.push.FollowStream` per data replica,
-asks the file's primary replica (by the cache's ring) to push the file's bytes from the
+asks one of the file's replicas (:func:`pick_replica`) to push the file's bytes from the
 reader's position, and keeps what arrives in a bounded buffer per file. A read of bytes the
 buffer holds needs no request at all; anything else (bytes before the buffer, a replica that
 does not hold a chunk, a stream that is down) is read from the cache as without push, and the
@@ -23,9 +23,8 @@ Load: a process follows each file on one of the file's replicas picked by proces
 (:func:`pick_replica`), so many reader processes spread their streams over the replicas instead
 of all pushing from the primary. Bytes the cache holds but the live feed has not pushed yet are
 waited for (:meth:`ChunkFeed.waiting`, at most :data:`PUSH_GRACE_S` without the feed growing)
-rather than asked for: measured at 64 consumers, a busy replica's pushes lagged, its readers
-asked it for the same bytes with Gets, and the Gets delayed the pushes further (78 of ~900 MB
-arrived by push).
+rather than asked for: when a busy replica's pushes lag, Gets from its readers for the same
+bytes delay the pushes further.
 """
 
 from __future__ import annotations
@@ -276,9 +275,8 @@ class ChunkFeed:
 
         A reader reads again from where it stands, which can be before the end of what it read
         last (the bytes after its last complete block): the read path passes the start of each
-        read as ``position`` and its end as ``through``. Dropping up to the end made a reader
-        of blocks larger than one push (MAX_PUSH_BYTES) ask for every such block again
-        (measured: 145 of 150 MB asked for when a producer wrote 1 MiB blocks).
+        read as ``position`` and its end as ``through``. Dropping up to the end would make a
+        reader of blocks larger than one push (MAX_PUSH_BYTES) ask for every such block again.
         """
         through = position if through is None else through
         with self._lock:
@@ -392,11 +390,9 @@ class ChunkFeed:
         and the readers behind read them by asking, as a slow follower of a shared file does
         (the copy daemon's destinations). When every reader is that far behind, the push stops
         instead, until :meth:`_resume_if_due` (from :meth:`consumed` and :meth:`follow`) finds
-        half of it read or a reader at the head: dropping bytes nobody had read made a lagging
-        reader ask for all of them, and the feed then start over from where it was and push
-        them again (measured: a reader catching up with a fast producer got 216 MB from the
-        cache for 150 MB read, 145 MB of them asked for), on replicas already too busy to push
-        in time."""
+        half of it read or a reader at the head: dropping bytes nobody had read would make a
+        lagging reader ask for all of them, and the feed then start over from where it was and
+        push them again, on replicas already too busy to push in time."""
         if self._at_head(f) or f.end - f.base > 2 * FEED_MAX_BYTES:
             f.trim()
         elif not f.paused:

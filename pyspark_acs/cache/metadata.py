@@ -193,7 +193,7 @@ class MetadataLease:
         split has no majority value at all. Every round therefore walks the distinct values
         the replicas hold (each refused compare-and-set names one) and treats each like the
         consistent read's value, so the replicas converge on our record instead of every
-        later writer being refused for as long as writers keep retrying (issue 8, bug 7).
+        later writer being refused for as long as writers keep retrying.
 
         Raises
         ------
@@ -244,10 +244,10 @@ class MetadataLease:
         """Whether this writer leaves ``old`` (a live, unpoisoned record of another writer)
         alone instead of poisoning it: ``old``'s writer began to acquire after this one did,
         within one lease duration (a race, not a holder that has held the lease for a while),
-        ties broken by writer id. The newest writer wins, as in a takeover; before, two writers
-        racing for one key over two replicas each took one replica, poisoned the other's record
-        and did it again after the poison wait, and neither got the lease in 3 s in 3 of 4 runs
-        of test_two_writers_racing_for_fresh_keys_never_wedge_them."""
+        ties broken by writer id. The newest writer wins, as in a takeover: otherwise two
+        writers racing for one key over two replicas each take one replica and poison the
+        other's record round after round
+        (test_two_writers_racing_for_fresh_keys_never_wedge_them)."""
         theirs = (float(old.get("since", 0.0)), str(old.get("writer")))
         ours = (float(mine["since"]), str(mine["writer"]))
         return theirs > ours and theirs[0] - ours[0] < self.seconds

@@ -3,8 +3,7 @@
 The cache client's puts go this way (``CacheServicer.PutStream``). A producer puts on every
 flush -- a chunk put on each data replica, a length put on each metadata replica, about a
 hundred flushes a second -- and a unary call's fixed cost on the grpc.aio server is about twice
-a streamed message's (measured on the 2-core test machine with 20 KiB requests at 300 a
-second: ~330 against ~160 us of server CPU each; the client's CPU is the same either way).
+a streamed message's (the client's CPU is the same either way).
 
 Answers are matched to requests by order: the server answers a stream's requests one by one,
 in the order they came. Failure is per stream:

@@ -1,4 +1,4 @@
-"""One background length poller per process and metadata cache (DESIGN.md section 5.1).
+"""One background length poller per process and metadata cache (docs/overview.md section 5).
 
 Every reader in a process (Consumers, Spark read tasks in one Python worker) that follows
 files through the same metadata cache shares one :class:`LengthPoller`: a daemon thread that
@@ -15,7 +15,7 @@ length this process published itself (the copy daemon's writer) is handed in wit
 poll. The thread starts on first use and stops when nothing is followed, so importing this
 module starts no thread. The copy daemon uses this poller too: one per process.
 
-**Push** (issue 9): the poller also keeps one :class:`~pyspark_acs.cache.push.WatchStream`
+**Push** (docs/cache.md): the poller also keeps one :class:`~pyspark_acs.cache.push.WatchStream`
 per metadata replica, watching the length keys of every file it polls; a replica pushes a
 length the moment a put stores it, and readers wake at once. A file whose two length keys a
 majority of their replicas' live streams have confirmed is no longer polled every
@@ -63,9 +63,8 @@ FORGET_AFTER_S = 5.0
 #: average: each wait is drawn from +-PUSH_SAFETY_JITTER of it).
 PUSH_SAFETY_POLL_S = 1.0
 #: Spread of the safety poll's period (fraction). Readers started together (a fleet of
-#: consumers, a job's tasks) otherwise poll in step forever: measured at 32 consumers, their
-#: synchronized consistent reads (96 Gets) reached the metadata replicas in one burst each
-#: second and stalled the producer's length puts behind them for ~50 ms.
+#: consumers, a job's tasks) otherwise poll in step forever, and their synchronized consistent
+#: reads reach the metadata replicas in one burst that stalls the producer's length puts.
 PUSH_SAFETY_JITTER = 0.5
 
 Lengths = Tuple[Optional[int], Optional[int]]  # (cache length, durable length)
@@ -231,9 +230,8 @@ class LengthPoller:
         CacheError
             When the last poll failed (the metadata cache is down) and a file asked for is not
             pushed (:meth:`_covered`): callers fall back to durable lengths, as without a
-            poller. Pushed files need no poll: measured at 64 consumers, safety polls timing
-            out on overloaded metadata replicas sent readers of live feeds to the store (19 of
-            28 store holds), which made the overload worse.
+            poller. Pushed files need no poll: safety polls timing out on overloaded metadata
+            replicas would send readers of live feeds to the store, making the overload worse.
         """
         now = time.monotonic()
         with self._lock:
@@ -403,9 +401,7 @@ class LengthPoller:
         is there for (chunk writes that never reach the cache, a stream that stalls) stop the
         feed, and a feed stopped for longer than the grace is polled as before. Explicit
         followers (the copy daemon's operations) are polled all the same: a durable copy reads
-        the durable length, which only a poll brings. Measured at 32 consumers: the safety
-        polls were a quarter of the metadata replicas' calls and ~6 % of a tailing consumer's
-        CPU."""
+        the durable length, which only a poll brings."""
         return self._fed_recently(uri, now) and self._covered(uri)
 
     def _fed_recently(self, uri: str, now: float) -> bool:
@@ -414,13 +410,9 @@ class LengthPoller:
         round even while its feed is behind the longest length known here (not
         :meth:`_covered`): the feed is catching up, and a poll brings lengths, not its bytes.
         Its readers still look every poll interval (they are not :meth:`all_pushed`), and a
-        feed that stops for the grace is polled every round again.
-        Measured at 64 consumers, where CPU starvation kept the feeds a push or more behind the
-        lengths the safety polls brought: every consumer's poller then read the lengths every
-        10 ms (6,000-8,800 consistent Gets a point against 970-2,900 without them) and the
-        overload fed itself. Without those polls the point held Redis's MB/s (127.6) in 4 of 10
-        runs, against 0 of 7 before; the runs that still collapse do so from their start, with
-        the producer's flushes seconds apart, so the feeds stand still and are polled."""
+        feed that stops for the grace is polled every round again. On a CPU-starved machine
+        every feed trails the lengths the safety polls bring by a push or more; polling them
+        every round then feeds the overload."""
         with self._lock:
             moved = self._fed_at.get(uri) if uri in self._fed and uri not in self._followers else None
         return moved is not None and now - moved < PUSH_GRACE_S
@@ -514,7 +506,7 @@ class LengthPoller:
                     self._moved(moved)
             if self.push and not poll and uris:
                 # Every file is pushed: nothing to do until the safety poll, a new file or a
-                # broken stream (a round every interval cost a tailing reader ~10 % of its CPU);
+                # broken stream (a round every interval costs a tailing reader ~10 % of its CPU);
                 # a feed behind that moves is looked at again within PUSH_GRACE_S, so one that
                 # stops is polled every round from then on, not from the next safety poll.
                 wait = max(0.0, self._next_full_poll - time.monotonic())

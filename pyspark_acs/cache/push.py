@@ -1,4 +1,4 @@
-"""Push streams, the reader's side: one long-lived stream per (process, replica) (issue 9).
+"""Push streams, the reader's side: one long-lived stream per (process, replica) (docs/cache.md).
 
 A :class:`WatchStream` tells a metadata replica which keys to watch and hands every entry it
 pushes to a callback; a :class:`FollowStream` tells a data replica which files to follow from
@@ -10,9 +10,9 @@ died or restarted) it reconnects by itself with back-off and sends the whole sub
 Watch is bidirectional (key changes go on the open stream). Follow is server-streaming and
 read on its own thread by gRPC's single-threaded unary-stream mode: a pushed run wakes that
 thread directly, where a bidirectional stream goes through gRPC's channel thread first (one
-thread wake less per push: ~120 us of a tailing consumer's ~960 us of CPU per pushed batch,
-measured). A subscription change (a file followed from a new offset, or left) reopens the
-stream with the whole subscription, which happens per file, not per push. While a stream is
+thread wake less per push, an eighth of a tailing consumer's CPU per pushed batch). A
+subscription change (a file followed from a new offset, or left) reopens the stream with the
+whole subscription, which happens per file, not per push. While a stream is
 down its owner reads as it would without push (the length poller polls, the read path asks for
 chunks): push only ever saves requests, it never decides what is correct.
 
@@ -176,8 +176,8 @@ class _PushStream:
                     self._restart = False
                     self._asked()
             if idle:
-                # Nothing to follow or watch: hold no call open (an open idle call cost a
-                # tailing consumer ~6 % of its CPU: grpc's waits on it wake ten times a second)
+                # Nothing to follow or watch: hold no call open (an open idle call costs a
+                # tailing consumer CPU: grpc's waits on it wake ten times a second)
                 # and, when the replica is gone, do not reconnect every RECONNECT_MAX_S for
                 # ever. A process keeps its shared feeds and pollers (ChunkFeed.shared,
                 # LengthPoller.shared) after its readers of a cluster are gone, and that

@@ -1,6 +1,7 @@
 """The ``acs`` Spark source: micro-batch stream reader and batch reader.
 
-Offsets are the consumer offsets of DESIGN.md, one entry per shard::
+Offsets are the consumer offsets of docs/overview.md section 1 (docs/format.md section 5), one
+entry per shard::
 
     {"orders": {"0": {"file": "20261122T091242032052Z-5f2c.acs", "length": 4096}, ...}}
 

@@ -3,11 +3,10 @@
 A reused Spark Python worker runs :func:`gc.collect` after *every* task (``pyspark/daemon.py``,
 ``spark.python.worker.reuse``, Spark's default). A full collection walks every object the
 cyclic garbage collector tracks, and a worker that runs the acs source or sink has imported
-pyspark, pyarrow, numpy, grpc, protobuf and this package: ~56,000 tracked objects, 35 ms per
-collection in a fresh worker on this 2-core machine, more in a worker that has run for a while.
-Measured in ``make demo`` with py-spy: the two executor workers spent most of their samples in
-that ``gc.collect()``, after tasks that read or wrote a few hundred messages, and a worker in
-it cannot start the next micro-batch's task.
+pyspark, pyarrow, numpy, grpc, protobuf and this package: tens of thousands of tracked objects,
+tens of milliseconds per collection, more in a worker that has run for a while -- after tasks
+that read or wrote a few hundred messages, and a worker in it cannot start the next
+micro-batch's task.
 
 Most of those objects live as long as the worker (modules, classes, functions).
 :func:`freeze_long_lived` moves what is alive to the collector's permanent generation
@@ -16,8 +15,7 @@ worker process, when this package's ``datasource`` module is first imported ther
 unpickles the first task's reader or writer): pyspark, pyarrow, numpy and this package's first
 modules. What is imported or built after it -- the source and sink modules, grpc and protobuf
 (imported by the first cache call), the per-process read paths and cache clients -- stays in
-the walk: ~11,000 objects, 1.2 ms per collection measured in a real Spark 4.3 worker, against
-0.4 ms with everything frozen and 12 ms with nothing. Reference counting still frees frozen
+the walk, about a fifth of them. Reference counting still frees frozen
 objects; only cyclic garbage among what was alive at the freeze is never reclaimed, a bounded
 one-off amount. Frozen objects are left out of :func:`gc.get_objects` and
 :func:`gc.get_referrers` (a leak hunt in a worker has to :func:`gc.unfreeze` first).

@@ -3,9 +3,8 @@
 ``pa.array(...)`` and ``pa.scalar(...)`` on Python objects import pandas the first time they
 run (pyarrow checks every value against pandas' missing-value types). That import costs
 0.5-3 s of CPU per process -- paid by every producer at its first flush and by every consumer
-at its first message. Measured in ``benchmarks/fanout.py``: 32 consumer processes importing
-pandas at once at the first message put the 2-core machine seconds behind, and the caches'
-deadlines then failed over to the durable store. The hot paths build their arrays here instead,
+at its first message, so many consumers starting together fall seconds behind and fail over to
+the durable store. The hot paths build their arrays here instead,
 straight from buffers: no pandas, and no per-value conversion in pyarrow either.
 """
 
@@ -153,9 +152,8 @@ def position_array(first: int, n: int) -> pa.Array:
     """The int64 array ``first, first + 1, ..., first + n - 1`` (a block's message positions).
 
     A zero-copy slice of a cached window of consecutive positions when the run fits in one:
-    building it per block (numpy's ``arange`` wrapped as a buffer) was the dearest single step of
-    decoding a tailing reader's block on a cold CPU (measured alone after a 10 ms sleep: ~150 us,
-    the body checksum ~55 us).
+    building it per block (numpy's ``arange`` wrapped as a buffer) is the dearest single step of
+    decoding a tailing reader's block on a cold CPU.
     """
     window, at = divmod(first, POSITION_WINDOW_ROWS)
     if at + n <= POSITION_WINDOW_ROWS and first >= 0:

@@ -1,6 +1,6 @@
 """Stream, shard and message-file names, and the folder layout of a durable store.
 
-Layout (DESIGN.md section 1)::
+Layout (docs/overview.md section 1, docs/format.md section 1)::
 
     <root>/<stream>/<shard:05d>/<created UTC %Y%m%dT%H%M%S%fZ>-<writer id>.acs
 

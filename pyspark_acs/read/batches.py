@@ -1,4 +1,4 @@
-"""The Arrow batches readers hand out: consecutive blocks coalesced (DESIGN.md section 5).
+"""The Arrow batches readers hand out: consecutive blocks coalesced (docs/overview.md section 5).
 
 A block becomes one Arrow batch when it is decoded (no copy). Blocks are often small (a
 producer's linger flush of a few dozen messages), and whoever takes the batches pays per
@@ -19,14 +19,12 @@ import pyarrow as pa
 __all__ = ["CONSUMER_BATCH_BYTES", "READ_BATCH_BYTES", "batch_bytes", "coalesce_batches", "coalesce_runs", "coalesce_tagged"]
 
 #: Bytes of one Arrow batch handed out, at most (a single larger block is a batch of its own).
-#: Measured with Spark's ceiling probe (benchmarks/spark_source.py): batches of ~90 rows ran at
-#: about half the rate of batches of 1000 rows.
+#: Spark's JVM pays per batch: batches of ~90 rows run at half the rate of 1000-row ones.
 READ_BATCH_BYTES = 4 * 1024 * 1024
 #: Bytes of one batch a :class:`~pyspark_acs.read.consumer.Consumer` hands out of a backlog, at
 #: most: a batch this size already spreads the taker's cost per batch over hundreds of rows, and
 #: the concat that makes it writes into memory a core's cache still holds (1 MiB of L2 a core
-#: here). Measured at 64 consumers behind their producer on two cores, a 4 MiB concat ran at
-#: ~0.6 GB/s; in alternated runs 512 KiB held Redis's MB/s in 4 of 4, 4 MiB in 1 of 4.
+#: here), where a 4 MiB concat is bound by memory bandwidth when many consumers catch up.
 CONSUMER_BATCH_BYTES = 512 * 1024
 
 T = TypeVar("T")
@@ -39,9 +37,9 @@ def batch_bytes(batch: pa.RecordBatch) -> int:
     messages' ``headers`` lists) count their buffers whole, which can be more than their rows
     need (a slice) but not less. Validity bitmaps are left out (an eighth of a byte a row).
 
-    Not ``RecordBatch.nbytes``: that walks every column's buffers to count shared ones once,
-    ~20 us a block here (the reader's constant columns are slices of one array): 2.5-2.8 ms
-    for a backlog of 200 blocks, whose concat took 0.6-1.3 ms.
+    Not ``RecordBatch.nbytes``: that walks every column's buffers to count shared ones once
+    (the reader's constant columns are slices of one array), which costs more than the
+    concat it sizes.
     """
     n = batch.num_rows
     size = 0

@@ -1,5 +1,5 @@
 """The cached read path: lengths from the metadata cache, bytes from the data cache,
-the durable store as fallback (DESIGN.md section 5, paper section 2.4 and Algorithm 1).
+the durable store as fallback (docs/overview.md section 5, paper section 2.4 and Algorithm 1).
 
 - Lengths: one batched consistent read of the metadata cache per poll round for all
   followed files. When the metadata cache is down, or knows nothing of a file, durable
@@ -14,9 +14,8 @@ the durable store as fallback (DESIGN.md section 5, paper section 2.4 and Algori
 - When the caches fail a reader (a data-cache read fails, Algorithm 1 sends a read to the
   store, the metadata cache cannot be read), the path reads lengths and bytes from the store
   alone for a hold (:class:`StoreHold`) and stops its pushes, then tries the caches again.
-  Measured at 64 consumers on 2 cores: the overloaded caches made every reader wait for
-  pushes, then ask, then time out, then read the store -- all four -- and the run never
-  recovered (0.56x of Redis's MB/s, p99 6.9 s), while readers of the store alone kept up.
+  Without it, a reader of overloaded caches would wait for pushes, then ask, then time out,
+  then read the store -- all four, on every read.
 """
 
 from __future__ import annotations
@@ -204,8 +203,8 @@ class CachedReadPath:
         # Bytes are pushed only where the replica a feed follows holds every chunk of a file
         # (no more data replicas than the replication factor). With more, a file's chunks are
         # spread over them; the feed stops at each chunk its replica lacks, and each reader
-        # passing one reopened the Follow call (~120 times a second per process at 2 MB/s,
-        # review estimate): such a deployment reads by asking, its lengths still pushed.
+        # passing one would reopen the Follow call many times a second: such a deployment
+        # reads by asking, its lengths still pushed.
         self.feed: Optional[ChunkFeed] = (ChunkFeed.shared(self.data.endpoints, token, security)
                                           if push and self.data and holds_whole_files(self.data) else None)
         # rel -> the readers of it this path follows in the feed (guarded by _lock)
@@ -444,10 +443,9 @@ class CachedReadPath:
 
         A file the feed covers from the start is never watched: its first bytes, and with them
         its length, come by push. Followed at the first read instead, a new file (length 0)
-        was watched first, and the three Watch calls opened for its lengths went idle
-        moments later when the feed covered it. Measured on a quiet machine, that was about
-        half of a consumer's CPU for its first message (13.5-18 against 8 ms), and 64
-        consumers started together all paid it at once.
+        would be watched first, and the three Watch calls opened for its lengths would go idle
+        moments later when the feed covered it: about half of a consumer's CPU for its first
+        message, paid at once by every consumer started together.
         """
         self._check_process()
         feed = self.feed

@@ -4,11 +4,10 @@ A cache server builds a large buffer for every big answer (a 1 MiB ``Get`` of 25
 joined values, the serialized message, gRPC's copy of it) and frees it right after. glibc
 serves allocations above its mmap threshold with a fresh ``mmap`` and returns them with
 ``munmap``, and gives memory at the top of its heap back to the kernel above its trim
-threshold; either way every such buffer is faulted in page by page again. Measured on the
-2-core test machine, one data server answering 1 MiB Gets from one client thread: 2.4 ms of
-server CPU per Get, 77 % of it in the kernel (page faults, zeroing pages, unmapping), and
-370 MiB/s; with the thresholds below 0.62 ms and 1,000 MiB/s (four client threads: 470 ->
-1,540 MiB/s). Small allocations and the cache's 4 KiB values are not affected.
+threshold; either way every such buffer is faulted in page by page again, and a 1 MiB Get
+spends most of its server CPU in the kernel (page faults, zeroing pages, unmapping); with the
+thresholds below it is about a quarter of that. Small allocations and the cache's 4 KiB values
+are not affected.
 
 Used by the cache server's entry point only (``acs-cache-server``), never on
 import: a library must not retune the allocator of the process that imports it.

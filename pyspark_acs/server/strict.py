@@ -1,6 +1,6 @@
 """Register a gRPC servicer so that a request body that is not its protobuf message is answered
 ``INVALID_ARGUMENT`` naming the method, instead of the ``UNKNOWN``/``INTERNAL`` grpcio gives
-when its deserializer raises (issue 10: hostile bodies get the right status); and so that a
+when its deserializer raises (hostile bodies get the right status, docs/security.md); and so that a
 handler may answer with its message already encoded (``bytes``), which goes out unserialized.
 
 Used by the cache server (grpc.aio) and the copy daemon (threaded grpc), with the ``add_*_to_server``

@@ -14,7 +14,8 @@ there. This module holds the rules both sides share, once:
 - **Which tier holds file X and how to open it** (:class:`TieredStore`): the one place every
   reader asks. :func:`pyspark_acs.read.readpath.open_read_path` wraps the hot store in it, so
   the Consumer, the Spark source planner and tasks and the copy reader all read a file by its
-  ``(file, length)`` offset wherever it lives, under one read policy (seed 003):
+  ``(file, length)`` offset wherever it lives, under one read policy (the RocketMQ
+  tiered-storage article's, docs/overview.md section 9):
 
   ``NOT_IN_DISK`` (default)
       caches, then the hot store; the secondary store only for files no longer in the hot store.
@@ -26,7 +27,8 @@ there. This module holds the rules both sides share, once:
 
 - **Pre-reading** (:class:`PrereadWindow`): reads from the secondary store fetch a window
   ahead; the window grows additively by the reader's request size while read-ahead is used,
-  and halves when read-ahead bytes are dropped unread (seed 003's AIMD, after TCP Tahoe).
+  and halves when read-ahead bytes are dropped unread (the RocketMQ article's AIMD, after TCP
+  Tahoe).
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ TIER_MANIFEST_FILE = "_tiered.json"
 #: Per-shard file naming the newest file secondary retention deleted (``{"deleted_through":
 #: name}``), in the shard's folder of the hot store: readers tell a gap from the next file.
 RETENTION_FLOOR_FILE = "_retained.json"
-#: The read policies of seed 003 (``DISABLE`` is a stream without a tier).
+#: The read policies of the RocketMQ tiered-storage article (``DISABLE``: a stream without a
+#: tier).
 READ_POLICIES = ("NOT_IN_DISK", "NOT_IN_MEM", "FORCE")
 #: Hot store first; the secondary store for files gone from it.
 DEFAULT_READ_POLICY = "NOT_IN_DISK"
@@ -118,8 +121,9 @@ SETTINGS_TTL_S = 5.0
 class TierUploadError(StoreError):
     """An upload to the secondary store failed; whether bytes landed is unknown (ambiguous).
 
-    The mover never retries over the same object (seed 003's non-stop-write rule): it uploads
-    to a new object name, and the abandoned one is swept once no record names it.
+    The mover never retries over the same object (the RocketMQ tiered-storage article's
+    non-stop-write rule): it uploads to a new object name, and the abandoned one is swept once
+    no record names it.
     """
 
 
@@ -542,7 +546,8 @@ class TierStore:
 
 class PrereadWindow:
     """How far ahead a reader fetches from the secondary store: additive increase,
-    multiplicative decrease (seed 003 section 3.5.2). Not thread-safe (its owner's lock)."""
+    multiplicative decrease (the RocketMQ article, section 3.5.2). Not thread-safe (its owner's
+    lock)."""
 
     def __init__(self, minimum: int = PREREAD_MIN_BYTES, maximum: int = PREREAD_MAX_BYTES) -> None:
         self.minimum = minimum

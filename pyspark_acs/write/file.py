@@ -1,7 +1,7 @@
 """One message file's writer: append at an expected position, verify against seals (the
 fence), then mirror to the data cache and publish lengths in the metadata cache.
 
-This is the single place where bytes enter a message file (DESIGN.md section 6). The shard
+This is the single place where bytes enter a message file (docs/overview.md section 6). The shard
 writer (:mod:`pyspark_acs.write.shard`: Producer, Spark sink) and the copy writer
 (:mod:`pyspark_acs.server.copy.writer`) append through it.
 
@@ -61,9 +61,8 @@ the thread (a cache error is not one: it goes to ``on_cache_error``) fails the w
 append before that appends anything, and every append after it. A Producer with
 ``acknowledge="durable"`` appends every block with ``more_follows`` and counts it acknowledged
 after the durable append: its cache writes never hold up a flush but at a roll (the seal waits
-for the thread). That is not the default: measured in an earlier round of issue 9, cached
-lengths lagging the durable ones sent Algorithm 1's readers to the store, and measured again
-with push streams the delivery gain was mixed (docs/cache.md).
+for the thread). That is not the default: cached lengths lagging the durable ones send
+Algorithm 1's readers to the store (docs/cache.md, "Writes").
 """
 
 from __future__ import annotations
@@ -103,9 +102,8 @@ _SCAN_WINDOW = 1024 * 1024
 #: through a block's durable append, and how far a burst's cached length trails its durable one.
 SHADOW_MAX_BYTES = 4 * 1024 * 1024
 #: How long an idle shadow thread waits for the next burst before it ends (seconds). A thread
-#: started per burst made every burst wait for the new thread's first time slice, and Linux
-#: schedules a new thread after the runnable ones: with 64 consumer processes on 2 cores, two of
-#: four stack dumps of a producer flushing every 10 ms found its writer in ``Thread.start``.
+#: started per burst makes every burst wait for the new thread's first time slice, and Linux
+#: schedules a new thread after the runnable ones (on a busy machine, behind every consumer).
 SHADOW_IDLE_S = 1.0
 
 

@@ -227,10 +227,9 @@ class Producer:
         stalled, once a reader checks the store's size of a length that stood still, at most
         every second), so a bounded read planned right after ``flush()`` (a Spark batch ending
         at ``latest``) may end before it. ``close()`` publishes everything in both modes.
-        Measured at 32 consumers on a 2-core machine (docs/cache.md): when busy, flushes no
-        longer wait on starved caches and delivery gained in three of four alternating pairs;
-        when quiet, blocks were half the size (flushes return sooner), so there were twice the
-        pushes and the delay p99 doubled (53-60 against 31-32 ms). It is not the default.
+        It is not the default: on a busy machine flushes no longer wait on starved caches, but
+        on a quiet one blocks are smaller (flushes return sooner), so there are more pushes and
+        a longer delay tail (docs/cache.md, "Writes").
     writer_id : str, optional
         Writer id put in file names; random by default.
     data_cache : str or CacheClient, optional
@@ -437,8 +436,7 @@ class Producer:
             added = 0
             if shard is not None or ks is None:
                 # One shard, or round-robin: each shard's messages are one slice, queued with
-                # list operations (a Python step per message was a fifth of a producer's CPU
-                # at 70 MB/s of 1 KiB messages).
+                # list operations (a Python step per message is a fifth of a producer's CPU).
                 if shard is not None:
                     slices = [(shard, vals)]
                 else:

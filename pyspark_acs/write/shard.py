@@ -1,4 +1,4 @@
-"""The shard writer: the one way bytes are written to a shard (DESIGN.md section 6).
+"""The shard writer: the one way bytes are written to a shard (docs/overview.md section 6).
 
 The Producer and the Spark sink's commit write through :class:`ShardWriter`; it holds every
 rule of writing a shard:

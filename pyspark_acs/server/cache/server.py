@@ -70,7 +70,7 @@ __all__ = [
     "main",
 ]
 
-#: The two kinds of cache replicas (DESIGN.md section 1).
+#: The two kinds of cache replicas (docs/overview.md section 1).
 ROLES = ("data", "metadata")
 #: Prefix of every cache-server metric.
 CACHE_PREFIX = "acs_cache_"
@@ -196,7 +196,7 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
             found, values, versions = self.store.read_many(keys)
         sizes = [len(v) for v in values]
         # Bound the response before assembling it: a small request naming big values many
-        # times must not make the server build a huge message (issue 10, finding 4).
+        # times must not make the server build a huge message (docs/security.md).
         total = sum(sizes)
         if total > MAX_RESPONSE_BYTES:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -42,8 +42,8 @@ popping expired keys from the front of each group (cost proportional to what exp
 look per group), and an expired entry also reads as absent at once. There are normally one or
 two groups; a put with a new TTL creates a group, an empty group is dropped.
 
-Sweeps are off the request path (issue 10, finding 5: every put swept every group, so a client
-putting many distinct TTLs slowed every put): the server's sweeper thread calls :meth:`Store.expire`,
+Sweeps are off the request path (were every put to sweep every group, a client putting many
+distinct TTLs would slow every put): the server's sweeper thread calls :meth:`Store.expire`,
 which works in slices of at most :data:`SWEEP_SLICE_STEPS` steps (groups looked at plus entries
 dropped) per hold of the lock. A put sweeps only when the store is over its capacity or GC start.
 """
@@ -86,8 +86,8 @@ GC_LOW_WATERMARK_FRACTION = 0.7
 #: Bytes charged per entry on top of its key and value bytes: the CPython headers of the key and
 #: value ``bytes`` objects (2 x 33), the version int (~32) and what the store itself allocates per
 #: entry (entry record; the cache's data, size and order slots; the TTL group node). tracemalloc
-#: measures ~420 bytes of the latter for 50k 4 KiB chunks (cachetools 8.0, CPython 3.11; 286 with
-#: the hand-rolled maps this module had before), so ~520 in all; 512 is charged. Capacity is
+#: measures ~420 bytes of the latter for 50k 4 KiB chunks (cachetools 8.0, CPython 3.11), so
+#: ~520 in all; 512 is charged. Capacity is
 #: therefore a bound on the Python heap the entries take (within ~1 %), not just on their payload.
 ENTRY_OVERHEAD_BYTES = 512
 #: Versions are unsigned 64-bit on the wire.
@@ -114,9 +114,8 @@ class StoredEntry(NamedTuple):
 #: ENTRY_OVERHEAD_BYTES``, what the cache charges for it. These name its places. A plain tuple
 #: of atomic values (bytes, ints, a float) is no longer tracked by the garbage collector once a
 #: collection has looked at it, so a full collection does not walk every entry of a large
-#: cache: as a ``__slots__`` object each entry stayed tracked, and filling a store with 350k
-#: chunks spent 1.2-1.5 us of collection per chunk, in full collections of ~100 ms each (an
-#: event-loop stall for every stream of the server).
+#: cache (a tracked entry per chunk makes each full collection an event-loop stall for every
+#: stream of the server).
 _VALUE, _VERSION, _EXPIRES_AT, _TTL_MS, _CHARGED = range(5)
 _Item = Tuple[bytes, int, float, int, int]
 
@@ -241,7 +240,7 @@ class Store:
                   count: bool = True) -> Tuple[List[bool], List[bytes], List[int]]:
         """:meth:`get_many` as three lists, one item per key: found, value (``b""`` when not)
         and version (``0`` when not) -- the shape of a ``GetResponse``, built with no object
-        per key (a 256-chunk Get's lookups: ~90 -> ~35 us).
+        per key.
         """
         now = self._clock()
         with self._lock:

@@ -1,4 +1,4 @@
-"""Push streams of one cache replica: readers are told, instead of asking (issue 9).
+"""Push streams of one cache replica: readers are told, instead of asking (docs/cache.md).
 
 Two kinds of long-lived streams, one per (reader process, replica), each carrying many keys
 or files:
@@ -30,9 +30,7 @@ bytes at the same version, alike), and so does a ``Delete`` of one. Chunks that 
 evicted meanwhile do not: a kept message still carries their bytes, which are the file's (only
 verified bytes reach the cache), so a reader gets a longer run than the store holds, never a
 different one. Kept messages are bounded per file (:data:`SENT_KEPT_PER_FILE`) and per replica
-(:data:`SENT_KEPT_BYTES`, shown as ``acs_cache_push_kept_bytes``). Measured with one data
-server, 20 followers and a 40 KB put every 20 ms: 1.17-1.54 -> 0.95-0.99 s of server CPU for
-~7,300 pushes (the grpcio floor relay: 0.58-0.61 s).
+(:data:`SENT_KEPT_BYTES`, shown as ``acs_cache_push_kept_bytes``).
 
 Every method runs on the server's event loop thread (put handlers and stream senders alike),
 so the registries need no lock.
@@ -112,8 +110,8 @@ class FileFollow:
         pieces once, into the message (cache/wire.py).
 
         The chunks are looked up a window at a time (:data:`TAKE_WINDOW_CHUNKS`, doubling),
-        under one lock each: a caught-up follower's push is a few chunks, and a key built and
-        looked up on its own cost ~4 us a chunk for each follower of the file."""
+        under one lock each: a caught-up follower's push is a few chunks, and a lookup per chunk
+        is paid again for each follower of the file."""
         runs: List[Run] = []
         left = budget
         for fid in list(self.marked):

@@ -82,7 +82,7 @@ class SourceFiles:
         self.poller = LengthPoller.shared(io.meta_client.endpoints, interval=interval)
         # push: the operations tail growing files, so the source's data cache pushes their
         # bytes as chunks land (one Follow stream per replica for the whole daemon) instead of
-        # each operation asking for every flush (issue 9).
+        # each operation asking for every flush (docs/cache.md).
         self.path: CachedReadPath = open_read_path(
             io.store, data_cache=io.data, metadata_cache=io.meta_client, poller=self.poller, push=True
         )

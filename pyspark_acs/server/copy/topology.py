@@ -58,7 +58,7 @@ DEFAULT_MAX_DEPTH = 4
 #: Most children a cluster may feed; bounds the egress a single copy daemon must carry.
 DEFAULT_MAX_FANOUT = 8
 
-#: Stream names (DESIGN.md section 1); they become folder names in the durable store.
+#: Stream names (docs/overview.md section 1); they become folder names in the durable store.
 STREAM_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: Cluster names follow the same rule: they appear in folder names and log lines too.
 CLUSTER_NAME_RE = STREAM_NAME_RE

@@ -31,7 +31,7 @@ chunk boundary near the head.
 Both kinds set the shard's head key and make sure the stream's ``_stream.json`` exists, so
 consumers in the destination cluster find the stream.
 
-What a writer accepts (issue 10: the ``Copy`` RPC is the way into a cluster's store):
+What a writer accepts (the ``Copy`` RPC is the way into a cluster's store; docs/security.md):
 
 * **The source vouches for the file.** Before the hello creates anything, the source
   cluster's durable store (found through the topology) must hold the file; a durable delta

@@ -6,15 +6,16 @@ One pass over a stream (:meth:`TierMover.run_stream`), under the stream's tier l
    read side's seal rule does not prove sealed at its end
    (:class:`~pyspark_acs.read.positions.BoundaryCache`, the walk ``ShardExtent.latest`` uses;
    an unsealed file and everything after it wait). Consecutive sealed files are packed into
-   one object up to ``batch_bytes`` (seed 003's batched uploads: fewer requests per byte);
-   pyarrow uploads large objects as multipart uploads, which S3 shows only once complete.
+   one object up to ``batch_bytes`` (the RocketMQ tiered-storage article's batched uploads:
+   fewer requests per byte); pyarrow uploads large objects as multipart uploads, which S3
+   shows only once complete.
 2. **Verify.** The object is read back: its size, the whole-file crc32 of every file in it
    against the crc32 of the hot bytes, and each block's body checksum
    (:func:`~pyspark_acs.format.block.check_block_bodies`).
 3. **Record** (data before index): only a verified object gets tier records in the shard's
    ``_tiered.json``. Readers never read an object no record names, so a partial object (a
    mover killed mid-upload, an upload whose outcome is unknown) is never seen.
-4. **Non-stop-write** (seed 003 section 3.3): an upload that fails, whether or not its bytes
+4. **Non-stop-write** (the RocketMQ article, section 3.3): an upload that fails, whether or not its bytes
    landed, or fails verification, is abandoned -- never retried over the same object -- and
    the batch goes up at once under a new object name. Abandoned objects are swept once no
    record names them and they are older than ``orphan_grace_s``.
