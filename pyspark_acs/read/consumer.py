@@ -69,9 +69,8 @@ PUSHED_WAIT_S = PUSH_SAFETY_POLL_S
 #: once, then the wait doubles from the first value to the second while nothing appears, and a
 #: listing that finds a file starts over. A roll-over's next file is created by the writer's
 #: next append, so it is found within a look or two; an idle shard is listed ten times a second
-#: instead of once per poll interval (measured: 32 consumers waiting for a first file listed
-#: the store 3,200 times a second, 0.77 cores of this 2-core machine, and on HDFS each listing
-#: is a NameNode call).
+#: instead of once per poll interval (a listing costs a few hundred microseconds of CPU, and on
+#: HDFS it is a NameNode call).
 LISTING_BACKOFF_S = (0.01, 0.1)
 #: A tailer stuck at the end of an unsealed file looks for a later file (the finality rule,
 #: :func:`~pyspark_acs.read.positions.unfinished_file`) after the first value in seconds, then
@@ -570,8 +569,7 @@ class Consumer:
         if connect is not None:
             # Connected when created, like a Kafka consumer: the set-up (gRPC's import, a
             # channel per replica) is not charged to the first messages, and many consumer
-            # processes started together do not all do it when the first file appears
-            # (measured: 64 of them doing it at once put them seconds behind the producer).
+            # processes started together do not all do it when the first file appears.
             connect()
         self.poll_interval = float(poll_interval)
         limiter = RateLimiter(max_bytes_per_second)
@@ -788,8 +786,8 @@ class Consumer:
         """How long :meth:`batches` waits before its next look when nothing is pushed: the poll
         interval, or, while every shard waits for a file to appear, until the first of them
         lists its folder again (:data:`LISTING_BACKOFF_S`): a round in between would look at
-        nothing (measured: 32 consumers waiting for a stream's first file still woke every
-        10 ms, 0.43 cores of this 2-core machine, against which the producer then started)."""
+        nothing, and many idle consumers waking every poll interval take the CPU their
+        producer needs."""
         looks = [t.next_listing for t in self._tailers]
         if not looks or None in looks:
             return self.poll_interval
