@@ -8,8 +8,8 @@ pyspark_acs and workers that cannot, and Spark says only ``DATA_SOURCE_NOT_FOUND
 
 - the driver runs in a virtualenv (``sys.prefix != sys.base_prefix``);
 - ``PYSPARK_PYTHON`` is not set, and ``$PYSPARK_SUBMIT_ARGS`` names no ``spark.pyspark.python``
-  (``spark-submit`` turns ``spark.pyspark.python`` into ``PYSPARK_PYTHON``; a plain
-  ``python job.py`` reads neither the option nor anything but the variable);
+  (``spark-submit`` turns ``spark.pyspark.python`` into ``PYSPARK_PYTHON``; under a plain
+  ``python job.py`` Spark reads only the variable);
 - no SparkContext runs in this process yet (Spark reads the variable when it starts one: the
   JVM, which looks the name up, inherits the environment at its launch);
 - ``$ACS_WORKER_PYTHON`` is unset or ``auto``. ``off`` turns this off.
