@@ -24,6 +24,7 @@ $(STAMP): setup.py | check-python
 	set -o pipefail; $(BIN)/pip install --progress-bar off --config-settings editable_mode=compat -e '.[test]' \
 	  | { grep --line-buffered -E '^(Collecting|Successfully installed)' || true; }
 	@touch $(STAMP)
+	@echo "$(VENV) is ready: the commands (acs, acs-cache-server, ...) are in $(BIN); '. $(BIN)/activate' puts them on PATH"
 
 # 1. Set up and run the main job: the end-to-end demo on an embedded local deployment.
 demo: setup check-java

@@ -5,8 +5,11 @@ chronological message files in a durable store (``pyarrow.fs``), a replicated in
 cache absorbs the tail reads, a copy daemon moves files between clusters, and Spark
 Structured Streaming reads and writes streams as ``format("acs")``.
 
-Importing this package is cheap and has no side effects: it does not import pyspark,
-start threads or touch the network. Public names are loaded on first use.
+Importing this package is cheap: it does not import pyspark, start threads or touch the
+network. Public names are loaded on first use. Its one side effect: in a virtualenv, with
+neither ``PYSPARK_PYTHON`` nor ``spark.pyspark.python`` set, it sets ``PYSPARK_PYTHON`` to this
+interpreter, so that the Python workers of a SparkSession built afterwards can run
+``format("acs")`` (``ACS_WORKER_PYTHON=off`` turns it off; see :mod:`pyspark_acs.worker_python`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ from pyspark_acs.errors import (
     WriterConflictError,
 )
 
+from pyspark_acs import worker_python as _worker_python
+
 __version__ = "0.1.0"
+
+# Before any SparkSession of this process starts: Spark reads PYSPARK_PYTHON when it does.
+_worker_python.point_workers_at_driver()
 
 __all__ = [
     "AcsError",

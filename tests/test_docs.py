@@ -8,17 +8,22 @@ The marker is an HTML comment on the line before the fence (GitHub does not show
     acs tree --topology examples/topology.toml --stream orders
     ```
 
-``bash`` blocks run under ``bash -euo pipefail`` with this checkout's ``.venv/bin`` (the
-interpreter running the tests) first on PATH, ``python`` blocks with that interpreter. Each
-block runs in a fresh folder holding links to the checkout's ``examples/`` and ``docs/`` (so
-relative paths in the docs resolve) with no ``ACS_*`` variable set; a local deployment a block
-leaves running there is stopped after it. Keep runnable blocks fast (seconds).
+Each block runs in a fresh folder that stands for the checkout after ``make setup``: links to
+its ``examples/`` and ``docs/`` (so relative paths in the docs resolve) and ``.venv`` linked to
+the virtualenv of the interpreter running the tests, with no ``ACS_*`` variable set and nothing
+of that virtualenv on PATH, nor any other ``acs`` -- as in a new user's shell, where ``acs`` is
+not a command until the virtualenv is activated. ``bash`` blocks run under ``bash -euo
+pipefail``: README.md's exactly as written (they activate ``.venv`` themselves, as the README
+says to), a docs page's after ``. .venv/bin/activate``, which such a page states it assumes.
+``python`` blocks run with the test interpreter. A local deployment a block leaves running is
+stopped after it. Keep runnable blocks fast (seconds).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +38,8 @@ MARKER = "<!-- runnable -->"
 LANGUAGES = ("bash", "python")
 #: Upper bound of one block's run (a safety net; the blocks take seconds).
 BLOCK_TIMEOUT_S = 120
+#: How a user puts the checkout's commands on PATH (README.md, "Command line and servers").
+ACTIVATE = ". .venv/bin/activate"
 
 pytestmark = pytest.mark.timeout(BLOCK_TIMEOUT_S * 2)
 
@@ -87,15 +94,42 @@ def _stop_deployments(folder: Path, env) -> None:
                        env=env, capture_output=True, timeout=60)
 
 
+def test_a_page_with_runnable_commands_says_how_to_get_them():
+    """A docs page's bash blocks run after the activation (see the module docstring): the page
+    says so, and README.md's blocks activate in the block itself."""
+    for doc in sorted({b.doc for b in BLOCKS if b.language == "bash"}):
+        if doc == "README.md":
+            first = next(b for b in BLOCKS if b.doc == doc and b.language == "bash")
+            assert first.code.startswith(ACTIVATE), f"{doc}:{first.line}: the block must start with {ACTIVATE!r}"
+        else:
+            assert ACTIVATE in (ROOT / doc).read_text(encoding="utf-8"), f"{doc} must say {ACTIVATE!r}"
+
+
+def _shell_path(path: str) -> str:
+    """PATH as a new user's shell has it: without the test virtualenv's bin nor any other ``acs``."""
+    venv_bin = os.path.dirname(os.path.abspath(sys.executable))
+    kept = [d for d in path.split(os.pathsep)
+            if d and os.path.abspath(d) != venv_bin and not shutil.which("acs", path=d)]
+    return os.pathsep.join(kept)
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.doc}:{b.line}" for b in BLOCKS])
 def test_runnable_block(block: Block, tmp_path, subprocess_env):
     work = tmp_path / "work"
     work.mkdir()
     for name in ("examples", "docs"):
         (work / name).symlink_to(ROOT / name)
-    env = {k: v for k, v in subprocess_env.items() if not k.startswith("ACS_")}
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    cmd = ["bash", "-euo", "pipefail", "-c", block.code] if block.language == "bash" else [sys.executable, "-c", block.code]
+    env = {k: v for k, v in subprocess_env.items() if not k.startswith("ACS_") and k != "VIRTUAL_ENV"}
+    env["PATH"] = _shell_path(env.get("PATH", ""))
+    assert shutil.which("acs", path=env["PATH"]) is None
+    code = block.code
+    if block.language == "bash":
+        if not os.path.exists(os.path.join(sys.prefix, "bin", "activate")):
+            pytest.skip(f"the test interpreter {sys.executable} is not a virtualenv's: no .venv to activate")
+        (work / ".venv").symlink_to(sys.prefix)  # what `make setup` leaves in the checkout
+        if block.doc != "README.md":
+            code = f"{ACTIVATE}\n{code}"
+    cmd = ["bash", "-euo", "pipefail", "-c", code] if block.language == "bash" else [sys.executable, "-c", code]
     try:
         run = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     finally:

@@ -276,40 +276,81 @@ finally:
     spark.stop()
 '''
 
+#: The job of issue 38 item 11: imports pyspark_acs, never calls register().
+PLAIN_JOB = '''
+import sys
+import pyspark_acs
+from pyspark.sql import SparkSession
+
+spark = SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false").getOrCreate()
+try:
+    print("ROWS", spark.read.format("acs").option("root", sys.argv[1]).option("stream", "interp").load().count())
+finally:
+    spark.stop()
+'''
+
 
 @pytest.fixture(scope="module")
 def bare_python_path(tmp_path_factory):
-    """A PATH whose ``python3`` is a real interpreter without pyspark_acs nor pyarrow (a bare
-    venv), as a machine's system Python is."""
+    """A PATH whose ``python3`` cannot run the source, as a machine's system Python: a bare venv
+    (no pyarrow, no grpc, no pyspark_acs installed) first, and the test interpreter's bin left out
+    (as when a user runs ``.venv/bin/python job.py`` without activating the venv)."""
     import subprocess
     import sys
 
+    from pyspark_acs.datasource.interpreter import _PROBE
+
     bare = tmp_path_factory.mktemp("bare")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare / "venv")], check=True)
-    return f"{bare / 'venv' / 'bin'}:{os.environ['PATH']}"
+    venv_bin = os.path.dirname(os.path.abspath(sys.executable))
+    rest = [d for d in os.environ["PATH"].split(os.pathsep) if d and os.path.abspath(d) != venv_bin]
+    path = os.pathsep.join([str(bare / "venv" / "bin")] + rest)
+    # The premise: the job's own environment (PYTHONPATH points at this checkout, so the package
+    # itself imports) gives PATH's python3 nothing the source needs.
+    probe = subprocess.run(["python3", "-c", _PROBE], env=_job_env(path), capture_output=True, text=True,
+                           cwd=str(bare), timeout=120)
+    assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr, (path, probe.stderr)
+    return path
 
 
-def _run_job(tmp_path, root, setup, path):
+def _job_env(path, **extra):
+    """The environment of a user's shell: no PYSPARK_* or ACS_WORKER_PYTHON the test process set."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYSPARK_SUBMIT_ARGS", "ACS_WORKER_PYTHON")}
+    env["PATH"] = path
+    env.update(extra)
+    return env
+
+
+def _run_job(tmp_path, root, setup, path, job=JOB, **extra):
     import subprocess
     import sys
 
     script = tmp_path / "job.py"
-    script.write_text(JOB.format(setup=setup))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
-    env["PATH"] = path
-    return subprocess.run([sys.executable, str(script), root], cwd=str(tmp_path), env=env,
+    script.write_text(job.format(setup=setup))
+    return subprocess.run([sys.executable, str(script), root], cwd=str(tmp_path), env=_job_env(path, **extra),
                           capture_output=True, text=True, timeout=300)
 
 
+def _why(run) -> str:
+    """A failed job's error lines (Spark's own, e.g. DATA_SOURCE_NOT_FOUND, sit above a Java
+    stack trace that fills the tail), then the tail."""
+    errors = [line for line in run.stderr.splitlines() if "Error" in line or "Exception:" in line]
+    return "\n".join(errors[:8]) + "\n--- stderr tail\n" + run.stderr[-2000:]
+
+
 def test_workers_without_the_package_fail_naming_both_interpreters_and_the_fix(root, tmp_path, bare_python_path):
+    """With the import's switch off (ACS_WORKER_PYTHON=off) register() still names both
+    interpreters, why they differ and the fix."""
     import sys
 
     Producer(root, "interp", shards=1).close()
-    run = _run_job(tmp_path, root, "", bare_python_path)
+    run = _run_job(tmp_path, root, "", bare_python_path, ACS_WORKER_PYTHON="off")
     assert run.returncode != 0
     err = run.stderr
     assert "Spark's Python workers run 'python3'" in err, err[-3000:]
     assert "cannot import pyspark_acs" in err and f"this driver runs {sys.executable!r}" in err
+    assert "importing pyspark_acs left it alone, as $ACS_WORKER_PYTHON is off" in err, err[-3000:]
     assert f"PYSPARK_PYTHON={sys.executable}" in err
 
 
@@ -318,8 +359,36 @@ def test_the_readme_job_runs_from_a_plain_venv_python(root, tmp_path, bare_pytho
         for i in range(7):
             p.send(b"%d" % i)
     run = _run_job(tmp_path, root, 'os.environ.setdefault("PYSPARK_PYTHON", sys.executable)', bare_python_path)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, _why(run)
     assert "ROWS 7" in run.stdout
+
+
+def test_a_plain_venv_job_reads_acs_without_register(root, tmp_path, bare_python_path):
+    """Issue 38 item 11: ``.venv/bin/python job.py`` that imports pyspark_acs and reads
+    ``format("acs")`` without register(), PATH's python3 lacking the package: importing
+    pyspark_acs points the workers (and Spark's lookup of the name) at the driver's interpreter,
+    where Spark said only DATA_SOURCE_NOT_FOUND."""
+    with Producer(root, "interp", shards=1) as p:
+        for i in range(7):
+            p.send(b"%d" % i)
+    run = _run_job(tmp_path, root, "", bare_python_path, job=PLAIN_JOB)
+    assert run.returncode == 0, _why(run)
+    assert "ROWS 7" in run.stdout
+
+
+def test_a_session_started_before_the_import_is_left_alone(spark):
+    """Too late to matter for a running SparkContext: the import changes nothing then, and
+    register() says why (here the test session is running)."""
+    from pyspark_acs import worker_python
+
+    before = worker_python.choice
+    env = {}
+    try:
+        chose = worker_python.point_workers_at_driver(env)
+    finally:
+        worker_python.choice = before  # what this process's import chose, for later register() messages
+    assert chose.python is None and env == {}
+    assert "a SparkContext was running before pyspark_acs was imported" in chose.reason
 
 
 def test_headers_round_trip_through_sink_source_and_producer(spark, root):

@@ -4,8 +4,10 @@ Spark runs a Python DataSource -- and the lookup of the name ``"acs"`` itself --
 worker processes started with ``$PYSPARK_PYTHON`` (Spark's default: ``python3`` on PATH), not in
 the driver's interpreter. A job started as ``.venv/bin/python job.py`` therefore has a driver
 that can import pyspark_acs and workers that cannot, and Spark says only
-``DATA_SOURCE_NOT_FOUND`` or ``ModuleNotFoundError``. :func:`register` checks the workers'
-interpreter before the first query and fails naming both interpreters and the fix.
+``DATA_SOURCE_NOT_FOUND`` or ``ModuleNotFoundError``. ``import pyspark_acs`` points the workers
+at a driver in a virtualenv when nobody chose their interpreter (:mod:`pyspark_acs.worker_python`);
+:func:`register` checks the workers' interpreter before the first query and fails naming both
+interpreters, why the import left them alone, and the fix.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 from typing import Any, Optional
 
+from pyspark_acs import worker_python
 from pyspark_acs.errors import AcsError
 
 __all__ = ["WORKER_CHECK_TIMEOUT_S", "register", "worker_python_problem"]
@@ -62,8 +65,11 @@ def worker_python_problem(python: str, *, driver: str = sys.executable) -> Optio
         lines = [line for line in run.stderr.strip().splitlines() if line.strip()]
         failure = f"it cannot import pyspark_acs ({lines[-1] if lines else f'exit status {run.returncode}'})"
     origin = "$PYSPARK_PYTHON" if os.environ.get("PYSPARK_PYTHON") else "Spark's default, as PYSPARK_PYTHON is unset"
+    chose = worker_python.choice
+    left = (f"; importing pyspark_acs left it alone, as {chose.reason}" if chose is not None and chose.python is None
+            else "")
     return (
-        f"Spark's Python workers run {python!r} ({origin}; resolves to {_resolve(python)!r}), and {failure}; "
+        f"Spark's Python workers run {python!r} ({origin}; resolves to {_resolve(python)!r}{left}), and {failure}; "
         f"this driver runs {driver!r}, which can. Fix: start Spark with PYSPARK_PYTHON={driver} (export it, or "
         f"os.environ['PYSPARK_PYTHON'] = sys.executable before the SparkSession is built), or install pyspark_acs "
         f"into {python!r}"
