@@ -276,7 +276,7 @@ finally:
     spark.stop()
 '''
 
-#: The job of issue 38 item 11: imports pyspark_acs, never calls register().
+#: A plain job that imports pyspark_acs and never calls register().
 PLAIN_JOB = '''
 import sys
 import pyspark_acs
@@ -364,7 +364,7 @@ def test_the_readme_job_runs_from_a_plain_venv_python(root, tmp_path, bare_pytho
 
 
 def test_a_plain_venv_job_reads_acs_without_register(root, tmp_path, bare_python_path):
-    """Issue 38 item 11: ``.venv/bin/python job.py`` that imports pyspark_acs and reads
+    """A plain ``.venv/bin/python job.py`` that imports pyspark_acs and reads
     ``format("acs")`` without register(), PATH's python3 lacking the package: importing
     pyspark_acs points the workers (and Spark's lookup of the name) at the driver's interpreter,
     where Spark said only DATA_SOURCE_NOT_FOUND."""
