@@ -67,13 +67,13 @@ def test_tail_wait_waits_for_a_missing_root_naming_it(tmp_path, subprocess_env):
     out = run(subprocess_env, "tail", "--root", str(later), "--stream", "s", "--wait", "--timeout", "0.3")
     err = out.stderr.decode()
     assert out.returncode == 1, err
-    assert f"waiting for root {later} (it does not exist yet" in err, err
+    assert f"waiting for stream s in {later} (the root {later} does not exist yet" in err, err
     assert f"--wait: root {later} does not exist and stream s did not appear" in err, err
     assert not later.exists()
     tail = subprocess.Popen([*ACS, "tail", "--root", str(later), "--stream", "s", "--wait", "--max-messages", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env)
     try:
-        assert f"waiting for root {later}" in _readline(tail.stderr)
+        assert f"(the root {later} does not exist yet" in _readline(tail.stderr)
         with Producer(str(later), "s") as p:
             p.send(b"first")
         out, err = tail.communicate(timeout=TIMEOUT)
@@ -223,6 +223,15 @@ def _durable_bytes(root: str, stream: str) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".acs"))
 
 
+def _unread(pipe) -> int:
+    """Bytes written to a child's stdin pipe that it has not read yet."""
+    import fcntl
+    import struct
+    import termios
+
+    return struct.unpack("i", fcntl.ioctl(pipe.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+
 def _read_all(root: str, stream: str) -> List[bytes]:
     values: List[bytes] = []
     with contextlib.closing(Consumer(root, stream)) as c:
@@ -292,33 +301,61 @@ class FreezableDisk:
         subprocess.run(["umount", str(self.mount)], timeout=TIMEOUT)  # frees the loop device too
 
 
-def test_a_second_ctrl_c_exits_at_once_while_the_flush_waits(tmp_path, subprocess_env):
+@contextlib.contextmanager
+def _interrupted_on_a_frozen_store(tmp_path, env) -> "Iterator[tuple[subprocess.Popen, FreezableDisk]]":
+    """``acs produce`` with messages its writer cannot write (the disk froze under it), after
+    one Ctrl-C: yields the process and the disk once it says it waits for them; thaws the disk and ends the
+    process afterwards (a thread blocked on a frozen disk leaves the kernel only once thawed)."""
     with FreezableDisk(tmp_path) as disk:
         root = str(disk.mount / "store")
-        proc = _produce(subprocess_env, root, "s")
+        proc = _produce(env, root, "s")
         try:
             proc.stdin.write(b"before\n")
             proc.stdin.flush()
             _wait_for(lambda: _durable_bytes(root, "s") > 0, "the first message in the store")
             disk.freeze()
-            # These reach the writer thread, whose next append blocks on the frozen disk: the
-            # flush after Ctrl-C cannot finish until it is thawed.
+            # These reach the writer thread, whose next append blocks on the frozen disk. Sent
+            # for sure once acs produce has read the next line too: it reads only when it has
+            # sent every line it read before.
             proc.stdin.write(b"".join(b"after %d\n" % i for i in range(100)))
             proc.stdin.flush()
+            _wait_for(lambda: _unread(proc.stdin) == 0, "acs produce to read the lines")
+            proc.stdin.write(b"last\n")
+            proc.stdin.flush()
+            _wait_for(lambda: _unread(proc.stdin) == 0, "acs produce to read the last line")
             proc.send_signal(signal.SIGINT)
             waiting = _readline(proc.stderr)
             assert "interrupted: waiting up to" in waiting and "Ctrl-C again to exit at once" in waiting, waiting
-            proc.send_signal(signal.SIGINT)
-            again = _readline(proc.stderr)
-            # Said and exiting while the disk is still frozen: it did not wait for the flush.
-            assert re.match(r"acs produce: interrupted again: exiting at once: sent \d+ \(\d+ acknowledged\)",
-                            again), again
-            assert disk.frozen
-            disk.thaw()  # the blocked writer thread can only leave the kernel once thawed
-            rest = proc.communicate(timeout=TIMEOUT)[1].decode()
+            yield proc, disk
         finally:
             disk.thaw()
             proc.kill()
             proc.wait()
-        assert proc.returncode == 130, rest
-        assert "Traceback" not in rest and "acs produce: interrupted: sent" not in rest, rest
+
+
+def test_ctrl_c_of_produce_on_a_store_that_does_not_answer_waits_a_bounded_time(tmp_path, subprocess_env):
+    with _interrupted_on_a_frozen_store(tmp_path, subprocess_env) as (proc, disk):
+        said = _readline(proc.stderr) + _readline(proc.stderr)
+        # Said while the disk is still frozen: the wait ended on its own bound, not the store.
+        assert disk.frozen
+        disk.thaw()
+        rest = proc.communicate(timeout=TIMEOUT)[1].decode()
+    assert proc.returncode == 130, said + rest
+    assert "not acknowledged within 5 s" in said and "they may or may not be in the stream" in said, said
+    sent, acked = map(int, re.search(r"interrupted: sent (\d+) \((\d+) acknowledged\)", said).groups())
+    assert acked < sent and sent >= 101, said
+    assert "Traceback" not in said + rest, said + rest
+
+
+def test_a_second_ctrl_c_exits_at_once_while_the_flush_waits(tmp_path, subprocess_env):
+    with _interrupted_on_a_frozen_store(tmp_path, subprocess_env) as (proc, disk):
+        proc.send_signal(signal.SIGINT)
+        again = _readline(proc.stderr)
+        # Said and exiting while the disk is still frozen: it did not wait for the flush.
+        assert re.match(r"acs produce: interrupted again: exiting at once: sent \d+ \(\d+ acknowledged\)",
+                        again), again
+        assert disk.frozen
+        disk.thaw()
+        rest = proc.communicate(timeout=TIMEOUT)[1].decode()
+    assert proc.returncode == 130, rest
+    assert "Traceback" not in rest and "acs produce: interrupted: sent" not in rest, rest

@@ -206,12 +206,23 @@ class _CtrlC:
         sent, _ = self.producer.counts_unlocked()
         print(f"acs produce: interrupted: waiting up to {INTERRUPT_WAIT_S:g} s for the {sent} messages sent to be "
               f"acknowledged (Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
+        from pyspark_acs.errors import AcsTimeoutError
+
+        timed_out = False
         try:
             # close() may wait its timeout twice: once for the flush, once for the writer to stop.
             self.producer.close(timeout=INTERRUPT_WAIT_S / 2)
+        except AcsTimeoutError:
+            timed_out = True
         except AcsError as exc:
             print(f"acs produce: error: {exc}", file=sys.stderr)
         sent, acked = self.producer.counts_unlocked()
+        if timed_out and sent > acked:
+            print(f"acs produce: {sent - acked} messages not acknowledged within {INTERRUPT_WAIT_S:g} s (the store "
+                  f"does not answer?): they may or may not be in the stream", file=sys.stderr)
+        elif timed_out:
+            print(f"acs produce: the files were not sealed within {INTERRUPT_WAIT_S:g} s (the store does not "
+                  f"answer?); the next writer of the stream seals them", file=sys.stderr)
         print(f"acs produce: interrupted: sent {sent} ({acked} acknowledged) to stream {self.stream!r}",
               file=sys.stderr, flush=True)
         return INTERRUPTED_EXIT
@@ -311,7 +322,7 @@ def _wait_for_streams(root: str, streams: Sequence[str], timeout: Optional[float
             return
         what = f"stream {', '.join(missing)} in {root}"
         if no_root is not None:
-            what = f"root {no_root} (it does not exist yet: check --root if nothing is about to write there) and " + what
+            what += f" (the root {no_root} does not exist yet: check --root if nothing is about to write there)"
         if what != said:
             print(f"acs tail: waiting for {what} ...", file=sys.stderr, flush=True)
             said = what
