@@ -39,9 +39,10 @@ def cmd_copy_status(args: argparse.Namespace) -> int:
     """Print lengths, bytes behind and delays of every cluster of a stream, per shard.
 
     What could not be reached or read (a cluster's root that does not exist, a metadata cache
-    that does not answer) is printed on stderr, one line each, and the exit code is then 1:
-    the table beside it is not the state of the copies. ``--watch`` shows those lines under
-    each refresh and goes on (it is what the operator watches for).
+    of which fewer than a majority of replicas answer) is printed on stderr, one line each, and
+    the exit code is then 1: the table beside it is not the state of the copies. A silent
+    minority of replicas is a warning line. ``--watch`` shows those lines under each refresh
+    and goes on (it is what the operator watches for).
     """
     from pyspark_acs.server.copy.status import copy_status, format_status, problems
     from pyspark_acs.server.copy.topology import load_topology
@@ -58,6 +59,8 @@ def cmd_copy_status(args: argparse.Namespace) -> int:
     else:
         print(format_status(rows), end="")
     sys.stdout.flush()
+    for line in problems(rows, "warnings"):
+        print(f"acs copy-status: warning: {line}", file=sys.stderr)
     found = problems(rows)
     for line in found:
         print(f"acs copy-status: error: {line}", file=sys.stderr)
@@ -86,7 +89,9 @@ def _copy_status_table(stream: str, rows):
     table = rich_table(f"copy status of stream {stream}",
                        ["shard", "cluster", "parent", "newest file", "durable", "cache", "behind", "newest file copied",
                         "delay(durable)", "delay(cache)", "hop"], cells)
-    return Group(table, *(Text(f"acs copy-status: error: {line}", style="bold red") for line in problems(rows)))
+    warnings = [Text(f"acs copy-status: warning: {line}", style="yellow") for line in problems(rows, "warnings")]
+    errors = [Text(f"acs copy-status: error: {line}", style="bold red") for line in problems(rows)]
+    return Group(table, *warnings, *errors)
 
 
 def _n(value) -> str:

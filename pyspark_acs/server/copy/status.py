@@ -52,7 +52,9 @@ def copy_status(topology: Topology, stream: str) -> List[Dict[str, Any]]:
         (producer-to-cluster delay of the newest copied bytes, None when unknown; 0 for a
         source that holds the stream), ``hop_delay_s`` (cache delay minus the parent's, None
         when unknown), ``problems`` (what of the cluster could not be reached or read, one
-        sentence each naming it and the fix; empty when all is well: see :func:`problems`).
+        sentence each naming it and the fix; empty when all is well: see :func:`problems`),
+        ``warnings`` (what is down without hiding anything shown: a minority of the metadata
+        cache's replicas).
 
     Raises
     ------
@@ -62,6 +64,7 @@ def copy_status(topology: Topology, stream: str) -> List[Dict[str, Any]]:
     spec = topology.stream(stream)
     tree = build_copy_tree(topology, spec)
     found: Dict[str, List[str]] = {c: [] for c in tree.clusters}
+    warned: Dict[str, List[str]] = {c: [] for c in tree.clusters}
     stores: Dict[str, Optional[DurableStore]] = {}
     metas: Dict[str, MetadataCache] = {}
     answering: Dict[str, bool] = {}
@@ -72,7 +75,7 @@ def copy_status(topology: Topology, stream: str) -> List[Dict[str, Any]]:
             client = CacheClient(topology.cluster(c).metadata_cache, deadline=STATUS_CACHE_DEADLINE_S,
                                  name=f"metadata cache of {c}")
             metas[c] = MetadataCache(client)
-            answering[c] = _probe(client, found[c])
+            answering[c] = _probe(client, found[c], warned[c])
         source_store = stores[tree.source]
         source_shards = source_store.stream_shards(stream) if source_store is not None else None
         if source_store is not None and source_shards is None:
@@ -122,7 +125,7 @@ def copy_status(topology: Topology, stream: str) -> List[Dict[str, Any]]:
                     "durable_length": durable, "cache_length": cache,
                     "bytes_behind": None if behind is None else max(0, behind),
                     "durable_delay_s": d_delay, "cache_delay_s": c_delay, "hop_delay_s": hop,
-                    "problems": found[c],
+                    "problems": found[c], "warnings": warned[c],
                 })
     finally:
         for m in metas.values():
@@ -151,24 +154,28 @@ def _open_root(topology: Topology, cluster: str, source: bool, stream: str, foun
     return None
 
 
-def _probe(client: CacheClient, found: List[str]) -> bool:
-    """Whether any replica of a metadata cache answers (one Health call to each, in parallel);
-    the silent ones go in ``found``. A cache no replica answers is not asked anything else (each
-    call would only wait out its deadline)."""
+def _probe(client: CacheClient, found: List[str], warned: List[str]) -> bool:
+    """Whether a majority of a metadata cache's replicas answer (one Health call to each, in
+    parallel): what its consistent reads need. Fewer go in ``found``, and the cache is asked
+    nothing else (each call would only wait out its deadline); a silent minority goes in
+    ``warned`` (what is shown is still read from the majority)."""
     health = client.health()
     silent = [ep for ep in client.endpoints if not health.get(ep)]
-    if silent:
-        found.append(f"{client.name}: no answer from {', '.join(silent)} ({len(silent)} of {len(client.endpoints)} "
-                     f"replicas; is it running? `acs up` or acs-cache-server starts one)")
-    return len(silent) < len(client.endpoints)
+    if not silent:
+        return True
+    line = (f"{client.name}: no answer from {', '.join(silent)} ({len(silent)} of {len(client.endpoints)} replicas; "
+            f"is it running? `acs up` or acs-cache-server starts one)")
+    majority = len(client.endpoints) - len(silent) > len(client.endpoints) // 2
+    (warned if majority else found).append(line)
+    return majority
 
 
-def problems(rows: List[Dict[str, Any]]) -> List[str]:
-    """Each cluster's problems in ``rows`` once, as ``cluster C: ...`` lines (empty: all was
-    reached and read)."""
+def problems(rows: List[Dict[str, Any]], key: str = "problems") -> List[str]:
+    """Each cluster's problems (or ``key="warnings"``: warnings) in ``rows`` once, as
+    ``cluster C: ...`` lines (empty: all was reached and read)."""
     out: List[str] = []
     for r in rows:
-        for p in r.get("problems", ()):
+        for p in r.get(key, ()):
             line = f"cluster {r['cluster']}: {p}"
             if line not in out:
                 out.append(line)
