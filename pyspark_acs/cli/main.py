@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("produce", help="send lines (or whole files) from stdin into a stream",
-                       description="Send each line of stdin as one message (or each --file as one message).")
+                       description="Send each line of stdin as one message (or each --file as one message). "
+                                   "Ctrl-C stops reading, waits at most 5 s for what was sent to be "
+                                   "acknowledged, prints 'sent N (M acknowledged)' and exits 130; "
+                                   "a second Ctrl-C exits at once.")
     _add_root(p)
     p.add_argument("--stream", required=True, help="stream name")
     p.add_argument("--shards", type=int, default=None,
