@@ -7,6 +7,7 @@ that already catch ``ValueError``, ``OSError``, ``ConnectionError`` or
 
     AcsError
     ├── AcsOptionError (ValueError)          bad option / flag value; names it and what is allowed
+    │   └── RootNotFoundError                a reader's or status command's root does not exist; names it
     ├── InvalidNameError (ValueError)        unsafe stream, shard or file name
     ├── CorruptFileError (OSError)           bad bytes in a message file; names file and byte position
     │   ├── ChecksumMismatchError            body checksum does not match the header
@@ -50,6 +51,7 @@ __all__ = [
     "InvalidNameError",
     "LeaseError",
     "LeasePoisonedError",
+    "RootNotFoundError",
     "StoreError",
     "StoreFileNotFoundError",
     "TopologyError",
@@ -71,6 +73,27 @@ class AcsOptionError(AcsError, ValueError):
     def __init__(self, message: str, *, option: Optional[str] = None) -> None:
         super().__init__(message)
         self.option = option
+
+
+class RootNotFoundError(AcsOptionError):
+    """The durable store root a reader or a status command was given does not exist.
+
+    Readers never create a root (only writers do: a Producer, the sink, the copy daemon), so
+    a typo in ``root`` is this error naming the root rather than an empty store whose streams
+    are all missing. The message names the root and how to fix it.
+
+    Attributes
+    ----------
+    root : str
+        The root as given.
+    path : str
+        The folder that does not exist (the root resolved: an absolute path or the URI's path).
+    """
+
+    def __init__(self, message: str, *, root: str, path: str) -> None:
+        super().__init__(message, option="root")
+        self.root = root
+        self.path = path
 
 
 class InvalidNameError(AcsError, ValueError):

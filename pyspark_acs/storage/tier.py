@@ -619,7 +619,7 @@ class TieredStore(DurableStore):
         return f"TieredStore({self.root!r}, {self.policy})"
 
     def __reduce__(self):  # only plain data crosses process boundaries
-        return (_reopen, (self.root, self.policy, self.preread))
+        return (_reopen, (self.root, self.policy, self.preread, getattr(self.hot, "create", True)))
 
     # -- which tier --------------------------------------------------------------------------
 
@@ -909,8 +909,8 @@ class TieredStore(DurableStore):
         self.hot.close()
 
 
-def _reopen(root: str, policy: str, preread: bool) -> TieredStore:
-    return TieredStore(DurableStore(root), policy, preread=preread)
+def _reopen(root: str, policy: str, preread: bool, create: bool = True) -> TieredStore:
+    return TieredStore(DurableStore(root, create=create), policy, preread=preread)
 
 
 def tiered_store(store: DurableStore, policy: str = DEFAULT_READ_POLICY, *, preread: bool = True) -> TieredStore:

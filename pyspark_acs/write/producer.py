@@ -540,16 +540,25 @@ class Producer:
             raise self._error
 
     def stats(self) -> Dict[str, float]:
-        """Counters: messages, blocks, bytes and files written; blocks whose cache writes
-        overlapped the next block's durable append (``overlapped_blocks``, a backlog's blocks
-        but the last of each round; every block with ``acknowledge="durable"``); batching
-        averages."""
+        """Counters: messages, blocks, bytes and files written; messages sent (taken by
+        ``send``/``send_many``) and acknowledged (what ``flush()`` waits for, see
+        ``acknowledge``); blocks whose cache writes overlapped the next block's durable append
+        (``overlapped_blocks``, a backlog's blocks but the last of each round; every block with
+        ``acknowledge="durable"``); batching averages."""
         self._check_process()
         with self._lock:
             files = sum(sh.writer.files_opened for sh in self._shards)
             overlapped = sum(sh.writer.overlapped_appends for sh in self._shards)
             return dict(self._stats, files=files, overlapped_blocks=overlapped, write_latency_s=self._latency_ewma,
-                        avg_block_bytes=self._block_ewma)
+                        avg_block_bytes=self._block_ewma, sent=sum(sh.queued for sh in self._shards),
+                        acknowledged=sum(sh.acknowledged for sh in self._shards))
+
+    def counts_unlocked(self) -> Tuple[int, int]:
+        """``(sent, acknowledged)`` as :meth:`stats` counts them, read without the Producer's
+        lock: for a signal handler, which runs in the main thread and may have interrupted it
+        while it held that lock (taking it there would never return). Each count is one int,
+        so each is a value it had; the two may be from moments apart."""
+        return sum(sh.queued for sh in self._shards), sum(sh.acknowledged for sh in self._shards)
 
     def current_files(self) -> Dict[int, str]:
         """The file each shard is writing now ('' before its first block)."""
