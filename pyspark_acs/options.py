@@ -11,6 +11,7 @@ a message that lists the valid ones.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Callable, Mapping, Optional, Type, TypeVar
 
 from pyspark_acs.errors import AcsOptionError
@@ -21,11 +22,13 @@ __all__ = [
     "choice_parser",
     "describe_options",
     "duration_parser",
+    "nearest_name",
     "option",
     "parse_bool",
     "parse_int",
     "parse_options",
     "parse_str",
+    "unknown_option_error",
 ]
 
 T = TypeVar("T")
@@ -55,6 +58,24 @@ def _fields(cls: type) -> dict:
     return {f.metadata["acs_name"].lower(): f for f in dataclasses.fields(cls) if "acs_name" in f.metadata}
 
 
+def nearest_name(key: str, names) -> Optional[str]:
+    """The name in ``names`` closest to ``key`` (case-insensitive), or ``None`` when none is close.
+
+    Used to say "did you mean ..." for a misspelt option or flag.
+    """
+    by_lower = {str(n).lower(): n for n in names}
+    found = difflib.get_close_matches(str(key).lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[found[0]] if found else None
+
+
+def unknown_option_error(component: str, key: str, names) -> AcsOptionError:
+    """The error for an unknown option ``key``: the nearest valid name, then all of them."""
+    nearest = nearest_name(key, names)
+    hint = f" (did you mean {nearest!r}?)" if nearest else ""
+    valid = ", ".join(sorted(names))
+    return AcsOptionError(f"{component}: unknown option {key!r}{hint}; valid options are: {valid}", option=str(key))
+
+
 def parse_options(cls: Type[T], raw: Mapping[str, Any], *, component: str) -> T:
     """Build ``cls`` from string options.
 
@@ -71,17 +92,14 @@ def parse_options(cls: Type[T], raw: Mapping[str, Any], *, component: str) -> T:
     Raises
     ------
     AcsOptionError
-        For an unknown name (listing the valid ones), a missing required option or a bad value.
+        For an unknown name (with the nearest valid one and the list of all), a missing required option or a bad value.
     """
     fields = _fields(cls)
     kwargs = {}
     for key, value in raw.items():
         f = fields.get(str(key).lower())
         if f is None:
-            valid = ", ".join(sorted(f.metadata["acs_name"] for f in fields.values()))
-            raise AcsOptionError(
-                f"{component}: unknown option {key!r}; valid options are: {valid}", option=str(key)
-            )
+            raise unknown_option_error(component, str(key), [f.metadata["acs_name"] for f in fields.values()])
         if value is None:
             continue
         name = f.metadata["acs_name"]

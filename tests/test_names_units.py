@@ -254,3 +254,21 @@ def test_nan_is_not_a_size_either():
     assert math.isnan(float("nan"))
     with pytest.raises(AcsOptionError):
         parse_bytes("nan")
+
+
+def test_parse_options_names_the_nearest_valid_option():
+    with pytest.raises(AcsOptionError) as err:
+        parse_options(_Opts, {"path": "/x", "POLLINTERVALL": "1s"}, component="acs source")
+    assert "unknown option 'POLLINTERVALL' (did you mean 'pollInterval'?)" in str(err.value)
+    assert "valid options are: count, enabled, maxBytes, mode, path, pollInterval" in str(err.value)
+    with pytest.raises(AcsOptionError) as err:  # nothing close: no guess, only the list
+        parse_options(_Opts, {"path": "/x", "zzz": "1"}, component="acs source")
+    assert "did you mean" not in str(err.value) and "valid options are" in str(err.value)
+
+
+def test_nearest_name_is_case_insensitive_and_keeps_the_declared_spelling():
+    from pyspark_acs.options import nearest_name
+
+    assert nearest_name("strartingoffsets", ["startingOffsets", "endingOffsets", "stream"]) == "startingOffsets"
+    assert nearest_name("rolBytes", ["rollBytes", "root"]) == "rollBytes"
+    assert nearest_name("qqqq", ["rollBytes", "root"]) is None
