@@ -6,26 +6,20 @@ because it looks for installed ``pyspark_*`` packages that export ``DefaultSourc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader
 from pyspark.sql.types import StructType
 
-from pyspark_acs.datasource import workergc
-from pyspark_acs.datasource.options import SinkOptions, SourceOptions, parse_sink_options, parse_source_options
-from pyspark_acs.options import option, parse_bool, parse_options
+from pyspark_acs.datasource import early, workergc
+from pyspark_acs.datasource.options import (SinkOptions, SourceOptions, check_source_options, parse_sink_options,
+                                            parse_source_options)
 
 # A reused Spark worker collects garbage after every task: the objects imported by now live as
 # long as the worker, so later collections need not walk them (see workergc).
 workergc.freeze_long_lived()
-
-
-@dataclass(frozen=True)
-class _HeadersOnly:
-    """The one source option the schema depends on (the rest is parsed by the readers)."""
-
-    include_headers: bool = option("includeHeaders", False, parse=parse_bool, doc="add the headers column")
+# On the driver: the sink's options are checked at writeStream...start() (see early).
+early.install()
 
 __all__ = ["AcsDataSource", "DefaultSource", "SinkOptions", "SourceOptions"]
 
@@ -125,12 +119,20 @@ class AcsDataSource(DataSource):
 
     def schema(self) -> str:
         """The read schema as a DDL string (the fixed columns listed above, and ``headers``
-        with option ``includeHeaders``)."""
+        with option ``includeHeaders``).
+
+        Spark calls it at ``load()`` (unless a schema is given): every source option is checked
+        here, so a bad one fails at ``load()`` rather than once the query runs.
+
+        Raises
+        ------
+        AcsOptionError
+            When an option is unknown (naming the nearest valid one), missing or invalid.
+        """
         from pyspark_acs.datasource.source import SCHEMA_DDL, SCHEMA_WITH_HEADERS_DDL
 
-        include = parse_options(_HeadersOnly, {k: v for k, v in self.options.items()
-                                               if k.lower() == "includeheaders"}, component="acs source")
-        return SCHEMA_WITH_HEADERS_DDL if include.include_headers else SCHEMA_DDL
+        opts = check_source_options(self.options)
+        return SCHEMA_WITH_HEADERS_DDL if opts.include_headers else SCHEMA_DDL
 
     def reader(self, schema: StructType) -> DataSourceReader:
         """The batch reader of ``spark.read.format("acs")``; ``schema`` is not used.

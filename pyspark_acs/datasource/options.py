@@ -22,7 +22,8 @@ from pyspark_acs.format.offsets import parse_offsets, parse_timestamps
 from pyspark_acs.storage.tier import parse_read_policy
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_bool, parse_int, parse_options, parse_str
 
-__all__ = ["SinkOptions", "SourceOptions", "parse_sink_options", "parse_source_options"]
+__all__ = ["SinkOptions", "SourceOptions", "check_sink_options", "check_source_options", "parse_sink_options",
+           "parse_source_options"]
 
 #: How long a read task waits for bytes that were published but are not readable yet
 #: (e.g. chunks lost with a cache replica while the durable copy is still catching up).
@@ -247,9 +248,17 @@ def _with_path(raw: Mapping[str, Any]) -> dict:
     return opts
 
 
-def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
-    """Parse and check the source options (raises AcsOptionError naming the option)."""
-    opts = _with_env_caches(parse_options(SourceOptions, _with_path(raw), component="acs source"))
+def check_source_options(raw: Mapping[str, Any]) -> SourceOptions:
+    """Parse the source options and check how they combine, without the driver's environment.
+
+    What :meth:`AcsDataSource.schema` runs at ``load()``, so a bad option fails there.
+
+    Raises
+    ------
+    AcsOptionError
+        Naming the option (an unknown one with the nearest valid name).
+    """
+    opts = parse_options(SourceOptions, _with_path(raw), component="acs source")
     if opts.starting_timestamp is not None and (opts.starting_offsets or opts.starting_by_timestamp):
         other = "startingOffsets" if opts.starting_offsets else "startingOffsetsByTimestamp"
         raise AcsOptionError(
@@ -269,6 +278,17 @@ def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
     return opts
 
 
+def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
+    """Parse and check the source options (raises AcsOptionError naming the option), with the
+    caches and security settings of the driver's environment filled in."""
+    return _with_env_caches(check_source_options(raw))
+
+
+def check_sink_options(raw: Mapping[str, Any]) -> SinkOptions:
+    """Parse the sink options without the driver's environment (the check ``start()`` runs)."""
+    return parse_options(SinkOptions, _with_path(raw), component="acs sink")
+
+
 def parse_sink_options(raw: Mapping[str, Any]) -> SinkOptions:
     """Parse and check the sink options (raises AcsOptionError naming the option)."""
-    return _with_env_caches(parse_options(SinkOptions, _with_path(raw), component="acs sink"))
+    return _with_env_caches(check_sink_options(raw))
