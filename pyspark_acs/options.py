@@ -10,6 +10,7 @@ a message that lists the valid ones.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 from typing import Any, Callable, Mapping, Optional, Type, TypeVar
@@ -22,6 +23,7 @@ __all__ = [
     "choice_parser",
     "describe_options",
     "duration_parser",
+    "flag_type",
     "nearest_name",
     "option",
     "parse_bool",
@@ -124,6 +126,23 @@ def describe_options(cls: type) -> str:
     return "\n".join(lines)
 
 
+def flag_type(parse: Callable[[Any, str], Any], flag: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` running ``parse(text, flag)``; an :class:`AcsOptionError` becomes
+    argparse's usage error (exit 2), which names the flag once ("argument --flag: ...")."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text, flag)
+        except AcsOptionError as exc:
+            message = str(exc)
+            if message.startswith(f"{flag}: "):
+                message = message[len(flag) + 2:]
+            raise argparse.ArgumentTypeError(message) from exc
+
+    convert.__name__ = flag.lstrip("-")
+    return convert
+
+
 # -- parsers: (value, option name) -> typed value --------------------------------------------
 
 
@@ -169,12 +188,23 @@ def parse_int(minimum: Optional[int] = None, maximum: Optional[int] = None) -> C
 
 def bytes_parser(minimum: int = 0) -> Callable[[Any, str], int]:
     """A parser for byte sizes (``"64MiB"``) of at least ``minimum`` bytes."""
-    return lambda value, name: parse_bytes(value, option=name, minimum=minimum)
+
+    def parse(value: Any, name: str) -> int:
+        return parse_bytes(value, option=name, minimum=minimum)
+
+    parse.acs_kind = "bytes"  # type: ignore[attr-defined] # how describe_options shows a default
+    return parse
 
 
-def duration_parser(minimum: float = 0.0) -> Callable[[Any, str], float]:
-    """A parser for durations (``"10ms"``, bare numbers are seconds) into seconds."""
-    return lambda value, name: parse_duration(value, option=name, minimum=minimum)
+def duration_parser(minimum: float = 0.0, *, unit_required: bool = False) -> Callable[[Any, str], float]:
+    """A parser for durations (``"10ms"``) into seconds; a bare number is seconds, or refused with
+    ``unit_required`` (retentions and TTLs, see :mod:`pyspark_acs.units`)."""
+
+    def parse(value: Any, name: str) -> float:
+        return parse_duration(value, option=name, minimum=minimum, unit_required=unit_required)
+
+    parse.acs_kind = "duration"  # type: ignore[attr-defined]
+    return parse
 
 
 def choice_parser(*choices: str) -> Callable[[Any, str], str]:

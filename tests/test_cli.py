@@ -147,7 +147,7 @@ def test_unknown_option_exits_2(acs, acs_inproc, root):
         (("nosuchcommand",), "invalid choice: 'nosuchcommand'"),
         ((), "required: COMMAND"),
         (("tail", "--root", root, "--stream", "s", "--format", "xml"), "invalid choice: 'xml'"),
-        (("tail", "--root", root, "--stream", "s", "--timeout", "soon"), "invalid float value: 'soon'"),
+        (("tail", "--root", root, "--stream", "s", "--timeout", "soon"), "argument --timeout: 'soon' is not a duration"),
     ]:
         code, _, err = acs_inproc(*args)
         assert code == 2 and text in err, (args, err)
@@ -251,3 +251,44 @@ def test_tail_wait_follows_a_stream_created_later(python_exe, subprocess_env, ro
 def test_tail_wait_with_a_timeout_names_what_never_came(acs_inproc, root):
     code, _, err = acs_inproc("tail", "--root", root, "--stream", "never", "--wait", "--timeout", "0.3")
     assert code == 1 and "--wait: stream never did not appear" in err
+
+
+# -- durations: one rule for every flag (issue 38 item 7) ----------------------------------------
+
+
+def test_tail_timeout_takes_a_unit_like_every_other_duration_flag(acs, tmp_path):
+    root = str(tmp_path / "store")
+    acs("produce", "--root", root, "--stream", "s", input=b"a\nb\n", check=0)
+    for timeout in ("300ms", "0.3s", "0.3"):  # a bare number stays seconds for a timeout
+        res = acs("tail", "--root", root, "--stream", "s", "--timeout", timeout, check=0)
+        assert res.stdout == b"a\nb\n", res.stderr
+    res = acs("tail", "--root", root, "--stream", "s", "--timeout", "soon", check=2)
+    assert "argument --timeout: 'soon' is not a duration" in res.stderr.decode()
+
+
+def test_a_retention_without_a_unit_is_refused_naming_the_unit(acs, tmp_path):
+    """``--hot-retention 1`` read as one second would delete the hot copies: it is refused."""
+    root = str(tmp_path / "store")
+    acs("produce", "--root", root, "--stream", "s", input=b"a\n", check=0)
+    cold = str(tmp_path / "cold")
+    for flag in ("--hot-retention", "--secondary-retention"):
+        res = acs("tier", "s", cold, "--root", root, flag, "1")
+        assert res.returncode == 1, (res.stdout, res.stderr)
+        err = res.stderr.decode()
+        assert f"{flag}: '1' has no unit; add one: '1s' for seconds, '1h' for hours or '1d' for days" in err, err
+    show = acs("tier", "s", "--root", root, check=0)
+    assert b"not tiered" in show.stdout  # nothing was written
+    acs("tier", "s", cold, "--root", root, "--hot-retention", "1d", check=0)
+    assert b"hot retention:        1d" in acs("tier", "s", "--root", root, check=0).stdout
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["pyspark_acs.cli.main", "up", "--data-ttl", "60"], "--data-ttl"),
+    (["pyspark_acs.server.cache", "--role", "data", "--ttl", "60"], "--ttl"),
+])
+def test_a_ttl_without_a_unit_is_refused(python_exe, subprocess_env, tmp_path, argv, flag):
+    res = subprocess.run([python_exe, "-m", *argv], capture_output=True, text=True, env=subprocess_env,
+                         cwd=str(tmp_path), timeout=TIMEOUT)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert f"argument {flag}: '60' has no unit; add one: '60s'" in res.stderr
+    assert not os.path.exists(tmp_path / ".acs-local" / "deployment.json")

@@ -139,8 +139,8 @@ def test_status_without_caches_shows_durable_lengths_only(root, env, python_exe,
 
 @pytest.mark.parametrize("args, code, needle", [
     (["up", "--data-replicas", "x"], 2, "--data-replicas"),
-    (["up", "--capacity", "12XB"], 1, "capacity"),
-    (["up", "--data-ttl", "soon"], 1, "data_ttl"),
+    (["up", "--capacity", "12XB"], 2, "argument --capacity: '12XB' is not a byte size"),
+    (["up", "--data-ttl", "soon"], 2, "argument --data-ttl: 'soon' is not a duration"),
     (["status", "--root", "R", "--metadata-cache", "nohost"], 1, "nohost"),
     (["status", "--root", "R", "--stream", "missing"], 1, "no durable store at"),
     (["up", "--cluster", "A"], 1, "--cluster and --topology go together"),

@@ -272,3 +272,22 @@ def test_nearest_name_is_case_insensitive_and_keeps_the_declared_spelling():
     assert nearest_name("strartingoffsets", ["startingOffsets", "endingOffsets", "stream"]) == "startingOffsets"
     assert nearest_name("rolBytes", ["rollBytes", "root"]) == "rollBytes"
     assert nearest_name("qqqq", ["rollBytes", "root"]) is None
+
+
+def test_a_duration_that_needs_its_unit_refuses_a_bare_number():
+    assert parse_duration("1d", option="--ttl", unit_required=True) == 86400.0
+    assert parse_duration(1.5, option="--ttl", unit_required=True) == 1.5  # a Python number is seconds
+    with pytest.raises(AcsOptionError, match=r"--ttl: '7' has no unit; add one: '7s' for seconds, '7h'"):
+        parse_duration("7", option="--ttl", unit_required=True)
+    assert parse_duration("7", option="--timeout") == 7.0  # timeouts and intervals: seconds
+
+
+def test_durations_and_sizes_format_as_they_parse():
+    from pyspark_acs.units import format_duration, format_size
+
+    for seconds, text in ((0, "0s"), (0.01, "10ms"), (0.5, "500ms"), (60, "1min"), (3600, "1h"), (86400, "1d"),
+                          (90, "90s"), (1.5, "1500ms"), (1e-6, "1us")):
+        assert format_duration(seconds) == text
+        assert parse_duration(text) == pytest.approx(seconds)
+    for n, text in ((0, "0B"), (1000, "1000B"), (1024, "1KiB"), (64 << 20, "64MiB"), (1 << 30, "1GiB")):
+        assert format_size(n) == text and parse_bytes(text) == n

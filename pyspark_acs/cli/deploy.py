@@ -26,6 +26,7 @@ from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_e
 from pyspark_acs.cli.main import register_command
 from pyspark_acs.cli.watch import add_watch_flags
 from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.options import bytes_parser, duration_parser, flag_type
 
 __all__ = ["DEFAULT_DIR", "cmd_down", "cmd_status", "cmd_up", "status_report"]
 
@@ -76,9 +77,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise AcsOptionError("--root: give the cluster's durable store root to record in the topology file",
                              option="--root")
     links = [_link(text) for text in args.link]
-    from pyspark_acs.units import parse_duration
-
-    tier_interval = parse_duration(args.tier_interval, option="--tier-interval", minimum=0.01)
+    tier_interval = args.tier_interval
     security, exports = _security(args)
     if args.topology is not None:
         from pyspark_acs.server.copy.topology import check_writable
@@ -416,8 +415,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"deployment folder: logs, pids, state (default {DEFAULT_DIR})")
     p.add_argument("--data-replicas", type=_replicas, default=3, help="data-cache servers (default 3)")
     p.add_argument("--metadata-replicas", type=_replicas, default=3, help="metadata-cache servers (default 3)")
-    p.add_argument("--capacity", default="256MiB", help="data-cache capacity per server (default 256MiB)")
-    p.add_argument("--data-ttl", default="60s", help="time to live of data chunks (default 60s)")
+    p.add_argument("--capacity", default="256MiB", type=flag_type(bytes_parser(1), "--capacity"),
+                   help="data-cache capacity per server (default 256MiB)")
+    p.add_argument("--data-ttl", default="60s", type=flag_type(duration_parser(0.001, unit_required=True), "--data-ttl"),
+                   help="time to live of data chunks, with its unit (default 60s)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     p.add_argument("--base-port", type=int, default=None, metavar="N",
                    help="fixed ports: gRPC from N (data servers, then metadata), then the metrics ports "
@@ -429,7 +430,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="the cluster's durable store root (with --cluster; the hot store with --tier-mover)")
     p.add_argument("--tier-mover", action="store_true",
                    help="also run a tier mover over --root (streams with a tier: acs tier); stopped by acs down")
-    p.add_argument("--tier-interval", default="10s", help="time between the tier mover's passes (default 10s)")
+    p.add_argument("--tier-interval", default="10s", type=flag_type(duration_parser(0.01), "--tier-interval"),
+                   help="time between the tier mover's passes (default 10s)")
     p.add_argument("--copy-port", type=int, default=None, help="the cluster's copy daemon port (default: a free one)")
     p.add_argument("--link", action="append", default=[], metavar="CLUSTER[:COST]",
                    help="a link from this cluster to another (repeatable; cost 1 by default)")

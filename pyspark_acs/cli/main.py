@@ -13,6 +13,7 @@ import sys
 from typing import Callable, Dict, Optional, Sequence
 
 from pyspark_acs.errors import AcsError, AcsOptionError
+from pyspark_acs.options import duration_parser, flag_type
 
 __all__ = ["DEFAULT_NEW_SHARDS", "STREAM_WAIT_POLL_S", "build_parser", "main"]
 
@@ -63,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="earliest (default), latest, an offsets JSON object, or @FILE holding one")
     p.add_argument("--format", choices=("text", "json", "raw"), default="text",
                    help="text: value per line; json: one object per message; raw: value bytes only")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="stop after this many seconds without new messages (default: follow forever)")
+    p.add_argument("--timeout", type=flag_type(duration_parser(0.0), "--timeout"), default=None, metavar="DURATION",
+                   help="stop after this long without new messages, e.g. 5s or 500ms; a bare number is seconds "
+                        "(default: follow forever)")
     p.add_argument("--max-messages", type=int, default=None, help="stop after this many messages")
     p.add_argument("--offsets-out", default=None, metavar="FILE",
                    help="write the final offsets JSON here (resume later with --from @FILE)")

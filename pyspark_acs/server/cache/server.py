@@ -682,7 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--ttl",
-        type=_flag_type("--ttl", lambda t: parse_duration(t, option="--ttl", minimum=0.001)),
+        type=_flag_type("--ttl", lambda t: parse_duration(t, option="--ttl", minimum=0.001, unit_required=True)),
         default=None,
         help="default time to live of entries, e.g. 60s (default: 60s data, 24h metadata)",
     )

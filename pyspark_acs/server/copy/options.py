@@ -117,7 +117,8 @@ class CopyDaemonOptions:
         doc="an operation further behind copies durable only; its cache copy starts near the head",
     )
     chunk_ttl: float = option(
-        "chunk_ttl", DEFAULT_CHUNK_TTL_S, parse=duration_parser(0.001), doc="data cache chunk TTL"
+        "chunk_ttl", DEFAULT_CHUNK_TTL_S, parse=duration_parser(0.001, unit_required=True),
+        doc="data cache chunk TTL (with its unit, e.g. 60s)"
     )
     max_delta_bytes: int = option(
         "max_delta_bytes", DEFAULT_MAX_DELTA_BYTES, parse=bytes_parser(4096), doc="largest delta per message"

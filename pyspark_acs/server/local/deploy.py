@@ -276,8 +276,8 @@ class LocalDeployment:
             ),
         }
         self.ttl = {
-            "data": parse_duration(data_ttl, option="data_ttl"),
-            "metadata": parse_duration(metadata_ttl, option="metadata_ttl"),
+            "data": parse_duration(data_ttl, option="data_ttl", unit_required=True),
+            "metadata": parse_duration(metadata_ttl, option="metadata_ttl", unit_required=True),
         }
         self.host = host
         self.security = (security if security is not None else resolve_security()).with_token(token)
