@@ -401,3 +401,23 @@ def test_a_length_pushed_while_latest_offset_looks_is_in_its_answer(root, tmp_pa
         assert end[("pushed", 1)] > before[("pushed", 1)]  # ... the answer has it
     finally:
         dep.stop()
+
+
+def _readme_python_blocks():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    return [m.group(1) for m in __import__("re").finditer(r"```python\n(.*?)```", text, flags=__import__("re").S)]
+
+
+def test_the_readmes_batch_write_runs_as_written(spark, tmp_path, monkeypatch, capsys):
+    """Spark's default save mode (ErrorIfExists) fails before the sink runs: the README's batch
+    write says ``.mode("append")``, and runs as written (in this session: its ``getOrCreate``
+    returns it; its relative root lands in a fresh folder)."""
+    writes = [b for b in _readme_python_blocks() if '.write.format("acs")' in b]
+    assert writes, "README.md shows no batch write"
+    monkeypatch.chdir(tmp_path)
+    for code in writes:
+        assert '.mode("append")' in code, code
+        exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+    assert capsys.readouterr().out.split()[-1] == "2"

@@ -90,6 +90,11 @@ class AcsDataSource(DataSource):
 
     Sink options (``df.writeStream.format("acs")`` / ``df.write.format("acs")``)
     --------------------------------------------------------------------------
+    A batch write needs ``.mode("append")``: Spark refuses its default mode (``ErrorIfExists``)
+    before the sink runs, and the sink refuses ``overwrite`` (streams are append-only)::
+
+        df.write.format("acs").mode("append").option("root", root).option("stream", "s").save()
+
     root : required
     stream : required unless the DataFrame has a ``stream`` column
         The target stream of every row; it overrides a ``stream`` column (as Kafka's ``topic``
