@@ -135,7 +135,7 @@ def format_duration(seconds: float) -> str:
     """A duration as :func:`parse_duration` reads it back: ``3600`` -> ``'1h'``, ``0.01`` -> ``'10ms'``."""
     if seconds == 0:
         return "0s"
-    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         count = seconds / size
         if count >= 1 and abs(count - round(count)) < 1e-9:
             return f"{round(count)}{unit}"

@@ -292,3 +292,30 @@ def test_a_ttl_without_a_unit_is_refused(python_exe, subprocess_env, tmp_path, a
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert f"argument {flag}: '60' has no unit; add one: '60s'" in res.stderr
     assert not os.path.exists(tmp_path / ".acs-local" / "deployment.json")
+
+
+# -- daemons' flags come from their option declarations (issue 39 item 2, issue 38 item 10) -------
+
+
+@pytest.mark.parametrize("module, declared", [
+    ("pyspark_acs.server.cache", "pyspark_acs.server.cache.options:CacheServerOptions"),
+    ("pyspark_acs.server.tier.daemon", "pyspark_acs.server.tier.options:TierMoverOptions"),
+])
+def test_daemon_help_is_generated_from_the_declarations_in_plain_text(python_exe, subprocess_env, module, declared):
+    import dataclasses
+    import importlib
+
+    from pyspark_acs.options import flag_of
+    from pyspark_acs.server.settings import METRICS_PORT_DOC
+
+    mod, _, name = declared.partition(":")
+    cls = getattr(importlib.import_module(mod), name)
+    res = subprocess.run([python_exe, "-m", module, "--help"], capture_output=True, text=True, env=subprocess_env,
+                         timeout=TIMEOUT)
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())  # argparse wraps lines
+    for f in dataclasses.fields(cls):
+        assert flag_of(f) in text, (flag_of(f), res.stdout)
+        assert " ".join(f.metadata["acs_doc"].split()) in text, (f.name, res.stdout)
+    assert METRICS_PORT_DOC in text and "--log-level" in text
+    assert "``" not in res.stdout and ":class:" not in res.stdout and ":data:" not in res.stdout

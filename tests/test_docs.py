@@ -102,3 +102,42 @@ def test_runnable_block(block: Block, tmp_path, subprocess_env):
         _stop_deployments(work, env)
     assert run.returncode == 0, (f"{block.doc}:{block.line}: the {block.language} block exited {run.returncode}\n"
                                  f"--- block\n{block.code}--- stdout\n{run.stdout[-3000:]}\n--- stderr\n{run.stderr[-3000:]}")
+
+
+# -- option references rendered from the declarations ------------------------------------------
+
+#: A table rendered from an options dataclass: ``<!-- options: module.Class style -->``, the
+#: table, ``<!-- /options -->``.
+OPTIONS_TABLE = re.compile(r"<!-- options: (\S+) (\w+) -->\n(.*?)\n<!-- /options -->", re.S)
+
+
+def _declared(path: str):
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_option_tables_in_the_docs_agree_with_the_declarations():
+    from pyspark_acs.options import describe_options
+
+    found = 0
+    for doc in DOCS:
+        for m in OPTIONS_TABLE.finditer(doc.read_text(encoding="utf-8")):
+            found += 1
+            expected = describe_options(_declared(m.group(1)), m.group(2))
+            assert m.group(3) == expected, (
+                f"{doc.relative_to(ROOT)}: the table of {m.group(1)} differs from its declarations; "
+                f"replace it with:\n{expected}")
+    assert found >= 1
+
+
+def test_the_datasource_docstring_lists_every_declared_option():
+    from pyspark_acs.datasource import AcsDataSource, SinkOptions, SourceOptions
+    from pyspark_acs.options import describe_options
+
+    doc = AcsDataSource.__doc__
+    assert describe_options(SourceOptions, "rst") in doc and describe_options(SinkOptions, "rst") in doc
+    for cls in (SourceOptions, SinkOptions):
+        for f in __import__("dataclasses").fields(cls):
+            assert f"\n{f.metadata['acs_name']} : " in doc, f.metadata["acs_name"]

@@ -212,7 +212,8 @@ def test_parse_options_bad_values_name_the_option(raw, name, pattern):
 def test_describe_options():
     text = describe_options(_Opts)
     assert "path (required): where" in text
-    assert "maxBytes (default 1024): cap" in text
+    assert "maxBytes (default 1KiB): cap" in text
+    assert "pollInterval (default 10ms): poll" in text
 
 
 # -- offsets -----------------------------------------------------------------------------------
@@ -285,7 +286,7 @@ def test_a_duration_that_needs_its_unit_refuses_a_bare_number():
 def test_durations_and_sizes_format_as_they_parse():
     from pyspark_acs.units import format_duration, format_size
 
-    for seconds, text in ((0, "0s"), (0.01, "10ms"), (0.5, "500ms"), (60, "1min"), (3600, "1h"), (86400, "1d"),
+    for seconds, text in ((0, "0s"), (0.01, "10ms"), (0.5, "500ms"), (60, "60s"), (3600, "1h"), (86400, "1d"),
                           (90, "90s"), (1.5, "1500ms"), (1e-6, "1us")):
         assert format_duration(seconds) == text
         assert parse_duration(text) == pytest.approx(seconds)
