@@ -410,14 +410,20 @@ def _readme_python_blocks():
     return [m.group(1) for m in __import__("re").finditer(r"```python\n(.*?)```", text, flags=__import__("re").S)]
 
 
-def test_the_readmes_batch_write_runs_as_written(spark, tmp_path, monkeypatch, capsys):
+def test_the_readmes_batch_write_runs_as_written(tmp_path, subprocess_env):
     """Spark's default save mode (ErrorIfExists) fails before the sink runs: the README's batch
-    write says ``.mode("append")``, and runs as written (in this session: its ``getOrCreate``
-    returns it; its relative root lands in a fresh folder)."""
+    write says ``.mode("append")``, and runs as written, as a job of its own in a fresh folder
+    (its relative root resolves in the driver's and the workers' working folder)."""
+    import subprocess
+    import sys
+
     writes = [b for b in _readme_python_blocks() if '.write.format("acs")' in b]
     assert writes, "README.md shows no batch write"
-    monkeypatch.chdir(tmp_path)
     for code in writes:
         assert '.mode("append")' in code, code
-        exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
-    assert capsys.readouterr().out.split()[-1] == "2"
+        env = {k: v for k, v in subprocess_env.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+        run = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.split()[-1] == "2", run.stdout
+        assert (tmp_path / "acs-data" / "greetings").is_dir()
