@@ -1,4 +1,4 @@
-"""Faults a user meets at the command line (issue 38, items 4, 5 and 9), run as a user runs them.
+"""Faults a user meets at the command line, run as a user runs them.
 
 - A root that does not exist is an error naming it for every reader (``acs tail``, the
   Consumer, a Spark read), and none of them creates the folder.

@@ -985,7 +985,7 @@ def test_acs_up_runs_a_tier_mover_and_acs_down_stops_it(root, s3, subprocess_env
     bad = acs("up", "--dir", dep_dir, "--tier-mover")
     assert bad.returncode == 1 and "--tier-mover: give the hot store root" in bad.stderr
     bad = acs("up", "--dir", dep_dir, "--tier-mover", "--root", root, "--tier-interval", "often")
-    assert bad.returncode == 1 and "--tier-interval" in bad.stderr
+    assert bad.returncode == 2 and "argument --tier-interval: 'often' is not a duration" in bad.stderr
     up = acs("up", "--dir", dep_dir, "--data-replicas", "1", "--metadata-replicas", "1", "--capacity", "16MiB",
              "--tier-mover", "--root", root, "--tier-interval", "100ms")
     pids = []

@@ -13,8 +13,10 @@ import sys
 from typing import Callable, Dict, Optional, Sequence
 
 from pyspark_acs.errors import AcsError, AcsOptionError
+from pyspark_acs.options import duration_parser, flag_type
 
-__all__ = ["DEFAULT_NEW_SHARDS", "INTERRUPTED_EXIT", "INTERRUPT_WAIT_S", "STREAM_WAIT_POLL_S", "build_parser", "main"]
+__all__ = ["DEFAULT_NEW_SHARDS", "INTERRUPTED_EXIT", "INTERRUPT_WAIT_S", "STREAM_WAIT_POLL_S", "build_parser",
+           "check_cache_flags", "ls_report", "main"]
 
 #: Shards of a stream ``acs produce`` creates without ``--shards``.
 DEFAULT_NEW_SHARDS = 1
@@ -30,6 +32,17 @@ FLUSH_STEP_S = 0.1
 
 def _add_root(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", required=True, help="durable store root: a local folder or a URI (file://, hdfs://)")
+
+
+def check_cache_flags(args: argparse.Namespace) -> None:
+    """``--data-cache`` / ``--metadata-cache`` checked under their own names (a library error
+    would name its parameter, ``endpoints``)."""
+    from pyspark_acs.cache.client import NO_CACHE, parse_endpoints
+
+    for flag, value in (("--data-cache", getattr(args, "data_cache", None)),
+                        ("--metadata-cache", getattr(args, "metadata_cache", None))):
+        if value is not None and value.strip().lower() not in ("", NO_CACHE):
+            parse_endpoints(value, option=flag)
 
 
 def _add_caches(p: argparse.ArgumentParser) -> None:
@@ -72,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="earliest (default), latest, an offsets JSON object, or @FILE holding one")
     p.add_argument("--format", choices=("text", "json", "raw"), default="text",
                    help="text: value per line; json: one object per message; raw: value bytes only")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="stop after this many seconds without new messages (default: follow forever)")
+    p.add_argument("--timeout", type=flag_type(duration_parser(0.0), "--timeout"), default=None, metavar="DURATION",
+                   help="stop after this long without new messages, e.g. 5s or 500ms; a bare number is seconds "
+                        "(default: follow forever)")
     p.add_argument("--max-messages", type=int, default=None, help="stop after this many messages")
     p.add_argument("--offsets-out", default=None, metavar="FILE",
                    help="write the final offsets JSON here (resume later with --from @FILE)")
@@ -84,9 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_caches(p)
     p.set_defaults(func=cmd_tail)
 
-    p = sub.add_parser("ls", help="list streams, shards, files and lengths")
+    p = sub.add_parser("ls", help="list streams, shards, files and lengths",
+                       description="List the streams of a durable store: per stream its shard count (and tier, "
+                                   "when tiered), per shard its files and bytes, per file its length.")
     _add_root(p)
     p.add_argument("--stream", default=None, help="only this stream")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_ls)
 
     for name, func in _EXTRA_COMMANDS.items():
@@ -116,6 +133,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     acknowledged)`` and exits 130; a second Ctrl-C exits at once (see :class:`_CtrlC`)."""
     from pyspark_acs.write.producer import Producer
 
+    check_cache_flags(args)
     from pyspark_acs.storage.store import open_store
 
     try:
@@ -287,14 +305,33 @@ def _flush(producer, ctrl_c: _CtrlC) -> None:
             continue
 
 
+#: The words ``--from`` takes besides an offsets JSON object or ``@FILE``.
+_START_WORDS = ("earliest", "latest")
+
+
 def _start_spec(text: str):
+    """``--from``: earliest, latest, an offsets JSON object or @FILE holding one, checked here so
+    an error names the flag (the Consumer's would name its parameter, ``start``)."""
+    from pyspark_acs.format.offsets import parse_offsets
+    from pyspark_acs.options import nearest_name
+
     if text.startswith("@"):
         try:
             with open(text[1:], encoding="utf-8") as f:
-                return json.load(f)
+                spec = json.load(f)
         except (OSError, ValueError) as exc:
             raise AcsOptionError(f"--from: cannot read offsets from {text[1:]}: {exc}", option="--from") from exc
-    return text
+        parse_offsets(spec, option="--from")
+        return spec
+    if text.strip().lower() in _START_WORDS:
+        return text.strip().lower()
+    if text.lstrip().startswith("{"):
+        parse_offsets(text, option="--from")
+        return text
+    nearest = nearest_name(text, _START_WORDS)
+    hint = f" (did you mean {nearest!r}?)" if nearest else ""
+    raise AcsOptionError(f"--from: {text!r} is not allowed{hint}; use earliest, latest, an offsets JSON object "
+                         f"or @FILE holding one", option="--from")
 
 
 def _wait_for_streams(root: str, streams: Sequence[str], timeout: Optional[float]) -> None:
@@ -356,6 +393,8 @@ def cmd_tail(args: argparse.Namespace) -> int:
     except ValueError:
         raise AcsOptionError(f"--shards: {args.shards!r} is not a comma-separated list of shard numbers",
                              option="--shards") from None
+    check_cache_flags(args)
+    start = _start_spec(args.start)
     if args.wait:
         _wait_for_streams(args.root, streams, args.timeout)
     from pyspark_acs.errors import RootNotFoundError
@@ -364,7 +403,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
         read_path = _read_path(args, args.root)
     except RootNotFoundError as exc:
         raise RootNotFoundError(f"{exc}; or add --wait to wait for it", root=exc.root, path=exc.path) from None
-    consumer = Consumer(args.root, streams, shards, start=_start_spec(args.start), read_path=read_path)
+    consumer = Consumer(args.root, streams, shards, start=start, read_path=read_path)
     out = sys.stdout.buffer
     seen = 0
     printed: Optional[int] = None  # rows printed of the batch being printed (None: all of it)
@@ -408,28 +447,44 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
+def ls_report(root: str, stream: Optional[str] = None) -> dict:
+    """What ``acs ls`` prints, as a JSON-able dict: ``{"root", "streams": [{"stream", "shards",
+    "tier", "shard_list": [{"shard", "bytes", "files": [{"file", "length"}]}]}]}`` (``tier`` is
+    ``None`` for a stream that is not tiered)."""
     from pyspark_acs.format.names import shard_dir
     from pyspark_acs.storage.store import open_store
     from pyspark_acs.storage.tier import tier_summary, tiered_store
 
-    store = tiered_store(open_store(args.root, create=False))  # files in either tier
-    streams = [args.stream] if args.stream else store.list_streams()
-    for stream in streams:
-        shards = store.stream_shards(stream)
+    store = tiered_store(open_store(root, create=False))  # files in either tier
+    report: dict = {"root": store.root, "streams": []}
+    for name in [stream] if stream else store.list_streams():
+        shards = store.stream_shards(name)
         if shards is None:
-            raise AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
-        print(f"{stream}  shards={shards}")
-        summary = tier_summary(store.hot, stream)
-        if summary["uri"]:  # only tiered streams get the line (untiered output stays as it was)
-            print(f"  {summary['line']}")
+            raise AcsOptionError(f"--stream: no stream {name!r} in {store.root}", option="--stream")
+        summary = tier_summary(store.hot, name)
+        entry = {"stream": name, "shards": shards, "tier": summary if summary["uri"] else None, "shard_list": []}
         for shard in range(shards):
-            files = store.list_files(stream, shard)
-            lengths = store.lengths([f"{shard_dir(stream, shard)}/{f}" for f in files])
-            total = sum(v or 0 for v in lengths.values())
-            print(f"  shard {shard:5d}  files={len(files)}  bytes={total}")
-            for f in files:
-                print(f"    {f}  {lengths[f'{shard_dir(stream, shard)}/{f}']}")
+            files = store.list_files(name, shard)
+            lengths = store.lengths([f"{shard_dir(name, shard)}/{f}" for f in files])
+            rows = [{"file": f, "length": lengths[f"{shard_dir(name, shard)}/{f}"]} for f in files]
+            entry["shard_list"].append({"shard": shard, "bytes": sum(r["length"] or 0 for r in rows), "files": rows})
+        report["streams"].append(entry)
+    return report
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    report = ls_report(args.root, args.stream)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for entry in report["streams"]:
+        print(f"{entry['stream']}  shards={entry['shards']}")
+        if entry["tier"]:  # only tiered streams get the line (untiered output stays as it was)
+            print(f"  {entry['tier']['line']}")
+        for sh in entry["shard_list"]:
+            print(f"  shard {sh['shard']:5d}  files={len(sh['files'])}  bytes={sh['bytes']}")
+            for row in sh["files"]:
+                print(f"    {row['file']}  {row['length']}")
     return 0
 
 

@@ -27,6 +27,7 @@ from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_e
 from pyspark_acs.errors import AcsOptionError, AcsTimeoutError, ClosedError, LeaseError
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block
 from pyspark_acs.format.names import MAX_SHARDS, new_writer_id, validate_shard, validate_stream
+from pyspark_acs.options import bytes_parser, duration_parser, option, parse_int, parse_options
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.file import AppendConflictError
@@ -128,43 +129,46 @@ def _timestamp_us(timestamp: Any) -> int:
     raise TypeError("timestamp must be a datetime or microseconds since the epoch")
 
 
+def _acknowledge(value: Any, name: str) -> str:
+    if value not in ACKNOWLEDGE_MODES:
+        raise AcsOptionError(
+            f"{name}: {value!r} is not allowed; use one of {', '.join(map(repr, ACKNOWLEDGE_MODES))}", option=name
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class ProducerOptions:
-    """Validated Producer settings (see :class:`Producer` for their meaning)."""
+    """Validated Producer settings (see :class:`Producer` for their meaning), declared with
+    :func:`~pyspark_acs.options.option` and built by :func:`~pyspark_acs.options.parse_options`
+    (:meth:`from_values`)."""
 
-    shards: int = 1
-    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES
-    roll_bytes: int = DEFAULT_ROLL_BYTES
-    roll_seconds: float = DEFAULT_ROLL_SECONDS
-    max_batch_delay: float = DEFAULT_MAX_BATCH_DELAY_S
-    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
-    lease_seconds: float = DEFAULT_LEASE_SECONDS
-    acknowledge: str = DEFAULT_ACKNOWLEDGE
+    shards: int = option("shards", 1, parse=parse_int(1, MAX_SHARDS), doc="shards of the stream")
+    max_block_bytes: int = option("max_block_bytes", DEFAULT_MAX_BLOCK_BYTES, parse=bytes_parser(1024),
+                                  doc="largest block body")
+    roll_bytes: int = option("roll_bytes", DEFAULT_ROLL_BYTES, parse=bytes_parser(1),
+                             doc="a new file starts at this size")
+    roll_seconds: float = option("roll_seconds", DEFAULT_ROLL_SECONDS, parse=duration_parser(0.001),
+                                 doc="a new file starts at this age")
+    max_batch_delay: float = option("max_batch_delay", DEFAULT_MAX_BATCH_DELAY_S, parse=duration_parser(0.0),
+                                    doc="cap of the adaptive batching delay")
+    max_pending_bytes: int = option("max_pending_bytes", DEFAULT_MAX_PENDING_BYTES, parse=bytes_parser(1),
+                                    doc="send() blocks while this many bytes are buffered")
+    lease_seconds: float = option("lease_seconds", DEFAULT_LEASE_SECONDS, parse=duration_parser(0.1),
+                                  doc="shard lease; a crashed producer's shards are free after it")
+    acknowledge: str = option("acknowledge", DEFAULT_ACKNOWLEDGE, parse=_acknowledge,
+                              doc="when a message counts as acknowledged: published or durable")
 
-    def __post_init__(self) -> None:
-        if self.acknowledge not in ACKNOWLEDGE_MODES:
-            raise AcsOptionError(
-                f"acknowledge: {self.acknowledge!r} is not allowed; use one of "
-                f"{', '.join(map(repr, ACKNOWLEDGE_MODES))}",
-                option="acknowledge",
-            )
-        checks = [
-            ("shards", self.shards, 1),
-            ("max_block_bytes", self.max_block_bytes, 1024),
-            ("roll_bytes", self.roll_bytes, 1),
-            ("roll_seconds", self.roll_seconds, 0.001),
-            ("max_batch_delay", self.max_batch_delay, 0),
-            ("max_pending_bytes", self.max_pending_bytes, 1),
-            ("lease_seconds", self.lease_seconds, 0.1),
-        ]
-        for name, value, minimum in checks:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-                raise AcsOptionError(f"{name}: {value!r} is not allowed; it must be a number >= {minimum}", option=name)
-        if not isinstance(self.shards, int) or self.shards > MAX_SHARDS:
-            raise AcsOptionError(
-                f"shards: {self.shards!r} is not allowed; it must be a whole number from 1 to {MAX_SHARDS}",
-                option="shards",
-            )
+    @classmethod
+    def from_values(cls, **values: Any) -> "ProducerOptions":
+        """Parse the Producer's keyword arguments (numbers or strings such as ``"1MiB"``, ``"5ms"``).
+
+        Raises
+        ------
+        AcsOptionError
+            Naming the option and what it allows.
+        """
+        return parse_options(cls, values, component="Producer", none_given=True)
 
 
 class _Shard:
@@ -288,16 +292,17 @@ class Producer:
         cache_token: Optional[str] = None,
         security: Any = None,
     ) -> None:
-        self.options = ProducerOptions(
-            shards, max_block_bytes, roll_bytes, roll_seconds, max_batch_delay, max_pending_bytes, lease_seconds,
-            acknowledge,
+        self.options = ProducerOptions.from_values(
+            shards=shards, max_block_bytes=max_block_bytes, roll_bytes=roll_bytes, roll_seconds=roll_seconds,
+            max_batch_delay=max_batch_delay, max_pending_bytes=max_pending_bytes, lease_seconds=lease_seconds,
+            acknowledge=acknowledge,
         )
         self.stream = validate_stream(stream)
         #: The process that made this Producer: the only one with its writer thread.
         self._made = _fork.mark()
         self.store = open_store(root)
         self.writer_id = writer_id or new_writer_id()
-        self.shards = self.store.create_stream(stream, shards)
+        self.shards = self.store.create_stream(stream, self.options.shards)
         # _lock guards the pending lists of every _Shard, _pending_bytes, _stats,
         # _error, _closed and _round_robin; _cond (on _lock) signals the writer thread and
         # waiters in flush()/send().
