@@ -1064,7 +1064,7 @@ def test_an_append_past_a_lock_held_by_a_stopped_process_is_refused_and_appends_
     from test_store import _LOCK_HOLDER
 
     from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS
-    from pyspark_acs.write.file import AppendLockBusyError
+    from pyspark_acs.errors import AppendLockBusyError
 
     store = DurableStore(root)
     store.create_stream("busy", 1)

@@ -48,7 +48,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError
+from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError, TierUploadError
 from pyspark_acs.format.block import HEADER_SIZE
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.storage.store import _translate as _store_translate, open_filesystem
@@ -66,7 +66,6 @@ __all__ = [
     "TierRecord",
     "TierSettings",
     "TierStore",
-    "TierUploadError",
     "TieredStore",
     "configure_tier",
     "decode_header_index",
@@ -116,15 +115,6 @@ MAX_HEADER_INDEXES = 256
 MAX_GONE_FILES = 100_000
 #: How long a reader reuses a stream's tier settings (seconds).
 SETTINGS_TTL_S = 5.0
-
-
-class TierUploadError(StoreError):
-    """An upload to the secondary store failed; whether bytes landed is unknown (ambiguous).
-
-    The mover never retries over the same object (the RocketMQ tiered-storage article's
-    non-stop-write rule): it uploads to a new object name, and the abandoned one is swept once
-    no record names it.
-    """
 
 
 def parse_read_policy(value: Any, name: str = "tierReadPolicy") -> str:

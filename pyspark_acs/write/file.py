@@ -73,14 +73,12 @@ import threading
 import time
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
-from pyspark_acs.errors import CacheError, CorruptFileError, WriterConflictError
+from pyspark_acs.errors import AppendConflictError, AppendLockBusyError, CacheError, CorruptFileError
 from pyspark_acs.format.block import HEADER_SIZE, RECOVERY_SEAL_SIZE, find_recovery_seal, parse_header
 from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS, exclusive
 from pyspark_acs.storage.store import Appender, DurableStore
 
 __all__ = [
-    "AppendConflictError",
-    "AppendLockBusyError",
     "CacheMirror",
     "DurableFile",
     "FileTail",
@@ -105,38 +103,6 @@ SHADOW_MAX_BYTES = 4 * 1024 * 1024
 #: started per burst makes every burst wait for the new thread's first time slice, and Linux
 #: schedules a new thread after the runnable ones (on a busy machine, behind every consumer).
 SHADOW_IDLE_S = 1.0
-
-
-class AppendConflictError(WriterConflictError):
-    """An append landed after foreign bytes (typically another writer's recovery seal), or
-    the file no longer ends where this writer expected it: the bytes are not acknowledged.
-
-    Attributes
-    ----------
-    path : str
-        The file's URI.
-    start, end : int
-        The byte range this writer meant to write (and does not acknowledge).
-    actual_length : int
-        The file's length when the conflict was found.
-    seal_at : int or None
-        Position of the foreign seal that ends the file before ``start``, if one was found.
-    """
-
-    def __init__(self, message: str, *, path: str, start: int, end: int, actual_length: int,
-                 seal_at: Optional[int] = None) -> None:
-        super().__init__(message)
-        self.path = path
-        self.start = start
-        self.end = end
-        self.actual_length = actual_length
-        self.seal_at = seal_at
-
-
-class AppendLockBusyError(AppendConflictError):
-    """The file's append lock was held longer than
-    :data:`~pyspark_acs.storage.leases.LOCK_WAIT_SECONDS` (its holder is stopped or hung inside
-    an append): nothing was appended. Only a recovery seal goes on without the lock."""
 
 
 class FileTail(NamedTuple):

@@ -30,7 +30,7 @@ from pyspark_acs.format.names import MAX_SHARDS, new_writer_id, validate_shard, 
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_int, parse_options
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS
 from pyspark_acs.storage.store import DurableStore, open_store
-from pyspark_acs.write.file import AppendConflictError
+from pyspark_acs.errors import AppendConflictError
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES, DEFAULT_ROLL_SECONDS, ShardWriter, shard_for_key
 
 __all__ = [
