@@ -24,10 +24,8 @@ __all__ = [
     "add_option_flags",
     "bytes_parser",
     "choice_parser",
-    "default_text",
     "describe_options",
     "duration_parser",
-    "flag_of",
     "flag_type",
     "nearest_name",
     "option",
@@ -36,7 +34,6 @@ __all__ = [
     "parse_int",
     "parse_options",
     "parse_str",
-    "unknown_option_error",
 ]
 
 T = TypeVar("T")

@@ -17,7 +17,13 @@ from typing import Union
 
 from pyspark_acs.errors import AcsOptionError
 
-__all__ = ["format_bytes", "format_duration", "format_size", "parse_bytes", "parse_duration"]
+__all__ = [
+    "format_bytes",
+    "format_duration",
+    "format_size",
+    "parse_bytes",
+    "parse_duration",
+]
 
 _SIZE_UNITS = {
     "": 1,

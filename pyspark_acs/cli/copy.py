@@ -15,7 +15,7 @@ import sys
 from pyspark_acs.cli.main import register_command
 from pyspark_acs.cli.watch import add_watch_flags
 
-__all__ = ["cmd_copy_status", "cmd_tree"]
+__all__: list = []
 
 
 def cmd_tree(args: argparse.Namespace) -> int:

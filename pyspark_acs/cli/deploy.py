@@ -31,7 +31,7 @@ from pyspark_acs.server.cache.options import DEFAULT_CAPACITY_BYTES, MIN_CAPACIT
 from pyspark_acs.server.settings import LOG_LEVELS
 from pyspark_acs.units import format_duration, format_size
 
-__all__ = ["DEFAULT_DIR", "POINTER_FILE", "cmd_down", "cmd_status", "cmd_up", "deployment_dir", "status_report"]
+__all__: list = []
 
 #: Where ``acs up`` keeps its deployment state unless told otherwise.
 DEFAULT_DIR = ".acs-local"

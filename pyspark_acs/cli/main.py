@@ -15,8 +15,10 @@ from typing import Callable, Dict, Optional, Sequence
 from pyspark_acs.errors import AcsError, AcsOptionError
 from pyspark_acs.options import duration_parser, flag_type
 
-__all__ = ["DEFAULT_NEW_SHARDS", "INTERRUPTED_EXIT", "INTERRUPT_WAIT_S", "STREAM_WAIT_POLL_S", "build_parser",
-           "check_cache_flags", "ls_report", "main"]
+__all__ = [
+    "check_cache_flags",
+    "main",
+]
 
 #: Shards of a stream ``acs produce`` creates without ``--shards``.
 DEFAULT_NEW_SHARDS = 1

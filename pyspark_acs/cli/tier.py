@@ -24,7 +24,7 @@ from pyspark_acs.cli.main import register_command
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.units import format_bytes, parse_bytes, parse_duration
 
-__all__ = ["KEEP_FOREVER", "cmd_tier"]
+__all__: list = []
 
 #: Retention values that mean "no limit".
 KEEP_FOREVER = ("forever", "none", "unbounded")

@@ -22,7 +22,10 @@ workergc.freeze_long_lived()
 # On the driver: the sink's options are checked at writeStream...start() (see early).
 early.install()
 
-__all__ = ["AcsDataSource", "DefaultSource", "SinkOptions", "SourceOptions", "options_reference"]
+__all__ = [
+    "AcsDataSource",
+    "DefaultSource",
+]
 
 
 _DOC = """Read and write pyspark_acs streams with Spark: ``format("acs")``.

@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Dict
 
-__all__ = ["install"]
+__all__ = [
+    "install",
+]
 
 _INSTALLED = "_acs_checks_options"
 

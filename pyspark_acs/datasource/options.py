@@ -22,8 +22,14 @@ from pyspark_acs.format.offsets import parse_offsets, parse_timestamps
 from pyspark_acs.storage.tier import parse_read_policy
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_bool, parse_int, parse_options, parse_str
 
-__all__ = ["SinkOptions", "SourceOptions", "check_sink_options", "check_source_options", "parse_sink_options",
-           "parse_source_options"]
+__all__ = [
+    "SinkOptions",
+    "SourceOptions",
+    "check_sink_options",
+    "check_source_options",
+    "parse_sink_options",
+    "parse_source_options",
+]
 
 #: How long a read task waits for bytes that were published but are not readable yet
 #: (e.g. chunks lost with a cache replica while the durable copy is still catching up).

@@ -65,15 +65,9 @@ from pyspark_acs.errors import LaterFileError
 from pyspark_acs.write.shard import OpenFile, ShardWriter, shard_for_key
 
 __all__ = [
-    "KAFKA_COLUMNS",
-    "SINK_COLUMNS",
-    "SOURCE_POSITION_COLUMNS",
     "AcsBatchWriter",
-    "AcsCommitMessage",
     "AcsStreamWriter",
     "SinkCommitter",
-    "StagedStream",
-    "check_sink_schema",
 ]
 
 log = logging.getLogger(__name__)

@@ -71,17 +71,12 @@ from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.datasource.options import SourceOptions
 
 __all__ = [
-    "IDLE_WAIT_S",
-    "SCHEMA_DDL",
-    "SCHEMA_WITH_HEADERS_DDL",
     "AcsBatchReader",
-    "AcsPartition",
     "AcsPruningBatchReader",
     "AcsStreamReader",
-    "Pruning",
+    "SCHEMA_DDL",
+    "SCHEMA_WITH_HEADERS_DDL",
     "pushdown_enabled",
-    "read_partition",
-    "source_read_path",
 ]
 
 log = logging.getLogger(__name__)

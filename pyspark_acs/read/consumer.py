@@ -39,15 +39,11 @@ from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import retention_gap
 
 __all__ = [
+    "Consumer",
     "DEFAULT_MAX_READ_BYTES",
     "DEFAULT_POLL_INTERVAL_S",
-    "OUTPUT_SCHEMA",
-    "OUTPUT_SCHEMA_WITH_HEADERS",
-    "Consumer",
     "ShardTailer",
-    "TailTiming",
     "earliest_offset",
-    "latest_offset",
 ]
 
 log = logging.getLogger(__name__)

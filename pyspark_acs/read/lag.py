@@ -30,7 +30,10 @@ from pyspark_acs.format.offsets import Offset, OffsetMap, parse_offsets
 from pyspark_acs.read.positions import BoundaryCache, shard_extent, walk_blocks
 from pyspark_acs.read.readpath import ReadPath
 
-__all__ = ["CheckpointOffsets", "ShardLag", "checkpoint_lag", "read_checkpoint", "shard_lag"]
+__all__ = [
+    "checkpoint_lag",
+    "read_checkpoint",
+]
 
 #: Version line Spark writes first in every offset and commit log entry.
 _LOG_VERSION_PREFIX = "v"

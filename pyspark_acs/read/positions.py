@@ -30,7 +30,6 @@ from pyspark_acs.format.offsets import Offset
 from pyspark_acs.read.readpath import ReadPath
 
 __all__ = [
-    "BlockRead",
     "BoundaryCache",
     "ShardExtent",
     "advance",
@@ -45,7 +44,6 @@ __all__ = [
     "skip_void",
     "unfinished_file",
     "walk_blocks",
-    "Unfinished",
 ]
 
 log = logging.getLogger(__name__)

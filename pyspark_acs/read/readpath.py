@@ -15,7 +15,12 @@ from typing import Any, Dict, Optional, Protocol, Sequence
 
 from pyspark_acs.storage.store import DurableStore
 
-__all__ = ["DurableReadPath", "RateLimiter", "ReadPath", "open_read_path"]
+__all__ = [
+    "DurableReadPath",
+    "RateLimiter",
+    "ReadPath",
+    "open_read_path",
+]
 
 
 class ReadPath(Protocol):

@@ -17,16 +17,13 @@ from pyspark_acs.options import choice_parser, option, parse_bool, parse_int, pa
 
 __all__ = [
     "DEFAULT_HOST",
-    "DEFAULT_LOG_LEVEL",
     "LOG_LEVELS",
-    "METRICS_PORT_DOC",
     "configure_logging",
     "host_option",
     "insecure_option",
     "log_level_option",
     "metrics_port_option",
     "parent_pid_option",
-    "parse_parent_pid",
     "parse_port",
 ]
 

@@ -24,7 +24,12 @@ import pyarrow.fs as pafs
 from pyspark_acs.errors import AcsOptionError, RootNotFoundError, StoreError, StoreFileNotFoundError
 from pyspark_acs.format.names import FILE_SUFFIX, shard_dir, validate_stream
 
-__all__ = ["STREAM_LOCK_FILE", "STREAM_META_FILE", "Appender", "DurableStore", "open_store"]
+__all__ = [
+    "Appender",
+    "DurableStore",
+    "STREAM_META_FILE",
+    "open_store",
+]
 
 #: Per-stream metadata file (shard count), beside the shard folders.
 STREAM_META_FILE = "_stream.json"

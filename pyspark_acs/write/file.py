@@ -83,9 +83,6 @@ __all__ = [
     "DurableFile",
     "FileTail",
     "FileWriter",
-    "SHADOW_IDLE_S",
-    "SHADOW_MAX_BYTES",
-    "append_lock",
     "scan_file",
 ]
 

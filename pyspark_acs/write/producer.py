@@ -34,16 +34,9 @@ from pyspark_acs.errors import AppendConflictError
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES, DEFAULT_ROLL_SECONDS, ShardWriter, shard_for_key
 
 __all__ = [
-    "ACKNOWLEDGE_DURABLE",
     "ACKNOWLEDGE_MODES",
-    "ACKNOWLEDGE_PUBLISHED",
     "DEFAULT_ACKNOWLEDGE",
-    "DEFAULT_MAX_BATCH_DELAY_S",
-    "DEFAULT_MAX_PENDING_BYTES",
-    "DEFAULT_ROLL_BYTES",
-    "DEFAULT_ROLL_SECONDS",
     "Producer",
-    "shard_for_key",
 ]
 
 log = logging.getLogger(__name__)

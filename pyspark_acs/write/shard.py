@@ -36,8 +36,6 @@ from pyspark_acs.write.file import FileTail, FileWriter, scan_file
 __all__ = [
     "DEFAULT_ROLL_BYTES",
     "DEFAULT_ROLL_SECONDS",
-    "LEASE_FILE",
-    "STRAY_RETRY_S",
     "OpenFile",
     "ShardWriter",
     "shard_for_key",

@@ -16,7 +16,13 @@ from pyspark_acs.server.settings import (host_option, insecure_option, log_level
                                          parent_pid_option, parse_port)
 from pyspark_acs.units import format_duration, format_size
 
-__all__ = ["DEFAULT_CAPACITY_BYTES", "MIN_CAPACITY_BYTES", "ROLES", "ROLE_DEFAULT_TTL_S", "CacheServerOptions"]
+__all__ = [
+    "CacheServerOptions",
+    "DEFAULT_CAPACITY_BYTES",
+    "MIN_CAPACITY_BYTES",
+    "ROLES",
+    "ROLE_DEFAULT_TTL_S",
+]
 
 #: The two kinds of cache replicas: chunks of files (data); lengths, heads and leases (metadata).
 ROLES = ("data", "metadata")

@@ -57,21 +57,6 @@ from pyspark_acs.server.malloc import tune_malloc
 from pyspark_acs.server.metrics import CACHE_CALL_METRICS, CACHE_METRICS, Metrics, MetricsEndpoint, StatsCollector
 
 __all__ = [
-    "CACHE_PREFIX",
-    "DEFAULT_CAPACITY_BYTES",
-    "DEFAULT_HOST",
-    "EXPIRY_SWEEP_INTERVAL_S",
-    "MAX_KEYS_PER_CALL",
-    "MAX_MESSAGE_BYTES",
-    "MAX_RESPONSE_BYTES",
-    "MIN_CAPACITY_BYTES",
-    "ROLES",
-    "ROLE_DEFAULT_TTL_S",
-    "STOP_GRACE_S",
-    "CacheServer",
-    "CacheServicer",
-    "build_parser",
-    "format_endpoint",
     "main",
 ]
 

@@ -61,7 +61,9 @@ from pyspark_acs.server.copy.writer import COPY_STREAMS_RESERVE
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import tiered_store
 
-__all__ = ["MAX_MESSAGE_BYTES", "STOP_GRACE_S", "CopyDaemon", "build_parser", "main"]
+__all__ = [
+    "main",
+]
 
 log = logging.getLogger("pyspark_acs.copy")
 

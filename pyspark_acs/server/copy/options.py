@@ -15,21 +15,7 @@ from pyspark_acs.options import bytes_parser, duration_parser, option, parse_int
 from pyspark_acs.server.settings import DEFAULT_HOST, host_option, metrics_port_option
 
 __all__ = [
-    "DEFAULT_CACHE_WINDOW",
-    "DEFAULT_CATCHUP_BYTES",
-    "DEFAULT_CHUNK_TTL_S",
-    "DEFAULT_HEALTH_INTERVAL_S",
-    "DEFAULT_HOST",
-    "DEFAULT_LEASE_SECONDS",
-    "DEFAULT_LISTING_INTERVAL_S",
-    "DEFAULT_MAX_DELTA_BYTES",
-    "DEFAULT_PARK_AFTER_S",
-    "DEFAULT_POLL_INTERVAL_S",
-    "DEFAULT_RETRY_S",
-    "DEFAULT_UNHEALTHY_AFTER_S",
-    "DEFAULT_WORKERS",
     "CopyDaemonOptions",
-    "parse_replica",
 ]
 
 #: Concurrently running operations per daemon (threads; each tails one file to one storage

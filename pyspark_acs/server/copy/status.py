@@ -25,7 +25,12 @@ from pyspark_acs.server.copy.cluster import CACHE, DURABLE, read_delay
 from pyspark_acs.server.copy.tree import build_copy_tree
 from pyspark_acs.server.copy.topology import Topology
 
-__all__ = ["STATUS_CACHE_DEADLINE_S", "copy_status", "format_delay", "format_status", "problems"]
+__all__ = [
+    "copy_status",
+    "format_delay",
+    "format_status",
+    "problems",
+]
 
 #: Cache calls of a status query give up after this long (a dead cache shows as unknown).
 STATUS_CACHE_DEADLINE_S = 0.5

@@ -84,7 +84,10 @@ from pyspark_acs.storage.tier import raise_retention_floor, retention_floor, tie
 from pyspark_acs.errors import AppendConflictError, AppendLockBusyError
 from pyspark_acs.write.file import CacheMirror, FileWriter
 
-__all__ = ["COPY_STREAMS_RESERVE", "DELAY_PUBLISH_INTERVAL_S", "HELLO_TIMEOUT_S", "CopyServicer", "validate_delta"]
+__all__ = [
+    "COPY_STREAMS_RESERVE",
+    "CopyServicer",
+]
 
 log = logging.getLogger(__name__)
 

@@ -38,14 +38,7 @@ from pyspark_acs.server.settings import LOG_LEVELS
 from pyspark_acs.units import parse_bytes, parse_duration
 
 __all__ = [
-    "DEFAULT_DATA_CAPACITY",
-    "DEFAULT_METADATA_CAPACITY",
-    "DEFAULT_START_TIMEOUT_S",
-    "DEFAULT_STOP_TIMEOUT_S",
-    "DEPLOYMENT_FILE",
-    "DeploymentError",
     "LocalDeployment",
-    "ServerProcess",
     "acs_down",
     "acs_up",
     "load_deployment",

@@ -41,8 +41,9 @@ from pyspark_acs.server.settings import DEFAULT_HOST, configure_logging
 from pyspark_acs.server.tier.mover import PassReport, TierMover
 from pyspark_acs.server.tier.options import DEFAULT_INTERVAL_S, TierMoverOptions
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_INTERVAL_S", "DESCRIPTION", "HEALTH_STALE_MIN_S", "HEALTH_STALE_PASSES",
-           "TierMoverDaemon", "build_parser", "main"]
+__all__ = [
+    "main",
+]
 
 log = logging.getLogger(__name__)
 

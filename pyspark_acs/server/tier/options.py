@@ -16,7 +16,10 @@ from pyspark_acs.server.settings import (host_option, insecure_option, log_level
                                          parent_pid_option)
 from pyspark_acs.server.tier.mover import DEFAULT_BATCH_BYTES, DEFAULT_ORPHAN_GRACE_S, DEFAULT_TIER_LEASE_S
 
-__all__ = ["DEFAULT_INTERVAL_S", "TierMoverOptions"]
+__all__ = [
+    "DEFAULT_INTERVAL_S",
+    "TierMoverOptions",
+]
 
 #: Seconds between passes.
 DEFAULT_INTERVAL_S = 10.0
