@@ -965,14 +965,8 @@ def test_block_cut_without_keys_matches_the_per_message_rule(sizes, most, data):
         total += sizes[i] + 16
     if expected[1] is None:
         expected = (limit, total)
-    import pyspark_acs.write.producer as producer_mod
-
-    window = producer_mod._CUT_WINDOW
-    producer_mod._CUT_WINDOW = data.draw(st.sampled_from([1, 3, 8, window]))  # windows that double
-    try:
-        assert Producer._take_block(producer, sh, limit) == expected
-    finally:
-        producer_mod._CUT_WINDOW = window
+    window = data.draw(st.sampled_from([1, 3, 8, 1024]))  # windows that double
+    assert Producer._take_block(producer, sh, limit, window) == expected
 
 
 class _ShortOnce:

@@ -116,9 +116,13 @@ class DurableStore:
         Create a missing local root folder (writers). Readers and status commands pass False:
         a missing root is then :class:`~pyspark_acs.errors.RootNotFoundError` naming it, not an
         empty store (and no folder is made where a typo points).
+    stream_lock_wait_s : float
+        How long a change of ``_stream.json`` waits for its lock (default
+        :data:`STREAM_LOCK_WAIT_S`).
     """
 
-    def __init__(self, root: str, filesystem: Optional[pafs.FileSystem] = None, *, create: bool = True) -> None:
+    def __init__(self, root: str, filesystem: Optional[pafs.FileSystem] = None, *, create: bool = True,
+                 stream_lock_wait_s: float = STREAM_LOCK_WAIT_S) -> None:
         if not isinstance(root, str) or not root.strip():
             raise AcsOptionError("root: the durable store root must be a non-empty URI or path", option="root")
         self.root = root
@@ -129,6 +133,7 @@ class DurableStore:
         self.base = base.rstrip("/") or "/"
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self.create = create
+        self.stream_lock_wait_s = stream_lock_wait_s
         if not create:
             with _translate(f"stat {root}"):
                 kind = self.fs.get_file_info(self.base).type
@@ -367,17 +372,17 @@ class DurableStore:
         ------
         StoreError
             The metadata file is malformed or cannot be written (naming it), or the lock was
-            held for more than :data:`STREAM_LOCK_WAIT_S` (naming the lock file).
+            held for more than ``stream_lock_wait_s`` (naming the lock file).
         """
         from pyspark_acs.storage.leases import exclusive  # leases builds on this module
 
         rel = f"{validate_stream(stream)}/{STREAM_META_FILE}"
         lock = f"{stream}/{STREAM_LOCK_FILE}"
-        with exclusive(self, lock, STREAM_LOCK_WAIT_S, warn=False) as locked:
+        with exclusive(self, lock, self.stream_lock_wait_s, warn=False) as locked:
             if self.local and not locked:
                 # Going on unlocked would bring back the race the lock exists for.
                 raise StoreError(
-                    f"{self.uri(lock)}: held by another process for more than {STREAM_LOCK_WAIT_S:.0f} s (a "
+                    f"{self.uri(lock)}: held by another process for more than {self.stream_lock_wait_s:.0f} s (a "
                     f"stopped or hung creator of stream {stream!r}?); {rel} was not changed")
             current = self.stream_meta(stream)
             new = change(None if current is None else dict(current))

@@ -89,7 +89,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Bytes read at a time when walking a file's block headers.
-_SCAN_WINDOW = 1024 * 1024
+SCAN_WINDOW_BYTES = 1024 * 1024
 
 #: Verified bytes a :class:`FileWriter` holds for its shadow thread at most (``more_follows``
 #: appends); the writer waits when more are queued. 4 MiB is one data-cache put request
@@ -126,7 +126,7 @@ class FileTail(NamedTuple):
 
 
 def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int = 0,
-              length: Optional[int] = None) -> FileTail:
+              length: Optional[int] = None, window: int = SCAN_WINDOW_BYTES) -> FileTail:
     """Walk the block headers of ``rel`` from ``start`` (a block boundary) to its length.
 
     Bodies are not read (a large block is skipped by its header), so the cost is about the
@@ -134,7 +134,8 @@ def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int
     short, or bytes that are not a header) end the walk: they are the torn tail, and the file
     is sealed only if a recovery seal voiding them follows (the read side's rule,
     :func:`~pyspark_acs.format.block.find_recovery_seal`; bytes of the torn block are never
-    taken for one). Without that, every take-over sealed such a file again.
+    taken for one). Without that, every take-over sealed such a file again. Headers are read
+    ``window`` bytes at a time.
     """
     uri = store.uri(rel)
     if length is None:
@@ -143,7 +144,7 @@ def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int
     buf_start, buf = start, b""
     while length - at >= HEADER_SIZE:
         if at + HEADER_SIZE > buf_start + len(buf):
-            buf_start, buf = at, store.read(rel, at, min(length, at + _SCAN_WINDOW))
+            buf_start, buf = at, store.read(rel, at, min(length, at + window))
             if len(buf) < HEADER_SIZE:
                 break
         try:
@@ -157,18 +158,19 @@ def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int
             return FileTail(length, at, index, at)
         index = header.first_index + header.count
         at += header.size
-    sealed_at = _recovery_seal_after(store, rel, at, length, uri) if length - at >= HEADER_SIZE else None
+    sealed_at = _recovery_seal_after(store, rel, at, length, uri, window) if length - at >= HEADER_SIZE else None
     return FileTail(length, at, index, sealed_at)
 
 
-def _recovery_seal_after(store: DurableStore, rel: str, at: int, length: int, uri: str) -> Optional[int]:
+def _recovery_seal_after(store: DurableStore, rel: str, at: int, length: int, uri: str,
+                         window: int) -> Optional[int]:
     """Where the recovery seal that voids the torn tail from ``at`` begins (None: none before
     ``length``), searched window by window: a corrupt header early in a large file, or a
     large block still landing, would otherwise be read whole at once. Windows overlap by a
     recovery seal's size, so a seal across a window's end is whole in the next one."""
     start = at
     while start < length:
-        end = min(length, start + _SCAN_WINDOW)
+        end = min(length, start + window)
         found = find_recovery_seal(store.read(rel, start, end), at, base=start, path=uri)
         if found is not None:
             return start + found[0]

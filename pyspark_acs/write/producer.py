@@ -680,16 +680,16 @@ class Producer:
             self._housekeeping()
         return written
 
-    def _take_block(self, sh: _Shard, limit: int) -> "tuple[int, int]":
+    def _take_block(self, sh: _Shard, limit: int, first_window: int = _CUT_WINDOW) -> "tuple[int, int]":
         """How many of the first ``limit`` pending messages fit one block (at least one), and
-        their accounted bytes. Caller holds _lock."""
+        their accounted bytes, looking at ``first_window`` messages first. Caller holds _lock."""
         most = self.options.max_block_bytes
         if limit == len(sh.values) and sh.pending_bytes <= most:
             return limit, sh.pending_bytes
         # Values alone (the common case): running sizes at C speed and a binary search, not a
         # Python step per message. Looked at in windows that double, so the cost follows the
         # block, not everything pending (a writer behind its sender has many blocks queued).
-        window = min(limit, _CUT_WINDOW)
+        window = min(limit, first_window)
         while True:
             values = sh.values[:window]
             if None in values or sh.keys[:window].count(None) != window or sh.headers[:window].count(None) != window:
