@@ -529,6 +529,14 @@ class _Planner:
                 pos += h.size
             if run is not None:
                 runs.append((s, at(name, run[0]), Offset(name, run[1])))
+        if b.position and pruning.wants_file(b.file):
+            # An end inside a block (a position): the ranges stop before that block, which the
+            # task reads and cuts at the position (_read_range). Kept whatever the time filter
+            # says (Spark filters its rows again); the file filter is exact, so it decides.
+            if runs and runs[-1][2] == b.boundary:
+                runs[-1] = (s, runs[-1][1], b)
+            else:
+                runs.append((s, a if a.boundary == b.boundary else b.boundary, b))
         return runs
 
     def _block_wanted(self, rel: str, at: int, h: BlockHeader, pruning: "Pruning") -> bool:
