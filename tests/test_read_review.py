@@ -132,6 +132,32 @@ def test_a_batch_read_that_ends_before_the_damage_reads_it(spark, root):
     assert sorted(int(r.value) for r in got.collect()) == taken
 
 
+@pytest.mark.spark
+def test_an_ending_timestamp_before_the_damage_reads_and_one_past_it_fails(spark, root):
+    """The fix of the test above for endingTimestamp: stamps before the cut read the messages
+    stamped before them; an endingTimestamp past the cut still fails naming the file (the
+    timestamp's end stops at the damaged file's last block, which must not pass for a range
+    that ends before the loss)."""
+    first = _truncated_stream(root, "cut")
+    rows = []
+    with Consumer(root, "cut") as c, pytest.raises(DataLossError):  # the reader stops at the cut
+        for b in c.batches(timeout=5.0):
+            rows += zip((int(v) for v in b.column("value").to_pylist()), b.column("timestamp").to_pylist())
+    stamp = rows[100][1]
+    ending_ms = int(stamp.timestamp() * 1000) + 1
+    want = [n for n, t in rows if t.timestamp() * 1000 < ending_ms]
+    assert 100 <= len(want) < len(rows)
+
+    def read(ms):
+        return spark.read.format("acs").option("root", root).option("stream", "cut") \
+            .option("endingTimestamp", str(ms)).load()
+
+    assert sorted(int(r.value) for r in read(ending_ms).collect()) == want
+    with pytest.raises(Exception) as err:
+        read(4102444800000).count()  # 2100-01-01: past every message
+    assert f"file {first} has no seal" in str(err.value)
+
+
 def test_an_empty_stray_before_the_writers_file_is_waited_at_not_data_loss(root):
     """A deposed writer that named its file before the successor's and created it after the
     successor's claim, then died (docs/rules.md, the strays row), leaves an empty unsealed
