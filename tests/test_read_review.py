@@ -89,7 +89,6 @@ def _truncated_stream(root: str, stream: str) -> str:
 
 
 @pytest.mark.spark
-@pytest.mark.xfail(strict=True, reason="read/positions.py advance stops at torn bytes latest skipped (fix: lead)")
 def test_available_now_with_a_row_budget_goes_past_a_skipped_damaged_file(spark, root):
     """failOnDataLoss=false and maxRowsPerTrigger: the planner's ``latest`` skips the damaged
     file (0636889), but the budgeted end (``advance``) stops at the torn bytes where the file
@@ -159,7 +158,6 @@ def test_an_ending_timestamp_before_the_damage_reads_and_one_past_it_fails(spark
     assert f"file {first} has no seal" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason="read/positions.py unfinished_file takes an empty stray for damage (fix: lead)")
 def test_an_empty_stray_before_the_writers_file_is_waited_at_not_data_loss(root):
     """A deposed writer that named its file before the successor's and created it after the
     successor's claim, then died (docs/rules.md, the strays row), leaves an empty unsealed

@@ -162,7 +162,7 @@ class ShardTailer:
         self._stuck: Optional[Tuple[Optional[str], int, float]] = None
         # ((file, length) stuck at, next look for a later file (monotonic), the wait after it)
         self._unfinished: Optional[Tuple[Tuple[str, int], float, float]] = None
-        self._copy_later: Optional[str] = None  # the later file it found there, in a destination
+        self._wait_why: Optional[str] = None  # why the finality rule said to wait there
         self._loss_logged: Optional[Offset] = None  # the lost position already logged
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
@@ -391,7 +391,7 @@ class ShardTailer:
         if self._unfinished is None or self._unfinished[0] != (self.file, self.length):
             self._unfinished = ((self.file, self.length), now + (0.0 if end is not None and end.file > self.file
                                                                  else first), first)
-            self._copy_later = None
+            self._wait_why = None
         key, due, wait = self._unfinished
         if now < due:
             return False
@@ -401,8 +401,8 @@ class ShardTailer:
                                 self.store.list_files(self.stream, self.shard))
         if found is None:
             return False
-        if found.copy:
-            self._copy_later = found.later
+        if found.wait:
+            self._wait_why = found.wait
             self._warn_stuck(limit)
             return False
         if self.fail_on_data_loss:
@@ -418,10 +418,8 @@ class ShardTailer:
             self._stuck = (self.rel, self.length, now)
         elif now - self._stuck[2] >= after:
             self._stuck = (self.rel, self.length, math.inf)  # once per position
-            copy = self._copy_later if self._unfinished and self._unfinished[0] == (self.file, self.length) else None
-            why = (f"the later file {copy} exists and this cluster keeps a copy of the stream: the rest of "
-                   f"{self.file} is still being copied" if copy else
-                   "a writer still at work, or a crashed writer whose shard nobody took over yet")
+            why = self._wait_why if self._unfinished and self._unfinished[0] == (self.file, self.length) else None
+            why = why or "a writer still at work, or a crashed writer whose shard nobody took over yet"
             log.warning("%s: bytes [%d, %d) have been no complete block and no seal for %.0f s; waiting for "
                         "them (%s)", self.store.uri(self.rel), self.length, limit, after, why)
 
