@@ -411,8 +411,8 @@ def cmd_tail(args: argparse.Namespace) -> int:
     printed: Optional[int] = None  # rows printed of the batch being printed (None: all of it)
     try:
         for batch in consumer.batches(timeout=args.timeout):
+            printed = 0  # before anything else: a Ctrl-C from here on resumes at this batch
             rows = batch.to_pydict()
-            printed = 0
             for i in range(batch.num_rows):
                 if args.format == "raw":
                     out.write(rows["value"][i] or b"")

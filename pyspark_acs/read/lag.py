@@ -162,7 +162,8 @@ def shard_lag(path: ReadPath, stream: str, shard: int, committed: Offset,
     """
     boundaries = boundaries or BoundaryCache()
     extent = shard_extent(path, stream, shard, committed)
-    end = extent.latest(boundaries, path, committed)
+    end = extent.latest(boundaries, path, committed,
+                        hint=" (a query reading the shard fails there too, unless it reads with failOnDataLoss=false)")
     behind_bytes = behind_rows = 0
     for _, rel, begin, stop in extent.ranges(committed, end):
         if stop <= begin:
