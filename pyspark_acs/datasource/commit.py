@@ -609,5 +609,3 @@ def abort_batch(opts: SinkOptions, sink_id: str, messages: Sequence[Optional[Wri
             committer._discard(store, staged)
     finally:
         store.close()
-
-

@@ -184,7 +184,6 @@ def _prepare(opts: SinkOptions) -> Dict[str, int]:
         store.close()
 
 
-
 class AcsStreamWriter(DataSourceStreamArrowWriter):
     """Stream writer of ``df.writeStream.format("acs")`` (see the module docstring for the guarantee)."""
 
