@@ -35,11 +35,11 @@ def _traced_method(cls, name, base_cls, extra=None):
 
 
 def _install_sink_tracing() -> None:
-    from pyspark_acs.datasource import sink
+    from pyspark_acs.datasource import commit, sink
 
-    if getattr(sink._HeldLengths.flush, "traced", False):
+    if getattr(commit._HeldLengths.flush, "traced", False):
         return
-    flush = sink._HeldLengths.flush
+    flush = commit._HeldLengths.flush
 
     def traced_flush(self, on_error):
         t0 = time.time()
@@ -49,19 +49,19 @@ def _install_sink_tracing() -> None:
             _trace("sink lengths published", begin=t0, dur=time.time() - t0)
 
     traced_flush.traced = True
-    sink._HeldLengths.flush = traced_flush
+    commit._HeldLengths.flush = traced_flush
     # the commit's steps, one event each ("step"), to split the commit's time
     from pyspark_acs.write.shard import ShardWriter
     from pyspark_acs.storage.store import DurableStore
     from pyspark_acs.write.file import FileWriter
 
-    steps = [(sink.SinkCommitter, n) for n in ("_finish_older_intents", "_load", "_plan", "_append_shard",
-                                               "_append_segment", "_landed", "_delete_dir", "_sweep",
-                                               "_cache_clients")]
+    steps = [(commit.SinkCommitter, n) for n in ("_finish_older_intents", "_load", "_plan", "_append_shard",
+                                                 "_append_segment", "_landed", "_delete_dir", "_sweep",
+                                                 "_cache_clients")]
     steps += [(ShardWriter, n) for n in ("acquire", "recover", "append", "check_leases", "close", "files")]
     steps += [(DurableStore, n) for n in ("write_small", "read_small", "delete", "list_dir", "list_files",
                                           "lengths", "exists", "read")]
-    steps += [(sink, "open_store")]
+    steps += [(sink, "open_store"), (commit, "open_store")]
     from pyspark_acs.cache.metadata import MetadataCache, MetadataLease
     from pyspark_acs.storage.leases import StoreLease
     from pyspark_acs.write.file import CacheMirror, DurableFile

@@ -49,7 +49,7 @@ from pyspark_acs.read.consumer import DEFAULT_MAX_READ_BYTES  # noqa: E402
 from pyspark_acs.read.positions import offset_for_timestamp  # noqa: E402
 from pyspark_acs.read.readpath import open_read_path  # noqa: E402
 from pyspark_acs.server.tier import TierMover  # noqa: E402
-from pyspark_acs.storage.tier import configure_tier  # noqa: E402
+from pyspark_acs.storage.tier_settings import configure_tier  # noqa: E402
 from pyspark_acs.units import format_bytes, parse_bytes  # noqa: E402
 
 STREAM = "history"

@@ -11,9 +11,10 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
 
-from pyspark_acs.datasource import sink as sink_module
+from pyspark_acs.datasource import commit as commit_module
 from pyspark_acs.datasource.options import parse_sink_options
-from pyspark_acs.datasource.sink import AcsCommitMessage, AcsStreamWriter
+from pyspark_acs.datasource.sink import AcsStreamWriter
+from pyspark_acs.datasource.staging import AcsCommitMessage
 from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.server.local.deploy import LocalDeployment
 from pyspark_acs.write.shard import ShardWriter
@@ -76,7 +77,7 @@ def test_one_append_per_shard_in_task_order(root, appends):
 
 def test_pieces_beyond_the_append_size_go_in_several_appends(root, appends, monkeypatch):
     calls, _ = appends
-    monkeypatch.setattr(sink_module, "COMMIT_APPEND_BYTES", 1)  # every piece its own append
+    monkeypatch.setattr(commit_module, "COMMIT_APPEND_BYTES", 1)  # every piece its own append
     w = writer(root)
     w.commit(task_messages(w, 0), 0)
     assert sorted(calls) == [(0, 2)] * 3 + [(1, 2)] * 3
@@ -96,9 +97,9 @@ def test_cache_clients_are_kept_between_micro_batches(root, tmp_path):
         caches = {"dataCache": dep.data_endpoints, "metadataCache": dep.metadata_endpoints}
         w = writer(root, **caches)
         w.commit(task_messages(w, 0), 0)
-        kept = dict(sink_module._commit_clients)
+        kept = dict(commit_module._commit_clients)
         w.commit(task_messages(w, 1), 1)
-        assert sink_module._commit_clients == kept and len(kept) >= 1  # the same clients, not new ones
+        assert commit_module._commit_clients == kept and len(kept) >= 1  # the same clients, not new ones
         assert stream_values(root, data_cache=dep.data_endpoints, metadata_cache=dep.metadata_endpoints) \
             == expected(range(2))
     finally:

@@ -7,6 +7,7 @@ test_spark_connector.py; here each step is driven directly so the failure cases 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 
 import pyarrow as pa
@@ -15,9 +16,13 @@ from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
 
 from pyspark_acs.read.consumer import Consumer
 from pyspark_acs.datasource.options import parse_sink_options
-from pyspark_acs.datasource.sink import AcsStreamWriter, SinkCommitter
+from pyspark_acs.datasource.commit import SinkCommitter, abort_batch, commit_batch
+from pyspark_acs.datasource.commit_log import Intent, Piece, Segment, SinkState, batch_manifest_rel
+from pyspark_acs.datasource.sink import AcsStreamWriter
+from pyspark_acs.datasource.staging import Stager
 from pyspark_acs.errors import AcsError, AcsOptionError
-from pyspark_acs.format.names import file_name, parse_file_name
+from pyspark_acs.format.block import scan_blocks
+from pyspark_acs.format.names import file_name, next_file_name, parse_file_name
 from pyspark_acs.storage.store import open_store
 from pyspark_acs.write.file import scan_file
 
@@ -105,7 +110,7 @@ def test_a_large_batch_rolls_over_to_new_files_and_resumes_exactly(root, monkeyp
     calls = []
 
     def crash_on_second_segment(self, store, shard, seg, lease):
-        calls.append(seg["file"])
+        calls.append(seg.file)
         if len(calls) == 2:
             raise AcsError("injected: driver died between two files")
         return real(self, store, shard, seg, lease)
@@ -132,9 +137,9 @@ def _routed(root):
 
     def stage(rows):
         b = pa.RecordBatch.from_pydict({"stream": [s for s, _ in rows], "value": [v for _, v in rows]})
-        return K._Stager(opts, sid, {}).write(iter([b]))
+        return Stager(opts, sid, {}).write(iter([b]))
 
-    return K, opts, sid, stage
+    return opts, sid, stage
 
 
 def _values(root, stream):
@@ -151,9 +156,9 @@ def test_a_replay_that_routes_no_rows_to_a_stream_still_completes_it(root, monke
     half-written -- and without the manifest, b's next batch completes it first."""
     from pyspark_acs.write import shard as W
 
-    K, opts, sid, stage = _routed(root)
+    opts, sid, stage = _routed(root)
     rows = [("a" if i % 2 else "b", b"%04d" % i + b"." * 300) for i in range(40)]
-    K._commit(opts, sid, [stage(rows[:10])], 0)
+    commit_batch(opts, sid, [stage(rows[:10])], 0)
     real, calls = W.ShardWriter.append, {"b": 0}
 
     def flaky(self, data, count):
@@ -166,19 +171,19 @@ def test_a_replay_that_routes_no_rows_to_a_stream_still_completes_it(root, monke
     monkeypatch.setattr(W.ShardWriter, "append", flaky)
     # one append per staged piece (the commit joins a shard's pieces up to COMMIT_APPEND_BYTES),
     # so the second one fails part way through stream b
-    monkeypatch.setattr("pyspark_acs.datasource.sink.COMMIT_APPEND_BYTES", 1)
+    monkeypatch.setattr("pyspark_acs.datasource.commit.COMMIT_APPEND_BYTES", 1)
     first = [stage(rows[10:25]), stage(rows[25:40])]
     with pytest.raises(OSError, match="disk gone"):
-        K._commit(opts, sid, first, 1)
-    K._abort(opts, sid, first, 1, "batch 1 failed")
+        commit_batch(opts, sid, first, 1)
+    abort_batch(opts, sid, first, 1, "batch 1 failed")
     monkeypatch.setattr(W.ShardWriter, "append", real)
     if lose_manifest:
-        os.remove(os.path.join(root, K._manifest_rel(sid, 1)))
-    K._commit(opts, sid, [stage([r for r in rows[10:40] if r[0] == "a"])], 1)
-    K._commit(opts, sid, [stage([("a", b"late-a"), ("b", b"late-b")])], 2)
+        os.remove(os.path.join(root, batch_manifest_rel(sid, 1)))
+    commit_batch(opts, sid, [stage([r for r in rows[10:40] if r[0] == "a"])], 1)
+    commit_batch(opts, sid, [stage([("a", b"late-a"), ("b", b"late-b")])], 2)
     for s in "ab":
         assert _values(root, s) == [v for name, v in rows if name == s] + [b"late-" + s.encode()], s
-    assert not os.path.exists(os.path.join(root, K._manifest_rel(sid, 2)))
+    assert not os.path.exists(os.path.join(root, batch_manifest_rel(sid, 2)))
     assert [n for n in os.listdir(os.path.join(root, "b", "_sinks", sid)) if n.startswith("intent-")] == []
 
 
@@ -195,7 +200,7 @@ def test_header_bytes_count_towards_the_sink_block_size(root):
     batch = pa.RecordBatch.from_arrays(
         [pa.array([b"v"] * rows, pa.binary()),
          pa.array([[{"key": "big", "value": b"h" * 10_000}]] * rows, HEADERS_TYPE)], names=["value", "headers"])
-    message = K._Stager(opts, sid, {"hdr": 1}).write(iter([batch]))
+    message = Stager(opts, sid, {"hdr": 1}).write(iter([batch]))
     (staged,) = message.streams["hdr"].staged
     data = open(os.path.join(root, staged[1]), "rb").read()
     sizes = [h.size for _, h in scan_blocks(data)]
@@ -213,7 +218,7 @@ def test_a_routed_stream_with_another_shard_count_is_refused(root):
     opts = parse_sink_options({"root": root, "shards": "3", "sinkId": "r"})
     batch = pa.RecordBatch.from_pydict({"stream": ["two"], "value": [b"x"]})
     with pytest.raises(AcsOptionError, match=r"stream 'two' \(column 'stream'\) has 2 shards, but option shards=3"):
-        K._Stager(opts, K._sink_id(opts), {}).write(iter([batch]))
+        Stager(opts, K._sink_id(opts), {}).write(iter([batch]))
 
 
 def test_a_deposed_writers_later_file_redirects_the_batch_not_fails_it(root, monkeypatch):
@@ -304,4 +309,127 @@ def test_a_copy_is_refused_to_the_sink(root):
     opts = parse_sink_options({"root": root, "shards": "2", "sinkId": "r"})
     routed = pa.RecordBatch.from_pydict({"stream": ["out"], "value": [b"x"]})
     with pytest.raises(AcsOptionError, match="copied from cluster 'A'"):
-        K._Stager(opts, K._sink_id(opts), {}).write(iter([routed]))
+        Stager(opts, K._sink_id(opts), {}).write(iter([routed]))
+
+
+# -- the commit log's files (docs/format.md section 7) ----------------------------------------
+
+#: An intent as 0.1.0 wrote it: no "format", each staged piece a list [path, length, rows(, skip)].
+INTENT_0_1_0 = {
+    "batch": 7,
+    "shards": {
+        "1": [{"file": "20261122T091242032052Z-sinkab.acs", "start_length": 96, "start_index": 4,
+               "staged": [["out/_sinks/ab/staging/t1-0/00001.blk", 900, 7],
+                          ["out/_sinks/ab/staging/t2-1/00001.blk", 800, 3, 500]], "seal": True},
+              {"file": "20261122T091242032053Z-sinkab.acs", "start_length": 0, "start_index": 0,
+               "staged": [["out/_sinks/ab/staging/t3-2/00001.blk", 300, 2]], "seal": False}],
+        "0": [{"file": "20261122T091242032052Z-sinkab.acs", "start_length": 0, "start_index": 0,
+               "staged": [], "seal": False}],
+    },
+    "staging_dirs": ["out/_sinks/ab/staging/t1-0", "out/_sinks/ab/staging/t2-1", "out/_sinks/ab/staging/t3-2"],
+}
+
+
+def _sink_file(root, w, name):
+    return os.path.join(root, "out", "_sinks", w.sink_id, name)
+
+
+def test_an_intent_of_0_1_0_reads_as_typed_records_and_is_written_in_the_named_form():
+    intent = Intent.from_json(json.loads(json.dumps(INTENT_0_1_0)))
+    first, second = intent.shards[1]
+    assert first == Segment("20261122T091242032052Z-sinkab.acs", 96, 4, (
+        Piece("out/_sinks/ab/staging/t1-0/00001.blk", 900, 7),
+        Piece("out/_sinks/ab/staging/t2-1/00001.blk", 800, 3, skip=500)), seal=True)
+    assert [p.size for p in first.pieces] == [900, 300] and second.pieces[0].skip == 0
+    assert list(intent.shards) == [1, 0] and intent.shards[0][0].pieces == ()  # in the file's order
+    assert intent.batch == 7 and intent.staging_dirs == tuple(INTENT_0_1_0["staging_dirs"])
+    new = intent.to_json()
+    assert new["format"] == 2
+    assert new["shards"]["1"][0]["staged"][1] == {
+        "path": "out/_sinks/ab/staging/t2-1/00001.blk", "length": 800, "rows": 3, "skip": 500}
+    # the fields around the pieces are 0.1.0's
+    assert {k: v for k, v in new["shards"]["1"][1].items() if k != "staged"} == {
+        k: v for k, v in INTENT_0_1_0["shards"]["1"][1].items() if k != "staged"}
+    assert Intent.from_json(json.loads(json.dumps(new))) == intent  # the named form round-trips
+
+
+def test_a_state_file_of_0_1_0_round_trips_unchanged():
+    raw = {"last_batch": 3, "shards": {"1": {"file": "20261122T091242032052Z-sinkab.acs", "length": 4096,
+                                             "next_index": 17, "sealed": False},
+                                       "0": {"file": "20261122T091242032053Z-sinkab.acs", "length": 56,
+                                             "next_index": 0, "sealed": True}},
+           "updated": 1795000000.25}
+    state = SinkState.from_json(raw)
+    assert state.last_batch == 3 and state.shards[1].next_index == 17 and state.shards[0].sealed
+    assert json.dumps(state.to_json()) == json.dumps(raw)
+
+
+def test_a_batch_whose_driver_died_after_a_0_1_0_intent_is_completed_from_it(root):
+    """A driver of 0.1.0 wrote its intent (positional pieces; shard 1's piece skips its first
+    block, as after a redirect) and died before appending: this version's retry of the batch
+    appends exactly what the intent plans, and its own attempt's rows are not used."""
+    w = writer(root, maxBlockBytes="1KiB")
+    values = [b"v%02d" % i + b"." * 300 for i in range(12)]
+    staged = w.write(iter([batch(values, [i % 2 for i in range(12)])])).streams["out"]
+    pieces = {shard: [rel, nbytes, rows] for shard, rel, nbytes, rows in staged.staged}
+    rel1, nbytes1, rows1 = pieces[1]
+    (_, first_block), *rest = scan_blocks(open(os.path.join(root, rel1), "rb").read())
+    assert rest  # shard 1's piece holds more than one block
+    name = next_file_name([], f"sink{w.sink_id}")
+    old = {"batch": 0, "shards": {
+        "0": [{"file": name, "start_length": 0, "start_index": 0, "staged": [pieces[0]], "seal": False}],
+        "1": [{"file": name, "start_length": 0, "start_index": 0,
+               "staged": [[rel1, nbytes1, rows1 - first_block.count, first_block.size]], "seal": False}]},
+        "staging_dirs": [staged.staging_dir]}
+    with open(_sink_file(root, w, "intent-0.json"), "w") as f:
+        json.dump(old, f)
+    w.commit([w.write(iter([batch([b"ignored"], [0])]))], 0)
+    assert stream_values(root) == {0: values[0::2], 1: values[1::2][first_block.count:]}
+    with open(_sink_file(root, w, "state.json")) as f:
+        state = json.load(f)
+    assert state["last_batch"] == 0 and state["shards"]["1"]["next_index"] == 6 - first_block.count
+    assert not os.path.exists(_sink_file(root, w, "intent-0.json"))
+    assert not os.path.exists(os.path.join(root, staged.staging_dir))  # the intent's staging is deleted
+    w.commit([w.write(iter([batch([b"replayed"], [0])]))], 0)  # a replay writes nothing
+    assert stream_values(root)[0] == values[0::2]
+
+
+def test_a_commit_that_dies_leaves_an_intent_in_the_named_form_that_its_retry_completes(root, monkeypatch):
+    w = writer(root)
+    first = [w.write(iter([batch([b"x0", b"x1", b"x2"], [0, 1, 0])]))]
+
+    def die(self, store, shard, plan):
+        raise AcsError("injected: the driver died right after writing its intent")
+
+    monkeypatch.setattr(SinkCommitter, "_append_shard", die)
+    with pytest.raises(AcsError, match="injected"):
+        w.commit(first, 0)
+    monkeypatch.undo()
+    with open(_sink_file(root, w, "intent-0.json")) as f:
+        raw = json.load(f)
+    assert raw["format"] == 2 and raw["batch"] == 0 and sorted(raw["shards"]) == ["0", "1"]
+    (seg,) = raw["shards"]["0"]
+    (piece,) = seg["staged"]
+    assert sorted(piece) == ["length", "path", "rows", "skip"] and piece["rows"] == 2 and piece["skip"] == 0
+    assert Intent.from_json(raw).to_json() == raw
+    w.commit([w.write(iter([batch([b"ignored"], [0])]))], 0)
+    assert stream_values(root) == {0: [b"x0", b"x2"], 1: [b"x1"]}
+
+
+def test_an_intent_of_a_newer_format_is_refused_naming_the_file(root):
+    w = writer(root)
+    os.makedirs(os.path.dirname(_sink_file(root, w, "intent-0.json")), exist_ok=True)
+    with open(_sink_file(root, w, "intent-0.json"), "w") as f:
+        json.dump({**INTENT_0_1_0, "format": 3}, f)
+    with pytest.raises(AcsError, match=r"intent-0\.json: sink intent of format 3, newer than this version"):
+        w.commit([w.write(iter([batch([b"v"], [0])]))], 0)
+    assert stream_values(root) == {0: [], 1: []}  # nothing appended
+
+
+def test_a_malformed_intent_is_refused_naming_the_file(root):
+    w = writer(root)
+    os.makedirs(os.path.dirname(_sink_file(root, w, "intent-0.json")), exist_ok=True)
+    with open(_sink_file(root, w, "intent-0.json"), "w") as f:
+        json.dump({"batch": 0, "shards": {"0": [{"file": "x.acs"}]}, "staging_dirs": []}, f)
+    with pytest.raises(AcsError, match=r"intent-0\.json: corrupt sink record: 'start_length'"):
+        w.commit([w.write(iter([batch([b"v"], [0])]))], 0)

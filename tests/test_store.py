@@ -236,7 +236,7 @@ def test_tier_settings_and_a_copy_mark_written_at_once_both_stand(root, tmp_path
     """``acs tier`` and the copy daemon marking a stream a copy change the one metadata file:
     each reads, changes a field and writes it back, so unlocked, the later write dropped the
     other's field."""
-    from pyspark_acs.storage.tier import configure_tier, stream_tier_settings
+    from pyspark_acs.storage.tier_settings import configure_tier, stream_tier_settings
 
     rounds = 8
     for r in range(rounds):

@@ -21,22 +21,17 @@ from typing import Dict, List
 import pytest
 
 from pyspark_acs import Consumer, Producer
-from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.errors import AcsOptionError, TierUploadError
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.read.positions import ends_with_seal
 from pyspark_acs.read.readpath import DurableReadPath, open_read_path
 from pyspark_acs.server.tier import TierMover
 from pyspark_acs.storage.store import DurableStore
-from pyspark_acs.storage.tier import (
-    PREREAD_MIN_BYTES,
-    PrereadWindow,
-    TierStore,
-    TierUploadError,
-    configure_tier,
-    parse_read_policy,
-    read_manifest,
-    stream_tier_settings,
-)
+from pyspark_acs.storage.tier import parse_read_policy
+from pyspark_acs.storage.tier_manifest import read_manifest
+from pyspark_acs.storage.tier_preread import PREREAD_MIN_BYTES, PrereadWindow
+from pyspark_acs.storage.tier_settings import configure_tier, stream_tier_settings
+from pyspark_acs.storage.tier_store import TierStore
 from tests.conftest import free_port
 from _spark import start_query
 
@@ -423,7 +418,7 @@ def test_preread_window_grows_additively_and_halves():
 
 
 def test_preread_cuts_requests_to_the_secondary_store(root, s3, monkeypatch):
-    import pyspark_acs.storage.tier as tier_module
+    import pyspark_acs.storage.tier_preread as preread_module
 
     make_stream(root, "pre", 2000, roll_bytes=100_000)
     configure_tier(root, "pre", tier_uri(s3, "t8"), hot_retention_s=0)
@@ -443,7 +438,7 @@ def test_preread_cuts_requests_to_the_secondary_store(root, s3, monkeypatch):
             # (the RocketMQ tiered-storage article's AIMD: the client stopped pulling).
             rel2 = f"{shard_dir('pre', 0)}/{sorted(name)[1]}"
             path.store.read(rel2, 0, 4096)
-            monkeypatch.setattr(tier_module, "PREREAD_TTL_S", 0.0)
+            monkeypatch.setattr(preread_module, "PREREAD_TTL_S", 0.0)
             time.sleep(0.01)
             path.store.read(rel, 100, 200)  # not a header: through the pre-read path
             assert path.store.tier_stats()["preread_dropped_bytes"] > 0

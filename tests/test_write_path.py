@@ -21,7 +21,8 @@ from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
 
 import pyspark_acs.write.producer as producer_mod
 from pyspark_acs.datasource.options import parse_sink_options
-from pyspark_acs.datasource.sink import AcsBatchWriter, AcsStreamWriter, SinkCommitter
+from pyspark_acs.datasource.commit import SinkCommitter
+from pyspark_acs.datasource.sink import AcsBatchWriter, AcsStreamWriter
 from pyspark_acs.errors import AcsError, WriterConflictError
 from pyspark_acs.format.block import encode_block, encode_seal, parse_header, scan_blocks, seal_void_from
 from pyspark_acs.format.names import shard_dir
@@ -485,7 +486,7 @@ def test_retried_sink_batch_after_another_writer_moved_on_is_seen_once_by_live_r
             monkeypatch.setattr(ShardWriter, "append", die_after_first)
             # One append per task's piece (the commit joins a shard's pieces into one append up
             # to COMMIT_APPEND_BYTES): the failure must land between two tasks' rows.
-            monkeypatch.setattr("pyspark_acs.datasource.sink.COMMIT_APPEND_BYTES", 1)
+            monkeypatch.setattr("pyspark_acs.datasource.commit.COMMIT_APPEND_BYTES", 1)
         with pytest.raises(AcsError, match="injected"):
             a.commit(batch1, 1)
         a.abort(batch1, 1)
@@ -517,9 +518,9 @@ def test_sink_stalled_before_it_creates_its_planned_file_does_not_hide_the_batch
     retry must land the batch after the producer's file, exactly once."""
     import functools
 
-    import pyspark_acs.datasource.sink as sink_mod
+    import pyspark_acs.datasource.commit as commit_mod
 
-    monkeypatch.setattr(sink_mod, "ShardWriter", functools.partial(ShardWriter, lease_seconds=0.6))
+    monkeypatch.setattr(commit_mod, "ShardWriter", functools.partial(ShardWriter, lease_seconds=0.6))
     a = sink(root, "a")
     a.commit([staged(a, [b"a0-%d" % i for i in range(3)])], 0)
     # The sink's next batch starts a new file: the producer below seals the sink's file.
@@ -870,7 +871,7 @@ def test_batch_write_with_sink_id_rerun_after_a_partial_commit_completes_once(ro
         return real_append(self, data, messages)
 
     monkeypatch.setattr(ShardWriter, "append", die_after_first)
-    monkeypatch.setattr("pyspark_acs.datasource.sink.COMMIT_APPEND_BYTES", 1)  # an append per piece
+    monkeypatch.setattr("pyspark_acs.datasource.commit.COMMIT_APPEND_BYTES", 1)  # an append per piece
     with pytest.raises(AcsError, match="injected"):
         w.commit(msgs)
     w.abort(msgs)

@@ -271,7 +271,7 @@ def status_report(
     from pyspark_acs.cache.metadata import MetadataCache
     from pyspark_acs.format.names import shard_dir
     from pyspark_acs.storage.store import open_store
-    from pyspark_acs.storage.tier import tier_summary
+    from pyspark_acs.storage.tier_settings import tier_summary
     from pyspark_acs.errors import CacheError
 
     data = _client(data_cache, "data cache")

@@ -455,7 +455,8 @@ def ls_report(root: str, stream: Optional[str] = None) -> dict:
     ``None`` for a stream that is not tiered)."""
     from pyspark_acs.format.names import shard_dir
     from pyspark_acs.storage.store import open_store
-    from pyspark_acs.storage.tier import tier_summary, tiered_store
+    from pyspark_acs.storage.tier import tiered_store
+    from pyspark_acs.storage.tier_settings import tier_summary
 
     store = tiered_store(open_store(root, create=False))  # files in either tier
     report: dict = {"root": store.root, "streams": []}

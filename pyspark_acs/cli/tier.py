@@ -10,7 +10,7 @@ Registered with :func:`pyspark_acs.cli.main.register_command` when ``acs`` start
 Durations and sizes are read by :mod:`pyspark_acs.units` (``90d``, ``12h``, ``10GiB``); a
 retention needs its unit (a bare ``1`` is refused rather than read as one second);
 ``forever`` (or ``none``) removes a retention. A retention flag not given keeps its current
-value. The settings are written by :func:`pyspark_acs.storage.tier.configure_tier`, the one
+value. The settings are written by :func:`pyspark_acs.storage.tier_settings.configure_tier`, the one
 writer of them, which checks the URI (the bucket must exist) and refuses to strand tiered files.
 """
 
@@ -71,7 +71,7 @@ def _show(summary: Dict[str, Any], stream: str) -> None:
 def cmd_tier(args: argparse.Namespace) -> int:
     """Run ``acs tier``."""
     from pyspark_acs.storage.store import open_store
-    from pyspark_acs.storage.tier import configure_tier, stream_tier_settings, tier_summary
+    from pyspark_acs.storage.tier_settings import configure_tier, stream_tier_settings, tier_summary
 
     given = {flag: getattr(args, field) for flag, (field, _) in _RETENTION_FLAGS.items()
              if getattr(args, field) is not None}

@@ -286,7 +286,7 @@ class DurableStore:
 
     def stream_meta(self, stream: str) -> Optional[Dict[str, Any]]:
         """The stream's metadata file as a dict (``shards``; ``copied_from``: for a copy, the
-        cluster it was copied from; ``tier``: :mod:`pyspark_acs.storage.tier`'s settings), or
+        cluster it was copied from; ``tier``: :mod:`pyspark_acs.storage.tier_settings`' settings), or
         None if the stream does not exist.
 
         Raises

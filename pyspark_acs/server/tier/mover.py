@@ -19,7 +19,7 @@ One pass over a stream (:meth:`TierMover.run_stream`), under the stream's tier l
    landed, or fails verification, is abandoned -- never retried over the same object -- and
    the batch goes up at once under a new object name. Abandoned objects are swept once no
    record names them and they are older than ``orphan_grace_s``.
-5. **Retention** (:class:`~pyspark_acs.storage.tier.TierSettings`): a hot copy is deleted
+5. **Retention** (:class:`~pyspark_acs.storage.tier_settings.TierSettings`): a hot copy is deleted
    only when its file has a record (verified) whose length equals the hot file's, and it is
    older than ``hot_retention_s`` or the stream's hot bytes exceed ``hot_retention_bytes``
    (a shard's newest file always stays hot: writers name new files after it);
@@ -38,7 +38,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import pyarrow.fs as pafs
 
-from pyspark_acs.errors import AcsError, CorruptFileError, StoreError
+from pyspark_acs.errors import AcsError, CorruptFileError, StoreError, TierUploadError
 from pyspark_acs.format.block import HEADER_SIZE, check_block_bodies, parse_header, scan_blocks
 from pyspark_acs.format.checksum import crc32
 from pyspark_acs.format.names import new_writer_id, shard_dir
@@ -47,17 +47,10 @@ from pyspark_acs.read.readpath import DurableReadPath, RateLimiter
 from pyspark_acs.server.metrics import TIER_METRICS, Metrics
 from pyspark_acs.storage.leases import StoreLease
 from pyspark_acs.storage.store import DurableStore, _translate, open_store  # noqa: F401 (DurableStore: annotations)
-from pyspark_acs.storage.tier import (
-    TierRecord,
-    TierSettings,
-    TierStore,
-    TierUploadError,
-    encode_header_index,
-    raise_retention_floor,
-    read_manifest,
-    stream_tier_settings,
-    write_manifest,
-)
+from pyspark_acs.storage.tier import raise_retention_floor
+from pyspark_acs.storage.tier_manifest import TierRecord, encode_header_index, read_manifest, write_manifest
+from pyspark_acs.storage.tier_settings import TierSettings, stream_tier_settings
+from pyspark_acs.storage.tier_store import TierStore
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
