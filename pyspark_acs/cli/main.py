@@ -91,7 +91,7 @@ _EXTRA_COMMANDS: Dict[str, Callable[[argparse._SubParsersAction], None]] = {}
 def _read_path(args: argparse.Namespace, root: str):
     """The read path of ``acs tail`` (a tailing reader: bytes pushed): caches when given, else
     the durable store alone."""
-    from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
+    from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
     from pyspark_acs.read.readpath import open_read_path
 
     return open_read_path(
