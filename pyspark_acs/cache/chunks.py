@@ -18,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from pyspark_acs.cache.client import CacheClient
-from pyspark_acs.cache.fanout import Entry
 from pyspark_acs.errors import CacheError
 
 __all__ = ["CHUNK_SIZE", "FILE_ID_BYTES", "ChunkReader", "ChunkWriter", "chunk_key", "chunk_keys", "chunk_range",
