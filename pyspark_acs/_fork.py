@@ -23,8 +23,14 @@ import threading
 import weakref
 from typing import Any, Callable, Optional, Tuple, TypeVar
 
-__all__ = ["ProcessMark", "check_not_forked", "fork_error", "forked_from", "generation", "made_elsewhere", "made_here",
-           "mark", "open_grpc"]
+__all__ = [
+    "check_not_forked",
+    "forked_from",
+    "made_elsewhere",
+    "made_here",
+    "mark",
+    "open_grpc",
+]
 
 T = TypeVar("T")
 

@@ -36,8 +36,9 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["EXPERIMENTS_APPLIED", "EXPERIMENTS_DEFAULT", "EXPERIMENTS_ENV", "FORK_SUPPORT_ENV",
-           "FORK_SUPPORT_DEFAULT", "LEGACY_POLLING_GRPCIO", "grpc"]
+__all__ = [
+    "grpc",
+]
 
 #: The environment variable grpcio's core reads once, at import, for its fork handlers.
 FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"

@@ -7,19 +7,24 @@ that already catch ``ValueError``, ``OSError``, ``ConnectionError`` or
 
     AcsError
     ├── AcsOptionError (ValueError)          bad option / flag value; names it and what is allowed
+    │   └── RootNotFoundError                a reader's or status command's root does not exist; names it
     ├── InvalidNameError (ValueError)        unsafe stream, shard or file name
     ├── CorruptFileError (OSError)           bad bytes in a message file; names file and byte position
     │   ├── ChecksumMismatchError            body checksum does not match the header
     │   └── TruncatedBlockError              a block runs past the end of a finished file
     ├── StoreError (OSError)                 the durable store failed (pyarrow.fs errors land here)
-    │   └── StoreFileNotFoundError (FileNotFoundError)
+    │   ├── StoreFileNotFoundError (FileNotFoundError)
+    │   └── TierUploadError                  an upload to the secondary store failed (landed or not)
     ├── CacheError (ConnectionError)         a cache server call failed; names the endpoint
     │   ├── CacheUnavailableError            no (or too few) replicas answered; names them
     │   ├── CacheTimeoutError (TimeoutError) a replica missed the deadline
     │   └── DeploymentError                  a local cache server did not start or stop; holds its log tail
     ├── LeaseError                           one-writer-per-file violations
-    │   ├── WriterConflictError              another live writer holds the file or shard
-    │   └── LeasePoisonedError               our lease was poisoned by a newer writer: stop
+    │   └── WriterConflictError              another live writer holds the file or shard
+    │       ├── AppendConflictError          an append landed after foreign bytes (a successor's seal)
+    │       │   └── AppendLockBusyError      the file's append lock stayed held: nothing appended
+    │       ├── LaterFileError               a file created under a given name was sealed unused
+    │       └── LeasePoisonedError           our lease was poisoned by a newer writer: stop
     ├── DataLossError                        bytes a reader needed are gone; says which
     ├── AcsTimeoutError (TimeoutError)       flush/close did not finish in the time given
     ├── TopologyError (ValueError)           bad copy-daemon topology file
@@ -38,6 +43,8 @@ __all__ = [
     "AcsError",
     "AcsOptionError",
     "AcsTimeoutError",
+    "AppendConflictError",
+    "AppendLockBusyError",
     "CacheError",
     "CacheTimeoutError",
     "CacheUnavailableError",
@@ -48,10 +55,13 @@ __all__ = [
     "DeploymentError",
     "ForkError",
     "InvalidNameError",
+    "LaterFileError",
     "LeaseError",
     "LeasePoisonedError",
+    "RootNotFoundError",
     "StoreError",
     "StoreFileNotFoundError",
+    "TierUploadError",
     "TopologyError",
     "TruncatedBlockError",
     "WriterConflictError",
@@ -71,6 +81,27 @@ class AcsOptionError(AcsError, ValueError):
     def __init__(self, message: str, *, option: Optional[str] = None) -> None:
         super().__init__(message)
         self.option = option
+
+
+class RootNotFoundError(AcsOptionError):
+    """The durable store root a reader or a status command was given does not exist.
+
+    Readers never create a root (only writers do: a Producer, the sink, the copy daemon), so
+    a typo in ``root`` is this error naming the root rather than an empty store whose streams
+    are all missing. The message names the root and how to fix it.
+
+    Attributes
+    ----------
+    root : str
+        The root as given.
+    path : str
+        The folder that does not exist (the root resolved: an absolute path or the URI's path).
+    """
+
+    def __init__(self, message: str, *, root: str, path: str) -> None:
+        super().__init__(message, option="root")
+        self.root = root
+        self.path = path
 
 
 class InvalidNameError(AcsError, ValueError):
@@ -116,6 +147,15 @@ class StoreFileNotFoundError(StoreError, FileNotFoundError):
     """A file or folder the caller named does not exist in the durable store."""
 
 
+class TierUploadError(StoreError):
+    """An upload to the secondary store failed; whether bytes landed is unknown (ambiguous).
+
+    The mover never retries over the same object (the RocketMQ tiered-storage article's
+    non-stop-write rule): it uploads to a new object name, and the abandoned one is swept once
+    no record names it.
+    """
+
+
 class CacheError(AcsError, ConnectionError):
     """A call to a cache server failed.
 
@@ -151,6 +191,45 @@ class LeaseError(AcsError):
 
 class WriterConflictError(LeaseError):
     """Another live writer holds the lease of the file or shard."""
+
+
+class AppendConflictError(WriterConflictError):
+    """An append landed after foreign bytes (typically another writer's recovery seal), or
+    the file no longer ends where this writer expected it: the bytes are not acknowledged.
+
+    Attributes
+    ----------
+    path : str
+        The file's URI.
+    start, end : int
+        The byte range this writer meant to write (and does not acknowledge).
+    actual_length : int
+        The file's length when the conflict was found.
+    seal_at : int or None
+        Position of the foreign seal that ends the file before ``start``, if one was found.
+    """
+
+    def __init__(self, message: str, *, path: str, start: int, end: int, actual_length: int,
+                 seal_at: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.start = start
+        self.end = end
+        self.actual_length = actual_length
+        self.seal_at = seal_at
+
+
+class AppendLockBusyError(AppendConflictError):
+    """The file's append lock was held longer than
+    :data:`~pyspark_acs.storage.leases.LOCK_WAIT_SECONDS` (its holder is stopped or hung inside
+    an append): nothing was appended. Only a recovery seal goes on without the lock."""
+
+
+class LaterFileError(WriterConflictError):
+    """A file this writer just created under a name it was given (not chosen) was sealed
+    unused: another writer's file sorts after it, so it would not be where the shard ends.
+    The lease may still be this writer's (the other file a deposed writer's): the caller can
+    go on in a new file (the sink redirects its batch)."""
 
 
 class LeasePoisonedError(WriterConflictError):

@@ -10,18 +10,26 @@ a message that lists the valid ones.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Type, TypeVar
+import difflib
+import re
+import textwrap
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Type, TypeVar
 
 from pyspark_acs.errors import AcsOptionError
-from pyspark_acs.units import parse_bytes, parse_duration
+from pyspark_acs.units import format_duration, format_size, parse_bytes, parse_duration
 
 __all__ = [
+    "add_option_flags",
     "bytes_parser",
     "choice_parser",
     "describe_options",
     "duration_parser",
+    "flag_type",
+    "nearest_name",
     "option",
+    "options_from_flags",
     "parse_bool",
     "parse_int",
     "parse_options",
@@ -39,13 +47,24 @@ def option(
     parse: Callable[[str, str], Any],
     doc: str = "",
     required: bool = False,
+    flag: Optional[str] = None,
+    metavar: Optional[str] = None,
+    many: bool = False,
+    shown: Optional[str] = None,
 ) -> Any:
     """Declare a dataclass field as an option called ``name``.
 
     ``parse(value, name)`` turns the string value into the field's type and raises
     :class:`AcsOptionError` naming ``name`` when it cannot.
+
+    The rest shapes the command-line flag :func:`add_option_flags` makes of it: ``flag``
+    (default ``--`` and the name in kebab case), ``metavar``, ``many`` (a repeatable flag, or a
+    comma-separated list in a string mapping; the field holds a tuple) and ``shown``, the
+    default as the reference states it when the value alone does not say it (e.g. a default
+    that depends on another option).
     """
-    meta = {"acs_name": name, "acs_parse": parse, "acs_doc": doc, "acs_required": required}
+    meta = {"acs_name": name, "acs_parse": parse, "acs_doc": doc, "acs_required": required, "acs_flag": flag,
+            "acs_metavar": metavar, "acs_many": many, "acs_shown": shown}
     if default is _MISSING:
         return dataclasses.field(metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -55,7 +74,37 @@ def _fields(cls: type) -> dict:
     return {f.metadata["acs_name"].lower(): f for f in dataclasses.fields(cls) if "acs_name" in f.metadata}
 
 
-def parse_options(cls: Type[T], raw: Mapping[str, Any], *, component: str) -> T:
+def _declared(cls: type) -> list:
+    return [f for f in dataclasses.fields(cls) if "acs_name" in f.metadata]
+
+
+def _parse_value(f: dataclasses.Field, value: Any, name: str) -> Any:
+    parse = f.metadata["acs_parse"]
+    if not f.metadata.get("acs_many"):
+        return parse(value, name)
+    items = value if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v.strip()]
+    return tuple(parse(v, name) for v in items)
+
+
+def nearest_name(key: str, names) -> Optional[str]:
+    """The name in ``names`` closest to ``key`` (case-insensitive), or ``None`` when none is close.
+
+    Used to say "did you mean ..." for a misspelt option or flag.
+    """
+    by_lower = {str(n).lower(): n for n in names}
+    found = difflib.get_close_matches(str(key).lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[found[0]] if found else None
+
+
+def unknown_option_error(component: str, key: str, names) -> AcsOptionError:
+    """The error for an unknown option ``key``: the nearest valid name, then all of them."""
+    nearest = nearest_name(key, names)
+    hint = f" (did you mean {nearest!r}?)" if nearest else ""
+    valid = ", ".join(sorted(names))
+    return AcsOptionError(f"{component}: unknown option {key!r}{hint}; valid options are: {valid}", option=str(key))
+
+
+def parse_options(cls: Type[T], raw: Mapping[str, Any], *, component: str, none_given: bool = False) -> T:
     """Build ``cls`` from string options.
 
     Parameters
@@ -67,25 +116,24 @@ def parse_options(cls: Type[T], raw: Mapping[str, Any], *, component: str) -> T:
         through the parser as they are (``None`` means "not given").
     component : str
         Named in error messages, e.g. ``"acs source"``.
+    none_given : bool
+        ``None`` is a value given (and checked by the parser) rather than "not given": for
+        Python APIs whose every argument has a default of its own.
 
     Raises
     ------
     AcsOptionError
-        For an unknown name (listing the valid ones), a missing required option or a bad value.
+        For an unknown name (with the nearest valid one and the list of all), a missing required option or a bad value.
     """
     fields = _fields(cls)
     kwargs = {}
     for key, value in raw.items():
         f = fields.get(str(key).lower())
         if f is None:
-            valid = ", ".join(sorted(f.metadata["acs_name"] for f in fields.values()))
-            raise AcsOptionError(
-                f"{component}: unknown option {key!r}; valid options are: {valid}", option=str(key)
-            )
-        if value is None:
+            raise unknown_option_error(component, str(key), [f.metadata["acs_name"] for f in fields.values()])
+        if value is None and not none_given:
             continue
-        name = f.metadata["acs_name"]
-        kwargs[f.name] = f.metadata["acs_parse"](value, name)
+        kwargs[f.name] = _parse_value(f, value, f.metadata["acs_name"])
     for f in fields.values():
         if f.metadata["acs_required"] and f.name not in kwargs:
             name = f.metadata["acs_name"]
@@ -95,15 +143,129 @@ def parse_options(cls: Type[T], raw: Mapping[str, Any], *, component: str) -> T:
     return cls(**kwargs)
 
 
-def describe_options(cls: type) -> str:
-    """One line per option: name, default and help; for docs and ``--help``."""
-    lines = []
-    for f in dataclasses.fields(cls):
-        if "acs_name" not in f.metadata:
+def default_text(f: dataclasses.Field) -> str:
+    """An option's default as the reference states it: ``required``, ``64MiB``, ``10s``, ``none``."""
+    if f.metadata.get("acs_shown"):
+        return f.metadata["acs_shown"]
+    if f.metadata["acs_required"]:
+        return "required"
+    default = f.default
+    if default is None or default == ():
+        return "none"
+    kind = getattr(f.metadata["acs_parse"], "acs_kind", None)
+    if kind == "bytes" and isinstance(default, int):
+        return format_size(default)
+    if kind == "duration" and isinstance(default, (int, float)):
+        return format_duration(default)
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    if isinstance(default, tuple):
+        return "/".join(str(x) for x in default)
+    return str(default)
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The command-line flag of a declared option: ``--`` and the name in kebab case."""
+    if f.metadata.get("acs_flag"):
+        return f.metadata["acs_flag"]
+    name = re.sub(r"(?<=[a-z0-9])([A-Z])", r"-\1", f.metadata["acs_name"]).replace("_", "-").lower()
+    return f"--{name}"
+
+
+def describe_options(cls: type, style: str = "text") -> str:
+    """The reference of ``cls``'s options, rendered from their declarations.
+
+    ``style`` ``"text"``: one line per option, ``name (default X): doc``; ``"rst"``: a numpydoc
+    style list (``name : default X`` then the indented doc), for docstrings; ``"markdown"``: a
+    table ``| name | default | meaning |``; ``"flags"``: as ``"markdown"`` with the flags.
+    """
+    rows = [(f.metadata["acs_name"], flag_of(f), default_text(f), f.metadata["acs_doc"]) for f in _declared(cls)]
+    if style == "text":
+        return "\n".join(f"{name} ({'required' if d == 'required' else f'default {d}'}): {doc}"
+                         for name, _, d, doc in rows)
+    if style == "rst":
+        out = []
+        shown = {f.metadata["acs_name"]: bool(f.metadata.get("acs_shown")) for f in _declared(cls)}
+        for name, _, d, doc in rows:
+            head = d if d == "required" else "optional" if d == "none" else d if shown[name] else f"``{d}``"
+            out.append(f"{name} : {head}")
+            out.extend("    " + line for line in textwrap.wrap(doc, 88))
+        return "\n".join(out)
+    if style in ("markdown", "flags"):
+        head = "| flag | default | meaning |" if style == "flags" else "| name | default | meaning |"
+        out = [head, "|---|---|---|"]
+        for name, flag, d, doc in rows:
+            cell = doc.replace("|", "\\|")
+            out.append(f"| `{flag if style == 'flags' else name}` | {d} | {cell} |")
+        return "\n".join(out)
+    raise ValueError(f"describe_options: style {style!r} is not text, rst, markdown or flags")
+
+
+def add_option_flags(parser: Any, cls: type, *, only: Optional[Sequence[str]] = None,
+                     exclude: Sequence[str] = ()) -> None:
+    """Add one argparse flag per option of ``cls`` (or of the fields named in ``only``).
+
+    Each flag's help is the option's doc and default, its value is parsed by the option's parser
+    at argparse time (a bad value is a usage error naming the flag), a boolean option is a
+    switch, a ``many`` option is repeatable, and a required option is a required flag. A flag
+    not given leaves ``None``: :func:`options_from_flags` then takes the declared default.
+    """
+    for f in _declared(cls):
+        if (only is not None and f.name not in only) or f.name in exclude:
             continue
-        default = "required" if f.metadata["acs_required"] else f"default {f.default!r}"
-        lines.append(f"{f.metadata['acs_name']} ({default}): {f.metadata['acs_doc']}")
-    return "\n".join(lines)
+        flag = flag_of(f)
+        d = default_text(f)
+        doc = f.metadata["acs_doc"]
+        quiet = d in ("required", "none") or "(default" in doc or (f.metadata["acs_parse"] is parse_bool and d == "false")
+        help_text = (doc if quiet else f"{doc} (default {d})").replace("%", "%%")
+        kw: Dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        choices = getattr(f.metadata["acs_parse"], "acs_choices", None)
+        if f.metadata["acs_parse"] is parse_bool:
+            kw["action"] = "store_true"
+        elif choices:  # argparse lists them in usage and refuses others ("invalid choice")
+            kw["choices"] = choices
+        else:
+            kw["type"] = flag_type(f.metadata["acs_parse"], flag)
+            kw["metavar"] = f.metadata.get("acs_metavar") or _metavar(f)
+            if f.metadata.get("acs_many"):
+                kw["action"] = "append"
+        if f.metadata["acs_required"]:
+            kw["required"] = True
+        parser.add_argument(flag, **kw)
+
+
+def _metavar(f: dataclasses.Field) -> str:
+    kind = getattr(f.metadata["acs_parse"], "acs_kind", None)
+    return {"bytes": "SIZE", "duration": "DURATION"}.get(kind, f.name.upper())
+
+
+def options_from_flags(cls: Type[T], args: Any, **values: Any) -> T:
+    """``cls`` from the flags :func:`add_option_flags` added (already parsed by argparse); a flag
+    not given keeps the declared default. ``values`` set fields that no flag gave."""
+    kwargs = {}
+    for f in _declared(cls):
+        value = getattr(args, f.name, None)
+        if value is not None and value is not False:
+            kwargs[f.name] = tuple(value) if f.metadata.get("acs_many") else value
+    kwargs.update(values)
+    return cls(**kwargs)
+
+
+def flag_type(parse: Callable[[Any, str], Any], flag: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` running ``parse(text, flag)``; an :class:`AcsOptionError` becomes
+    argparse's usage error (exit 2), which names the flag once ("argument --flag: ...")."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text, flag)
+        except AcsOptionError as exc:
+            message = str(exc)
+            if message.startswith(f"{flag}: "):
+                message = message[len(flag) + 2:]
+            raise argparse.ArgumentTypeError(message) from exc
+
+    convert.__name__ = flag.lstrip("-")
+    return convert
 
 
 # -- parsers: (value, option name) -> typed value --------------------------------------------
@@ -151,23 +313,36 @@ def parse_int(minimum: Optional[int] = None, maximum: Optional[int] = None) -> C
 
 def bytes_parser(minimum: int = 0) -> Callable[[Any, str], int]:
     """A parser for byte sizes (``"64MiB"``) of at least ``minimum`` bytes."""
-    return lambda value, name: parse_bytes(value, option=name, minimum=minimum)
+
+    def parse(value: Any, name: str) -> int:
+        return parse_bytes(value, option=name, minimum=minimum)
+
+    parse.acs_kind = "bytes"  # type: ignore[attr-defined] # how describe_options shows a default
+    return parse
 
 
-def duration_parser(minimum: float = 0.0) -> Callable[[Any, str], float]:
-    """A parser for durations (``"10ms"``, bare numbers are seconds) into seconds."""
-    return lambda value, name: parse_duration(value, option=name, minimum=minimum)
+def duration_parser(minimum: float = 0.0, *, unit_required: bool = False) -> Callable[[Any, str], float]:
+    """A parser for durations (``"10ms"``) into seconds; a bare number is seconds, or refused with
+    ``unit_required`` (retentions and TTLs, see :mod:`pyspark_acs.units`)."""
+
+    def parse(value: Any, name: str) -> float:
+        return parse_duration(value, option=name, minimum=minimum, unit_required=unit_required)
+
+    parse.acs_kind = "duration"  # type: ignore[attr-defined]
+    return parse
 
 
-def choice_parser(*choices: str) -> Callable[[Any, str], str]:
-    """A parser that accepts one of ``choices`` (case-insensitive) and returns it lower-cased."""
+def choice_parser(*choices: str, upper: bool = False) -> Callable[[Any, str], str]:
+    """A parser that accepts one of ``choices`` (case-insensitive) and returns it lower-cased
+    (upper-cased with ``upper``, for choices such as log levels)."""
 
     def parse(value: Any, name: str) -> str:
         text = str(value).strip().lower()
-        if text not in choices:
+        if text not in [c.lower() for c in choices]:
             raise AcsOptionError(
                 f"{name}: {value!r} is not allowed; use one of: {', '.join(choices)}", option=name
             )
-        return text
+        return text.upper() if upper else text
 
+    parse.acs_choices = choices  # type: ignore[attr-defined] # the flag's metavar lists them
     return parse

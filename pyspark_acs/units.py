@@ -3,7 +3,11 @@
 Sizes accept a plain number of bytes or a number with a unit: ``B``, ``KB``/``MB``/``GB``/``TB``
 (powers of 1000) and ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024); ``k``, ``m``, ``g`` are
 read as the binary units, as Spark does. Durations accept ``us``, ``ms``, ``s``, ``m``/``min``,
-``h`` and ``d``; a bare number means seconds.
+``h`` and ``d``; a bare number means seconds for timeouts and intervals. Retentions and TTLs
+(``unit_required=True``) refuse a bare number: ``--hot-retention 1`` read as one second would
+delete hot copies a user meant to keep for a day, so the unit must be written.
+
+Every duration and size flag and option of the package is read by these two functions.
 """
 
 from __future__ import annotations
@@ -13,7 +17,13 @@ from typing import Union
 
 from pyspark_acs.errors import AcsOptionError
 
-__all__ = ["format_bytes", "parse_bytes", "parse_duration"]
+__all__ = [
+    "format_bytes",
+    "format_duration",
+    "format_size",
+    "parse_bytes",
+    "parse_duration",
+]
 
 _SIZE_UNITS = {
     "": 1,
@@ -75,14 +85,18 @@ def parse_bytes(value: Union[str, int], *, option: str = "size", minimum: int = 
 
 
 def parse_duration(
-    value: Union[str, int, float], *, option: str = "duration", minimum: float = 0.0
+    value: Union[str, int, float], *, option: str = "duration", minimum: float = 0.0, unit_required: bool = False
 ) -> float:
     """Parse a duration such as ``"60s"``, ``"10ms"``, ``"24h"`` or ``0.5`` into seconds.
+
+    With ``unit_required`` (retentions and TTLs) a string without a unit (``"1"``) is refused;
+    numbers given as Python ``int``/``float`` are seconds either way.
 
     Raises
     ------
     AcsOptionError
-        Naming ``option`` when the value is not a duration or is below ``minimum``.
+        Naming ``option`` when the value is not a duration, lacks a required unit or is below
+        ``minimum``.
     """
     if isinstance(value, bool):
         raise AcsOptionError(f"{option}: expected a duration, got {value!r}", option=option)
@@ -95,6 +109,13 @@ def parse_duration(
             raise AcsOptionError(
                 f"{option}: {value!r} is not a duration; use a number with a unit "
                 f"(us, ms, s, m, h, d), e.g. '500ms' or '60s'",
+                option=option,
+            )
+        if unit_required and not unit:
+            number = match.group(1)
+            raise AcsOptionError(
+                f"{option}: {value!r} has no unit; add one: '{number}s' for seconds, '{number}h' for hours or "
+                f"'{number}d' for days",
                 option=option,
             )
         result = float(match.group(1)) * _DURATION_UNITS[unit]
@@ -114,3 +135,22 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as :func:`parse_duration` reads it back: ``3600`` -> ``'1h'``, ``0.01`` -> ``'10ms'``."""
+    if seconds == 0:
+        return "0s"
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        count = seconds / size
+        if count >= 1 and abs(count - round(count)) < 1e-9:
+            return f"{round(count)}{unit}"
+    return f"{seconds:g}s"
+
+
+def format_size(n: int) -> str:
+    """A byte size as :func:`parse_bytes` reads it back: ``1 << 20`` -> ``'1MiB'``, ``1000`` -> ``'1000B'``."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"

@@ -27,7 +27,10 @@ import sys
 import warnings
 from typing import MutableMapping, NamedTuple, Optional
 
-__all__ = ["ENV_WORKER_PYTHON", "WORKER_PYTHON_MODES", "Choice", "choice", "choose", "point_workers_at_driver"]
+__all__ = [
+    "choice",
+    "point_workers_at_driver",
+]
 
 #: The switch: ``auto`` (the default) or ``off``.
 ENV_WORKER_PYTHON = "ACS_WORKER_PYTHON"

@@ -171,7 +171,7 @@ def test_ls(acs, acs_inproc, root):
     code, only, _ = acs_inproc("ls", "--root", root, "--stream", "beta")
     assert code == 0 and _lines(only)[0] == "beta  shards=1" and b"alpha" not in only
     code, _, err = acs_inproc("ls", "--root", root, "--stream", "gamma")
-    assert code == 1 and "acs ls: error: stream: no stream 'gamma'" in err
+    assert code == 1 and "acs ls: error: --stream: no stream 'gamma'" in err
 
 
 def test_unknown_option_exits_2(acs, acs_inproc, root):
@@ -183,7 +183,7 @@ def test_unknown_option_exits_2(acs, acs_inproc, root):
         (("nosuchcommand",), "invalid choice: 'nosuchcommand'"),
         ((), "required: COMMAND"),
         (("tail", "--root", root, "--stream", "s", "--format", "xml"), "invalid choice: 'xml'"),
-        (("tail", "--root", root, "--stream", "s", "--timeout", "soon"), "invalid float value: 'soon'"),
+        (("tail", "--root", root, "--stream", "s", "--timeout", "soon"), "argument --timeout: 'soon' is not a duration"),
     ]:
         code, _, err = acs_inproc(*args)
         assert code == 2 and text in err, (args, err)
@@ -210,7 +210,7 @@ def test_library_errors_exit_1_with_one_line(acs_inproc, root, tmp_path):
     for args, text in [
         (("produce", "--root", root, "--stream", "two", "--shards", "3"), "has 2 shards, not 3"),
         (("tail", "--root", root, "--stream", "nope", "--timeout", "0.1"), "no stream 'nope'"),
-        (tail + ("--from", "middle"), "start: 'middle' is not allowed"),
+        (tail + ("--from", "middle"), "--from: 'middle' is not allowed"),
         (tail + ("--from", "{broken"), "not valid JSON"),
         (tail + ("--from", "@" + str(missing)), f"--from: cannot read offsets from {missing}"),
         (tail + ("--from", "@" + str(bad)), f"--from: cannot read offsets from {bad}"),
@@ -287,3 +287,121 @@ def test_tail_wait_follows_a_stream_created_later(python_exe, subprocess_env, ro
 def test_tail_wait_with_a_timeout_names_what_never_came(acs_inproc, root):
     code, _, err = acs_inproc("tail", "--root", root, "--stream", "never", "--wait", "--timeout", "0.3")
     assert code == 1 and "--wait: stream never did not appear" in err
+
+
+# -- durations: one rule for every flag ----------------------------------------
+
+
+def test_tail_timeout_takes_a_unit_like_every_other_duration_flag(acs, tmp_path):
+    root = str(tmp_path / "store")
+    acs("produce", "--root", root, "--stream", "s", input=b"a\nb\n", check=0)
+    for timeout in ("300ms", "0.3s", "0.3"):  # a bare number stays seconds for a timeout
+        res = acs("tail", "--root", root, "--stream", "s", "--timeout", timeout, check=0)
+        assert res.stdout == b"a\nb\n", res.stderr
+    res = acs("tail", "--root", root, "--stream", "s", "--timeout", "soon", check=2)
+    assert "argument --timeout: 'soon' is not a duration" in res.stderr.decode()
+
+
+def test_a_retention_without_a_unit_is_refused_naming_the_unit(acs, tmp_path):
+    """``--hot-retention 1`` read as one second would delete the hot copies: it is refused."""
+    root = str(tmp_path / "store")
+    acs("produce", "--root", root, "--stream", "s", input=b"a\n", check=0)
+    cold = str(tmp_path / "cold")
+    for flag in ("--hot-retention", "--secondary-retention"):
+        res = acs("tier", "s", cold, "--root", root, flag, "1")
+        assert res.returncode == 1, (res.stdout, res.stderr)
+        err = res.stderr.decode()
+        assert f"{flag}: '1' has no unit; add one: '1s' for seconds, '1h' for hours or '1d' for days" in err, err
+    show = acs("tier", "s", "--root", root, check=0)
+    assert b"not tiered" in show.stdout  # nothing was written
+    acs("tier", "s", cold, "--root", root, "--hot-retention", "1d", check=0)
+    assert b"hot retention:        1d" in acs("tier", "s", "--root", root, check=0).stdout
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["pyspark_acs.cli.main", "up", "--ttl", "60"], "--ttl"),
+    (["pyspark_acs.cli.main", "up", "--data-ttl", "60"], "--data-ttl"),
+    (["pyspark_acs.server.cache", "--role", "data", "--ttl", "60"], "--ttl"),
+])
+def test_a_ttl_without_a_unit_is_refused(python_exe, subprocess_env, tmp_path, argv, flag):
+    res = subprocess.run([python_exe, "-m", *argv], capture_output=True, text=True, env=subprocess_env,
+                         cwd=str(tmp_path), timeout=TIMEOUT)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert f"argument {flag}: '60' has no unit; add one: '60s'" in res.stderr
+    assert not os.path.exists(tmp_path / ".acs-local" / "deployment.json")
+
+
+# -- daemons' flags come from their option declarations -------
+
+
+@pytest.mark.parametrize("module, declared", [
+    ("pyspark_acs.server.cache", "pyspark_acs.server.cache.options:CacheServerOptions"),
+    ("pyspark_acs.server.tier.daemon", "pyspark_acs.server.tier.options:TierMoverOptions"),
+])
+def test_daemon_help_is_generated_from_the_declarations_in_plain_text(python_exe, subprocess_env, module, declared):
+    import dataclasses
+    import importlib
+
+    from pyspark_acs.options import flag_of
+    from pyspark_acs.server.settings import METRICS_PORT_DOC
+
+    mod, _, name = declared.partition(":")
+    cls = getattr(importlib.import_module(mod), name)
+    res = subprocess.run([python_exe, "-m", module, "--help"], capture_output=True, text=True, env=subprocess_env,
+                         timeout=TIMEOUT)
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())  # argparse wraps lines
+    for f in dataclasses.fields(cls):
+        assert flag_of(f) in text, (flag_of(f), res.stdout)
+        assert " ".join(f.metadata["acs_doc"].split()) in text, (f.name, res.stdout)
+    assert METRICS_PORT_DOC in text and "--log-level" in text
+    assert "``" not in res.stdout and ":class:" not in res.stdout and ":data:" not in res.stdout
+
+
+# -- help text and errors a user reads -----------------------------------------
+
+
+def test_cli_errors_name_the_flag_the_user_typed(acs, tmp_path):
+    root = str(tmp_path / "store")
+    acs("produce", "--root", root, "--stream", "s", input=b"a\n", check=0)
+    res = acs("tail", "--root", root, "--stream", "s", "--from", "earlist", "--timeout", "0.1", check=1)
+    err = res.stderr.decode()
+    assert "--from: 'earlist' is not allowed (did you mean 'earliest'?)" in err and "start:" not in err, err
+    for command in (("produce", "--root", root, "--stream", "s"), ("tail", "--root", root, "--stream", "s")):
+        for flag in ("--data-cache", "--metadata-cache"):
+            res = acs(*command, flag, "nohost", input=b"", check=1)
+            err = res.stderr.decode()
+            assert f"{flag}: 'nohost' is not an endpoint" in err and "endpoints:" not in err, err
+
+
+def test_ls_has_a_description_and_json(acs, tmp_path):
+    import json as _json
+
+    root = str(tmp_path / "store")
+    acs("produce", "--root", root, "--stream", "s", "--shards", "2", input=b"a\nb\n", check=0)
+    assert b"List the streams of a durable store" in acs("ls", "--help", check=0).stdout
+    report = _json.loads(acs("ls", "--root", root, "--json", check=0).stdout)
+    (entry,) = report["streams"]
+    assert entry["stream"] == "s" and entry["shards"] == 2 and entry["tier"] is None
+    assert sum(sh["bytes"] for sh in entry["shard_list"]) == sum(
+        f["length"] for sh in entry["shard_list"] for f in sh["files"]) > 0
+    text = acs("ls", "--root", root, check=0).stdout.decode()
+    assert text.startswith("s  shards=2\n  shard     0")
+
+
+def test_acs_up_and_acs_cache_server_share_flag_names_and_defaults(acs, python_exe, subprocess_env):
+    from pyspark_acs.server.cache.options import DEFAULT_CAPACITY_BYTES
+    from pyspark_acs.units import format_size
+
+    up = " ".join(acs("up", "--help", check=0).stdout.decode().split())
+    server = subprocess.run([python_exe, "-m", "pyspark_acs.server.cache", "--help"], capture_output=True, text=True,
+                            env=subprocess_env, timeout=TIMEOUT).stdout
+    server = " ".join(server.split())
+    data = format_size(DEFAULT_CAPACITY_BYTES["data"])
+    assert f"data-cache capacity per server (default {data}, as acs-cache-server's)" in up
+    assert f"(default data {data}, metadata" in server
+    for flag in ("--ttl DURATION", "--capacity SIZE", "--log-level"):
+        assert flag in up and flag in server, flag
+    assert "--data-ttl" not in up  # its former name still works, but is not shown
+    down = " ".join(acs("down", "--help", check=0).stdout.decode().split())
+    assert "Stop every server of the local deployment" in down

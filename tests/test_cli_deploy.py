@@ -139,8 +139,8 @@ def test_status_without_caches_shows_durable_lengths_only(root, env, python_exe,
 
 @pytest.mark.parametrize("args, code, needle", [
     (["up", "--data-replicas", "x"], 2, "--data-replicas"),
-    (["up", "--capacity", "12XB"], 1, "capacity"),
-    (["up", "--data-ttl", "soon"], 1, "data_ttl"),
+    (["up", "--capacity", "12XB"], 2, "argument --capacity: '12XB' is not a byte size"),
+    (["up", "--data-ttl", "soon"], 2, "argument --data-ttl: 'soon' is not a duration"),
     (["status", "--root", "R", "--metadata-cache", "nohost"], 1, "nohost"),
     (["status", "--root", "R", "--stream", "missing"], 1, "no durable store at"),
     (["up", "--cluster", "A"], 1, "--cluster and --topology go together"),
@@ -256,3 +256,34 @@ def test_a_fresh_shell_with_only_the_printed_exports_uses_the_caches(tmp_path, e
     finally:
         acs_down(dir_a)
         acs_down(dir_b)
+
+
+def test_acs_down_finds_a_deployment_started_with_dir_from_the_same_folder(tmp_path, env, python_exe):
+    """``acs up --dir X`` then ``acs down`` (no --dir, no $ACS_DEPLOYMENT) in the same folder stops
+    it; elsewhere, ``acs down`` says which --dir to pass."""
+    env = {k: v for k, v in env.items() if k != "ACS_DEPLOYMENT"}
+    here = tmp_path / "here"
+    here.mkdir()
+
+    def acs(*args, cwd=here):
+        return subprocess.run([python_exe, "-m", "pyspark_acs.cli.main", *args], capture_output=True, text=True,
+                              env=env, cwd=str(cwd), timeout=TIMEOUT)
+
+    up = acs("up", "--dir", "deps/one", "--data-replicas", "1", "--metadata-replicas", "1", "--log-level", "WARNING")
+    assert up.returncode == 0, up.stderr
+    state = load_deployment(here / "deps" / "one")
+    try:
+        pids = [s["pid"] for s in state["servers"]]
+        assert all(alive(p) for p in pids)
+        with open(f"/proc/{pids[0]}/cmdline", "rb") as f:
+            assert b"--log-level\0WARNING" in f.read()  # acs up's --log-level reaches its servers
+        elsewhere = acs("down", cwd=tmp_path)
+        assert elsewhere.returncode == 0 and "no deployment in" in elsewhere.stderr
+        assert "run 'acs down --dir DIR'" in elsewhere.stderr
+        down = acs("down")
+        assert down.returncode == 0, down.stderr
+        assert "stopped 2 servers" in down.stdout
+        assert load_deployment(here / "deps" / "one") is None and not (here / ".acs-deployment").exists()
+    finally:
+        subprocess.run([python_exe, "-m", "pyspark_acs.cli.main", "down", "--dir", str(here / "deps" / "one")],
+                       env=env, capture_output=True, timeout=TIMEOUT)

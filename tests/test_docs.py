@@ -200,3 +200,42 @@ def test_benchmark_results_name_command_commit_and_date():
         assert "```" in section, f"RESULTS.md section {title!r} has no command"
         assert DATE.search(section) and re.search(r"\b[0-9a-f]{7}\b", section), (
             f"RESULTS.md section {title!r} names no commit and date")
+
+
+# -- option references rendered from the declarations ------------------------------------------
+
+#: A table rendered from an options dataclass: ``<!-- options: module.Class style -->``, the
+#: table, ``<!-- /options -->``.
+OPTIONS_TABLE = re.compile(r"<!-- options: (\S+) (\w+) -->\n(.*?)\n<!-- /options -->", re.S)
+
+
+def _declared(path: str):
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_option_tables_in_the_docs_agree_with_the_declarations():
+    from pyspark_acs.options import describe_options
+
+    found = 0
+    for doc in DOCS:
+        for m in OPTIONS_TABLE.finditer(doc.read_text(encoding="utf-8")):
+            found += 1
+            expected = describe_options(_declared(m.group(1)), m.group(2))
+            assert m.group(3) == expected, (
+                f"{doc.relative_to(ROOT)}: the table of {m.group(1)} differs from its declarations; "
+                f"replace it with:\n{expected}")
+    assert found >= 1
+
+
+def test_the_datasource_docstring_lists_every_declared_option():
+    from pyspark_acs.datasource import AcsDataSource, SinkOptions, SourceOptions
+    from pyspark_acs.options import describe_options
+
+    doc = AcsDataSource.__doc__
+    assert describe_options(SourceOptions, "rst") in doc and describe_options(SinkOptions, "rst") in doc
+    for cls in (SourceOptions, SinkOptions):
+        for f in __import__("dataclasses").fields(cls):
+            assert f"\n{f.metadata['acs_name']} : " in doc, f.metadata["acs_name"]

@@ -212,7 +212,8 @@ def test_parse_options_bad_values_name_the_option(raw, name, pattern):
 def test_describe_options():
     text = describe_options(_Opts)
     assert "path (required): where" in text
-    assert "maxBytes (default 1024): cap" in text
+    assert "maxBytes (default 1KiB): cap" in text
+    assert "pollInterval (default 10ms): poll" in text
 
 
 # -- offsets -----------------------------------------------------------------------------------
@@ -254,3 +255,40 @@ def test_nan_is_not_a_size_either():
     assert math.isnan(float("nan"))
     with pytest.raises(AcsOptionError):
         parse_bytes("nan")
+
+
+def test_parse_options_names_the_nearest_valid_option():
+    with pytest.raises(AcsOptionError) as err:
+        parse_options(_Opts, {"path": "/x", "POLLINTERVALL": "1s"}, component="acs source")
+    assert "unknown option 'POLLINTERVALL' (did you mean 'pollInterval'?)" in str(err.value)
+    assert "valid options are: count, enabled, maxBytes, mode, path, pollInterval" in str(err.value)
+    with pytest.raises(AcsOptionError) as err:  # nothing close: no guess, only the list
+        parse_options(_Opts, {"path": "/x", "zzz": "1"}, component="acs source")
+    assert "did you mean" not in str(err.value) and "valid options are" in str(err.value)
+
+
+def test_nearest_name_is_case_insensitive_and_keeps_the_declared_spelling():
+    from pyspark_acs.options import nearest_name
+
+    assert nearest_name("strartingoffsets", ["startingOffsets", "endingOffsets", "stream"]) == "startingOffsets"
+    assert nearest_name("rolBytes", ["rollBytes", "root"]) == "rollBytes"
+    assert nearest_name("qqqq", ["rollBytes", "root"]) is None
+
+
+def test_a_duration_that_needs_its_unit_refuses_a_bare_number():
+    assert parse_duration("1d", option="--ttl", unit_required=True) == 86400.0
+    assert parse_duration(1.5, option="--ttl", unit_required=True) == 1.5  # a Python number is seconds
+    with pytest.raises(AcsOptionError, match=r"--ttl: '7' has no unit; add one: '7s' for seconds, '7h'"):
+        parse_duration("7", option="--ttl", unit_required=True)
+    assert parse_duration("7", option="--timeout") == 7.0  # timeouts and intervals: seconds
+
+
+def test_durations_and_sizes_format_as_they_parse():
+    from pyspark_acs.units import format_duration, format_size
+
+    for seconds, text in ((0, "0s"), (0.01, "10ms"), (0.5, "500ms"), (60, "60s"), (3600, "1h"), (86400, "1d"),
+                          (90, "90s"), (1.5, "1500ms"), (1e-6, "1us")):
+        assert format_duration(seconds) == text
+        assert parse_duration(text) == pytest.approx(seconds)
+    for n, text in ((0, "0B"), (1000, "1000B"), (1024, "1KiB"), (64 << 20, "64MiB"), (1 << 30, "1GiB")):
+        assert format_size(n) == text and parse_bytes(text) == n

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pyspark_acs.read.consumer as consumer_mod
-from pyspark_acs.format.block import HEADER_SIZE, encode_block, scan_blocks
-from pyspark_acs.read.consumer import Consumer
+from pyspark_acs.format.block import HEADER_SIZE, encode_block, encode_seal, scan_blocks
+from pyspark_acs.format.offsets import Offset
+from pyspark_acs.read.consumer import Consumer, TailTiming
 from pyspark_acs.errors import (
     AcsOptionError,
     ChecksumMismatchError,
@@ -533,13 +533,57 @@ def test_a_truncated_file_in_the_source_cluster_is_data_loss_named_by_file_and_b
                for r in caplog.records)
 
 
+def test_the_look_for_a_later_file_backs_off_on_the_tailers_clock(root):
+    """A tailer stuck at an unsealed file's end looks for a later file after
+    TailTiming.unfinished_check_s[0] at the position, then with the wait doubling to the cap
+    (a caught-up reader of an idle stream lists its shard a few times a minute); a bounded
+    read whose end lies in a later file looks at once. Timed by the tailer's clock: no sleep."""
+    from pyspark_acs.read.consumer import ShardTailer
+    from pyspark_acs.read.readpath import DurableReadPath
+
+    store = DurableStore(root)
+    store.create_stream("ck", 1)
+    names = [file_name(dt.datetime(2026, 1, 1, 0, 0, i, tzinfo=dt.timezone.utc), "w") for i in range(2)]
+    first = encode_block([b"msg-00000"], first_index=0)
+    with open(file_path(root, "ck", names[0]), "wb") as f:
+        f.write(first)  # a live writer's file: no seal yet
+    listings = []
+
+    class Counting(DurableStore):
+        def list_files(self, *a, **k):
+            listings.append(now[0])
+            return super().list_files(*a, **k)
+
+    now = [0.0]
+    path = DurableReadPath(Counting(root))
+    t = ShardTailer(path, "ck", 0, Offset(names[0], 0), timing=TailTiming(unfinished_check_s=(1.0, 8.0)),
+                    clock=lambda: now[0])
+    assert len(t.step()) == 1
+    for now[0] in [x / 2 for x in range(0, 80)]:  # 40 s of steps, every half second
+        assert t.step() == []
+    # first look 1 s after it stopped there, then waits of 1, 2, 4 and 8 (the cap) s
+    assert listings == [1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0], listings
+    with open(file_path(root, "ck", names[1]), "wb") as f:
+        f.write(encode_block([b"msg-00001"], first_index=0) + encode_seal(1))
+    now[0] = 39.5
+    assert t.step() == []  # not due yet
+    now[0] = 40.0
+    with pytest.raises(DataLossError, match=f"file {names[0]} has no seal"):
+        t.step()
+    listings.clear()
+    bounded = ShardTailer(path, "ck", 0, Offset(names[0], len(first)), clock=lambda: now[0])
+    with pytest.raises(DataLossError):
+        bounded.step(end=Offset(names[1], 10))
+    assert listings == [40.0]  # at once: the end lies in the later file
+
+
 def test_a_truncated_file_in_a_destination_is_waited_at_until_its_copy_arrives(root, tmp_path, monkeypatch,
                                                                                 caplog):
     """In a destination (``copied_from``) files are copied side by side: an unsealed file with
     a later file after it is a copy still coming. The reader waits (saying so once after
-    STUCK_WARN_AFTER_S, after its first look for a later file), raises nothing, and reads every
+    TailTiming.stuck_warn_after_s, after its first look for a later file), raises nothing, and reads every
     message once the rest arrives."""
-    monkeypatch.setattr(consumer_mod, "STUCK_WARN_AFTER_S", consumer_mod.UNFINISHED_CHECK_S[0] * 1.5)
+    timing = TailTiming(stuck_warn_after_s=1.5)  # past its first look for a later file (1 s)
     source = str(tmp_path / "source")
     files = _three_sealed_files(source, "cp")
     DurableStore(root).create_stream("cp", 1, copied_from="A")
@@ -551,7 +595,7 @@ def test_a_truncated_file_in_a_destination_is_waited_at_until_its_copy_arrives(r
         with open(file_path(root, "cp", name), "wb") as f:
             f.write(whole[name][:cut] if name == files[0] else whole[name])
     with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
-        with Consumer(root, "cp") as c:
+        with Consumer(root, "cp", timing=timing) as c:
             rows = consume(c, 2)
             deadline = time.monotonic() + WAIT_S
             while not any("still being copied" in r.getMessage() for r in caplog.records):
@@ -852,8 +896,7 @@ def test_a_consumer_waiting_for_a_first_file_sleeps_between_listings(root):
     """Before a stream's first file, batches() waits for the listing back-off rather than
     looking every poll interval (a look then lists nothing); the first message is still found
     within the back-off's longest wait."""
-    from pyspark_acs.read.consumer import LISTING_BACKOFF_S
-
+    longest = TailTiming().listing_backoff_s[1]
     DurableStore(root).create_stream("late", 1)
     c = Consumer(root, "late", poll_interval=0.01)
     rounds = []
@@ -862,12 +905,12 @@ def test_a_consumer_waiting_for_a_first_file_sleeps_between_listings(root):
     try:
         assert list(c.batches(timeout=1.0)) == []
         # 1 s of 10 ms polls would be ~100 rounds; with waits doubling to 0.1 s, about 14.
-        assert len(rounds) <= 1.0 / LISTING_BACKOFF_S[1] + 8, len(rounds)
+        assert len(rounds) <= 1.0 / longest + 8, len(rounds)
         with Producer(root, "late") as p:
             p.send(b"first")
             sent = time.monotonic()
         batch = next(iter(c.batches(timeout=1.0)))
-        assert time.monotonic() - sent < LISTING_BACKOFF_S[1] + 0.2
+        assert time.monotonic() - sent < longest + 0.2
         assert batch.column("value").to_pylist() == [b"first"]
     finally:
         c.close()
@@ -922,14 +965,8 @@ def test_block_cut_without_keys_matches_the_per_message_rule(sizes, most, data):
         total += sizes[i] + 16
     if expected[1] is None:
         expected = (limit, total)
-    import pyspark_acs.write.producer as producer_mod
-
-    window = producer_mod._CUT_WINDOW
-    producer_mod._CUT_WINDOW = data.draw(st.sampled_from([1, 3, 8, window]))  # windows that double
-    try:
-        assert Producer._take_block(producer, sh, limit) == expected
-    finally:
-        producer_mod._CUT_WINDOW = window
+    window = data.draw(st.sampled_from([1, 3, 8, 1024]))  # windows that double
+    assert Producer._take_block(producer, sh, limit, window) == expected
 
 
 class _ShortOnce:
@@ -1010,14 +1047,13 @@ def test_waits_at_the_start_of_two_files_are_not_added_up(root, monkeypatch, cap
     false warning about Y (seen in the soak run). It is timed per file and position now."""
     from pyspark_acs.format.block import encode_seal
 
-    monkeypatch.setattr(consumer_mod, "STUCK_WARN_AFTER_S", 0.5)
     store = DurableStore(root)
     store.create_stream("slow", 1)
     block = encode_block([b"first"] * 3, first_index=0)
     names = [file_name(dt.datetime(2026, 1, 1, 0, 0, i, tzinfo=dt.timezone.utc), "w") for i in range(2)]
     rels = [f"{shard_dir('slow', 0)}/{n}" for n in names]
     with caplog.at_level(logging.WARNING, logger="pyspark_acs.read.consumer"):
-        with Consumer(root, "slow") as c:
+        with Consumer(root, "slow", timing=TailTiming(stuck_warn_after_s=0.5)) as c:
             x = store.open_appender(rels[0])
             x.write(block[:10])  # X's first block is arriving
             assert rows_of(c.poll()) == []
@@ -1094,10 +1130,10 @@ print(n, "pandas" in sys.modules)
 
 def test_a_shard_waiting_for_a_file_is_listed_with_back_off_and_the_file_still_found(root, monkeypatch):
     """A consumer of a shard with no file yet (and one past a seal waiting for the next file)
-    lists the shard folder at once, then less and less often (LISTING_BACKOFF_S), not once per
+    lists the shard folder at once, then less and less often (TailTiming.listing_backoff_s), not once per
     poll interval: 32 waiting consumers listed the store 3,200 times a second (on HDFS, NameNode
     calls). The file is still found, and a roll-over's next file too, in order."""
-    first, most = consumer_mod.LISTING_BACKOFF_S
+    first, most = TailTiming().listing_backoff_s
     store = DurableStore(root)
     store.create_stream("idle", 1)
     listings = []

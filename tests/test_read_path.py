@@ -90,7 +90,7 @@ def test_unsealed_file_is_not_left_for_a_newer_file(root):
     _append(root, "s", f2, _block(0, 2, "b"))  # a newer file exists while f1 still grows
     with Consumer(root, "s") as c:
         assert _values(c, 3) == [b"a0", b"a1", b"a2"]
-        _quiet(c, 1.5)  # past UNFINISHED_CHECK_S (1 s): it looked at the newer file and stayed
+        _quiet(c, 1.5)  # past TailTiming.unfinished_check_s (1 s): it looked at the newer file and stayed
         assert c.offsets()["s"]["0"]["file"] == f1
         b = _block(3, 2, "a")
         _append(root, "s", f1, b + encode_seal(5))

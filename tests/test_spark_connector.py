@@ -376,3 +376,60 @@ def test_the_streaming_planner_imports_no_more_than_it_plans_with():
              "print(sorted(m for m in ('pyarrow.compute', 'grpc') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- option errors arrive where the query is described ------------------------
+
+_MISSPELT_SOURCE = "did you mean 'startingOffsets'?"
+
+
+def test_a_misspelt_source_option_fails_at_load_naming_the_nearest(spark, root):
+    """``.load()`` raises (stream and batch), and its message holds the one-line acs error
+    rather than pyspark's UnboundLocalError from a query that already runs."""
+    produce(root, "typo", [(0, None, b"m")], shards=1)
+    for reader in (spark.readStream, spark.read):
+        described = (reader.format("acs").option("root", root).option("stream", "typo")
+                     .option("strartingOffsets", "earliest"))
+        with pytest.raises(Exception) as err:
+            described.load()
+        text = str(err.value)
+        assert "acs source: unknown option 'strartingoffsets' (" + _MISSPELT_SOURCE + ")" in text, text
+        assert "UnboundLocalError" not in text
+
+
+def test_a_bad_source_value_fails_at_load(spark, root):
+    with pytest.raises(Exception) as err:
+        spark.readStream.format("acs").option("root", root).option("stream", "x").option(
+            "maxRowsPerTrigger", "many").load()
+    assert "maxRowsPerTrigger: 'many' is not a whole number" in str(err.value)
+
+
+def test_a_misspelt_sink_option_fails_at_save_naming_the_nearest(spark, root):
+    df = spark.createDataFrame([("a",)], "value string")
+    writer = (df.write.format("acs").mode("append").option("root", root).option("stream", "typo")
+              .option("shards", "1").option("rolBytes", "1MiB"))
+    with pytest.raises(Exception) as err:
+        writer.save()
+    assert "acs sink: unknown option 'rolbytes' (did you mean 'rollBytes'?)" in str(err.value)
+
+
+def test_a_misspelt_sink_option_fails_at_start_naming_the_nearest(spark, root, tmp_path):
+    """``writeStream...start()`` raises before the query exists (no query is left running)."""
+    import pyspark_acs
+
+    pyspark_acs.register(spark)  # as the README's example does; it installs the start() check
+    rows = spark.readStream.format("rate").load().selectExpr("cast(value as string) as value")
+    active = len(spark.streams.active)
+    writer = (rows.writeStream.format("acs").option("root", root).option("stream", "typo")
+              .option("shards", "1").option("checkpointLocation", str(tmp_path / "ck")))
+    with pytest.raises(AcsOptionError) as err:
+        writer.option("rolBytes", "1MiB").start()
+    assert str(err.value).startswith("acs sink: unknown option 'rolBytes' (did you mean 'rollBytes'?)")
+    with pytest.raises(AcsOptionError, match="did you mean 'maxBlockBytes'"):  # given to start() itself
+        rows.writeStream.format("acs").start(root, maxBlokBytes="1MiB", stream="typo")
+    with pytest.raises(AcsOptionError, match="shards: 'two' is not a whole number"):
+        rows.writeStream.start(root, format="acs", stream="typo", shards="two")
+    assert len(spark.streams.active) == active
+    # Other formats are not looked at.
+    query = rows.writeStream.format("memory").queryName("typo_other").option("rolBytes", "1").start()
+    query.stop()

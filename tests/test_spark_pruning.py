@@ -182,7 +182,8 @@ def test_min_partitions_splits_at_block_boundaries(stream_root):
                 boundaries.add((name, at + h.size))
     values = []
     for p in parts:
-        assert p.start in boundaries and p.end in boundaries  # cuts are block boundaries
+        assert p.start[:2] in boundaries and p.end[:2] in boundaries  # cuts are block boundaries
+        assert p.start[2:] == p.end[2:] == (0,)  # (file, length, position): no position in a split
         values.extend(v for b in read_partition(reader.opts, p, RecordingPath(stream_root))
                       for v in b.column("value").to_pylist())
     assert sorted(values) == sorted(v for p in plain for b in read_partition(reader.opts, p, RecordingPath(stream_root))

@@ -470,3 +470,29 @@ def test_a_length_pushed_while_latest_offset_looks_is_in_its_answer(root, tmp_pa
         assert end[("pushed", 1)] > before[("pushed", 1)]  # ... the answer has it
     finally:
         dep.stop()
+
+
+def _readme_python_blocks():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    return [m.group(1) for m in __import__("re").finditer(r"```python\n(.*?)```", text, flags=__import__("re").S)]
+
+
+def test_the_readmes_batch_write_runs_as_written(tmp_path, subprocess_env):
+    """Spark's default save mode (ErrorIfExists) fails before the sink runs: the README's batch
+    write says ``.mode("append")``, and runs as written, as a job of its own in a fresh folder
+    (its relative root resolves in the driver's and the workers' working folder)."""
+    import subprocess
+    import sys
+
+    writes = [b for b in _readme_python_blocks() if '.write.format("acs")' in b]
+    assert writes, "README.md shows no batch write"
+    for code in writes:
+        assert '.mode("append")' in code, code
+        env = {k: v for k, v in subprocess_env.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+        run = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.split()[-1] == "2", run.stdout
+        assert (tmp_path / "acs-data" / "greetings").is_dir()

@@ -181,10 +181,7 @@ def test_a_change_of_stream_metadata_fails_naming_the_lock_rather_than_go_on_unl
     after their wait, let a 1-shard and a 50,000-shard creator both be told their own count."""
     import fcntl
 
-    import pyspark_acs.storage.store as store_mod
-
-    monkeypatch.setattr(store_mod, "STREAM_LOCK_WAIT_S", 0.3)
-    store = DurableStore(root)
+    store = DurableStore(root, stream_lock_wait_s=0.3)
     os.makedirs(os.path.join(root, "held"))
     fd = os.open(os.path.join(root, "held", STREAM_LOCK_FILE), os.O_RDONLY | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)  # another open file: flock conflicts within a process too
@@ -207,10 +204,7 @@ def test_a_child_forked_while_a_stream_change_holds_the_lock_does_not_keep_it(ro
     import multiprocessing
     import threading
 
-    import pyspark_acs.storage.store as store_mod
-
-    monkeypatch.setattr(store_mod, "STREAM_LOCK_WAIT_S", 2.0)
-    store = DurableStore(root)
+    store = DurableStore(root, stream_lock_wait_s=2.0)
     store.create_stream("fk", 1)
     inside, release = threading.Event(), threading.Event()
 

@@ -934,16 +934,15 @@ def test_a_consumer_waiting_for_the_next_file_does_not_read_the_tier_records_per
     """A Consumer at a sealed file's end lists the shard (to find the next file); the tier
     records are read again only when the manifest changed (one stat per listing). The listing
     back-off is turned off here so that it lists every poll, as many listings as polls."""
-    import pyspark_acs.read.consumer as consumer_module
     import pyspark_acs.storage.tier as tier_module
+    from pyspark_acs.read.consumer import TailTiming
 
     monkeypatch.setattr(tier_module, "MANIFEST_SETTLE_S", 0.0)  # trust (mtime, size) at once
-    monkeypatch.setattr(consumer_module, "LISTING_BACKOFF_S", (0.0, 0.0))
     make_stream(root, "idle", 60)
     configure_tier(root, "idle", tier_uri(s3, "t20"), hot_retention_s=0)
     run_pass(root)
     got: List[bytes] = []
-    with Consumer(root, "idle", start="earliest") as c:
+    with Consumer(root, "idle", start="earliest", timing=TailTiming(listing_backoff_s=(0.0, 0.0))) as c:
         while len(got) < 60:
             for batch in c.poll():
                 got.extend(batch.column("value").to_pylist())
@@ -986,7 +985,7 @@ def test_acs_up_runs_a_tier_mover_and_acs_down_stops_it(root, s3, subprocess_env
     bad = acs("up", "--dir", dep_dir, "--tier-mover")
     assert bad.returncode == 1 and "--tier-mover: give the hot store root" in bad.stderr
     bad = acs("up", "--dir", dep_dir, "--tier-mover", "--root", root, "--tier-interval", "often")
-    assert bad.returncode == 1 and "--tier-interval" in bad.stderr
+    assert bad.returncode == 2 and "argument --tier-interval: 'often' is not a duration" in bad.stderr
     up = acs("up", "--dir", dep_dir, "--data-replicas", "1", "--metadata-replicas", "1", "--capacity", "16MiB",
              "--tier-mover", "--root", root, "--tier-interval", "100ms")
     pids = []

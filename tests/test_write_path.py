@@ -1064,7 +1064,7 @@ def test_an_append_past_a_lock_held_by_a_stopped_process_is_refused_and_appends_
     from test_store import _LOCK_HOLDER
 
     from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS
-    from pyspark_acs.write.file import AppendLockBusyError
+    from pyspark_acs.errors import AppendLockBusyError
 
     store = DurableStore(root)
     store.create_stream("busy", 1)
@@ -1097,9 +1097,6 @@ def test_the_walk_finds_a_recovery_seal_across_its_read_windows(root, monkeypatc
     """scan_file searches a torn tail for its recovery seal window by window (a corrupt header
     early in a large file must not make it read the rest at once); a seal across a window's
     end is found in the next window, however the torn bytes fall."""
-    import pyspark_acs.write.file as file_module
-
-    monkeypatch.setattr(file_module, "_SCAN_WINDOW", window)
     store = DurableStore(root)
     good = encode_block([b"a" * 40], None, [1], first_index=0)
     for cut in range(150, 270, 7):
@@ -1108,5 +1105,5 @@ def test_the_walk_finds_a_recovery_seal_across_its_read_windows(root, monkeypatc
         appender = store.open_appender(rel)
         appender.write(good + torn + encode_seal(1, void_from=len(good)))
         appender.close()
-        tail = scan_file(store, rel)
+        tail = scan_file(store, rel, window=window)
         assert (tail.end, tail.next_index, tail.sealed_at) == (len(good), 1, len(good) + cut), cut

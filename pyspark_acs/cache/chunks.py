@@ -20,8 +20,15 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.errors import CacheError
 
-__all__ = ["CHUNK_SIZE", "FILE_ID_BYTES", "ChunkReader", "ChunkWriter", "chunk_key", "chunk_keys", "chunk_range",
-           "file_id", "parse_chunk_key"]
+__all__ = [
+    "CHUNK_SIZE",
+    "ChunkReader",
+    "ChunkWriter",
+    "chunk_key",
+    "chunk_keys",
+    "file_id",
+    "parse_chunk_key",
+]
 
 #: Bytes per chunk: the paper's 4 KB (a chunk fits one packet of the cluster fabric).
 CHUNK_SIZE = 4096

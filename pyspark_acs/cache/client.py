@@ -59,15 +59,7 @@ from pyspark_acs.cache.pipeline import PipelinedCall
 from pyspark_acs.cache.replicas import CHANNEL_OPTIONS, Down, Replica, code_name, deadline_error, describe
 from pyspark_acs.cache.ring import DEFAULT_VNODES, HashRing
 
-__all__ = [
-    "CONNECT_TIMEOUT_S",
-    "DEFAULT_DEADLINE_S",
-    "DEFAULT_HEDGE_AFTER_S",
-    "DEFAULT_REPLICATION",
-    "IO_THREADS",
-    "CacheClient",
-    "client_for",
-]
+__all__ = ["CacheClient", "client_for"]
 
 DEFAULT_REPLICATION = 3
 #: Deadline of every cache call (the paper's "strict sub-second deadlines").

@@ -43,7 +43,11 @@ from pyspark_acs.cache.client import CacheClient
 if TYPE_CHECKING:
     from pyspark_acs.cache.push import FollowStream
 
-__all__ = ["FEED_MAX_BYTES", "FEED_STALL_S", "PUSH_GRACE_S", "ChunkFeed", "holds_whole_files", "pick_replica"]
+__all__ = [
+    "ChunkFeed",
+    "PUSH_GRACE_S",
+    "holds_whole_files",
+]
 
 #: Most bytes buffered per followed file (a caught-up reader needs a few KiB).
 FEED_MAX_BYTES = 8 * 1024 * 1024

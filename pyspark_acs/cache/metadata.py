@@ -29,7 +29,13 @@ from pyspark_acs.errors import CacheError, LeasePoisonedError, WriterConflictErr
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, LeaseRecord
 from pyspark_acs.format.names import parse_file_name
 
-__all__ = ["LENGTH_TTL_S", "MetadataCache", "MetadataLease", "lease_version", "length_keys", "parse_length_key"]
+__all__ = [
+    "LENGTH_TTL_S",
+    "MetadataCache",
+    "MetadataLease",
+    "length_keys",
+    "parse_length_key",
+]
 
 #: Metadata lives much longer than a file takes to roll over (paper: 24 h).
 LENGTH_TTL_S = 24 * 3600.0

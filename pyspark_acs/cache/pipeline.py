@@ -25,7 +25,9 @@ import threading
 import time
 from typing import Any, Callable, Deque, Iterator, Optional, Tuple
 
-__all__ = ["PipelinedCall", "Deliver"]
+__all__ = [
+    "PipelinedCall",
+]
 
 #: ``deliver(response, None)`` for an answer, ``deliver(None, error)`` for a failure; called on
 #: the stream's reader thread (or the sender's, for a stream that could not open).

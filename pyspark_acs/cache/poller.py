@@ -48,11 +48,8 @@ if TYPE_CHECKING:
     from pyspark_acs.cache.push import WatchStream
 
 __all__ = [
-    "DEFAULT_POLL_INTERVAL_S",
-    "FORGET_AFTER_S",
-    "PUSH_SAFETY_JITTER",
-    "PUSH_SAFETY_POLL_S",
     "LengthPoller",
+    "PUSH_SAFETY_POLL_S",
     "safety_period",
 ]
 

@@ -30,7 +30,10 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, 
 
 from pyspark_acs.cache.client import CacheClient
 
-__all__ = ["RECONNECT_INITIAL_S", "RECONNECT_MAX_S", "FollowStream", "WatchStream"]
+__all__ = [
+    "FollowStream",
+    "WatchStream",
+]
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,10 @@ import bisect
 import hashlib
 from typing import Dict, Iterable, List, Sequence, Tuple
 
-__all__ = ["DEFAULT_VNODES", "MEMO_KEYS", "HashRing", "key_hash"]
+__all__ = [
+    "DEFAULT_VNODES",
+    "HashRing",
+]
 
 #: Virtual nodes per endpoint: with 128, each endpoint's share of the keys stays within about
 #: +-15 % of the mean for small clusters, and the ring table stays tiny (384 points for 3 servers).

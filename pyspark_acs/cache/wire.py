@@ -24,7 +24,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, NamedTuple, Tuple, Type
 
-__all__ = ["MAX_SCANNED_RECORDS", "WithData", "encode", "split"]
+__all__ = [
+    "encode",
+    "split",
+]
 
 #: Protobuf wire types (the low three bits of a field's key).
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from pyspark_acs.cli.main import register_command
 from pyspark_acs.cli.watch import add_watch_flags
 
-__all__ = ["cmd_copy_status", "cmd_tree"]
+__all__: list = []
 
 
 def cmd_tree(args: argparse.Namespace) -> int:
@@ -35,8 +36,15 @@ def cmd_tree(args: argparse.Namespace) -> int:
 
 
 def cmd_copy_status(args: argparse.Namespace) -> int:
-    """Print lengths, bytes behind and delays of every cluster of a stream, per shard."""
-    from pyspark_acs.server.copy.status import copy_status, format_status
+    """Print lengths, bytes behind and delays of every cluster of a stream, per shard.
+
+    What could not be reached or read (a cluster's root that does not exist, a metadata cache
+    of which fewer than a majority of replicas answer) is printed on stderr, one line each, and
+    the exit code is then 1: the table beside it is not the state of the copies. A silent
+    minority of replicas is a warning line. ``--watch`` shows those lines under each refresh
+    and goes on (it is what the operator watches for).
+    """
+    from pyspark_acs.server.copy.status import copy_status, format_status, problems
     from pyspark_acs.server.copy.topology import load_topology
 
     topology = load_topology(args.topology)
@@ -50,16 +58,24 @@ def cmd_copy_status(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(format_status(rows), end="")
-    return 0
+    sys.stdout.flush()
+    for line in problems(rows, "warnings"):
+        print(f"acs copy-status: warning: {line}", file=sys.stderr)
+    found = problems(rows)
+    for line in found:
+        print(f"acs copy-status: error: {line}", file=sys.stderr)
+    return 1 if found else 0
 
 
 def _copy_status_table(stream: str, rows):
     """``acs copy-status --watch``: the rows as a rich table, with a bar per cluster of how much
     of the source's newest file it holds (the copy of that file in progress)."""
+    from rich.console import Group
     from rich.progress_bar import ProgressBar
+    from rich.text import Text
 
     from pyspark_acs.cli.watch import rich_table
-    from pyspark_acs.server.copy.status import format_delay
+    from pyspark_acs.server.copy.status import format_delay, problems
 
     source = {r["shard"]: r for r in rows if r["parent"] is None}
     cells = []
@@ -68,11 +84,14 @@ def _copy_status_table(stream: str, rows):
         total = src["durable_length"] if src and src["file"] == r["file"] else None
         bar = ProgressBar(total=float(total), completed=float(r["durable_length"] or 0), width=20) if total else "-"
         cells.append([str(r["shard"]), ("  " * r["depth"]) + r["cluster"], r["parent"] or "-", r["file"] or "-",
-                      _n(r["durable_length"]), _n(r["cache_length"]), str(r["bytes_behind"]), bar,
+                      _n(r["durable_length"]), _n(r["cache_length"]), _n(r["bytes_behind"]), bar,
                       format_delay(r["durable_delay_s"]), format_delay(r["cache_delay_s"]), format_delay(r["hop_delay_s"])])
-    return rich_table(f"copy status of stream {stream}",
-                      ["shard", "cluster", "parent", "newest file", "durable", "cache", "behind", "newest file copied",
-                       "delay(durable)", "delay(cache)", "hop"], cells)
+    table = rich_table(f"copy status of stream {stream}",
+                       ["shard", "cluster", "parent", "newest file", "durable", "cache", "behind", "newest file copied",
+                        "delay(durable)", "delay(cache)", "hop"], cells)
+    warnings = [Text(f"acs copy-status: warning: {line}", style="yellow") for line in problems(rows, "warnings")]
+    errors = [Text(f"acs copy-status: error: {line}", style="bold red") for line in problems(rows)]
+    return Group(table, *warnings, *errors)
 
 
 def _n(value) -> str:

@@ -2,7 +2,7 @@
 
 Registered with :func:`pyspark_acs.cli.main.register_command` when ``acs`` starts::
 
-    acs up [--dir .acs-local] [--data-replicas 3] [--metadata-replicas 3] [--capacity 256MiB] [--data-ttl 60s]
+    acs up [--dir .acs-local] [--data-replicas 3] [--metadata-replicas 3] [--capacity 256MiB] [--ttl 60s]
            [--tier-mover --root ROOT [--tier-interval 10s]]
     acs down [--dir .acs-local]
     acs status --root ROOT [--stream S] [--metadata-cache EPS] [--data-cache EPS] [--dir .acs-local] [--json]
@@ -20,14 +20,18 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.cli.main import register_command
 from pyspark_acs.cli.watch import add_watch_flags
 from pyspark_acs.errors import AcsOptionError
+from pyspark_acs.options import bytes_parser, duration_parser, flag_type
+from pyspark_acs.server.cache.options import DEFAULT_CAPACITY_BYTES, MIN_CAPACITY_BYTES, ROLE_DEFAULT_TTL_S
+from pyspark_acs.server.settings import LOG_LEVELS
+from pyspark_acs.units import format_duration, format_size
 
-__all__ = ["DEFAULT_DIR", "cmd_down", "cmd_status", "cmd_up", "status_report"]
+__all__: list = []
 
 #: Where ``acs up`` keeps its deployment state unless told otherwise.
 DEFAULT_DIR = ".acs-local"
@@ -36,10 +40,40 @@ ENV_DATA = DATA_CACHE_ENV
 ENV_METADATA = METADATA_CACHE_ENV
 #: The deployment folder ``acs up`` used: ``acs status`` and ``acs down`` find it anywhere.
 ENV_DEPLOYMENT = "ACS_DEPLOYMENT"
+#: ``acs up --dir X`` leaves this file in the folder it ran in, naming X: ``acs down`` and
+#: ``acs status`` run there without ``--dir`` find the deployment (``acs down`` removes it).
+POINTER_FILE = ".acs-deployment"
 
 
-def _default_dir() -> str:
-    return os.environ.get(ENV_DEPLOYMENT) or DEFAULT_DIR
+def deployment_dir(given: Optional[str]) -> Tuple[str, str]:
+    """The deployment folder ``acs down``/``acs status`` use, and how it was found.
+
+    ``--dir`` when given, else ``$ACS_DEPLOYMENT``, else the folder :data:`POINTER_FILE` in the
+    current folder names (left by ``acs up --dir``), else :data:`DEFAULT_DIR`.
+    """
+    if given:
+        return given, "--dir"
+    if os.environ.get(ENV_DEPLOYMENT):
+        return os.environ[ENV_DEPLOYMENT], f"${ENV_DEPLOYMENT}"
+    try:
+        with open(POINTER_FILE, encoding="utf-8") as f:
+            pointed = f.read().strip()
+    except OSError:
+        pointed = ""
+    if pointed:
+        return pointed, f"./{POINTER_FILE}, left by 'acs up --dir'"
+    return DEFAULT_DIR, "the default"
+
+
+def _write_pointer(folder: str) -> None:
+    """Name a non-default deployment folder in :data:`POINTER_FILE` here (see :func:`deployment_dir`)."""
+    if os.path.abspath(folder) == os.path.abspath(DEFAULT_DIR):
+        return
+    try:
+        with open(POINTER_FILE, "w", encoding="utf-8") as f:
+            f.write(os.path.abspath(folder) + "\n")
+    except OSError:  # a read-only folder: --dir then stays needed, which the hint below says
+        pass
 
 
 def _replicas(text: str) -> int:
@@ -76,9 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise AcsOptionError("--root: give the cluster's durable store root to record in the topology file",
                              option="--root")
     links = [_link(text) for text in args.link]
-    from pyspark_acs.units import parse_duration
-
-    tier_interval = parse_duration(args.tier_interval, option="--tier-interval", minimum=0.01)
+    tier_interval = args.tier_interval
     security, exports = _security(args)
     if args.topology is not None:
         from pyspark_acs.server.copy.topology import check_writable
@@ -88,8 +120,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.dir,
         data_replicas=args.data_replicas,
         metadata_replicas=args.metadata_replicas,
-        capacity=args.capacity,
-        data_ttl=args.data_ttl,
+        capacity=DEFAULT_CAPACITY_BYTES["data"] if args.capacity is None else args.capacity,
+        data_ttl=ROLE_DEFAULT_TTL_S["data"] if args.ttl is None else args.ttl,
+        log_level=args.log_level,
         host=args.host,
         base_port=args.base_port,
         security=security,
@@ -123,9 +156,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise
         print(f"topology:       cluster {args.cluster} recorded in {args.topology} (copy daemon port {copy_port}); "
               f"start it with: acs-copy-daemon --topology {args.topology} --cluster {args.cluster}")
+    _write_pointer(args.dir)
     extra = "".join(f" {k}={v}" for k, v in exports.items())
     print(f"export {ENV_DATA}={data} {ENV_METADATA}={meta} {ENV_DEPLOYMENT}={os.path.abspath(args.dir)}{extra}")
-    print(f"stop with: acs down --dir {args.dir}", file=sys.stderr)
+    print(f"stop with: acs down (in this folder) or acs down --dir {args.dir}", file=sys.stderr)
     sys.stdout.flush()
     return 0
 
@@ -188,13 +222,23 @@ def _free_port(host: str) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    """``acs down``: stop the deployment in ``args.dir``; returns 0 (also when there is none)."""
+    """``acs down``: stop the deployment in the folder :func:`deployment_dir` finds; returns 0
+    (also when there is none, saying where it looked and how to name another folder)."""
     from pyspark_acs.server.local.deploy import acs_down, load_deployment
 
-    if load_deployment(args.dir) is None:
-        print(f"no deployment in {args.dir}", file=sys.stderr)
+    folder, how = deployment_dir(args.dir)
+    if load_deployment(folder) is None:
+        hint = "" if args.dir else (f"; if 'acs up --dir DIR' started it, run 'acs down --dir DIR' (or set "
+                                    f"${ENV_DEPLOYMENT}=DIR, as acs up's export line does)")
+        print(f"acs down: no deployment in {os.path.abspath(folder)} ({how}){hint}", file=sys.stderr)
         return 0
-    stopped = acs_down(args.dir)
+    stopped = acs_down(folder)
+    try:
+        with open(POINTER_FILE, encoding="utf-8") as f:
+            if os.path.abspath(f.read().strip()) == os.path.abspath(folder):
+                os.remove(POINTER_FILE)
+    except OSError:
+        pass
     print(f"stopped {len(stopped)} servers" + (f": {' '.join(stopped)}" if stopped else ""))
     return 0
 
@@ -375,20 +419,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     AcsOptionError
         If ``--stream`` names no stream of the store.
     """
+    from pyspark_acs.cli.main import check_cache_flags
+
+    check_cache_flags(args)
     data, meta = args.data_cache, args.metadata_cache
+    folder, _ = deployment_dir(args.dir)
     if data is None and meta is None:
         # No endpoints given: those of the environment, else of the local deployment in --dir.
         data, meta = cache_endpoints(None, ENV_DATA), cache_endpoints(None, ENV_METADATA)
         if data is None and meta is None:
             from pyspark_acs.server.local.deploy import load_deployment
 
-            state = load_deployment(args.dir)
+            state = load_deployment(folder)
             if state is not None:
                 data = state.get("data_endpoints") or None
                 meta = state.get("metadata_endpoints") or None
             else:
                 print(f"acs status: no cache endpoints: none given (--data-cache/--metadata-cache), ${ENV_DATA} / "
-                      f"${ENV_METADATA} unset, and no deployment in {os.path.abspath(args.dir)} (--dir, "
+                      f"${ENV_METADATA} unset, and no deployment in {os.path.abspath(folder)} (--dir, "
                       f"${ENV_DEPLOYMENT}); showing the durable store only", file=sys.stderr)
     if args.watch:
         from pyspark_acs.cli.watch import watch
@@ -416,8 +464,18 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"deployment folder: logs, pids, state (default {DEFAULT_DIR})")
     p.add_argument("--data-replicas", type=_replicas, default=3, help="data-cache servers (default 3)")
     p.add_argument("--metadata-replicas", type=_replicas, default=3, help="metadata-cache servers (default 3)")
-    p.add_argument("--capacity", default="256MiB", help="data-cache capacity per server (default 256MiB)")
-    p.add_argument("--data-ttl", default="60s", help="time to live of data chunks (default 60s)")
+    # --capacity and --ttl are acs-cache-server's flags, with its declarations' defaults, for the
+    # data servers (the metadata servers keep their role's defaults).
+    p.add_argument("--capacity", default=None, type=flag_type(bytes_parser(MIN_CAPACITY_BYTES), "--capacity"),
+                   metavar="SIZE", help=f"data-cache capacity per server (default "
+                                        f"{format_size(DEFAULT_CAPACITY_BYTES['data'])}, as acs-cache-server's)")
+    ttl = flag_type(duration_parser(0.001, unit_required=True), "--ttl")
+    p.add_argument("--ttl", default=None, type=ttl, metavar="DURATION",
+                   help=f"time to live of data chunks, with its unit (default "
+                        f"{format_duration(ROLE_DEFAULT_TTL_S['data'])}, as acs-cache-server's)")
+    p.add_argument("--data-ttl", dest="ttl", type=ttl, help=argparse.SUPPRESS)  # its former name
+    p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
+                   help="--log-level of every server started (default theirs, INFO)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     p.add_argument("--base-port", type=int, default=None, metavar="N",
                    help="fixed ports: gRPC from N (data servers, then metadata), then the metrics ports "
@@ -429,7 +487,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="the cluster's durable store root (with --cluster; the hot store with --tier-mover)")
     p.add_argument("--tier-mover", action="store_true",
                    help="also run a tier mover over --root (streams with a tier: acs tier); stopped by acs down")
-    p.add_argument("--tier-interval", default="10s", help="time between the tier mover's passes (default 10s)")
+    p.add_argument("--tier-interval", default="10s", type=flag_type(duration_parser(0.01), "--tier-interval"),
+                   help="time between the tier mover's passes (default 10s)")
     p.add_argument("--copy-port", type=int, default=None, help="the cluster's copy daemon port (default: a free one)")
     p.add_argument("--link", action="append", default=[], metavar="CLUSTER[:COST]",
                    help="a link from this cluster to another (repeatable; cost 1 by default)")
@@ -450,8 +509,13 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_down(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("down", help="stop the local deployment started by 'acs up'")
-    p.add_argument("--dir", default=_default_dir(), help=f"deployment folder (default ${ENV_DEPLOYMENT}, else {DEFAULT_DIR})")
+    p = sub.add_parser("down", help="stop the local deployment started by 'acs up'",
+                       description="Stop every server of the local deployment 'acs up' started (SIGTERM, then "
+                                   "SIGKILL) and remove its state file. Without --dir: $ACS_DEPLOYMENT, else the "
+                                   f"folder ./{POINTER_FILE} names (acs up --dir leaves it), else {DEFAULT_DIR}.")
+    p.add_argument("--dir", default=None,
+                   help=f"deployment folder (default ${ENV_DEPLOYMENT}, else the one ./{POINTER_FILE} names, "
+                        f"else {DEFAULT_DIR})")
     p.set_defaults(func=cmd_down)
 
 
@@ -465,8 +529,9 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", default=None, help="only this stream")
     p.add_argument("--data-cache", default=None, metavar="HOST:PORT,...", help="data-cache endpoints")
     p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...", help="metadata-cache endpoints")
-    p.add_argument("--dir", default=_default_dir(),
-                   help=f"local deployment to ask when no endpoints are given (default ${ENV_DEPLOYMENT}, else {DEFAULT_DIR})")
+    p.add_argument("--dir", default=None,
+                   help=f"local deployment to ask when no endpoints are given (default ${ENV_DEPLOYMENT}, else the "
+                        f"one ./{POINTER_FILE} names, else {DEFAULT_DIR})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_watch_flags(p)
     p.set_defaults(func=cmd_status)

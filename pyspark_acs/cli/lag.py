@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 from pyspark_acs.cli.main import register_command
 from pyspark_acs.cli.watch import add_watch_flags, rich_table, text_table, watch
 
-__all__ = ["cmd_lag", "lag_report"]
+__all__: list = []
 
 _HEAD = ["source", "stream", "shard", "committed", "end", "bytes_behind", "messages_behind"]
 

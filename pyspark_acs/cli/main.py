@@ -13,17 +13,38 @@ import sys
 from typing import Callable, Dict, Optional, Sequence
 
 from pyspark_acs.errors import AcsError, AcsOptionError
+from pyspark_acs.options import duration_parser, flag_type
 
-__all__ = ["DEFAULT_NEW_SHARDS", "STREAM_WAIT_POLL_S", "build_parser", "main"]
+__all__ = [
+    "check_cache_flags",
+    "main",
+]
 
 #: Shards of a stream ``acs produce`` creates without ``--shards``.
 DEFAULT_NEW_SHARDS = 1
 #: How often ``acs tail --wait`` looks for a stream that does not exist yet.
 STREAM_WAIT_POLL_S = 0.5
+#: How long a Ctrl-C'd ``acs produce`` waits for the messages it sent to be acknowledged (s).
+INTERRUPT_WAIT_S = 5.0
+#: Exit code of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED_EXIT = 130
+#: How often ``acs produce`` looks for a Ctrl-C while its final flush waits (s).
+FLUSH_STEP_S = 0.1
 
 
 def _add_root(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", required=True, help="durable store root: a local folder or a URI (file://, hdfs://)")
+
+
+def check_cache_flags(args: argparse.Namespace) -> None:
+    """``--data-cache`` / ``--metadata-cache`` checked under their own names (a library error
+    would name its parameter, ``endpoints``)."""
+    from pyspark_acs.cache.endpoints import NO_CACHE, parse_endpoints
+
+    for flag, value in (("--data-cache", getattr(args, "data_cache", None)),
+                        ("--metadata-cache", getattr(args, "metadata_cache", None))):
+        if value is not None and value.strip().lower() not in ("", NO_CACHE):
+            parse_endpoints(value, option=flag)
 
 
 def _add_caches(p: argparse.ArgumentParser) -> None:
@@ -40,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("produce", help="send lines (or whole files) from stdin into a stream",
-                       description="Send each line of stdin as one message (or each --file as one message).")
+                       description="Send each line of stdin as one message (or each --file as one message). "
+                                   "Ctrl-C stops reading, waits at most 5 s for what was sent to be "
+                                   "acknowledged, prints 'sent N (M acknowledged)' and exits 130; "
+                                   "a second Ctrl-C exits at once.")
     _add_root(p)
     p.add_argument("--stream", required=True, help="stream name")
     p.add_argument("--shards", type=int, default=None,
@@ -63,20 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="earliest (default), latest, an offsets JSON object, or @FILE holding one")
     p.add_argument("--format", choices=("text", "json", "raw"), default="text",
                    help="text: value per line; json: one object per message; raw: value bytes only")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="stop after this many seconds without new messages (default: follow forever)")
+    p.add_argument("--timeout", type=flag_type(duration_parser(0.0), "--timeout"), default=None, metavar="DURATION",
+                   help="stop after this long without new messages, e.g. 5s or 500ms; a bare number is seconds "
+                        "(default: follow forever)")
     p.add_argument("--max-messages", type=int, default=None, help="stop after this many messages")
     p.add_argument("--offsets-out", default=None, metavar="FILE",
                    help="write the final offsets JSON here (resume later with --from @FILE)")
     p.add_argument("--shards", default=None, help="comma-separated shards to follow (default all)")
     p.add_argument("--wait", action="store_true",
-                   help="wait for streams (and the root) that do not exist yet instead of failing")
+                   help="wait for streams, and the root, that do not exist yet instead of failing "
+                        "(a missing root is an error without it)")
     _add_caches(p)
     p.set_defaults(func=cmd_tail)
 
-    p = sub.add_parser("ls", help="list streams, shards, files and lengths")
+    p = sub.add_parser("ls", help="list streams, shards, files and lengths",
+                       description="List the streams of a durable store: per stream its shard count (and tier, "
+                                   "when tiered), per shard its files and bytes, per file its length.")
     _add_root(p)
     p.add_argument("--stream", default=None, help="only this stream")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_ls)
 
     for name, func in _EXTRA_COMMANDS.items():
@@ -101,80 +130,249 @@ def _read_path(args: argparse.Namespace, root: str):
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    """``acs produce``. Ctrl-C stops reading the input, waits at most
+    :data:`INTERRUPT_WAIT_S` for what was sent to be acknowledged, prints ``sent N (M
+    acknowledged)`` and exits 130; a second Ctrl-C exits at once (see :class:`_CtrlC`)."""
     from pyspark_acs.write.producer import Producer
 
+    check_cache_flags(args)
     from pyspark_acs.storage.store import open_store
 
-    shards = args.shards
-    if shards is None:  # an existing stream's own count, else one shard
-        store = open_store(args.root)
-        shards = store.stream_shards(args.stream) or DEFAULT_NEW_SHARDS
-        store.close()
+    try:
+        shards = args.shards
+        if shards is None:  # an existing stream's own count, else one shard
+            store = open_store(args.root)
+            shards = store.stream_shards(args.stream) or DEFAULT_NEW_SHARDS
+            store.close()
+        producer = Producer(args.root, args.stream, shards=shards, data_cache=args.data_cache,
+                            metadata_cache=args.metadata_cache)
+    except KeyboardInterrupt:
+        print(f"acs produce: interrupted before stream {args.stream!r} was open: sent 0 (0 acknowledged)",
+              file=sys.stderr)
+        return INTERRUPTED_EXIT
     from pyspark_acs.cli.watch import progress
 
-    count = 0
     # A bar on stderr when it is a terminal (--progress/--no-progress to choose); stdin has
     # no known total, --file has.
     bar = progress(f"produce {args.stream}", total=len(args.file) if args.file else None, enabled=args.progress)
-    with Producer(args.root, args.stream, shards=shards, data_cache=args.data_cache,
-                  metadata_cache=args.metadata_cache) as producer, bar:
-        if args.file:
-            for path in args.file:
-                with open(path, "rb") as f:
-                    data = f.read()
-                producer.send(data, shard=args.shard)
-                count += 1
-                bar.advance(1, len(data))
-        else:
-            sep = args.key_separator.encode() if args.key_separator else None
-            for line in sys.stdin.buffer:
-                line = line.rstrip(b"\n")
-                key = None
-                if sep is not None and sep in line:
-                    key, line = line.split(sep, 1)
-                producer.send(line, key=key, shard=args.shard)
-                count += 1
-                bar.advance(1, len(line))
-    print(f"sent {count} messages to stream {args.stream!r}", file=sys.stderr)
+    ctrl_c = _CtrlC(producer, args.stream)
+    try:
+        try:
+            with bar:
+                _send_input(args, producer, bar, ctrl_c)
+            _flush(producer, ctrl_c)
+            producer.close()
+        except KeyboardInterrupt:
+            return ctrl_c.finish()
+        except BaseException:
+            producer.close()  # what was sent before the error is still written (as `with` did)
+            raise
+    finally:
+        ctrl_c.restore()
+    print(f"sent {producer.stats()['sent']} messages to stream {args.stream!r}", file=sys.stderr)
     return 0
 
 
+class _CtrlC:
+    """Ctrl-C of ``acs produce``, taken without breaking the Producer.
+
+    Python raises KeyboardInterrupt between any two bytecodes of the main thread: inside
+    ``Producer.send`` it can leave the Producer's lock held (between a ``with`` taking it and
+    the block starting) or a message half queued, and the flush after it then never returns.
+    So the first Ctrl-C raises only while the main thread waits for input (:attr:`safe`);
+    elsewhere it is noted (:attr:`stopped`) and acted on when the send returns. A second
+    Ctrl-C exits at once, whatever the main thread is doing.
+
+    SIGINT that was ignored when ``acs`` started (``nohup``) stays ignored.
+    """
+
+    def __init__(self, producer, stream: str) -> None:
+        import signal
+        import threading
+
+        self.producer = producer
+        self.stream = stream
+        #: A Ctrl-C came: stop reading input.
+        self.stopped = False
+        #: The main thread waits for input: a KeyboardInterrupt there breaks nothing.
+        self.safe = False
+        self._previous = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.stopped:
+            import os
+
+            # The main thread may be inside the Producer's lock or a write to sys.stderr: so
+            # the lock-free counts and os.write.
+            sent, acked = self.producer.counts_unlocked()
+            os.write(2, f"acs produce: interrupted again: exiting at once: sent {sent} ({acked} acknowledged) "
+                        f"to stream {self.stream!r}\n".encode())
+            os._exit(INTERRUPTED_EXIT)
+        self.stopped = True
+        if self.safe:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if a Ctrl-C came (where the main thread is at a safe point)."""
+        if self.stopped:
+            raise KeyboardInterrupt
+
+    def finish(self) -> int:
+        """After the first Ctrl-C: wait at most :data:`INTERRUPT_WAIT_S` for what was sent to
+        be acknowledged (and the files sealed), print ``sent N (M acknowledged)``, return 130.
+        Messages a second Ctrl-C leaves unacknowledged may or may not be in the store (the
+        shard's next writer seals a file its take-over finds unsealed)."""
+        self.stopped = True  # from now on a Ctrl-C exits at once
+        sent, _ = self.producer.counts_unlocked()
+        print(f"acs produce: interrupted: waiting up to {INTERRUPT_WAIT_S:g} s for the {sent} messages sent to be "
+              f"acknowledged (Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
+        from pyspark_acs.errors import AcsTimeoutError
+
+        timed_out = False
+        try:
+            # close() may wait its timeout twice: once for the flush, once for the writer to stop.
+            self.producer.close(timeout=INTERRUPT_WAIT_S / 2)
+        except AcsTimeoutError:
+            timed_out = True
+        except AcsError as exc:
+            print(f"acs produce: error: {exc}", file=sys.stderr)
+        sent, acked = self.producer.counts_unlocked()
+        if timed_out and sent > acked:
+            print(f"acs produce: {sent - acked} messages not acknowledged within {INTERRUPT_WAIT_S:g} s (the store "
+                  f"does not answer?): they may or may not be in the stream", file=sys.stderr)
+        elif timed_out:
+            print(f"acs produce: the files were not sealed within {INTERRUPT_WAIT_S:g} s (the store does not "
+                  f"answer?); the next writer of the stream seals them", file=sys.stderr)
+        print(f"acs produce: interrupted: sent {sent} ({acked} acknowledged) to stream {self.stream!r}",
+              file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
+
+    def restore(self) -> None:
+        """Put back the SIGINT handler there was (``main()`` may run in a caller's process)."""
+        if self._previous is not None:
+            import signal
+
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def _send_input(args: argparse.Namespace, producer, bar, ctrl_c: _CtrlC) -> None:
+    """Send each --file, else each line of stdin, as one message; raise KeyboardInterrupt at
+    the first safe point after a Ctrl-C."""
+    if args.file:
+        for path in args.file:
+            ctrl_c.safe = True
+            try:
+                ctrl_c.check()
+                with open(path, "rb") as f:
+                    data = f.read()
+            finally:
+                ctrl_c.safe = False
+            producer.send(data, shard=args.shard)
+            bar.advance(1, len(data))
+        return
+    sep = args.key_separator.encode() if args.key_separator else None
+    readline = sys.stdin.buffer.readline
+    while True:
+        ctrl_c.safe = True
+        try:
+            ctrl_c.check()  # a Ctrl-C during the last send
+            line = readline()
+        finally:
+            ctrl_c.safe = False
+        if not line:
+            return
+        line = line.rstrip(b"\n")
+        key = None
+        if sep is not None and sep in line:
+            key, line = line.split(sep, 1)
+        producer.send(line, key=key, shard=args.shard)
+        bar.advance(1, len(line))
+
+
+def _flush(producer, ctrl_c: _CtrlC) -> None:
+    """``producer.flush()`` in steps, so that a Ctrl-C meanwhile (noted, not raised: the main
+    thread is in the Producer) ends it with KeyboardInterrupt."""
+    from pyspark_acs.errors import AcsTimeoutError
+
+    while True:
+        ctrl_c.check()
+        try:
+            producer.flush(timeout=FLUSH_STEP_S)
+            return
+        except AcsTimeoutError:
+            continue
+
+
+#: The words ``--from`` takes besides an offsets JSON object or ``@FILE``.
+_START_WORDS = ("earliest", "latest")
+
+
 def _start_spec(text: str):
+    """``--from``: earliest, latest, an offsets JSON object or @FILE holding one, checked here so
+    an error names the flag (the Consumer's would name its parameter, ``start``)."""
+    from pyspark_acs.format.offsets import parse_offsets
+    from pyspark_acs.options import nearest_name
+
     if text.startswith("@"):
         try:
             with open(text[1:], encoding="utf-8") as f:
-                return json.load(f)
+                spec = json.load(f)
         except (OSError, ValueError) as exc:
             raise AcsOptionError(f"--from: cannot read offsets from {text[1:]}: {exc}", option="--from") from exc
-    return text
+        parse_offsets(spec, option="--from")
+        return spec
+    if text.strip().lower() in _START_WORDS:
+        return text.strip().lower()
+    if text.lstrip().startswith("{"):
+        parse_offsets(text, option="--from")
+        return text
+    nearest = nearest_name(text, _START_WORDS)
+    hint = f" (did you mean {nearest!r}?)" if nearest else ""
+    raise AcsOptionError(f"--from: {text!r} is not allowed{hint}; use earliest, latest, an offsets JSON object "
+                         f"or @FILE holding one", option="--from")
 
 
 def _wait_for_streams(root: str, streams: Sequence[str], timeout: Optional[float]) -> None:
-    """Block until every stream exists (saying once on stderr what it waits for); with a
-    timeout, fail naming the streams still missing."""
+    """Block until the root and every stream exist (saying on stderr what it waits for, the
+    root by its full path so a typo shows); with a timeout, fail naming what is still missing.
+
+    Like a Kafka consumer started before its broker or topic, ``--wait`` waits for a root that
+    does not exist yet too (a Producer about to be started creates it); without ``--wait`` a
+    missing root is an error."""
     import time
 
+    from pyspark_acs.errors import RootNotFoundError
     from pyspark_acs.storage.store import open_store
 
     deadline = None if timeout is None else time.monotonic() + timeout
-    said = False
+    said = None
     while True:
+        no_root = None
         try:
             store = open_store(root, create=False)
             try:
                 missing = [s for s in streams if store.stream_shards(s) is None]
             finally:
                 store.close()
-        except AcsOptionError:  # the root itself is not there yet
-            missing = list(streams)
+        except RootNotFoundError as exc:  # the root itself is not there yet
+            no_root, missing = exc.path, list(streams)
         if not missing:
             return
-        if not said:
-            print(f"acs tail: waiting for stream {', '.join(missing)} in {root} ...", file=sys.stderr, flush=True)
-            said = True
+        what = f"stream {', '.join(missing)} in {root}"
+        if no_root is not None:
+            what += f" (the root {no_root} does not exist yet: check --root if nothing is about to write there)"
+        if what != said:
+            print(f"acs tail: waiting for {what} ...", file=sys.stderr, flush=True)
+            said = what
         if deadline is not None and time.monotonic() >= deadline:
+            gone = f"root {no_root} does not exist and " if no_root is not None else ""
             raise AcsOptionError(
-                f"--wait: stream {', '.join(missing)} did not appear in {root} within {timeout} s", option="--wait"
+                f"--wait: {gone}stream {', '.join(missing)} did not appear in {root} within {timeout} s",
+                option="--wait",
             )
         time.sleep(STREAM_WAIT_POLL_S)
 
@@ -197,18 +395,24 @@ def cmd_tail(args: argparse.Namespace) -> int:
     except ValueError:
         raise AcsOptionError(f"--shards: {args.shards!r} is not a comma-separated list of shard numbers",
                              option="--shards") from None
+    check_cache_flags(args)
+    start = _start_spec(args.start)
     if args.wait:
         _wait_for_streams(args.root, streams, args.timeout)
-    consumer = Consumer(
-        args.root, streams, shards, start=_start_spec(args.start), read_path=_read_path(args, args.root)
-    )
+    from pyspark_acs.errors import RootNotFoundError
+
+    try:
+        read_path = _read_path(args, args.root)
+    except RootNotFoundError as exc:
+        raise RootNotFoundError(f"{exc}; or add --wait to wait for it", root=exc.root, path=exc.path) from None
+    consumer = Consumer(args.root, streams, shards, start=start, read_path=read_path)
     out = sys.stdout.buffer
     seen = 0
     printed: Optional[int] = None  # rows printed of the batch being printed (None: all of it)
     try:
         for batch in consumer.batches(timeout=args.timeout):
+            printed = 0  # before anything else: a Ctrl-C from here on resumes at this batch
             rows = batch.to_pydict()
-            printed = 0
             for i in range(batch.num_rows):
                 if args.format == "raw":
                     out.write(rows["value"][i] or b"")
@@ -245,28 +449,44 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
+def ls_report(root: str, stream: Optional[str] = None) -> dict:
+    """What ``acs ls`` prints, as a JSON-able dict: ``{"root", "streams": [{"stream", "shards",
+    "tier", "shard_list": [{"shard", "bytes", "files": [{"file", "length"}]}]}]}`` (``tier`` is
+    ``None`` for a stream that is not tiered)."""
     from pyspark_acs.format.names import shard_dir
     from pyspark_acs.storage.store import open_store
     from pyspark_acs.storage.tier import tier_summary, tiered_store
 
-    store = tiered_store(open_store(args.root, create=False))  # files in either tier
-    streams = [args.stream] if args.stream else store.list_streams()
-    for stream in streams:
-        shards = store.stream_shards(stream)
+    store = tiered_store(open_store(root, create=False))  # files in either tier
+    report: dict = {"root": store.root, "streams": []}
+    for name in [stream] if stream else store.list_streams():
+        shards = store.stream_shards(name)
         if shards is None:
-            raise AcsOptionError(f"stream: no stream {stream!r} in {store.root}", option="stream")
-        print(f"{stream}  shards={shards}")
-        summary = tier_summary(store.hot, stream)
-        if summary["uri"]:  # only tiered streams get the line (untiered output stays as it was)
-            print(f"  {summary['line']}")
+            raise AcsOptionError(f"--stream: no stream {name!r} in {store.root}", option="--stream")
+        summary = tier_summary(store.hot, name)
+        entry = {"stream": name, "shards": shards, "tier": summary if summary["uri"] else None, "shard_list": []}
         for shard in range(shards):
-            files = store.list_files(stream, shard)
-            lengths = store.lengths([f"{shard_dir(stream, shard)}/{f}" for f in files])
-            total = sum(v or 0 for v in lengths.values())
-            print(f"  shard {shard:5d}  files={len(files)}  bytes={total}")
-            for f in files:
-                print(f"    {f}  {lengths[f'{shard_dir(stream, shard)}/{f}']}")
+            files = store.list_files(name, shard)
+            lengths = store.lengths([f"{shard_dir(name, shard)}/{f}" for f in files])
+            rows = [{"file": f, "length": lengths[f"{shard_dir(name, shard)}/{f}"]} for f in files]
+            entry["shard_list"].append({"shard": shard, "bytes": sum(r["length"] or 0 for r in rows), "files": rows})
+        report["streams"].append(entry)
+    return report
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    report = ls_report(args.root, args.stream)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for entry in report["streams"]:
+        print(f"{entry['stream']}  shards={entry['shards']}")
+        if entry["tier"]:  # only tiered streams get the line (untiered output stays as it was)
+            print(f"  {entry['tier']['line']}")
+        for sh in entry["shard_list"]:
+            print(f"  shard {sh['shard']:5d}  files={len(sh['files'])}  bytes={sh['bytes']}")
+            for row in sh["files"]:
+                print(f"    {row['file']}  {row['length']}")
     return 0
 
 

@@ -7,7 +7,8 @@ Registered with :func:`pyspark_acs.cli.main.register_command` when ``acs`` start
     acs tier STREAM --root R --hot-retention 12h  # change one setting, keep the others
     acs tier STREAM --root R --off                # stop tiering (refused while files live in the tier)
 
-Durations and sizes are read by :mod:`pyspark_acs.units` (``90d``, ``12h``, ``10GiB``);
+Durations and sizes are read by :mod:`pyspark_acs.units` (``90d``, ``12h``, ``10GiB``); a
+retention needs its unit (a bare ``1`` is refused rather than read as one second);
 ``forever`` (or ``none``) removes a retention. A retention flag not given keeps its current
 value. The settings are written by :func:`pyspark_acs.storage.tier.configure_tier`, the one
 writer of them, which checks the URI (the bucket must exist) and refuses to strand tiered files.
@@ -23,16 +24,17 @@ from pyspark_acs.cli.main import register_command
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.units import format_bytes, parse_bytes, parse_duration
 
-__all__ = ["KEEP_FOREVER", "cmd_tier"]
+__all__: list = []
 
 #: Retention values that mean "no limit".
 KEEP_FOREVER = ("forever", "none", "unbounded")
 
 #: flag -> (TierSettings field, parser of its value).
 _RETENTION_FLAGS: Dict[str, tuple] = {
-    "--hot-retention": ("hot_retention_s", lambda v, flag: parse_duration(v, option=flag)),
+    "--hot-retention": ("hot_retention_s", lambda v, flag: parse_duration(v, option=flag, unit_required=True)),
     "--hot-retention-bytes": ("hot_retention_bytes", lambda v, flag: parse_bytes(v, option=flag)),
-    "--secondary-retention": ("secondary_retention_s", lambda v, flag: parse_duration(v, option=flag)),
+    "--secondary-retention": ("secondary_retention_s",
+                              lambda v, flag: parse_duration(v, option=flag, unit_required=True)),
 }
 
 

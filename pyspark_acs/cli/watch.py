@@ -17,7 +17,6 @@ from pyspark_acs.errors import AcsError, AcsOptionError
 from pyspark_acs.units import parse_duration
 
 __all__ = [
-    "DEFAULT_WATCH_INTERVAL",
     "add_watch_flags",
     "progress",
     "rich_table",

@@ -21,7 +21,9 @@ from typing import Any, Optional
 from pyspark_acs import worker_python
 from pyspark_acs.errors import AcsError
 
-__all__ = ["WORKER_CHECK_TIMEOUT_S", "register", "worker_python_problem"]
+__all__ = [
+    "register",
+]
 
 #: How long the check may take to start the workers' interpreter and import the package.
 WORKER_CHECK_TIMEOUT_S = 60.0

@@ -22,7 +22,14 @@ from pyspark_acs.format.offsets import parse_offsets, parse_timestamps
 from pyspark_acs.storage.tier import parse_read_policy
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_bool, parse_int, parse_options, parse_str
 
-__all__ = ["SinkOptions", "SourceOptions", "parse_sink_options", "parse_source_options"]
+__all__ = [
+    "SinkOptions",
+    "SourceOptions",
+    "check_sink_options",
+    "check_source_options",
+    "parse_sink_options",
+    "parse_source_options",
+]
 
 #: How long a read task waits for bytes that were published but are not readable yet
 #: (e.g. chunks lost with a cache replica while the durable copy is still catching up).
@@ -120,78 +127,105 @@ class _Secured:
 
 
 _SECURITY_DOCS = {
-    "tokenFile": "file holding the cache/copy token, read on the driver ($ACS_TOKEN_FILE)",
-    "tlsCa": "CA bundle: connect to the caches with TLS ($ACS_TLS_CA)",
-    "tlsCert": "client certificate chain for mutual TLS ($ACS_TLS_CERT)",
-    "tlsKey": "its private key ($ACS_TLS_KEY)",
-    "mtls": "present tlsCert/tlsKey to the servers ($ACS_TLS_MTLS)",
+    "cacheToken": "Shared token of token-protected cache servers (default $ACS_CACHE_TOKEN).",
+    "tokenFile": "File holding the cache/copy token, read on the driver (default $ACS_TOKEN_FILE).",
+    "tlsCa": "CA bundle: connect to the caches with TLS (default $ACS_TLS_CA).",
+    "tlsCert": "Client certificate chain for mutual TLS (default $ACS_TLS_CERT).",
+    "tlsKey": "Its private key (default $ACS_TLS_KEY).",
+    "mtls": "Present tlsCert/tlsKey to the servers (default $ACS_TLS_MTLS).",
 }
+_CACHE_DOC = ("host:port,host:port,... Lengths are polled from the metadata cache and bytes "
+              "read from the data cache, with the durable store as the fallback; without them everything "
+              "comes from the durable store. When not given, the driver's $ACS_DATA_CACHE / "
+              "$ACS_METADATA_CACHE are used (acs up prints them); none turns a cache off even then.")
+_SINK_CACHE_DOC = ("host:port,... (default $ACS_DATA_CACHE / $ACS_METADATA_CACHE; none turns "
+                   "a cache off): written like a Producer, durable store, then chunks, then lengths.")
 
 
 @dataclass(frozen=True)
 class SourceOptions(_Secured):
     """Options of ``spark.readStream.format("acs")`` and ``spark.read.format("acs")``."""
 
-    root: str = option("root", parse=parse_str, required=True, doc="durable store root URI or path")
-    streams: Tuple[str, ...] = option("stream", parse=_streams, required=True, doc="stream name or comma list")
-    data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="data-cache endpoints host:port,... or none (default $ACS_DATA_CACHE)")
-    metadata_cache: Optional[str] = option(
-        "metadataCache", None, parse=_endpoints,
-        doc="metadata-cache endpoints host:port,... or none (default $ACS_METADATA_CACHE)",
-    )
-    cache_token: Optional[str] = option(
-        "cacheToken", None, parse=parse_str, doc="token of token-protected cache servers ($ACS_CACHE_TOKEN)"
-    )
+    root: str = option("root", parse=parse_str, required=True,
+                       doc="Durable store root of this cluster: a local path or URI (file:///, hdfs://); "
+                           "load(path) sets it too.")
+    streams: Tuple[str, ...] = option("stream", parse=_streams, required=True,
+                                      doc="A stream name or a comma-separated list.")
+    data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="Data-cache endpoints. " + _CACHE_DOC)
+    metadata_cache: Optional[str] = option("metadataCache", None, parse=_endpoints,
+                                           doc="Metadata-cache endpoints. " + _CACHE_DOC)
+    cache_token: Optional[str] = option("cacheToken", None, parse=parse_str, doc=_SECURITY_DOCS["cacheToken"])
     token_file: Optional[str] = option("tokenFile", None, parse=parse_str, doc=_SECURITY_DOCS["tokenFile"])
     tls_ca: Optional[str] = option("tlsCa", None, parse=parse_str, doc=_SECURITY_DOCS["tlsCa"])
     tls_cert: Optional[str] = option("tlsCert", None, parse=parse_str, doc=_SECURITY_DOCS["tlsCert"])
     tls_key: Optional[str] = option("tlsKey", None, parse=parse_str, doc=_SECURITY_DOCS["tlsKey"])
     mtls: Optional[bool] = option("mtls", None, parse=parse_bool, doc=_SECURITY_DOCS["mtls"])
     starting_offsets: Optional[str] = option(
-        "startingOffsets", None, parse=_offsets_spec("earliest", "latest"),
-        doc="earliest | latest | offsets JSON (default: latest for streams, earliest for batch)",
+        "startingOffsets", None, parse=_offsets_spec("earliest", "latest"), shown="latest (streams), earliest (batch)",
+        doc='Where a new query starts: earliest, latest or offsets JSON as '
+            '{"stream": {"0": {"file": "...acs", "length": 0}}}; shards missing from the JSON start at the '
+            'earliest position.',
     )
     starting_timestamp: Optional[int] = option(
-        "startingTimestamp", None, parse=parse_int(0), doc="ms since the epoch: start at the first message at or after it"
+        "startingTimestamp", None, parse=parse_int(0),
+        doc="Milliseconds since the epoch: per shard, start at the first block holding a message at or after "
+            "it (offsets are block boundaries, so earlier messages of that block come too).",
     )
     starting_by_timestamp: Optional[str] = option(
         "startingOffsetsByTimestamp", None, parse=_timestamps_spec,
-        doc='per shard, ms since the epoch: {"stream": {"0": 1700000000000}} (other shards: startingOffsets)',
+        doc='Per shard, milliseconds since the epoch, as Kafka\'s: {"stream": {"0": 1700000000000}}; each '
+            'named shard starts as with startingTimestamp, the others by startingOffsets.',
     )
     ending_offsets: Optional[str] = option(
-        "endingOffsets", None, parse=_offsets_spec("latest"), doc="batch reads only: latest | offsets JSON"
+        "endingOffsets", None, parse=_offsets_spec("latest"), shown="latest",
+        doc="Batch reads only: latest or offsets JSON (a streaming query refuses it: use "
+            "trigger(availableNow=True)).",
     )
     ending_timestamp: Optional[int] = option(
         "endingTimestamp", None, parse=parse_int(0),
-        doc="batch reads only, ms since the epoch: stop before the first message at or after it",
+        doc="Batch reads only, milliseconds since the epoch: each shard is read up to the first block whose "
+            "first message is stamped at or after it, and rows stamped at or after it are dropped.",
     )
     max_bytes_per_trigger: Optional[int] = option(
-        "maxBytesPerTrigger", None, parse=bytes_parser(1), doc="bytes per micro-batch, split over shards by backlog"
+        "maxBytesPerTrigger", None, parse=bytes_parser(1),
+        doc="Admission control through Spark's ReadLimit: bytes (8MiB) per micro-batch, split across shards "
+            "in proportion to their backlog. Offsets are block boundaries, so a single block larger than a "
+            "shard's share is still read whole. Trigger.AvailableNow honours it (several bounded batches); "
+            "once reads all.",
     )
     max_rows_per_trigger: Optional[int] = option(
-        "maxRowsPerTrigger", None, parse=parse_int(1), doc="messages per micro-batch, split over shards by backlog"
+        "maxRowsPerTrigger", None, parse=parse_int(1),
+        doc="As maxBytesPerTrigger, in messages per micro-batch (Kafka's maxOffsetsPerTrigger).",
     )
-    fail_on_data_loss: bool = option("failOnDataLoss", True, parse=parse_bool, doc="fail when data is gone (true)")
+    fail_on_data_loss: bool = option(
+        "failOnDataLoss", True, parse=parse_bool,
+        doc="When a file in the offsets is gone or shorter than the offset: fail naming stream, shard, file "
+            "and bytes (true), or log and continue at the next available data (false).",
+    )
     include_headers: bool = option(
-        "includeHeaders", False, parse=parse_bool, doc="add the messages' headers column (false), as Kafka's"
+        "includeHeaders", False, parse=parse_bool,
+        doc="Add a headers column (array<struct<key: string, value: binary>>, null for messages sent "
+            "without headers), as Spark's Kafka source does.",
     )
     tier_read_policy: str = option(
         "tierReadPolicy", "NOT_IN_DISK", parse=parse_read_policy,
-        doc="which tier tiered files are read from: NOT_IN_DISK | NOT_IN_MEM | FORCE (NOT_IN_DISK)",
+        doc="Which tier tiered files are read from: NOT_IN_DISK, NOT_IN_MEM or FORCE (docs/tiered.md).",
     )
     poll_interval: float = option(
-        "pollInterval", DEFAULT_POLL_INTERVAL_S, parse=duration_parser(0.0), doc="read retry interval (10ms)"
+        "pollInterval", DEFAULT_POLL_INTERVAL_S, parse=duration_parser(0.0),
+        doc="How often a read task retries bytes that are published but not yet readable.",
     )
     max_bytes_per_second: Optional[int] = option(
-        "maxBytesPerSecond", None, parse=bytes_parser(1), doc="read-rate cap of one read task"
+        "maxBytesPerSecond", None, parse=bytes_parser(1), doc="Read-rate cap of one read task."
     )
     read_timeout: float = option(
         "readTimeout", DEFAULT_READ_TIMEOUT_S, parse=duration_parser(0.001),
-        doc="how long a task waits for published bytes to become readable (60s)",
+        doc="How long a task waits for such bytes before failing with a data-loss error.",
     )
     min_partitions: Optional[int] = option(
-        "minPartitions", None, parse=parse_int(1),
-        doc="at least this many read tasks per batch: large shard ranges split at block boundaries (as Kafka's)",
+        "minPartitions", None, parse=parse_int(1), shown="one task per shard",
+        doc="At least this many read tasks per batch read or micro-batch, as Kafka's: shard ranges are split "
+            "at block boundaries in proportion to their bytes.",
     )
 
 
@@ -199,41 +233,41 @@ class SourceOptions(_Secured):
 class SinkOptions(_Secured):
     """Options of ``df.writeStream.format("acs")`` and ``df.write.format("acs")``."""
 
-    root: str = option("root", parse=parse_str, required=True, doc="durable store root URI or path")
+    root: str = option("root", parse=parse_str, required=True,
+                       doc="Durable store root: a local path or URI; save(path) sets it too.")
     stream: Optional[str] = option(
-        "stream", None, parse=_one_stream,
-        doc="target stream of every row, overriding a 'stream' column (required without one)",
+        "stream", None, parse=_one_stream, shown="required unless the DataFrame has a stream column",
+        doc="The target stream of every row; it overrides a stream column (as Kafka's topic option overrides "
+            "the topic column), so a source's rows can be written to another stream.",
     )
     shards: Optional[int] = option(
-        "shards", None, parse=parse_int(1, 99_999),
-        doc="shard count (required to create a missing stream, also one a 'stream' column names)",
+        "shards", None, parse=parse_int(1, 99_999), shown="required when a stream does not exist yet",
+        doc="Shard count of a stream the sink creates (also one a stream column names); must match when it "
+            "exists.",
     )
-    data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="data-cache endpoints host:port,... or none (default $ACS_DATA_CACHE)")
-    metadata_cache: Optional[str] = option(
-        "metadataCache", None, parse=_endpoints,
-        doc="metadata-cache endpoints host:port,... or none (default $ACS_METADATA_CACHE)",
-    )
-    cache_token: Optional[str] = option(
-        "cacheToken", None, parse=parse_str, doc="token of token-protected cache servers ($ACS_CACHE_TOKEN)"
-    )
+    data_cache: Optional[str] = option("dataCache", None, parse=_endpoints, doc="Data-cache endpoints. " + _SINK_CACHE_DOC)
+    metadata_cache: Optional[str] = option("metadataCache", None, parse=_endpoints,
+                                           doc="Metadata-cache endpoints. " + _SINK_CACHE_DOC)
+    cache_token: Optional[str] = option("cacheToken", None, parse=parse_str, doc=_SECURITY_DOCS["cacheToken"])
     token_file: Optional[str] = option("tokenFile", None, parse=parse_str, doc=_SECURITY_DOCS["tokenFile"])
     tls_ca: Optional[str] = option("tlsCa", None, parse=parse_str, doc=_SECURITY_DOCS["tlsCa"])
     tls_cert: Optional[str] = option("tlsCert", None, parse=parse_str, doc=_SECURITY_DOCS["tlsCert"])
     tls_key: Optional[str] = option("tlsKey", None, parse=parse_str, doc=_SECURITY_DOCS["tlsKey"])
     mtls: Optional[bool] = option("mtls", None, parse=parse_bool, doc=_SECURITY_DOCS["mtls"])
     max_block_bytes: int = option(
-        "maxBlockBytes", DEFAULT_MAX_BLOCK_BYTES, parse=bytes_parser(1024), doc="block size (1MiB)"
+        "maxBlockBytes", DEFAULT_MAX_BLOCK_BYTES, parse=bytes_parser(1024), doc="Largest block body."
     )
     roll_bytes: int = option(
-        "rollBytes", DEFAULT_ROLL_BYTES, parse=bytes_parser(1), doc="file rollover size (64MiB)"
+        "rollBytes", DEFAULT_ROLL_BYTES, parse=bytes_parser(1), doc="A new file starts at this size."
     )
     sink_id: Optional[str] = option(
-        "sinkId", None, parse=parse_str, doc="identity for exactly-once (default: the query's checkpointLocation)"
+        "sinkId", None, parse=parse_str, shown="the query's checkpointLocation",
+        doc="Identity of the sink for exactly-once.",
     )
     checkpoint_location: Optional[str] = option(
-        "checkpointLocation", None, parse=parse_str, doc="set by Spark from the query; identifies the sink"
+        "checkpointLocation", None, parse=parse_str, doc="Set by Spark from the query; identifies the sink."
     )
-    query_name: Optional[str] = option("queryName", None, parse=parse_str, doc="set by Spark from queryName(); unused")
+    query_name: Optional[str] = option("queryName", None, parse=parse_str, doc="Set by Spark from queryName(); unused.")
 
 
 def _with_path(raw: Mapping[str, Any]) -> dict:
@@ -247,9 +281,17 @@ def _with_path(raw: Mapping[str, Any]) -> dict:
     return opts
 
 
-def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
-    """Parse and check the source options (raises AcsOptionError naming the option)."""
-    opts = _with_env_caches(parse_options(SourceOptions, _with_path(raw), component="acs source"))
+def check_source_options(raw: Mapping[str, Any]) -> SourceOptions:
+    """Parse the source options and check how they combine, without the driver's environment.
+
+    What :meth:`AcsDataSource.schema` runs at ``load()``, so a bad option fails there.
+
+    Raises
+    ------
+    AcsOptionError
+        Naming the option (an unknown one with the nearest valid name).
+    """
+    opts = parse_options(SourceOptions, _with_path(raw), component="acs source")
     if opts.starting_timestamp is not None and (opts.starting_offsets or opts.starting_by_timestamp):
         other = "startingOffsets" if opts.starting_offsets else "startingOffsetsByTimestamp"
         raise AcsOptionError(
@@ -269,6 +311,17 @@ def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
     return opts
 
 
+def parse_source_options(raw: Mapping[str, Any]) -> SourceOptions:
+    """Parse and check the source options (raises AcsOptionError naming the option), with the
+    caches and security settings of the driver's environment filled in."""
+    return _with_env_caches(check_source_options(raw))
+
+
+def check_sink_options(raw: Mapping[str, Any]) -> SinkOptions:
+    """Parse the sink options without the driver's environment (the check ``start()`` runs)."""
+    return parse_options(SinkOptions, _with_path(raw), component="acs sink")
+
+
 def parse_sink_options(raw: Mapping[str, Any]) -> SinkOptions:
     """Parse and check the sink options (raises AcsOptionError naming the option)."""
-    return _with_env_caches(parse_options(SinkOptions, _with_path(raw), component="acs sink"))
+    return _with_env_caches(check_sink_options(raw))

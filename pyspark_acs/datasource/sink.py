@@ -61,18 +61,13 @@ from pyspark_acs.errors import AcsError, AcsOptionError, CacheError
 from pyspark_acs.format.block import HEADER_SIZE, encode_block, encode_seal, rebase_blocks, scan_blocks
 from pyspark_acs.format.names import next_file_name, shard_dir, validate_stream
 from pyspark_acs.storage.store import DurableStore, open_store
-from pyspark_acs.write.shard import LaterFileError, OpenFile, ShardWriter, shard_for_key
+from pyspark_acs.errors import LaterFileError
+from pyspark_acs.write.shard import OpenFile, ShardWriter, shard_for_key
 
 __all__ = [
-    "KAFKA_COLUMNS",
-    "SINK_COLUMNS",
-    "SOURCE_POSITION_COLUMNS",
     "AcsBatchWriter",
-    "AcsCommitMessage",
     "AcsStreamWriter",
     "SinkCommitter",
-    "StagedStream",
-    "check_sink_schema",
 ]
 
 log = logging.getLogger(__name__)

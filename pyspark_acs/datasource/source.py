@@ -71,17 +71,12 @@ from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.datasource.options import SourceOptions
 
 __all__ = [
-    "IDLE_WAIT_S",
-    "SCHEMA_DDL",
-    "SCHEMA_WITH_HEADERS_DDL",
     "AcsBatchReader",
-    "AcsPartition",
     "AcsPruningBatchReader",
     "AcsStreamReader",
-    "Pruning",
+    "SCHEMA_DDL",
+    "SCHEMA_WITH_HEADERS_DDL",
     "pushdown_enabled",
-    "read_partition",
-    "source_read_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -529,6 +524,14 @@ class _Planner:
                 pos += h.size
             if run is not None:
                 runs.append((s, at(name, run[0]), Offset(name, run[1])))
+        if b.position and pruning.wants_file(b.file):
+            # An end inside a block (a position): the ranges stop before that block, which the
+            # task reads and cuts at the position (_read_range). Kept whatever the time filter
+            # says (Spark filters its rows again); the file filter is exact, so it decides.
+            if runs and runs[-1][2] == b.boundary:
+                runs[-1] = (s, runs[-1][1], b)
+            else:
+                runs.append((s, a if a.boundary == b.boundary else b.boundary, b))
         return runs
 
     def _block_wanted(self, rel: str, at: int, h: BlockHeader, pruning: "Pruning") -> bool:
@@ -708,9 +711,16 @@ class AcsBatchReader(DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         """One partition per shard between ``startingOffsets`` and ``endingOffsets``."""
         start = self.planner.start_offsets(self.opts.starting_offsets, "earliest")
+        given: OffsetMap = {}
         if self.opts.ending_offsets and self.opts.ending_offsets != "latest":
             given = parse_offsets(self.opts.ending_offsets, option="endingOffsets")
-            latest = self.planner.latest(sorted(start), start)
+        before_us = None
+        by_time: OffsetMap = {}
+        if self.opts.ending_timestamp is not None:
+            before_us = self.opts.ending_timestamp * 1000
+            by_time = {s: offset_for_timestamp(self.planner.path, s[0], s[1], before_us, ending=True) for s in start}
+        latest = self._latest(start, given, by_time)
+        if given:
             for s, off in given.items():
                 if s in latest and off > latest[s]:
                     raise AcsOptionError(
@@ -720,17 +730,32 @@ class AcsBatchReader(DataSourceReader):
                     )
             end = {s: given.get(s, latest[s]) for s in start}
         else:
-            end = self.planner.latest(sorted(start), start)
-        before_us = None
-        if self.opts.ending_timestamp is not None:
-            before_us = self.opts.ending_timestamp * 1000
-            by_time = {s: offset_for_timestamp(self.planner.path, s[0], s[1], before_us, ending=True) for s in end}
+            end = latest
+        if by_time:
             end = {s: max(start[s], min(end[s], by_time[s])) for s in end}
         parts = self.planner.partitions(start, end, before_us, self.pruning)
         if self.planner._path is not None:
             self.planner._path.close()
             self.planner._path = None
         return parts
+
+    def _latest(self, start: OffsetMap, given: OffsetMap, by_time: OffsetMap) -> OffsetMap:
+        """How far each shard can be read from ``start`` (:meth:`_Planner.latest`). A damaged
+        file (DataLossError) after the range the read asks for (``endingOffsets`` ``given``,
+        ``endingTimestamp``'s ``by_time``) is no loss of this read: the shard's end is then
+        where the damage begins."""
+        latest: OffsetMap = {}
+        for s in sorted(start):
+            try:
+                latest.update(self.planner.latest([s], start))
+            except DataLossError as exc:
+                loss = Offset(exc.file, exc.start)
+                # A timestamp's end stops at an unsealed file's last block (offset_for_timestamp),
+                # so one exactly at the loss may lie past it: only one before the loss counts.
+                if not ((s in given and given[s] <= loss) or (s in by_time and by_time[s] < loss)):
+                    raise
+                latest[s] = max(loss, given.get(s, loss))  # the read ends before the loss
+        return latest
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Read one shard's range in order as Arrow record batches (runs in a Spark task)."""

@@ -32,7 +32,9 @@ from __future__ import annotations
 import gc
 import os
 
-__all__ = ["REUSED_WORKER_ENV", "freeze_long_lived", "in_reused_worker"]
+__all__ = [
+    "freeze_long_lived",
+]
 
 #: Set by Spark in the environment of Python workers that run task after task.
 REUSED_WORKER_ENV = "SPARK_REUSE_WORKER"

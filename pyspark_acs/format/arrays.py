@@ -19,7 +19,12 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["ConstantColumns", "binary_array", "constant_array", "int64_array", "position_array"]
+__all__ = [
+    "ConstantColumns",
+    "binary_array",
+    "int64_array",
+    "position_array",
+]
 
 #: Largest total bytes of a ``pa.binary()`` array (its offsets are int32).
 MAX_BINARY_BYTES = 2**31 - 1

@@ -16,7 +16,9 @@ from __future__ import annotations
 import zlib
 from typing import Callable
 
-__all__ = ["FAST", "crc32"]
+__all__ = [
+    "crc32",
+]
 
 try:  # ISA-L's SIMD CRC-32 (python-isal), the values of zlib.crc32
     from isal.isal_zlib import crc32 as _crc32

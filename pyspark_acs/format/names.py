@@ -20,8 +20,6 @@ from pyspark_acs.errors import InvalidNameError
 __all__ = [
     "FILE_SUFFIX",
     "MAX_SHARDS",
-    "FileName",
-    "file_name",
     "new_writer_id",
     "next_file_name",
     "parse_file_name",

@@ -22,7 +22,13 @@ from typing import Any, Dict, Iterator, Mapping, NamedTuple, Tuple, Union
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.format.names import parse_file_name, validate_stream
 
-__all__ = ["Offset", "OffsetMap", "format_offsets", "parse_offsets", "parse_timestamps"]
+__all__ = [
+    "Offset",
+    "OffsetMap",
+    "format_offsets",
+    "parse_offsets",
+    "parse_timestamps",
+]
 
 
 class Offset(NamedTuple):

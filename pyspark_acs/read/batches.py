@@ -16,7 +16,12 @@ from typing import Dict, Iterable, Iterator, List, Tuple, TypeVar
 
 import pyarrow as pa
 
-__all__ = ["CONSUMER_BATCH_BYTES", "READ_BATCH_BYTES", "batch_bytes", "coalesce_batches", "coalesce_runs", "coalesce_tagged"]
+__all__ = [
+    "CONSUMER_BATCH_BYTES",
+    "READ_BATCH_BYTES",
+    "coalesce_batches",
+    "coalesce_runs",
+]
 
 #: Bytes of one Arrow batch handed out, at most (a single larger block is a batch of its own).
 #: Spark's JVM pays per batch: batches of ~90 rows run at half the rate of 1000-row ones.

@@ -37,8 +37,9 @@ from pyspark_acs.cache.poller import LengthPoller
 from pyspark_acs.security import SecuritySettings
 from pyspark_acs.storage.store import DurableStore
 
-__all__ = ["DEFAULT_DURABLE_POLL_INTERVAL_S", "DEFAULT_MAX_DELAY_S", "STORE_HOLD_MAX_S", "STORE_HOLD_MIN_S",
-           "CachedReadPath", "DelayedDurableReads", "ReaderView", "StoreHold"]
+__all__ = [
+    "CachedReadPath",
+]
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,12 @@ it is there.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import math
 import time
-from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import pyarrow as pa
 
@@ -38,14 +39,11 @@ from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import retention_gap
 
 __all__ = [
+    "Consumer",
     "DEFAULT_MAX_READ_BYTES",
     "DEFAULT_POLL_INTERVAL_S",
-    "OUTPUT_SCHEMA",
-    "OUTPUT_SCHEMA_WITH_HEADERS",
-    "Consumer",
     "ShardTailer",
     "earliest_offset",
-    "latest_offset",
 ]
 
 log = logging.getLogger(__name__)
@@ -54,29 +52,41 @@ log = logging.getLogger(__name__)
 _SKIP_HINT = " (set failOnDataLoss=false / fail_on_data_loss=False to skip to the next available data)"
 
 DEFAULT_POLL_INTERVAL_S = 0.01
-#: A tailer stuck this long before bytes that are no complete block (and no recovery seal)
-#: says so once: a writer or copy still at work, a crashed writer whose shard nobody took over
-#: yet, or a file damaged after the fact. It waits for a seal; it never skips the bytes.
-STUCK_WARN_AFTER_S = 30.0
 #: How long a consumer whose followed files all have their lengths pushed waits at most, on
 #: average (seconds): pushes wake it at once; this bound is the same safety net as the poller's
 #: (Algorithm 1's maxDelay, 1 s), drawn afresh for each wait like the poller's
 #: (:func:`~pyspark_acs.cache.poller.safety_period`): idle consumers woken by the same last push
 #: would otherwise look at the store in step each second.
 PUSHED_WAIT_S = PUSH_SAFETY_POLL_S
-#: Waits between listings of a shard folder that found no file to go on with (before the
-#: shard's first file, or after a seal before the next file), in seconds: the first look is at
-#: once, then the wait doubles from the first value to the second while nothing appears, and a
-#: listing that finds a file starts over. A roll-over's next file is created by the writer's
-#: next append, so it is found within a look or two; an idle shard is listed ten times a second
-#: instead of once per poll interval (a listing costs a few hundred microseconds of CPU, and on
-#: HDFS it is a NameNode call).
-LISTING_BACKOFF_S = (0.01, 0.1)
-#: A tailer stuck at the end of an unsealed file looks for a later file (the finality rule,
-#: :func:`~pyspark_acs.read.positions.unfinished_file`) after the first value in seconds, then
-#: with the wait doubling up to the second while the position stays: a caught-up reader of an
-#: idle stream lists its shard a few times a minute, not every poll.
-UNFINISHED_CHECK_S = (1.0, 30.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TailTiming:
+    """When a :class:`ShardTailer` looks again and when it says it is stuck, in seconds.
+
+    Passed down from the :class:`Consumer` (tests pass shorter ones); with the tailer's
+    ``clock`` these rules are tested without sleeping.
+    """
+
+    #: A tailer stuck this long before bytes that are no complete block and no seal says so
+    #: once: a writer or copy still at work, or a crashed writer whose shard nobody took over
+    #: yet. It waits for a seal; it never skips the bytes.
+    stuck_warn_after_s: float = 30.0
+    #: Waits between listings of a shard folder that found no file to go on with (before the
+    #: shard's first file, or after a seal before the next file): the first look is at once,
+    #: then the wait doubles from the first value to the second while nothing appears, and a
+    #: listing that finds a file starts over. A roll-over's next file is created by the
+    #: writer's next append, so it is found within a look or two; an idle shard is listed ten
+    #: times a second instead of once per poll interval (a listing costs a few hundred
+    #: microseconds of CPU, and on HDFS it is a NameNode call).
+    listing_backoff_s: Tuple[float, float] = (0.01, 0.1)
+    #: A tailer stuck at the end of an unsealed file looks for a later file (the finality
+    #: rule, :func:`~pyspark_acs.read.positions.unfinished_file`) after the first value, then
+    #: with the wait doubling up to the second while the position stays: a caught-up reader of
+    #: an idle stream lists its shard a few times a minute, not every poll.
+    unfinished_check_s: Tuple[float, float] = (1.0, 30.0)
+
+
 #: Bytes read from one shard in one step: bounds memory when a consumer is far behind.
 DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
 
@@ -104,6 +114,10 @@ class ShardTailer:
         the position; otherwise log it and continue from the next available position.
     include_headers : bool
         Batches carry the messages' ``headers`` column (:data:`OUTPUT_SCHEMA_WITH_HEADERS`).
+    timing : TailTiming
+        When it looks again and when it says it is stuck.
+    clock : callable
+        Monotonic seconds (``time.monotonic``): the clock ``timing`` is measured on.
     """
 
     def __init__(
@@ -117,7 +131,11 @@ class ShardTailer:
         fail_on_data_loss: bool = True,
         limiter: Optional[RateLimiter] = None,
         include_headers: bool = False,
+        timing: TailTiming = TailTiming(),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.timing = timing
+        self.clock = clock
         self.include_headers = include_headers
         self.schema = OUTPUT_SCHEMA_WITH_HEADERS if include_headers else OUTPUT_SCHEMA
         self.path = path
@@ -133,7 +151,7 @@ class ShardTailer:
         self.fail_on_data_loss = fail_on_data_loss
         self.limiter = limiter or RateLimiter(None)
         self._check_behind = True  # first stall after a seek: is the position right after a seal?
-        # The listing back-off (LISTING_BACKOFF_S): no listing before _list_after (monotonic);
+        # The listing back-off (timing.listing_backoff_s): no listing before _list_after (clock);
         # _list_wait is the wait after the next listing that finds nothing (0: none yet).
         self._list_after = 0.0
         self._list_wait = 0.0
@@ -144,7 +162,7 @@ class ShardTailer:
         self._stuck: Optional[Tuple[Optional[str], int, float]] = None
         # ((file, length) stuck at, next look for a later file (monotonic), the wait after it)
         self._unfinished: Optional[Tuple[Tuple[str, int], float, float]] = None
-        self._copy_later: Optional[str] = None  # the later file it found there, in a destination
+        self._wait_why: Optional[str] = None  # why the finality rule said to wait there
         self._loss_logged: Optional[Offset] = None  # the lost position already logged
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
@@ -331,15 +349,15 @@ class ShardTailer:
 
     def _list_files(self) -> List[str]:
         """The shard's files, or none while the listing backs off after looks that found no
-        file to go on with (:data:`LISTING_BACKOFF_S`)."""
-        now = time.monotonic()
+        file to go on with (:attr:`TailTiming.listing_backoff_s`)."""
+        now = self.clock()
         if now < self._list_after:
             return []
         files = self.store.list_files(self.stream, self.shard)
         if files and (not self.file or files[-1] > self.file):
             self._list_after, self._list_wait = 0.0, 0.0  # something to go on with: look freely
         else:
-            first, most = LISTING_BACKOFF_S
+            first, most = self.timing.listing_backoff_s
             self._list_wait = min(most, max(first, 2 * self._list_wait))
             self._list_after = now + self._list_wait
         return files
@@ -365,24 +383,26 @@ class ShardTailer:
     def _check_unfinished(self, limit: int, end: Optional[Offset]) -> bool:
         """Stuck at the end of an unsealed file: is a later file there, and what does it mean
         (the rule: :func:`~pyspark_acs.read.positions.unfinished_file`)? Looked at with a
-        back-off (:data:`UNFINISHED_CHECK_S`) while the position stays, at once for a bounded
-        read whose end lies in a later file. Returns True when it moved to the later file."""
-        now = time.monotonic()
+        back-off (:attr:`TailTiming.unfinished_check_s`) while the position stays, at once for
+        a bounded read whose end lies in a later file. Returns True when it moved to the later
+        file."""
+        now = self.clock()
+        first, most = self.timing.unfinished_check_s
         if self._unfinished is None or self._unfinished[0] != (self.file, self.length):
-            first = 0.0 if end is not None and end.file > self.file else UNFINISHED_CHECK_S[0]
-            self._unfinished = ((self.file, self.length), now + first, UNFINISHED_CHECK_S[0])
-            self._copy_later = None
+            self._unfinished = ((self.file, self.length), now + (0.0 if end is not None and end.file > self.file
+                                                                 else first), first)
+            self._wait_why = None
         key, due, wait = self._unfinished
         if now < due:
             return False
-        self._unfinished = (key, now + wait, min(UNFINISHED_CHECK_S[1], 2 * wait))
+        self._unfinished = (key, now + wait, min(most, 2 * wait))
         # The listing before the lengths (unfinished_file reads them): see its docstring.
         found = unfinished_file(self.path, self.stream, self.shard, self.file, self.length,
                                 self.store.list_files(self.stream, self.shard))
         if found is None:
             return False
-        if found.copy:
-            self._copy_later = found.later
+        if found.wait:
+            self._wait_why = found.wait
             self._warn_stuck(limit)
             return False
         if self.fail_on_data_loss:
@@ -392,17 +412,16 @@ class ShardTailer:
         return True
 
     def _warn_stuck(self, limit: int) -> None:
-        now = time.monotonic()
+        now = self.clock()
+        after = self.timing.stuck_warn_after_s
         if self._stuck is None or self._stuck[:2] != (self.rel, self.length):
             self._stuck = (self.rel, self.length, now)
-        elif now - self._stuck[2] >= STUCK_WARN_AFTER_S:
+        elif now - self._stuck[2] >= after:
             self._stuck = (self.rel, self.length, math.inf)  # once per position
-            copy = self._copy_later if self._unfinished and self._unfinished[0] == (self.file, self.length) else None
-            why = (f"the later file {copy} exists and this cluster keeps a copy of the stream: the rest of "
-                   f"{self.file} is still being copied" if copy else
-                   "a writer still at work, or a crashed writer whose shard nobody took over yet")
+            why = self._wait_why if self._unfinished and self._unfinished[0] == (self.file, self.length) else None
+            why = why or "a writer still at work, or a crashed writer whose shard nobody took over yet"
             log.warning("%s: bytes [%d, %d) have been no complete block and no seal for %.0f s; waiting for "
-                        "them (%s)", self.store.uri(self.rel), self.length, limit, STUCK_WARN_AFTER_S, why)
+                        "them (%s)", self.store.uri(self.rel), self.length, limit, after, why)
 
     def _pass_void(self, limit: int) -> bool:
         """Skip a torn block up to and including the recovery seal that voids it (logged with
@@ -526,6 +545,9 @@ class Consumer:
     tier_read_policy : str, optional
         Which tier a tiered file is read from (``NOT_IN_DISK`` default, ``NOT_IN_MEM``,
         ``FORCE``; see :mod:`pyspark_acs.storage.tier`).
+    timing : TailTiming, optional
+        When the shards' tailers look again and say they are stuck (default
+        :class:`TailTiming`'s values).
 
     Examples
     --------
@@ -552,6 +574,7 @@ class Consumer:
         include_headers: bool = False,
         security: Any = None,
         tier_read_policy: Optional[str] = None,
+        timing: TailTiming = TailTiming(),
     ) -> None:
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or poll_interval < 0:
             raise AcsOptionError(f"poll_interval: {poll_interval!r} is not allowed; use seconds >= 0", option="poll_interval")
@@ -589,6 +612,7 @@ class Consumer:
                         fail_on_data_loss=fail_on_data_loss,
                         limiter=limiter,
                         include_headers=include_headers,
+                        timing=timing,
                     )
                 )
         self._closed = False
@@ -785,13 +809,13 @@ class Consumer:
     def _poll_wait(self) -> float:
         """How long :meth:`batches` waits before its next look when nothing is pushed: the poll
         interval, or, while every shard waits for a file to appear, until the first of them
-        lists its folder again (:data:`LISTING_BACKOFF_S`): a round in between would look at
+        lists its folder again (:attr:`TailTiming.listing_backoff_s`): a round in between would look at
         nothing, and many idle consumers waking every poll interval take the CPU their
         producer needs."""
         looks = [t.next_listing for t in self._tailers]
         if not looks or None in looks:
             return self.poll_interval
-        return max(self.poll_interval, min(looks) - time.monotonic())
+        return max(self.poll_interval, min(looks) - self._tailers[0].clock())
 
     def _all_pushed(self) -> bool:
         """Whether every shard follows a file whose length changes are pushed to this process:

@@ -30,7 +30,10 @@ from pyspark_acs.format.offsets import Offset, OffsetMap, parse_offsets
 from pyspark_acs.read.positions import BoundaryCache, shard_extent, walk_blocks
 from pyspark_acs.read.readpath import ReadPath
 
-__all__ = ["CheckpointOffsets", "ShardLag", "checkpoint_lag", "read_checkpoint", "shard_lag"]
+__all__ = [
+    "checkpoint_lag",
+    "read_checkpoint",
+]
 
 #: Version line Spark writes first in every offset and commit log entry.
 _LOG_VERSION_PREFIX = "v"
@@ -159,7 +162,8 @@ def shard_lag(path: ReadPath, stream: str, shard: int, committed: Offset,
     """
     boundaries = boundaries or BoundaryCache()
     extent = shard_extent(path, stream, shard, committed)
-    end = extent.latest(boundaries, path, committed)
+    end = extent.latest(boundaries, path, committed,
+                        hint=" (a query reading the shard fails there too, unless it reads with failOnDataLoss=false)")
     behind_bytes = behind_rows = 0
     for _, rel, begin, stop in extent.ranges(committed, end):
         if stop <= begin:

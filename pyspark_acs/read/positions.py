@@ -30,7 +30,6 @@ from pyspark_acs.format.offsets import Offset
 from pyspark_acs.read.readpath import ReadPath
 
 __all__ = [
-    "BlockRead",
     "BoundaryCache",
     "ShardExtent",
     "advance",
@@ -45,7 +44,6 @@ __all__ = [
     "skip_void",
     "unfinished_file",
     "walk_blocks",
-    "Unfinished",
 ]
 
 log = logging.getLogger(__name__)
@@ -325,7 +323,7 @@ class ShardExtent:
             if sealed:
                 continue
             found = unfinished_file(path, self.stream, self.shard, name, end, names)
-            if found is None or found.copy:
+            if found is None or found.wait:
                 return at
             if fail_on_data_loss:
                 raise found.error(hint)
@@ -390,6 +388,8 @@ def advance(
         used_rows += rows
         at = Offset(name, end)
         if end < stop:
+            if name < latest.file and not walk_blocks(path, rel, end, stop)[2]:
+                continue  # no block follows in a file `latest` went past: a damaged file skipped
             return at
         if (max_bytes is not None and used_bytes >= max_bytes) or (max_rows is not None and used_rows >= max_rows):
             return at
@@ -409,8 +409,10 @@ class Unfinished(NamedTuple):
     durable: Optional[int]
     #: The first later file of the shard (holding messages, in a source cluster).
     later: str
-    #: This cluster keeps a copy of the stream (``copied_from``): the file's copy is coming.
-    copy: bool
+    #: Why a reader waits there instead (None: the file is damaged): the file's copy is still
+    #: coming (a destination), or the file is empty (a deposed writer's stray, sealed by its
+    #: successor's next claim).
+    wait: Optional[str]
 
     def describe(self) -> str:
         """What the reader found, naming the file and the byte range."""
@@ -445,7 +447,10 @@ def unfinished_file(path: ReadPath, stream: str, shard: int, name: str, at: int,
       is damaged (:meth:`Unfinished.error`): writers seal before they roll, a take-over seals
       its predecessor first, and a deposed writer's stray never holds a message;
     - in a **destination** (``copied_from``) files are copied side by side, so the later file
-      proves nothing: the reader waits for the copy (``copy`` is True).
+      proves nothing: the reader waits for the copy (``wait`` says so);
+    - an **empty** file is a deposed writer's stray (it named its file before its successor's
+      and died before sealing it), sealed at the successor's next claim: the reader waits
+      (``wait`` says so). A file truncated to nothing looks the same and waits too.
 
     The listing must come first: a seal is durable before the next file is created, so a
     length read after the listing that showed the later file shows the seal, if there is one.
@@ -458,17 +463,23 @@ def unfinished_file(path: ReadPath, stream: str, shard: int, name: str, at: int,
     meta = path.store.stream_meta(stream) or {}
     copy = bool(meta.get("copied_from"))
     if copy:
-        return Unfinished(stream, shard, name, at, None, later[0], True)
+        return Unfinished(stream, shard, name, at, None, later[0],
+                          f"the later file {later[0]} exists and this cluster keeps a copy of the stream: the "
+                          f"rest of {name} is still being copied")
     after = next((f for f in later if _holds_message(path, f"{d}/{f}", 0, path.durable_length(f"{d}/{f}") or 0)),
                  None)
     if after is None:
         return None
     durable = path.durable_length(rel)
+    if durable == 0:
+        return Unfinished(stream, shard, name, at, durable, after,
+                          f"{name} is empty while the later file {after} holds messages: a deposed writer's "
+                          f"stray that its successor seals at its next claim (or a file truncated to nothing)")
     if durable is not None and durable > at:
         _, _, blocks, sealed = walk_blocks(path, rel, at, durable)
         if blocks or sealed:
             return None  # readable blocks (or the seal) are there: the reader goes on
-    return Unfinished(stream, shard, name, at, durable, after, False)
+    return Unfinished(stream, shard, name, at, durable, after, None)
 
 
 def _holds_message(path: ReadPath, rel: str, begin: int, stop: int) -> bool:

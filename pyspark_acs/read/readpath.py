@@ -15,7 +15,12 @@ from typing import Any, Dict, Optional, Protocol, Sequence
 
 from pyspark_acs.storage.store import DurableStore
 
-__all__ = ["DurableReadPath", "RateLimiter", "ReadPath", "open_read_path"]
+__all__ = [
+    "DurableReadPath",
+    "RateLimiter",
+    "ReadPath",
+    "open_read_path",
+]
 
 
 class ReadPath(Protocol):
@@ -95,7 +100,9 @@ def open_read_path(
     Parameters
     ----------
     root : str or DurableStore
-        Durable store root (URI or path) of the cluster, or an open store.
+        Durable store root (URI or path) of the cluster, or an open store. A reader never
+        creates a root: a missing one raises :class:`~pyspark_acs.errors.RootNotFoundError`
+        naming it (an open store is taken as it is).
     data_cache, metadata_cache : str or CacheClient, optional
         Cache endpoints (``host:port,...``) or clients of the same cluster.
     token : str, optional
@@ -119,7 +126,7 @@ def open_read_path(
 
     policy = parse_read_policy(tier_read_policy or DEFAULT_READ_POLICY)
     # Every reader sees files in either tier by the same names (storage/tier.py TieredStore).
-    store = tiered_store(open_store(root), policy, preread=tier_preread)
+    store = tiered_store(open_store(root, create=False), policy, preread=tier_preread)
     if policy == "FORCE":
         return DurableReadPath(store)  # FORCE: tiered files from the secondary store, nothing from memory
     if data_cache or metadata_cache:

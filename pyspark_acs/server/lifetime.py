@@ -13,7 +13,10 @@ import os
 import threading
 from typing import List, Sequence
 
-__all__ = ["PARENT_POLL_S", "parent_pid_flag", "spark_submit_argv", "watch_parent"]
+__all__ = [
+    "spark_submit_argv",
+    "watch_parent",
+]
 
 #: How often a server checks that its parent process still runs.
 PARENT_POLL_S = 0.5

@@ -19,7 +19,9 @@ import ctypes
 import logging
 import sys
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "tune_malloc"]
+__all__ = [
+    "tune_malloc",
+]
 
 log = logging.getLogger(__name__)
 

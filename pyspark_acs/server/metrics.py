@@ -52,20 +52,12 @@ from prometheus_client.registry import Collector
 
 __all__ = [
     "CACHE_CALL_METRICS",
-    "CACHE_LATENCY_BUCKETS",
     "CACHE_METRICS",
-    "COPY_DELAY_BUCKETS",
     "COPY_METRICS",
-    "HealthCheck",
-    "METRICS_MAX_PENDING",
-    "METRICS_REQUEST_TIMEOUT_S",
-    "METRICS_THREADS",
-    "MetricSpec",
     "Metrics",
     "MetricsEndpoint",
     "StatsCollector",
     "TIER_METRICS",
-    "TIER_PASS_BUCKETS",
 ]
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional
 
-__all__ = ["add_servicer"]
+__all__ = [
+    "add_servicer",
+]
 
 
 class _Malformed:

@@ -37,7 +37,13 @@ from typing import Iterator, Optional
 from pyspark_acs.errors import LeasePoisonedError, WriterConflictError
 from pyspark_acs.storage.store import DurableStore
 
-__all__ = ["DEFAULT_LEASE_SECONDS", "LOCK_WAIT_SECONDS", "LeaseRecord", "StoreLease", "exclusive"]
+__all__ = [
+    "DEFAULT_LEASE_SECONDS",
+    "LOCK_WAIT_SECONDS",
+    "LeaseRecord",
+    "StoreLease",
+    "exclusive",
+]
 
 log = logging.getLogger(__name__)
 

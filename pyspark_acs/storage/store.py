@@ -21,10 +21,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError
+from pyspark_acs.errors import AcsOptionError, RootNotFoundError, StoreError, StoreFileNotFoundError
 from pyspark_acs.format.names import FILE_SUFFIX, shard_dir, validate_stream
 
-__all__ = ["STREAM_LOCK_FILE", "STREAM_META_FILE", "Appender", "DurableStore", "open_store"]
+__all__ = [
+    "Appender",
+    "DurableStore",
+    "STREAM_META_FILE",
+    "open_store",
+]
 
 #: Per-stream metadata file (shard count), beside the shard folders.
 STREAM_META_FILE = "_stream.json"
@@ -108,11 +113,16 @@ class DurableStore:
         Use this filesystem with ``root`` as its base path instead of resolving the URI
         (for wrapping, e.g. a SubTreeFileSystem or a test filesystem).
     create : bool
-        Create a missing local root folder (writers). Readers pass False: a missing root is
-        then an error naming it, not an empty store.
+        Create a missing local root folder (writers). Readers and status commands pass False:
+        a missing root is then :class:`~pyspark_acs.errors.RootNotFoundError` naming it, not an
+        empty store (and no folder is made where a typo points).
+    stream_lock_wait_s : float
+        How long a change of ``_stream.json`` waits for its lock (default
+        :data:`STREAM_LOCK_WAIT_S`).
     """
 
-    def __init__(self, root: str, filesystem: Optional[pafs.FileSystem] = None, *, create: bool = True) -> None:
+    def __init__(self, root: str, filesystem: Optional[pafs.FileSystem] = None, *, create: bool = True,
+                 stream_lock_wait_s: float = STREAM_LOCK_WAIT_S) -> None:
         if not isinstance(root, str) or not root.strip():
             raise AcsOptionError("root: the durable store root must be a non-empty URI or path", option="root")
         self.root = root
@@ -122,12 +132,17 @@ class DurableStore:
             self.fs, base = open_filesystem(root, option="root", what="durable store")
         self.base = base.rstrip("/") or "/"
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.create = create
+        self.stream_lock_wait_s = stream_lock_wait_s
         if not create:
             with _translate(f"stat {root}"):
                 kind = self.fs.get_file_info(self.base).type
+            if kind == pafs.FileType.NotFound:
+                raise RootNotFoundError(
+                    f"root: no durable store at {root!r}: {self.base} does not exist; give the root a Producer, "
+                    f"`acs produce` or the sink wrote to (a typo?)", root=root, path=self.base)
             if kind != pafs.FileType.Directory:
-                what = "does not exist" if kind == pafs.FileType.NotFound else "is not a folder"
-                raise AcsOptionError(f"root: no durable store at {root!r}: {self.base} {what}", option="root")
+                raise AcsOptionError(f"root: no durable store at {root!r}: {self.base} is not a folder", option="root")
         elif self.local:
             os.makedirs(self.base, exist_ok=True)
         # _files_lock guards _files (the LRU of open input files shared by reader threads).
@@ -138,7 +153,8 @@ class DurableStore:
         return f"DurableStore({self.root!r})"
 
     def __reduce__(self):  # only the root crosses process boundaries; files reopen there
-        return (DurableStore, (self.root,))
+        # A reader's store stays a reader's there: it never creates the root either.
+        return (_reopen_store, (self.root, self.create))
 
     # -- paths -----------------------------------------------------------------------------
 
@@ -356,17 +372,17 @@ class DurableStore:
         ------
         StoreError
             The metadata file is malformed or cannot be written (naming it), or the lock was
-            held for more than :data:`STREAM_LOCK_WAIT_S` (naming the lock file).
+            held for more than ``stream_lock_wait_s`` (naming the lock file).
         """
         from pyspark_acs.storage.leases import exclusive  # leases builds on this module
 
         rel = f"{validate_stream(stream)}/{STREAM_META_FILE}"
         lock = f"{stream}/{STREAM_LOCK_FILE}"
-        with exclusive(self, lock, STREAM_LOCK_WAIT_S, warn=False) as locked:
+        with exclusive(self, lock, self.stream_lock_wait_s, warn=False) as locked:
             if self.local and not locked:
                 # Going on unlocked would bring back the race the lock exists for.
                 raise StoreError(
-                    f"{self.uri(lock)}: held by another process for more than {STREAM_LOCK_WAIT_S:.0f} s (a "
+                    f"{self.uri(lock)}: held by another process for more than {self.stream_lock_wait_s:.0f} s (a "
                     f"stopped or hung creator of stream {stream!r}?); {rel} was not changed")
             current = self.stream_meta(stream)
             new = change(None if current is None else dict(current))
@@ -426,9 +442,14 @@ class DurableStore:
             f.close()
 
 
+def _reopen_store(root: str, create: bool = True) -> DurableStore:
+    return DurableStore(root, create=create)
+
+
 def open_store(root: "str | DurableStore", *, create: bool = True) -> DurableStore:
     """A :class:`DurableStore` for ``root`` (returned as is if it already is one).
 
-    ``create=False`` (readers, ``acs ls``): a missing root raises :class:`AcsOptionError` naming it.
+    ``create=False`` (readers, ``acs ls``, status commands): a missing root raises
+    :class:`~pyspark_acs.errors.RootNotFoundError` (an :class:`AcsOptionError`) naming it.
     """
     return root if isinstance(root, DurableStore) else DurableStore(root, create=create)

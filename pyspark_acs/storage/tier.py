@@ -48,7 +48,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError
+from pyspark_acs.errors import AcsOptionError, StoreError, StoreFileNotFoundError, TierUploadError
 from pyspark_acs.format.block import HEADER_SIZE
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.storage.store import _translate as _store_translate, open_filesystem
@@ -57,19 +57,10 @@ from pyspark_acs.storage.store import STREAM_META_FILE, DurableStore
 __all__ = [
     "DEFAULT_READ_POLICY",
     "MANIFEST_SETTLE_S",
-    "PREREAD_MAX_BYTES",
-    "PREREAD_MIN_BYTES",
-    "READ_POLICIES",
-    "RETENTION_FLOOR_FILE",
-    "TIER_MANIFEST_FILE",
-    "PrereadWindow",
     "TierRecord",
     "TierSettings",
     "TierStore",
-    "TierUploadError",
-    "TieredStore",
     "configure_tier",
-    "decode_header_index",
     "encode_header_index",
     "parse_read_policy",
     "raise_retention_floor",
@@ -116,15 +107,6 @@ MAX_HEADER_INDEXES = 256
 MAX_GONE_FILES = 100_000
 #: How long a reader reuses a stream's tier settings (seconds).
 SETTINGS_TTL_S = 5.0
-
-
-class TierUploadError(StoreError):
-    """An upload to the secondary store failed; whether bytes landed is unknown (ambiguous).
-
-    The mover never retries over the same object (the RocketMQ tiered-storage article's
-    non-stop-write rule): it uploads to a new object name, and the abandoned one is swept once
-    no record names it.
-    """
 
 
 def parse_read_policy(value: Any, name: str = "tierReadPolicy") -> str:
@@ -619,7 +601,7 @@ class TieredStore(DurableStore):
         return f"TieredStore({self.root!r}, {self.policy})"
 
     def __reduce__(self):  # only plain data crosses process boundaries
-        return (_reopen, (self.root, self.policy, self.preread))
+        return (_reopen, (self.root, self.policy, self.preread, getattr(self.hot, "create", True)))
 
     # -- which tier --------------------------------------------------------------------------
 
@@ -909,8 +891,8 @@ class TieredStore(DurableStore):
         self.hot.close()
 
 
-def _reopen(root: str, policy: str, preread: bool) -> TieredStore:
-    return TieredStore(DurableStore(root), policy, preread=preread)
+def _reopen(root: str, policy: str, preread: bool, create: bool = True) -> TieredStore:
+    return TieredStore(DurableStore(root, create=create), policy, preread=preread)
 
 
 def tiered_store(store: DurableStore, policy: str = DEFAULT_READ_POLICY, *, preread: bool = True) -> TieredStore:

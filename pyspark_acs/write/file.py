@@ -73,28 +73,23 @@ import threading
 import time
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
-from pyspark_acs.errors import CacheError, CorruptFileError, WriterConflictError
+from pyspark_acs.errors import AppendConflictError, AppendLockBusyError, CacheError, CorruptFileError
 from pyspark_acs.format.block import HEADER_SIZE, RECOVERY_SEAL_SIZE, find_recovery_seal, parse_header
 from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS, exclusive
 from pyspark_acs.storage.store import Appender, DurableStore
 
 __all__ = [
-    "AppendConflictError",
-    "AppendLockBusyError",
     "CacheMirror",
     "DurableFile",
     "FileTail",
     "FileWriter",
-    "SHADOW_IDLE_S",
-    "SHADOW_MAX_BYTES",
-    "append_lock",
     "scan_file",
 ]
 
 log = logging.getLogger(__name__)
 
 #: Bytes read at a time when walking a file's block headers.
-_SCAN_WINDOW = 1024 * 1024
+SCAN_WINDOW_BYTES = 1024 * 1024
 
 #: Verified bytes a :class:`FileWriter` holds for its shadow thread at most (``more_follows``
 #: appends); the writer waits when more are queued. 4 MiB is one data-cache put request
@@ -105,38 +100,6 @@ SHADOW_MAX_BYTES = 4 * 1024 * 1024
 #: started per burst makes every burst wait for the new thread's first time slice, and Linux
 #: schedules a new thread after the runnable ones (on a busy machine, behind every consumer).
 SHADOW_IDLE_S = 1.0
-
-
-class AppendConflictError(WriterConflictError):
-    """An append landed after foreign bytes (typically another writer's recovery seal), or
-    the file no longer ends where this writer expected it: the bytes are not acknowledged.
-
-    Attributes
-    ----------
-    path : str
-        The file's URI.
-    start, end : int
-        The byte range this writer meant to write (and does not acknowledge).
-    actual_length : int
-        The file's length when the conflict was found.
-    seal_at : int or None
-        Position of the foreign seal that ends the file before ``start``, if one was found.
-    """
-
-    def __init__(self, message: str, *, path: str, start: int, end: int, actual_length: int,
-                 seal_at: Optional[int] = None) -> None:
-        super().__init__(message)
-        self.path = path
-        self.start = start
-        self.end = end
-        self.actual_length = actual_length
-        self.seal_at = seal_at
-
-
-class AppendLockBusyError(AppendConflictError):
-    """The file's append lock was held longer than
-    :data:`~pyspark_acs.storage.leases.LOCK_WAIT_SECONDS` (its holder is stopped or hung inside
-    an append): nothing was appended. Only a recovery seal goes on without the lock."""
 
 
 class FileTail(NamedTuple):
@@ -163,7 +126,7 @@ class FileTail(NamedTuple):
 
 
 def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int = 0,
-              length: Optional[int] = None) -> FileTail:
+              length: Optional[int] = None, window: int = SCAN_WINDOW_BYTES) -> FileTail:
     """Walk the block headers of ``rel`` from ``start`` (a block boundary) to its length.
 
     Bodies are not read (a large block is skipped by its header), so the cost is about the
@@ -171,7 +134,8 @@ def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int
     short, or bytes that are not a header) end the walk: they are the torn tail, and the file
     is sealed only if a recovery seal voiding them follows (the read side's rule,
     :func:`~pyspark_acs.format.block.find_recovery_seal`; bytes of the torn block are never
-    taken for one). Without that, every take-over sealed such a file again.
+    taken for one). Without that, every take-over sealed such a file again. Headers are read
+    ``window`` bytes at a time.
     """
     uri = store.uri(rel)
     if length is None:
@@ -180,7 +144,7 @@ def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int
     buf_start, buf = start, b""
     while length - at >= HEADER_SIZE:
         if at + HEADER_SIZE > buf_start + len(buf):
-            buf_start, buf = at, store.read(rel, at, min(length, at + _SCAN_WINDOW))
+            buf_start, buf = at, store.read(rel, at, min(length, at + window))
             if len(buf) < HEADER_SIZE:
                 break
         try:
@@ -194,18 +158,19 @@ def scan_file(store: DurableStore, rel: str, *, start: int = 0, first_index: int
             return FileTail(length, at, index, at)
         index = header.first_index + header.count
         at += header.size
-    sealed_at = _recovery_seal_after(store, rel, at, length, uri) if length - at >= HEADER_SIZE else None
+    sealed_at = _recovery_seal_after(store, rel, at, length, uri, window) if length - at >= HEADER_SIZE else None
     return FileTail(length, at, index, sealed_at)
 
 
-def _recovery_seal_after(store: DurableStore, rel: str, at: int, length: int, uri: str) -> Optional[int]:
+def _recovery_seal_after(store: DurableStore, rel: str, at: int, length: int, uri: str,
+                         window: int) -> Optional[int]:
     """Where the recovery seal that voids the torn tail from ``at`` begins (None: none before
     ``length``), searched window by window: a corrupt header early in a large file, or a
     large block still landing, would otherwise be read whole at once. Windows overlap by a
     recovery seal's size, so a seal across a window's end is whole in the next one."""
     start = at
     while start < length:
-        end = min(length, start + _SCAN_WINDOW)
+        end = min(length, start + window)
         found = find_recovery_seal(store.read(rel, start, end), at, base=start, path=uri)
         if found is not None:
             return start + found[0]

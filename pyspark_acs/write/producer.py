@@ -27,22 +27,16 @@ from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cach
 from pyspark_acs.errors import AcsOptionError, AcsTimeoutError, ClosedError, LeaseError
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block
 from pyspark_acs.format.names import MAX_SHARDS, new_writer_id, validate_shard, validate_stream
+from pyspark_acs.options import bytes_parser, duration_parser, option, parse_int, parse_options
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS
 from pyspark_acs.storage.store import DurableStore, open_store
-from pyspark_acs.write.file import AppendConflictError
+from pyspark_acs.errors import AppendConflictError
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES, DEFAULT_ROLL_SECONDS, ShardWriter, shard_for_key
 
 __all__ = [
-    "ACKNOWLEDGE_DURABLE",
     "ACKNOWLEDGE_MODES",
-    "ACKNOWLEDGE_PUBLISHED",
     "DEFAULT_ACKNOWLEDGE",
-    "DEFAULT_MAX_BATCH_DELAY_S",
-    "DEFAULT_MAX_PENDING_BYTES",
-    "DEFAULT_ROLL_BYTES",
-    "DEFAULT_ROLL_SECONDS",
     "Producer",
-    "shard_for_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -128,43 +122,46 @@ def _timestamp_us(timestamp: Any) -> int:
     raise TypeError("timestamp must be a datetime or microseconds since the epoch")
 
 
+def _acknowledge(value: Any, name: str) -> str:
+    if value not in ACKNOWLEDGE_MODES:
+        raise AcsOptionError(
+            f"{name}: {value!r} is not allowed; use one of {', '.join(map(repr, ACKNOWLEDGE_MODES))}", option=name
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class ProducerOptions:
-    """Validated Producer settings (see :class:`Producer` for their meaning)."""
+    """Validated Producer settings (see :class:`Producer` for their meaning), declared with
+    :func:`~pyspark_acs.options.option` and built by :func:`~pyspark_acs.options.parse_options`
+    (:meth:`from_values`)."""
 
-    shards: int = 1
-    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES
-    roll_bytes: int = DEFAULT_ROLL_BYTES
-    roll_seconds: float = DEFAULT_ROLL_SECONDS
-    max_batch_delay: float = DEFAULT_MAX_BATCH_DELAY_S
-    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
-    lease_seconds: float = DEFAULT_LEASE_SECONDS
-    acknowledge: str = DEFAULT_ACKNOWLEDGE
+    shards: int = option("shards", 1, parse=parse_int(1, MAX_SHARDS), doc="shards of the stream")
+    max_block_bytes: int = option("max_block_bytes", DEFAULT_MAX_BLOCK_BYTES, parse=bytes_parser(1024),
+                                  doc="largest block body")
+    roll_bytes: int = option("roll_bytes", DEFAULT_ROLL_BYTES, parse=bytes_parser(1),
+                             doc="a new file starts at this size")
+    roll_seconds: float = option("roll_seconds", DEFAULT_ROLL_SECONDS, parse=duration_parser(0.001),
+                                 doc="a new file starts at this age")
+    max_batch_delay: float = option("max_batch_delay", DEFAULT_MAX_BATCH_DELAY_S, parse=duration_parser(0.0),
+                                    doc="cap of the adaptive batching delay")
+    max_pending_bytes: int = option("max_pending_bytes", DEFAULT_MAX_PENDING_BYTES, parse=bytes_parser(1),
+                                    doc="send() blocks while this many bytes are buffered")
+    lease_seconds: float = option("lease_seconds", DEFAULT_LEASE_SECONDS, parse=duration_parser(0.1),
+                                  doc="shard lease; a crashed producer's shards are free after it")
+    acknowledge: str = option("acknowledge", DEFAULT_ACKNOWLEDGE, parse=_acknowledge,
+                              doc="when a message counts as acknowledged: published or durable")
 
-    def __post_init__(self) -> None:
-        if self.acknowledge not in ACKNOWLEDGE_MODES:
-            raise AcsOptionError(
-                f"acknowledge: {self.acknowledge!r} is not allowed; use one of "
-                f"{', '.join(map(repr, ACKNOWLEDGE_MODES))}",
-                option="acknowledge",
-            )
-        checks = [
-            ("shards", self.shards, 1),
-            ("max_block_bytes", self.max_block_bytes, 1024),
-            ("roll_bytes", self.roll_bytes, 1),
-            ("roll_seconds", self.roll_seconds, 0.001),
-            ("max_batch_delay", self.max_batch_delay, 0),
-            ("max_pending_bytes", self.max_pending_bytes, 1),
-            ("lease_seconds", self.lease_seconds, 0.1),
-        ]
-        for name, value, minimum in checks:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-                raise AcsOptionError(f"{name}: {value!r} is not allowed; it must be a number >= {minimum}", option=name)
-        if not isinstance(self.shards, int) or self.shards > MAX_SHARDS:
-            raise AcsOptionError(
-                f"shards: {self.shards!r} is not allowed; it must be a whole number from 1 to {MAX_SHARDS}",
-                option="shards",
-            )
+    @classmethod
+    def from_values(cls, **values: Any) -> "ProducerOptions":
+        """Parse the Producer's keyword arguments (numbers or strings such as ``"1MiB"``, ``"5ms"``).
+
+        Raises
+        ------
+        AcsOptionError
+            Naming the option and what it allows.
+        """
+        return parse_options(cls, values, component="Producer", none_given=True)
 
 
 class _Shard:
@@ -288,16 +285,17 @@ class Producer:
         cache_token: Optional[str] = None,
         security: Any = None,
     ) -> None:
-        self.options = ProducerOptions(
-            shards, max_block_bytes, roll_bytes, roll_seconds, max_batch_delay, max_pending_bytes, lease_seconds,
-            acknowledge,
+        self.options = ProducerOptions.from_values(
+            shards=shards, max_block_bytes=max_block_bytes, roll_bytes=roll_bytes, roll_seconds=roll_seconds,
+            max_batch_delay=max_batch_delay, max_pending_bytes=max_pending_bytes, lease_seconds=lease_seconds,
+            acknowledge=acknowledge,
         )
         self.stream = validate_stream(stream)
         #: The process that made this Producer: the only one with its writer thread.
         self._made = _fork.mark()
         self.store = open_store(root)
         self.writer_id = writer_id or new_writer_id()
-        self.shards = self.store.create_stream(stream, shards)
+        self.shards = self.store.create_stream(stream, self.options.shards)
         # _lock guards the pending lists of every _Shard, _pending_bytes, _stats,
         # _error, _closed and _round_robin; _cond (on _lock) signals the writer thread and
         # waiters in flush()/send().
@@ -540,16 +538,25 @@ class Producer:
             raise self._error
 
     def stats(self) -> Dict[str, float]:
-        """Counters: messages, blocks, bytes and files written; blocks whose cache writes
-        overlapped the next block's durable append (``overlapped_blocks``, a backlog's blocks
-        but the last of each round; every block with ``acknowledge="durable"``); batching
-        averages."""
+        """Counters: messages, blocks, bytes and files written; messages sent (taken by
+        ``send``/``send_many``) and acknowledged (what ``flush()`` waits for, see
+        ``acknowledge``); blocks whose cache writes overlapped the next block's durable append
+        (``overlapped_blocks``, a backlog's blocks but the last of each round; every block with
+        ``acknowledge="durable"``); batching averages."""
         self._check_process()
         with self._lock:
             files = sum(sh.writer.files_opened for sh in self._shards)
             overlapped = sum(sh.writer.overlapped_appends for sh in self._shards)
             return dict(self._stats, files=files, overlapped_blocks=overlapped, write_latency_s=self._latency_ewma,
-                        avg_block_bytes=self._block_ewma)
+                        avg_block_bytes=self._block_ewma, sent=sum(sh.queued for sh in self._shards),
+                        acknowledged=sum(sh.acknowledged for sh in self._shards))
+
+    def counts_unlocked(self) -> Tuple[int, int]:
+        """``(sent, acknowledged)`` as :meth:`stats` counts them, read without the Producer's
+        lock: for a signal handler, which runs in the main thread and may have interrupted it
+        while it held that lock (taking it there would never return). Each count is one int,
+        so each is a value it had; the two may be from moments apart."""
+        return sum(sh.queued for sh in self._shards), sum(sh.acknowledged for sh in self._shards)
 
     def current_files(self) -> Dict[int, str]:
         """The file each shard is writing now ('' before its first block)."""
@@ -673,16 +680,16 @@ class Producer:
             self._housekeeping()
         return written
 
-    def _take_block(self, sh: _Shard, limit: int) -> "tuple[int, int]":
+    def _take_block(self, sh: _Shard, limit: int, first_window: int = _CUT_WINDOW) -> "tuple[int, int]":
         """How many of the first ``limit`` pending messages fit one block (at least one), and
-        their accounted bytes. Caller holds _lock."""
+        their accounted bytes, looking at ``first_window`` messages first. Caller holds _lock."""
         most = self.options.max_block_bytes
         if limit == len(sh.values) and sh.pending_bytes <= most:
             return limit, sh.pending_bytes
         # Values alone (the common case): running sizes at C speed and a binary search, not a
         # Python step per message. Looked at in windows that double, so the cost follows the
         # block, not everything pending (a writer behind its sender has many blocks queued).
-        window = min(limit, _CUT_WINDOW)
+        window = min(limit, first_window)
         while True:
             values = sh.values[:window]
             if None in values or sh.keys[:window].count(None) != window or sh.headers[:window].count(None) != window:

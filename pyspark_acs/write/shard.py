@@ -25,19 +25,17 @@ import time
 import zlib
 from typing import Any, Callable, List, NamedTuple, Optional, Set, Tuple
 
-from pyspark_acs.errors import CacheError, LeaseError, StoreError, StoreFileNotFoundError, WriterConflictError
+from pyspark_acs.errors import (AppendConflictError, CacheError, LaterFileError, LeaseError, StoreError,
+                                StoreFileNotFoundError, WriterConflictError)
 from pyspark_acs.format.block import HEADER_SIZE, encode_seal
 from pyspark_acs.format.names import next_file_name, shard_dir
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, StoreLease
 from pyspark_acs.storage.store import DurableStore
-from pyspark_acs.write.file import AppendConflictError, FileTail, FileWriter, scan_file
+from pyspark_acs.write.file import FileTail, FileWriter, scan_file
 
 __all__ = [
     "DEFAULT_ROLL_BYTES",
     "DEFAULT_ROLL_SECONDS",
-    "LEASE_FILE",
-    "STRAY_RETRY_S",
-    "LaterFileError",
     "OpenFile",
     "ShardWriter",
     "shard_for_key",
@@ -54,13 +52,6 @@ _RECOVERY_ATTEMPTS = 20
 #: How often a writer tries again to seal an empty stray the store refused to seal (seconds).
 STRAY_RETRY_S = 1.0
 _CLAIM_ATTEMPTS = 5  # new files a claim may start over on (each after deposed writers' later files)
-
-
-class LaterFileError(WriterConflictError):
-    """A file this writer just created under a name it was given (not chosen) was sealed
-    unused: another writer's file sorts after it, so it would not be where the shard ends.
-    The lease may still be this writer's (the other file a deposed writer's): the caller can
-    go on in a new file (the sink redirects its batch)."""
 
 
 def shard_for_key(key: bytes, shards: int) -> int:

@@ -4,6 +4,8 @@ Run it as ``acs-cache-server`` or ``python -m pyspark_acs.server.cache``::
 
     python -m pyspark_acs.server.cache --role data --port 0 --capacity 1GiB --ttl 60s
 
+Its flags are generated from :class:`~pyspark_acs.server.cache.options.CacheServerOptions`.
+
 It serves the gRPC ``Cache`` service of ``proto/acs.proto`` (batched get and put,
 compare-and-set, delete, stats, health) over a :class:`~pyspark_acs.server.cache.store.Store`, and a
 small HTTP endpoint with ``/metrics`` (Prometheus text format) and ``/healthz`` (JSON)
@@ -41,46 +43,25 @@ from pyspark_acs._grpc import grpc
 
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.security import SecuritySettings, check_bind, metadata_has_token, resolve_security
-from pyspark_acs.units import parse_bytes, parse_duration
+from pyspark_acs.options import add_option_flags, options_from_flags
+from pyspark_acs.server.cache.options import (DEFAULT_CAPACITY_BYTES, MIN_CAPACITY_BYTES, ROLES, ROLE_DEFAULT_TTL_S,
+                                              CacheServerOptions)
+from pyspark_acs.server.settings import DEFAULT_HOST, configure_logging
 from pyspark_acs.cache import wire
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
-from pyspark_acs.server.cache.store import DATA_TTL_S, METADATA_TTL_S, PutResult, Store
+from pyspark_acs.server.cache.store import PutResult, Store
 from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Run, Watchers
 from pyspark_acs.server.strict import add_servicer
-from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
+from pyspark_acs.server.lifetime import watch_parent
 from pyspark_acs.server.malloc import tune_malloc
 from pyspark_acs.server.metrics import CACHE_CALL_METRICS, CACHE_METRICS, Metrics, MetricsEndpoint, StatsCollector
 
 __all__ = [
-    "CACHE_PREFIX",
-    "DEFAULT_CAPACITY_BYTES",
-    "DEFAULT_HOST",
-    "EXPIRY_SWEEP_INTERVAL_S",
-    "MAX_KEYS_PER_CALL",
-    "MAX_MESSAGE_BYTES",
-    "MAX_RESPONSE_BYTES",
-    "MIN_CAPACITY_BYTES",
-    "ROLES",
-    "ROLE_DEFAULT_TTL_S",
-    "STOP_GRACE_S",
-    "CacheServer",
-    "CacheServicer",
-    "build_parser",
-    "format_endpoint",
     "main",
 ]
 
-#: The two kinds of cache replicas (docs/overview.md section 1).
-ROLES = ("data", "metadata")
 #: Prefix of every cache-server metric.
 CACHE_PREFIX = "acs_cache_"
-#: Default TTL by role: chunks live a minute, lengths/heads/leases a day (paper section 3).
-ROLE_DEFAULT_TTL_S: Dict[str, float] = {"data": DATA_TTL_S, "metadata": METADATA_TTL_S}
-#: Default capacity by role; the metadata cache holds a few entries per file, so it needs little.
-DEFAULT_CAPACITY_BYTES: Dict[str, int] = {"data": 1024**3, "metadata": 256 * 1024**2}
-#: Smallest capacity accepted: below this not even a handful of 4 KiB chunks fit.
-MIN_CAPACITY_BYTES = 64 * 1024
-DEFAULT_HOST = "127.0.0.1"
 #: Largest gRPC message either way: a batched put or get of several MiB of 4 KiB chunks
 #: (the client splits batches at 4 MiB; 64 MiB leaves room for callers that do not).
 MAX_MESSAGE_BYTES = 64 * 1024**2
@@ -633,113 +614,40 @@ class CacheServer:
 # -- command line ------------------------------------------------------------------------------
 
 
-def _flag_type(flag: str, parse: Callable[[str], object]) -> Callable[[str], object]:
-    """An argparse ``type=`` that turns :class:`AcsOptionError` into a message naming ``flag``."""
-
-    def convert(text: str) -> object:
-        try:
-            return parse(text)
-        except AcsOptionError as exc:
-            message = str(exc)
-            if message.startswith(f"{flag}: "):  # argparse already says "argument --flag:"
-                message = message[len(flag) + 2 :]
-            raise argparse.ArgumentTypeError(message) from exc
-
-    convert.__name__ = flag.lstrip("-")
-    return convert
-
-
-def _port(text: str, *, flag: str, allow_off: bool = False) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise AcsOptionError(f"{flag}: {text!r} is not a port number (0-65535)", option=flag) from None
-    if allow_off and value == -1:
-        return -1
-    if not 0 <= value <= 65535:
-        raise AcsOptionError(f"{flag}: {value} is not a port number (0-65535)", option=flag)
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The ``acs-cache-server`` argument parser."""
+    """The ``acs-cache-server`` argument parser: one flag per :class:`CacheServerOptions` option."""
     parser = argparse.ArgumentParser(
         prog="acs-cache-server",
         description="Run one replica of the pyspark_acs data or metadata cache (gRPC).",
     )
-    parser.add_argument("--role", required=True, choices=ROLES, help="which cache this replica serves")
-    parser.add_argument(
-        "--port", type=_flag_type("--port", lambda t: _port(t, flag="--port")), default=0,
-        help="gRPC port; 0 (default) picks a free port and prints it",
-    )
-    parser.add_argument("--host", default=DEFAULT_HOST, help=f"interface to bind (default {DEFAULT_HOST})")
-    parser.add_argument(
-        "--capacity",
-        type=_flag_type("--capacity", lambda t: parse_bytes(t, option="--capacity", minimum=MIN_CAPACITY_BYTES)),
-        default=None,
-        help="memory for entries, e.g. 1GiB (default: 1GiB data, 256MiB metadata); "
-        "GC starts at 80%% and evicts least-recently-modified entries down to 70%%",
-    )
-    parser.add_argument(
-        "--ttl",
-        type=_flag_type("--ttl", lambda t: parse_duration(t, option="--ttl", minimum=0.001)),
-        default=None,
-        help="default time to live of entries, e.g. 60s (default: 60s data, 24h metadata)",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=_flag_type("--metrics-port", lambda t: _port(t, flag="--metrics-port", allow_off=True)),
-        default=0,
-        help="HTTP port of /metrics and /healthz; 0 (default) picks a free one, -1 disables it",
-    )
-    parser.add_argument(
-        "--token", default=None,
-        help="DEPRECATED (shows in ps): use --token-file or $ACS_TOKEN_FILE / $ACS_CACHE_TOKEN",
-    )
-    parser.add_argument(
-        "--token-file", default=None, metavar="FILE",
-        help="file holding the shared token clients must send as 'authorization: Bearer TOKEN' "
-        "(default: $ACS_CACHE_TOKEN, else the file $ACS_TOKEN_FILE, else no check)",
-    )
-    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="server certificate chain (default $ACS_TLS_CERT)")
-    parser.add_argument("--tls-key", default=None, metavar="PEM", help="its private key (default $ACS_TLS_KEY)")
-    parser.add_argument("--tls-ca", default=None, metavar="PEM",
-                        help="CA bundle verifying client certificates with --mtls (default $ACS_TLS_CA)")
-    parser.add_argument("--mtls", action="store_true", default=None, help="require client certificates ($ACS_TLS_MTLS)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow a non-loopback --host without TLS and a token (not recommended)")
-    parser.add_argument(
-        "--parent-pid", type=parent_pid_flag, default=None,
-        help="stop when this process exits (used by test and local deployments)",
-    )
+    add_option_flags(parser, CacheServerOptions)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``acs-cache-server``; returns the exit status (2 for bad flags)."""
     args = build_parser().parse_args(argv)  # exits 2 with a message naming the flag
+    opts = options_from_flags(CacheServerOptions, args)
+    configure_logging(opts.log_level)
     tune_malloc()  # large answers from the heap, not a fresh mmap each (server/malloc.py)
-    token = args.token
-    if token is not None and not token.strip():
-        print("acs-cache-server: error: argument --token: must not be empty", file=sys.stderr)
-        return 2
+    token = opts.token
     if token is not None:
         print("acs-cache-server: warning: --token shows in ps to every user of this machine; "
               "use --token-file or $ACS_TOKEN_FILE", file=sys.stderr)
     try:
-        security = resolve_security(token=token, token_file=args.token_file, tls_cert=args.tls_cert,
-                                    tls_key=args.tls_key, tls_ca=args.tls_ca, mtls=args.mtls)
-        check_bind(args.host, security, args.insecure, what="acs-cache-server")
+        security = resolve_security(token=token, token_file=opts.token_file, tls_cert=opts.tls_cert,
+                                    tls_key=opts.tls_key, tls_ca=opts.tls_ca, mtls=opts.mtls)
+        check_bind(opts.host, security, opts.insecure, what="acs-cache-server")
     except AcsOptionError as exc:
         print(f"acs-cache-server: error: {exc}", file=sys.stderr)
         return 2
     server = CacheServer(
-        args.role,
-        host=args.host,
-        port=args.port,
-        capacity_bytes=args.capacity,
-        ttl_s=args.ttl,
-        metrics_port=None if args.metrics_port == -1 else args.metrics_port,
+        opts.role,
+        host=opts.host,
+        port=opts.port,
+        capacity_bytes=opts.capacity,
+        ttl_s=opts.ttl,
+        metrics_port=None if opts.metrics_port == -1 else opts.metrics_port,
         security=security,
     )
     stop = threading.Event()
@@ -755,8 +663,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"acs-cache-server: error: {exc}", file=sys.stderr)
             return 1
         print(server.banner(), flush=True)
-        if args.parent_pid is not None:
-            watch_parent(args.parent_pid, stop)
+        if opts.parent_pid is not None:
+            watch_parent(opts.parent_pid, stop)
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
             pass
         print(f"acs-cache-server role={server.role} {server.endpoint} stopping", file=sys.stderr, flush=True)

@@ -60,16 +60,11 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequenc
 import cachetools
 
 __all__ = [
-    "SWEEP_SLICE_STEPS",
     "DATA_TTL_S",
-    "ENTRY_OVERHEAD_BYTES",
-    "GC_LOW_WATERMARK_FRACTION",
-    "GC_START_FRACTION",
-    "MAX_VERSION",
     "METADATA_TTL_S",
     "PutResult",
+    "SWEEP_SLICE_STEPS",
     "Store",
-    "StoredEntry",
 ]
 
 #: Default time to live of data-cache entries (chunks): one minute of recent bytes.

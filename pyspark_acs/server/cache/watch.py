@@ -44,8 +44,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_keys, parse_chunk_key
 from pyspark_acs.server.cache.store import Store
 
-__all__ = ["MAX_PUSH_BYTES", "SENT_KEPT_BYTES", "SENT_KEPT_PER_FILE", "TAKE_WINDOW_CHUNKS", "FileFollow", "KeyWatch",
-           "Watchers"]
+__all__ = [
+    "FileFollow",
+    "KeyWatch",
+    "Watchers",
+]
 
 #: Largest payload of one pushed message (bytes); more is sent in the next message.
 MAX_PUSH_BYTES = 1024 * 1024

@@ -20,11 +20,10 @@ from pyspark_acs.server.copy.topology import Cluster
 
 __all__ = [
     "CACHE",
-    "DURABLE",
-    "STORAGES",
     "ClusterIO",
+    "DURABLE",
     "OpKey",
-    "delay_key",
+    "STORAGES",
     "publish_delay",
     "read_delay",
 ]

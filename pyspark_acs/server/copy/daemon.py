@@ -35,19 +35,21 @@ import signal
 import sys
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
 from pyspark_acs._fork import open_grpc
 from pyspark_acs._grpc import grpc
 
 from pyspark_acs.errors import AcsError, AcsOptionError, TopologyError
-from pyspark_acs.options import parse_options
+from pyspark_acs.options import add_option_flags, options_from_flags, parse_options
 from pyspark_acs.server.copy.cluster import ClusterIO
 from pyspark_acs.server.copy.health import HealthMonitor
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.strict import add_servicer
-from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
+from pyspark_acs.server.lifetime import watch_parent
+from pyspark_acs.server.settings import configure_logging, insecure_option, log_level_option, parent_pid_option
 from pyspark_acs.server.copy.scheduler import CopyScheduler
 from pyspark_acs.server.copy.writer import CopyServicer
 from pyspark_acs.server.metrics import MetricsEndpoint
@@ -59,7 +61,9 @@ from pyspark_acs.server.copy.writer import COPY_STREAMS_RESERVE
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import tiered_store
 
-__all__ = ["MAX_MESSAGE_BYTES", "STOP_GRACE_S", "CopyDaemon", "build_parser", "main"]
+__all__ = [
+    "main",
+]
 
 log = logging.getLogger("pyspark_acs.copy")
 
@@ -259,20 +263,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--topology", required=True, metavar="FILE", help="topology file (.json or .toml)")
     p.add_argument("--cluster", required=True, metavar="NAME", help="this daemon's cluster (a name in the file)")
-    p.add_argument("--workers", default=None, help="concurrent operations (default 64)")
-    p.add_argument("--replica", default=None, metavar="I/N", help="own hash range I of N of the operations (default 0/1)")
-    p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--metrics-port", default=None, help="HTTP /metrics port; 0 = any free port (default), -1 = off")
-    p.add_argument("--port", default=None,
-                   help="gRPC port instead of the topology's (a second replica on the same host; 0 = any free port)")
+    # The common settings as flags of their own, generated from their declarations; any setting
+    # (these too) as --set NAME=VALUE.
+    add_option_flags(p, CopyDaemonOptions, only=_FLAGGED)
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
                    help="any daemon setting, e.g. poll_interval=20ms, max_bytes_per_second=10MiB (repeatable)")
-    p.add_argument("--parent-pid", type=parent_pid_flag, default=None,
-                   help="stop when this process exits (spark-submit launchers pass their JVM)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow binding a non-loopback --host without TLS and a token (not recommended)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_option_flags(p, _DaemonFlags)
     return p
+
+
+#: The settings that have a flag of their own besides ``--set``.
+_FLAGGED = ("workers", "replica", "host", "metrics_port", "port")
+
+
+@dataclass(frozen=True)
+class _DaemonFlags:
+    """The process's flags that are not copy settings (declared as every daemon's are)."""
+
+    parent_pid: Optional[int] = parent_pid_option()
+    insecure: bool = insecure_option()
+    log_level: str = log_level_option()
 
 
 def _options(args: argparse.Namespace) -> CopyDaemonOptions:
@@ -282,9 +292,8 @@ def _options(args: argparse.Namespace) -> CopyDaemonOptions:
         if not sep:
             raise AcsOptionError(f"--set: {item!r} is not NAME=VALUE", option="--set")
         raw[name.strip()] = value.strip()
-    for flag, name in (("workers", "workers"), ("replica", "replica"), ("host", "host"), ("metrics_port", "metrics_port"),
-                       ("port", "port")):
-        value = getattr(args, flag)
+    for name in _FLAGGED:  # a flag wins over --set of the same setting
+        value = getattr(args, name)
         if value is not None:
             raw[name] = value
     return parse_options(CopyDaemonOptions, raw, component="acs-copy-daemon")
@@ -293,11 +302,11 @@ def _options(args: argparse.Namespace) -> CopyDaemonOptions:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``acs-copy-daemon``; returns the exit status (2 for bad usage or topology)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    flags = options_from_flags(_DaemonFlags, args)
+    configure_logging(flags.log_level)
     try:
         options = _options(args)
-        daemon = CopyDaemon(args.topology, args.cluster, options, insecure=args.insecure)
+        daemon = CopyDaemon(args.topology, args.cluster, options, insecure=flags.insecure)
     except (TopologyError, AcsOptionError) as exc:
         print(f"acs-copy-daemon: error: {exc}", file=sys.stderr)
         return 2
@@ -311,8 +320,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             daemon.stop()
             return 1
         print(daemon.banner(), flush=True)
-        if args.parent_pid is not None:
-            watch_parent(args.parent_pid, stop)
+        if flags.parent_pid is not None:
+            watch_parent(flags.parent_pid, stop)
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
             pass
         log.info("stopping")

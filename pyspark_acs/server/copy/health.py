@@ -21,7 +21,9 @@ from pyspark_acs.errors import AcsError
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 from pyspark_acs.server.copy.topology import Topology
 
-__all__ = ["HEALTH_RPC_TIMEOUT_S", "HealthMonitor"]
+__all__ = [
+    "HealthMonitor",
+]
 
 log = logging.getLogger(__name__)
 

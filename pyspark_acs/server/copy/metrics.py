@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from pyspark_acs.server.metrics import COPY_METRICS, Metrics
 
-__all__ = ["COPY_PREFIX", "CopyMetrics"]
+__all__ = [
+    "CopyMetrics",
+]
 
 #: Prefix of every copy-daemon metric.
 COPY_PREFIX = "acs_copy_"

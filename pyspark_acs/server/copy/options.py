@@ -12,27 +12,12 @@ from typing import Any, Tuple
 
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_int, parse_str
+from pyspark_acs.server.settings import DEFAULT_HOST, host_option, metrics_port_option
 
 __all__ = [
-    "DEFAULT_CACHE_WINDOW",
-    "DEFAULT_CATCHUP_BYTES",
-    "DEFAULT_CHUNK_TTL_S",
-    "DEFAULT_HEALTH_INTERVAL_S",
-    "DEFAULT_HOST",
-    "DEFAULT_LEASE_SECONDS",
-    "DEFAULT_LISTING_INTERVAL_S",
-    "DEFAULT_MAX_DELTA_BYTES",
-    "DEFAULT_PARK_AFTER_S",
-    "DEFAULT_POLL_INTERVAL_S",
-    "DEFAULT_RETRY_S",
-    "DEFAULT_UNHEALTHY_AFTER_S",
-    "DEFAULT_WORKERS",
     "CopyDaemonOptions",
-    "parse_replica",
 ]
 
-#: Interface the daemon's gRPC and metrics servers bind (loopback unless told otherwise).
-DEFAULT_HOST = "127.0.0.1"
 #: Concurrently running operations per daemon (threads; each tails one file to one storage
 #: of one child).
 DEFAULT_WORKERS = 64
@@ -90,10 +75,11 @@ def _rate(value: Any, name: str) -> int:
 class CopyDaemonOptions:
     """Validated copy-daemon settings (names as given to ``--set name=value``)."""
 
-    host: str = option("host", DEFAULT_HOST, parse=parse_str, doc="interface to bind")
-    workers: int = option("workers", DEFAULT_WORKERS, parse=parse_int(1, 4096), doc="concurrent operations")
+    host: str = host_option("interface to bind (gRPC and metrics)")
+    workers: int = option("workers", DEFAULT_WORKERS, parse=parse_int(1, 4096), metavar="N",
+                          doc="concurrent operations")
     replica: Tuple[int, int] = option(
-        "replica", (0, 1), parse=parse_replica, doc="i/n: this replica owns hash range i of n of the operations"
+        "replica", (0, 1), parse=parse_replica, metavar="I/N", doc="i/n: this replica owns hash range i of n of the operations"
     )
     poll_interval: float = option(
         "poll_interval", DEFAULT_POLL_INTERVAL_S, parse=duration_parser(0.001), doc="source length polling interval"
@@ -117,7 +103,8 @@ class CopyDaemonOptions:
         doc="an operation further behind copies durable only; its cache copy starts near the head",
     )
     chunk_ttl: float = option(
-        "chunk_ttl", DEFAULT_CHUNK_TTL_S, parse=duration_parser(0.001), doc="data cache chunk TTL"
+        "chunk_ttl", DEFAULT_CHUNK_TTL_S, parse=duration_parser(0.001, unit_required=True),
+        doc="data cache chunk TTL (with its unit, e.g. 60s)"
     )
     max_delta_bytes: int = option(
         "max_delta_bytes", DEFAULT_MAX_DELTA_BYTES, parse=bytes_parser(4096), doc="largest delta per message"
@@ -133,11 +120,9 @@ class CopyDaemonOptions:
         "park_after", DEFAULT_PARK_AFTER_S, parse=duration_parser(0.01),
         doc="an idle operation (caught up, file unsealed and not growing) this long yields its slot to waiting ones",
     )
-    metrics_port: int = option(
-        "metrics_port", 0, parse=parse_int(-1, 65535), doc="HTTP /metrics port (0 = any free port, -1 = off)"
-    )
+    metrics_port: int = metrics_port_option()
     port: int = option(
-        "port", -1, parse=parse_int(-1, 65535),
+        "port", -1, parse=parse_int(-1, 65535), metavar="PORT",
         doc="gRPC port to listen on instead of the topology's (-1: the topology's); for a second replica of "
             "the cluster's daemon on the same host -- two daemons never share a port",
     )

@@ -45,7 +45,10 @@ from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 
-__all__ = ["ACK_TIMEOUT_S", "MAX_FRUITLESS_SESSIONS", "CopyOperation", "OperationEnded", "SourceFiles"]
+__all__ = [
+    "CopyOperation",
+    "SourceFiles",
+]
 
 log = logging.getLogger(__name__)
 

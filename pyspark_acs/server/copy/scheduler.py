@@ -57,7 +57,9 @@ from pyspark_acs.server.copy.topology import Topology, load_topology
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import tiered_store
 
-__all__ = ["HEAD_RECHECK_S", "SURVEY_TIMEOUT_S", "YIELD_S", "CopyScheduler", "owns"]
+__all__ = [
+    "CopyScheduler",
+]
 
 log = logging.getLogger(__name__)
 

@@ -39,17 +39,13 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 from pyspark_acs.errors import TopologyError
 
 __all__ = [
-    "CLUSTER_NAME_RE",
+    "Cluster",
     "DEFAULT_MAX_DEPTH",
     "DEFAULT_MAX_FANOUT",
-    "STREAM_NAME_RE",
-    "Cluster",
-    "Link",
     "StreamSpec",
     "Topology",
-    "load_topology",
     "check_writable",
-    "parse_topology",
+    "load_topology",
     "set_cluster",
 ]
 

@@ -56,11 +56,8 @@ from pyspark_acs.errors import TopologyError
 from pyspark_acs.server.copy.topology import DEFAULT_MAX_DEPTH, DEFAULT_MAX_FANOUT, StreamSpec, Topology
 
 __all__ = [
-    "UNHEALTHY_PENALTY",
     "CopyTree",
-    "Reparent",
     "build_copy_tree",
-    "diff",
 ]
 
 #: Added to the cost of a penalised hop (see the module docs). Large against any real link

@@ -81,9 +81,13 @@ from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import raise_retention_floor, retention_floor, tiered_store
-from pyspark_acs.write.file import AppendConflictError, AppendLockBusyError, CacheMirror, FileWriter
+from pyspark_acs.errors import AppendConflictError, AppendLockBusyError
+from pyspark_acs.write.file import CacheMirror, FileWriter
 
-__all__ = ["COPY_STREAMS_RESERVE", "DELAY_PUBLISH_INTERVAL_S", "HELLO_TIMEOUT_S", "CopyServicer", "validate_delta"]
+__all__ = [
+    "COPY_STREAMS_RESERVE",
+    "CopyServicer",
+]
 
 log = logging.getLogger(__name__)
 

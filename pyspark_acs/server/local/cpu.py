@@ -7,7 +7,10 @@ from __future__ import annotations
 import os
 from typing import Dict, Iterable, List
 
-__all__ = ["cpu_measurable", "cpu_seconds"]
+__all__ = [
+    "cpu_measurable",
+    "cpu_seconds",
+]
 
 
 def cpu_measurable() -> bool:

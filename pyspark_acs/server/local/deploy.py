@@ -32,26 +32,22 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from pyspark_acs.security import (ENV_MTLS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, ENV_TOKEN_FILE,
                                   SecuritySettings, resolve_security)
 from pyspark_acs.errors import DeploymentError
+from pyspark_acs.options import choice_parser
+from pyspark_acs.server.cache.options import DEFAULT_CAPACITY_BYTES, ROLE_DEFAULT_TTL_S
+from pyspark_acs.server.settings import LOG_LEVELS
 from pyspark_acs.units import parse_bytes, parse_duration
 
 __all__ = [
-    "DEFAULT_DATA_CAPACITY",
-    "DEFAULT_METADATA_CAPACITY",
-    "DEFAULT_START_TIMEOUT_S",
-    "DEFAULT_STOP_TIMEOUT_S",
-    "DEPLOYMENT_FILE",
-    "DeploymentError",
     "LocalDeployment",
-    "ServerProcess",
     "acs_down",
     "acs_up",
     "load_deployment",
 ]
 
-#: Data-cache capacity of a local deployment (per replica): a laptop-sized minute of chunks.
-DEFAULT_DATA_CAPACITY = "256MiB"
-#: Metadata-cache capacity of a local deployment (per replica).
-DEFAULT_METADATA_CAPACITY = "64MiB"
+#: Data-cache capacity of a local deployment (per replica): the cache server's own default.
+DEFAULT_DATA_CAPACITY = DEFAULT_CAPACITY_BYTES["data"]
+#: Metadata-cache capacity of a local deployment (per replica): the cache server's own default.
+DEFAULT_METADATA_CAPACITY = DEFAULT_CAPACITY_BYTES["metadata"]
 #: How long :meth:`LocalDeployment.start` waits for every server's start-up line.
 DEFAULT_START_TIMEOUT_S = 20.0
 #: How long a stop waits after SIGTERM before SIGKILL.
@@ -237,6 +233,8 @@ class LocalDeployment:
         ``/metrics`` on a free port; stopped with the servers.
     tier_interval : str or float
         Time between the tier mover's passes.
+    log_level : str, optional
+        ``--log-level`` of every server (default: theirs, ``INFO``).
     """
 
     def __init__(
@@ -245,8 +243,8 @@ class LocalDeployment:
         data_replicas: int = 3,
         metadata_replicas: int = 3,
         capacity: Union[str, int] = DEFAULT_DATA_CAPACITY,
-        data_ttl: Union[str, float] = 60.0,
-        metadata_ttl: Union[str, float] = 24 * 3600.0,
+        data_ttl: Union[str, float] = ROLE_DEFAULT_TTL_S["data"],
+        metadata_ttl: Union[str, float] = ROLE_DEFAULT_TTL_S["metadata"],
         *,
         metadata_capacity: Union[str, int, None] = None,
         host: str = "127.0.0.1",
@@ -259,6 +257,7 @@ class LocalDeployment:
         base_port: Optional[int] = None,
         tier_mover_root: Optional[str] = None,
         tier_interval: Union[str, float] = 10.0,
+        log_level: Optional[str] = None,
     ) -> None:
         if data_replicas < 0 or metadata_replicas < 0:
             raise ValueError("replica counts must be >= 0")
@@ -276,8 +275,8 @@ class LocalDeployment:
             ),
         }
         self.ttl = {
-            "data": parse_duration(data_ttl, option="data_ttl"),
-            "metadata": parse_duration(metadata_ttl, option="metadata_ttl"),
+            "data": parse_duration(data_ttl, option="data_ttl", unit_required=True),
+            "metadata": parse_duration(metadata_ttl, option="metadata_ttl", unit_required=True),
         }
         self.host = host
         self.security = (security if security is not None else resolve_security()).with_token(token)
@@ -302,6 +301,7 @@ class LocalDeployment:
         }
         self.tier_mover_root = tier_mover_root
         self.tier_interval = parse_duration(tier_interval, option="tier_interval", minimum=0.01)
+        self.log_level = choice_parser(*LOG_LEVELS, upper=True)(log_level, "log_level") if log_level else None
         # Fixed ports: gRPC from base_port, metrics after them (0 = a free port chosen at start).
         self._metrics_ports: Dict[str, int] = {}
         if base_port is not None:  # the cache servers' (the tier mover has no gRPC port)
@@ -367,6 +367,8 @@ class LocalDeployment:
                 cmd += ["--parent-pid", str(os.getpid())]
             if self.insecure:
                 cmd += ["--insecure"]
+            if self.log_level:
+                cmd += ["--log-level", self.log_level]
             return cmd
         cmd = [
             self.python, "-m", _SERVER_MODULE,
@@ -381,6 +383,8 @@ class LocalDeployment:
             cmd += ["--parent-pid", str(os.getpid())]
         if self.insecure:
             cmd += ["--insecure"]
+        if self.log_level:
+            cmd += ["--log-level", self.log_level]
         return cmd
 
     def _env(self) -> Dict[str, str]:

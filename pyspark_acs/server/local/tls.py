@@ -19,7 +19,9 @@ from typing import Dict, Iterable, Union
 
 from pyspark_acs.errors import AcsOptionError
 
-__all__ = ["CERT_VALID_DAYS", "make_local_tls"]
+__all__ = [
+    "make_local_tls",
+]
 
 #: How long the generated certificates are valid (days).
 CERT_VALID_DAYS = 365

@@ -2,4 +2,6 @@
 
 from pyspark_acs.server.tier.mover import PassReport, TierMover
 
-__all__ = ["PassReport", "TierMover"]
+__all__ = [
+    "TierMover",
+]

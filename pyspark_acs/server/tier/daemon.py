@@ -1,6 +1,7 @@
 """``acs-tier-mover``: run :class:`~pyspark_acs.server.tier.mover.TierMover` passes forever.
 
     acs-tier-mover --root /data/acs [--stream orders ...] [--interval 10s] [--once]
+                   [--log-level INFO]
                    [--host 127.0.0.1] [--metrics-port 0] [--token-file F] [--tls-cert C --tls-key K]
 
 Once serving it prints one line on stdout (parents parse it)::
@@ -32,23 +33,20 @@ import time
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from pyspark_acs.errors import AcsError, AcsOptionError
-from pyspark_acs.options import parse_int
+from pyspark_acs.options import add_option_flags, options_from_flags
 from pyspark_acs.security import SecuritySettings, check_bind, resolve_security
-from pyspark_acs.server.lifetime import parent_pid_flag, watch_parent
+from pyspark_acs.server.lifetime import watch_parent
 from pyspark_acs.server.metrics import MetricsEndpoint
-from pyspark_acs.server.tier.mover import (DEFAULT_BATCH_BYTES, DEFAULT_ORPHAN_GRACE_S, DEFAULT_TIER_LEASE_S,
-                                           PassReport, TierMover)
-from pyspark_acs.units import parse_bytes, parse_duration
+from pyspark_acs.server.settings import DEFAULT_HOST, configure_logging
+from pyspark_acs.server.tier.mover import PassReport, TierMover
+from pyspark_acs.server.tier.options import DEFAULT_INTERVAL_S, TierMoverOptions
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_INTERVAL_S", "HEALTH_STALE_MIN_S", "HEALTH_STALE_PASSES", "TierMoverDaemon",
-           "build_parser", "main"]
+__all__ = [
+    "main",
+]
 
 log = logging.getLogger(__name__)
 
-#: Seconds between passes.
-DEFAULT_INTERVAL_S = 10.0
-#: Interface the metrics endpoint binds (loopback unless told otherwise).
-DEFAULT_HOST = "127.0.0.1"
 #: ``/healthz`` turns unhealthy when no pass has ended for this many intervals ...
 HEALTH_STALE_PASSES = 3
 #: ... and at least this many seconds (a short interval must not flap on one slow pass).
@@ -170,61 +168,44 @@ class TierMoverDaemon:
         self.mover.close()
 
 
+#: What ``acs-tier-mover --help`` says before the flags (plain text: argparse prints it as is).
+DESCRIPTION = (
+    "Run tier mover passes forever: upload the sealed files of tiered streams (acs tier) to their "
+    "secondary store, verify them, and apply the streams' retention. /metrics serves the acs_tier_* "
+    "series, /healthz answers healthy while passes keep completing (docs/tiered.md). Exit status: 0 "
+    "after SIGTERM/SIGINT or a clean --once pass; 2 for a bad flag or root; 1 when a --once pass failed "
+    "for some stream or the metrics port cannot be bound."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command-line flags of ``acs-tier-mover``."""
-    p = argparse.ArgumentParser(prog="acs-tier-mover", description=__doc__.split("\n")[0])
-    p.add_argument("--root", required=True, help="hot durable store root (URI or path)")
-    p.add_argument("--stream", action="append", default=None, help="serve only this stream (repeatable; "
-                   "default every stream with a tier configured)")
-    p.add_argument("--interval", default=str(DEFAULT_INTERVAL_S), help="time between passes (default 10s)")
-    p.add_argument("--batch-bytes", default=str(DEFAULT_BATCH_BYTES),
-                   help="pack sealed files per object up to this (64MiB)")
-    p.add_argument("--upload-rate", default=None, help="upload bytes per second cap (default none)")
-    p.add_argument("--orphan-grace", default=str(DEFAULT_ORPHAN_GRACE_S),
-                   help="delete unrecorded objects older than this (default 3600s)")
-    p.add_argument("--lease", default=str(DEFAULT_TIER_LEASE_S),
-                   help="tier lease per stream; a dead mover holds it this long (default 30s)")
-    p.add_argument("--once", action="store_true", help="run one pass and exit (no metrics endpoint)")
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"interface of /metrics and /healthz (default {DEFAULT_HOST})")
-    p.add_argument("--metrics-port", default="0", help="HTTP port of /metrics and /healthz; 0 (default) picks a "
-                   "free one, -1 serves none")
-    p.add_argument("--token-file", default=None, metavar="FILE",
-                   help="file holding the token scrapers must send as 'Authorization: Bearer TOKEN' "
-                   "(default: $ACS_CACHE_TOKEN, else the file $ACS_TOKEN_FILE, else no check)")
-    p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS with this certificate ($ACS_TLS_CERT)")
-    p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key ($ACS_TLS_KEY)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --host without TLS and a token (not recommended)")
-    p.add_argument("--parent-pid", type=parent_pid_flag, default=None,
-                   help="stop when this process exits (spark-submit launchers pass their JVM)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    """The command-line flags of ``acs-tier-mover``: one per :class:`TierMoverOptions` option."""
+    p = argparse.ArgumentParser(prog="acs-tier-mover", description=DESCRIPTION)
+    add_option_flags(p, TierMoverOptions)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``acs-tier-mover``; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)  # exits 2 with a message naming the flag
+    opts = options_from_flags(TierMoverOptions, args)
+    configure_logging(opts.log_level)
     try:
-        interval = parse_duration(args.interval, option="--interval", minimum=0.01)
-        metrics_port = parse_int(-1, 65535)(args.metrics_port, "--metrics-port")
         mover = TierMover(
-            args.root, args.stream,
-            batch_bytes=parse_bytes(args.batch_bytes, option="--batch-bytes", minimum=1),
-            upload_bytes_per_second=(parse_bytes(args.upload_rate, option="--upload-rate", minimum=1)
-                                     if args.upload_rate else None),
-            orphan_grace_s=parse_duration(args.orphan_grace, option="--orphan-grace"),
-            lease_seconds=parse_duration(args.lease, option="--lease", minimum=0.1),
+            opts.root, list(opts.streams) or None,
+            batch_bytes=opts.batch_bytes,
+            upload_bytes_per_second=opts.upload_rate,
+            orphan_grace_s=opts.orphan_grace,
+            lease_seconds=opts.lease,
         )
         daemon = TierMoverDaemon(
-            mover, interval, host=args.host, metrics_port=metrics_port, insecure=args.insecure,
-            security=resolve_security(token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key),
+            mover, opts.interval, host=opts.host, metrics_port=opts.metrics_port, insecure=opts.insecure,
+            security=resolve_security(token_file=opts.token_file, tls_cert=opts.tls_cert, tls_key=opts.tls_key),
         )
     except AcsOptionError as exc:
         print(f"acs-tier-mover: error: {exc}", file=sys.stderr)
         return 2
-    if args.once:
+    if opts.once:
         try:
             report = mover.run_once()
         except AcsError as exc:
@@ -244,9 +225,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except OSError as exc:
             print(f"acs-tier-mover: error: {exc}", file=sys.stderr)
             return 1
-        print(daemon.banner(args.root), flush=True)
-        if args.parent_pid is not None:
-            watch_parent(args.parent_pid, daemon.stop_event)
+        print(daemon.banner(opts.root), flush=True)
+        if opts.parent_pid is not None:
+            watch_parent(opts.parent_pid, daemon.stop_event)
         daemon.run()
         return 0
     finally:

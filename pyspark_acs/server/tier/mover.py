@@ -63,13 +63,8 @@ __all__ = [
     "DEFAULT_BATCH_BYTES",
     "DEFAULT_ORPHAN_GRACE_S",
     "DEFAULT_TIER_LEASE_S",
-    "DEFAULT_UPLOAD_ATTEMPTS",
-    "UPLOAD_PART_BYTES",
     "PassReport",
-    "TIER_LEASE_FILE",
-    "TIER_PREFIX",
     "TierMover",
-    "tier_metrics",
 ]
 
 log = logging.getLogger(__name__)
