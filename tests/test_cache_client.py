@@ -14,12 +14,10 @@ from concurrent import futures
 import pytest
 
 from conftest import free_port
-from pyspark_acs.cache.client import (
-    DOWN_BACKOFF_INITIAL_S,
-    CacheClient,
-    Entry,
-    parse_endpoints,
-)
+from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.cache.endpoints import parse_endpoints
+from pyspark_acs.cache.fanout import Entry
+from pyspark_acs.cache.replicas import DOWN_BACKOFF_INITIAL_S
 from pyspark_acs.errors import (
     AcsOptionError,
     CacheError,
@@ -442,15 +440,15 @@ def test_a_relaxed_read_that_fails_reports_what_each_replica_said(cluster):
 
 def test_a_relaxed_read_probes_a_replica_whose_back_off_ended(cluster):
     """Review of 400ec98/1de8f62, finding 2: the one-call read claimed the probe of every replica
-    whose back-off had ended (``_usable`` lets one request through and holds the others off for
-    a deadline) but sent to one or two of the three, so 2 times in 3 no probe went out and the
-    recovered replica stayed out of reads for another deadline. The probe goes out first."""
+    whose back-off had ended (``Replica.usable`` lets one request through and holds the others
+    off for a deadline) but sent to one or two of the three, so 2 times in 3 no probe went out and
+    the recovered replica stayed out of reads for another deadline. The probe goes out first."""
     eps = list(cluster.endpoints("data"))
     with CacheClient(cluster.data_endpoints, deadline=0.5) as c:
         c.put([(b"probe#%d" % i, b"v", 1) for i in range(10)])
         for _ in range(6):
             rep = c._replicas[eps[0]]
-            with c._lock:  # as _mark leaves it after a failure, its back-off just ended
+            with c._lock:  # as Replica.mark leaves it after a failure, its back-off just ended
                 rep.down_until = time.monotonic() - 0.001
             assert c.get([b"probe#%d" % i for i in range(10)]) == [Entry(b"v", 1)] * 10
             assert eps[0] not in c.down_endpoints()  # probed, answered: up again
@@ -468,7 +466,7 @@ def test_a_fail_over_sent_past_the_deadline_marks_no_healthy_replica_down(cluste
     some replica orders the healthy replica last, whatever the rotation.)"""
     import itertools
 
-    from pyspark_acs.cache.client import MAX_BATCH_KEYS
+    from pyspark_acs.cache.fanout import MAX_BATCH_KEYS
 
     healthy = cluster.server("data", 2)
     stopped = [cluster.server("data", i) for i in range(2)]
@@ -646,13 +644,13 @@ def test_a_straggler_of_an_old_failure_does_not_mark_a_recovered_replica_down(cl
     with CacheClient(ep, name="data cache") as c:
         rep = c._replicas[ep]
         sent_before = time.monotonic()
-        c._mark(rep, _StreamEnded("stalled", "DEADLINE_EXCEEDED"), sent=time.monotonic())
+        rep.mark(_StreamEnded("stalled", "DEADLINE_EXCEEDED"), sent=time.monotonic())
         assert ep in c.down_endpoints()
-        c._mark(rep, None)  # a probe answered: up again
+        rep.mark(None)  # a probe answered: up again
         assert ep not in c.down_endpoints()
-        c._mark(rep, _StreamEnded("stalled", "DEADLINE_EXCEEDED"), sent=sent_before)
+        rep.mark(_StreamEnded("stalled", "DEADLINE_EXCEEDED"), sent=sent_before)
         assert ep not in c.down_endpoints()
-        c._mark(rep, _StreamEnded("died", "UNAVAILABLE"), sent=time.monotonic())
+        rep.mark(_StreamEnded("died", "UNAVAILABLE"), sent=time.monotonic())
         assert ep in c.down_endpoints()
         assert rep.backoff == DOWN_BACKOFF_INITIAL_S  # a fresh failure, not a failed probe
 

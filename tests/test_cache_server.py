@@ -22,7 +22,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pyspark_acs.cache.client import CacheClient, Entry
+from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.cache.fanout import Entry
 from pyspark_acs.errors import CacheError, CacheUnavailableError
 from pyspark_acs.server.local.deploy import LocalDeployment, load_deployment
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc

@@ -17,7 +17,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
-from pyspark_acs.cache.client import CacheClient, Entry
+from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.errors import CacheError
 
 __all__ = [

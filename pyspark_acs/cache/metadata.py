@@ -23,7 +23,8 @@ import random
 import time
 from typing import Dict, Optional, Sequence, Tuple
 
-from pyspark_acs.cache.client import CacheClient, Entry
+from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.cache.fanout import Entry
 from pyspark_acs.errors import CacheError, LeasePoisonedError, WriterConflictError
 from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, LeaseRecord
 from pyspark_acs.format.names import parse_file_name

@@ -38,7 +38,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from pyspark_acs.cache.client import CacheClient, _majority
+from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.cache.fanout import majority
 from pyspark_acs.cache.feed import PUSH_GRACE_S
 from pyspark_acs.errors import CacheError, ClosedError
 from pyspark_acs.cache.metadata import MetadataCache, length_keys, parse_length_key
@@ -385,7 +386,7 @@ class LengthPoller:
         streams = self._streams  # one look: the poller thread may swap the dict meanwhile
         for key, eps in placed:
             live = sum(1 for ep in eps if ep in streams and streams[ep].confirmed(key))
-            if live < _majority(len(eps)):
+            if live < majority(len(eps)):
                 return False
         return True
 

@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Any, Dict, Optional, Tuple
 
-from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
+from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.cli.main import register_command
 from pyspark_acs.cli.watch import add_watch_flags
 from pyspark_acs.errors import AcsOptionError

@@ -37,7 +37,7 @@ def lag_report(checkpoint: str, root: str, *, stream: Optional[str] = None, data
     "messages_behind"}], "bytes_behind", "messages_behind"}``. With no batch committed yet the
     offsets of the running batch are the basis (where the query will be once it commits).
     """
-    from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
+    from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
     from pyspark_acs.read.lag import checkpoint_lag, read_checkpoint
     from pyspark_acs.read.readpath import open_read_path
     from pyspark_acs.storage.store import open_store

@@ -39,7 +39,7 @@ def _add_root(p: argparse.ArgumentParser) -> None:
 def check_cache_flags(args: argparse.Namespace) -> None:
     """``--data-cache`` / ``--metadata-cache`` checked under their own names (a library error
     would name its parameter, ``endpoints``)."""
-    from pyspark_acs.cache.client import NO_CACHE, parse_endpoints
+    from pyspark_acs.cache.endpoints import NO_CACHE, parse_endpoints
 
     for flag, value in (("--data-cache", getattr(args, "data_cache", None)),
                         ("--metadata-cache", getattr(args, "metadata_cache", None))):
@@ -120,7 +120,7 @@ _EXTRA_COMMANDS: Dict[str, Callable[[argparse._SubParsersAction], None]] = {}
 def _read_path(args: argparse.Namespace, root: str):
     """The read path of ``acs tail`` (a tailing reader: bytes pushed): caches when given, else
     the durable store alone."""
-    from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
+    from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
     from pyspark_acs.read.readpath import open_read_path
 
     return open_read_path(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Tuple
 
-from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, NO_CACHE, cache_endpoints, parse_endpoints
+from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, NO_CACHE, cache_endpoints, parse_endpoints
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.security import SecuritySettings, install_default, resolve_security
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES

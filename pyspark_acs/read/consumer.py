@@ -24,7 +24,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 
 import pyarrow as pa
 
-from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
+from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.cache.poller import PUSH_SAFETY_POLL_S, safety_period
 from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError
 from pyspark_acs.format.arrays import ConstantColumns

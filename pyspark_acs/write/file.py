@@ -93,7 +93,7 @@ SCAN_WINDOW_BYTES = 1024 * 1024
 
 #: Verified bytes a :class:`FileWriter` holds for its shadow thread at most (``more_follows``
 #: appends); the writer waits when more are queued. 4 MiB is one data-cache put request
-#: (``cache.client.MAX_BATCH_BYTES``) and four default blocks: enough to keep the thread busy
+#: (``cache.fanout.MAX_BATCH_BYTES``) and four default blocks: enough to keep the thread busy
 #: through a block's durable append, and how far a burst's cached length trails its durable one.
 SHADOW_MAX_BYTES = 4 * 1024 * 1024
 #: How long an idle shadow thread waits for the next burst before it ends (seconds). A thread

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from pyspark_acs import _fork
-from pyspark_acs.cache.client import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
+from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
 from pyspark_acs.errors import AcsOptionError, AcsTimeoutError, ClosedError, LeaseError
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block
 from pyspark_acs.format.names import MAX_SHARDS, new_writer_id, validate_shard, validate_stream
