@@ -37,7 +37,7 @@ from pyspark_acs.storage.tier import (
     read_manifest,
     stream_tier_settings,
 )
-from tests.conftest import free_port
+from conftest import free_port
 from _spark import start_query
 
 BUCKET = "acs-tier"
