@@ -30,9 +30,13 @@ $(STAMP): setup.py | check-python
 demo: setup check-java
 	$(BIN)/python examples/demo.py
 
-# 2. Set up and run the tests.
+# 2. Set up and run the tests: the whole suite, on TEST_WORKERS processes (pytest-xdist). The
+# tests mostly wait on servers and Spark, so three workers keep 2 cores busy; tests tied
+# together (a module's servers, the one Spark session, the serial group) share a worker
+# (tests/conftest.py). TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 3
 test: setup check-java
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # Benchmarks print figures and ratios against peers run in the same process (redis-server for
 # the cache: apt-get install -y redis-server; without it that comparison is skipped with a note).

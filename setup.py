@@ -30,7 +30,7 @@ setup(
         # cryptography: `acs up --secure` makes a self-signed CA and certificates for a local deployment.
         # moto[server]: a real S3 endpoint on loopback for the tiered-storage tests (tests/test_tiered.py).
         "secure": ["cryptography>=42"],
-        "test": ["pytest>=8", "pytest-timeout", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3",
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3",
                  "matplotlib", "cryptography>=42", "moto[server]"],
         # hiredis: redis-py's C reply parser, as Redis users run it (the fan-out peer is not handicapped).
         "bench": ["redis[hiredis]", "matplotlib"],

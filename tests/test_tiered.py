@@ -32,7 +32,7 @@ from pyspark_acs.storage.tier_manifest import read_manifest
 from pyspark_acs.storage.tier_preread import PREREAD_MIN_BYTES, PrereadWindow
 from pyspark_acs.storage.tier_settings import configure_tier, stream_tier_settings
 from pyspark_acs.storage.tier_store import TierStore
-from tests.conftest import free_port
+from conftest import free_port
 from _spark import start_query
 
 BUCKET = "acs-tier"
