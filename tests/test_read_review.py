@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 
 import pytest
 from pyspark.sql import functions as F
@@ -77,9 +78,10 @@ def test_pushed_file_filter_keeps_the_messages_before_a_mid_block_end(spark, roo
 def _truncated_stream(root: str, stream: str) -> str:
     """3000 messages in ~20 KB files (blocks of 50), the first file cut to 10,000 bytes (inside a
     block: torn bytes after the cut), as in the issue. Returns the cut file's name."""
+    base_us = int(time.time() * 1e6)
     with Producer(root, stream, roll_bytes=20000) as p:
         for i in range(3000):
-            p.send(b"%05d" % i)
+            p.send(b"%05d" % i, timestamp=base_us + 1000 * i)  # a millisecond apart: stamps tell blocks apart
             if i % 50 == 49:
                 p.flush()
     folder = os.path.join(root, stream, "00000")
