@@ -577,8 +577,7 @@ def test_the_look_for_a_later_file_backs_off_on_the_tailers_clock(root):
     assert listings == [40.0]  # at once: the end lies in the later file
 
 
-def test_a_truncated_file_in_a_destination_is_waited_at_until_its_copy_arrives(root, tmp_path, monkeypatch,
-                                                                                caplog):
+def test_a_truncated_file_in_a_destination_is_waited_at_until_its_copy_arrives(root, tmp_path, caplog):
     """In a destination (``copied_from``) files are copied side by side: an unsealed file with
     a later file after it is a copy still coming. The reader waits (saying so once after
     TailTiming.stuck_warn_after_s, after its first look for a later file), raises nothing, and reads every
@@ -1040,7 +1039,7 @@ def test_a_hot_shard_does_not_starve_the_others(root):
             t.join()
 
 
-def test_waits_at_the_start_of_two_files_are_not_added_up(root, monkeypatch, caplog):
+def test_waits_at_the_start_of_two_files_are_not_added_up(root, caplog):
     """A tailer waits at byte 0 of each new file while its first block is still arriving (a
     copy at a destination). The 'no complete block' warning timed the wait by position alone,
     so the wait at byte 0 of file X and, much later, the one at byte 0 of file Y added up to a
