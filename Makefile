@@ -32,7 +32,7 @@ demo: setup check-java
 
 # 2. Set up and run the tests: the whole suite, on TEST_WORKERS processes (pytest-xdist). The
 # tests mostly wait on servers and Spark, so three workers keep 2 cores busy; tests tied
-# together (a module's servers, the one Spark session, the serial group) share a worker
+# together (a module's servers, each of the two Spark sessions, the serial group) share a worker
 # (tests/conftest.py). TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 3
 test: setup check-java

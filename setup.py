@@ -26,9 +26,9 @@ setup(
         "rich>=13",  # acs status/copy-status/lag --watch redraw tables in place; progress bars of acs produce (pyspark_acs/cli/watch.py)
     ],
     extras_require={
-        # matplotlib: the demo's delay plot (make demo installs .[test]) and tests/test_demo_plot.py
+        # matplotlib: the demo's delay plot (make demo installs .[test]) and tests/integration/test_demo_plot.py
         # cryptography: `acs up --secure` makes a self-signed CA and certificates for a local deployment.
-        # moto[server]: a real S3 endpoint on loopback for the tiered-storage tests (tests/test_tiered.py).
+        # moto[server]: a real S3 endpoint on loopback for the tiered-storage tests (tests/storage/test_tiered.py).
         "secure": ["cryptography>=42"],
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3",
                  "matplotlib", "cryptography>=42", "moto[server]"],

@@ -33,9 +33,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+# The checkout, for tests.helpers (the cross-cluster harness the fault tests use).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _harness import (  # noqa: E402
+from tests.helpers import (  # noqa: E402
     CHAIN,
     CLUSTERS,
     STAR,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A longer fuzz run of the strategies in tests/_fuzz.py (docs/security.md): forged blocks with valid
+"""A longer fuzz run of the strategies in tests/helpers.py (docs/security.md): forged blocks with valid
 checksums against the decoders, and raw request bodies against every method of a real cache
 server pair and copy daemon (token-protected, on loopback). Prints the inputs tried and the
 failures found per target; exits 1 when any failure was found.
@@ -22,14 +22,13 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(HERE / "tests"))
 sys.path.insert(0, str(HERE))
 
 import grpc  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import _fuzz  # noqa: E402
+from tests import helpers as fuzz  # noqa: E402
 from pyspark_acs.security import SecuritySettings  # noqa: E402
 from pyspark_acs.server.local.deploy import LocalDeployment  # noqa: E402
 
@@ -69,9 +68,9 @@ def main() -> int:
     results: dict = {}
 
     def blocks(data):
-        return _fuzz.check_decoder(data)
+        return fuzz.check_decoder(data)
 
-    blocks.strategy = _fuzz.forged_blocks()
+    blocks.strategy = fuzz.forged_blocks()
     run("decoder: forged blocks", blocks, args.blocks, results)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,19 +90,19 @@ def main() -> int:
         daemon.stdout.readline()
         endpoints = {"pyspark_acs.cache.Cache": [dep.server("data", 0).endpoint, dep.server("metadata", 0).endpoint],
                      "pyspark_acs.copy.Copy": [f"127.0.0.1:{port}"]}
-        methods = [("pyspark_acs.cache.Cache", m, k) for m, k in _fuzz.CACHE_METHODS] + \
-                  [("pyspark_acs.copy.Copy", m, k) for m, k in _fuzz.COPY_METHODS]
+        methods = [("pyspark_acs.cache.Cache", m, k) for m, k in fuzz.CACHE_METHODS] + \
+                  [("pyspark_acs.copy.Copy", m, k) for m, k in fuzz.COPY_METHODS]
         try:
             for service, method, kind in methods:
                 channels = [grpc.insecure_channel(ep) for ep in endpoints[service]]
-                request_class = _fuzz.request_classes()[service][method]
+                request_class = fuzz.request_classes()[service][method]
 
                 def rpc(bodies, channels=channels, service=service, method=method, kind=kind):
-                    codes = [_fuzz.check_rpc(ch, service, method, kind, bodies, metadata=AUTH, timeout=1.0).name
+                    codes = [fuzz.check_rpc(ch, service, method, kind, bodies, metadata=AUTH, timeout=1.0).name
                              for ch in channels]
                     return codes[0]
 
-                rpc.strategy = st.lists(_fuzz.raw_bodies(request_class), min_size=1, max_size=3)
+                rpc.strategy = st.lists(fuzz.raw_bodies(request_class), min_size=1, max_size=3)
                 run(f"rpc: {service.rsplit('.', 1)[1]}.{method}", rpc, args.rpc, results)
                 for ch in channels:
                     ch.close()

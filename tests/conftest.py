@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
 import sys
-import threading
 from typing import Optional
 
 import pytest
@@ -15,7 +12,8 @@ import pytest
 # without which the Spark fixture's Java gateway could die at launch after earlier tests' channels.
 import pyspark_acs._grpc  # noqa: F401,E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
+
 #: Heap of the test session's one Spark driver JVM (local mode: driver and executors share it).
 TEST_SPARK_DRIVER_MEMORY = "2g"
 #: The JVM compiles with C1 only: the suite is hundreds of short queries, and on 2 cores the
@@ -31,69 +29,22 @@ os.environ.setdefault("SPARK_SUBMIT_OPTS", TEST_SPARK_JAVA_OPTIONS)
 os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", TEST_SPARK_JAVA_OPTIONS)
 
 
-#: How many ports below the kernel's ephemeral range :func:`free_port` picks from.
-PICKED_PORTS = 8000
-_picked_lock = threading.Lock()
-_next_pick = [0]  # the next candidate port (0: not started yet); guarded by _picked_lock
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def _worker_slice() -> tuple:
-    """``(index, count)`` of this process among the suite's parallel workers (``(0, 1)`` alone).
-
-    pytest-xdist names its workers gw0, gw1, ... and tells each the count."""
-    name = os.environ.get("PYTEST_XDIST_WORKER", "")
-    try:
-        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        index = int(name[2:]) if name.startswith("gw") else 0
-    except ValueError:
-        return 0, 1
-    return (index, count) if 0 <= index < count else (0, 1)
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 for a server a test starts later.
-
-    Picked below the kernel's ephemeral range: binds to port 0 (every cache server's) and
-    outgoing connections take their ports from that range, so a port picked there could be
-    taken between picking it and the server binding it (a copy daemon of a full run once failed
-    to start that way). Each parallel worker picks from its own slice of the range (two workers
-    could otherwise both pick a port before either binds it). Ports are handed out in turn from
-    a random start, each checked free and never twice in this process.
-    """
-    index, count = _worker_slice()
-    span = PICKED_PORTS // count
-    low = max(1024, _ephemeral_low() - PICKED_PORTS) + index * span
-    with _picked_lock:
-        if _next_pick[0] == 0:
-            _next_pick[0] = low + random.randrange(span)
-        for _ in range(span):
-            port = _next_pick[0]
-            _next_pick[0] = low + (port + 1 - low) % span
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError(f"no free port in 127.0.0.1:{low}-{low + span - 1}")
-
-
 #: Work units of a parallel run that take longest, longest first (a module's file name, a
 #: group's name): they start before every other unit, so none of them starts last and holds
 #: the run up alone at its end.
 LONG_UNITS = (
-    "test_spark_cluster.py", "test_examples.py", "spark", "test_push.py", "test_cross_cluster.py",
+    "test_spark_cluster.py", "test_examples.py", "spark-a", "spark-b", "test_push.py", "test_cross_cluster.py",
     "test_tiered.py", "test_copy_daemon.py", "test_cache_delivery.py", "test_write_path.py",
     "test_lease_split.py", "test_fencing.py", "test_push_sharing.py", "test_model.py",
 )
+
+
+#: The modules whose Spark tests form the group "spark-a"; every other module's form "spark-b".
+#: Each group runs on its own worker with its own Spark session: the Spark tests as one group
+#: were the run's longest unit (about 260 s of a 9-minute run on 3 workers).
+SPARK_A_MODULES = frozenset({
+    "test_spark_connector.py", "test_cli_faults.py", "test_cli_watch.py", "test_spark_workers.py", "test_tiered.py",
+})
 
 
 def _group(item) -> Optional[str]:
@@ -101,7 +52,7 @@ def _group(item) -> Optional[str]:
     if item.get_closest_marker("serial"):
         return "serial"
     if "spark" in item.fixturenames:
-        return "spark"
+        return "spark-a" if item.path.name in SPARK_A_MODULES else "spark-b"
     defs = item._fixtureinfo.name2fixturedefs
     if any(d.scope in ("module", "package", "class") for name in item.fixturenames for d in defs.get(name, ())):
         return item.path.name
@@ -114,9 +65,9 @@ def pytest_collection_modifyitems(config, items):
 
     The tests of a module that has module-scoped fixtures (its servers, mostly) stay together
     on one worker, so those start once; any other test is a unit of its own. Two groups cut
-    across modules: the tests that use the ``spark`` fixture are the group "spark", so one
-    worker starts a Spark session (a JVM with a 2 GiB heap and seconds of CPU to start), not
-    each; and a test marked ``serial`` joins the group "serial", whose tests run one after
+    across modules: the tests that use the ``spark`` fixture are two groups ("spark-a" and
+    "spark-b", by module: :data:`SPARK_A_MODULES`), so two workers start a Spark session each (a
+    JVM with a 2 GiB heap and seconds of CPU to start), not every worker; and a test marked ``serial`` joins the group "serial", whose tests run one after
     another. In a parallel run the long units come first (:data:`LONG_UNITS`). Runs before
     xdist's own hook, which reads the ``xdist_group`` marks this adds (tryfirst)."""
     for item in items:

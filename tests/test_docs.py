@@ -31,7 +31,9 @@ from typing import List, NamedTuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT as HELPERS_ROOT
+
+ROOT = Path(HELPERS_ROOT)
 #: The line that marks the next fenced block as runnable.
 MARKER = "<!-- runnable -->"
 #: Languages a runnable block may have.

@@ -14,7 +14,9 @@ from pathlib import Path
 import pyspark_acs
 from pyspark_acs import errors
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT as HELPERS_ROOT
+
+ROOT = Path(HELPERS_ROOT)
 
 EXPECTED_TOP_LEVEL = [
     "AcsError", "AcsOptionError", "AcsTimeoutError", "AppendConflictError", "AppendLockBusyError",

@@ -38,7 +38,7 @@ CHANNEL_OPTIONS = [
     # Each channel connects on its own. gRPC otherwise shares one connection per address among
     # a process's channels with the same settings, and with it the connection's failure: a client
     # made after a replica came back on its address failed at once with the "Connection refused"
-    # of an older client's back-off (tests/test_cache_connect.py).
+    # of an older client's back-off (tests/cache/test_cache_connect.py).
     ("grpc.use_local_subchannel_pool", 1),
     # Failover and hedging happen in the client, across replicas; gRPC retrying one replica
     # would only spend the deadline.

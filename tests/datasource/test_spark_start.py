@@ -1,0 +1,61 @@
+"""tests/helpers.py start_query: a query is started again only for Spark's planner start-up fault.
+
+The fault itself (Spark's Python planner process not connecting back within 10 s) cannot be
+caused on purpose, so these tests drive the helper with stand-ins for the writer and the query
+that follow pyspark's StreamingQuery interface (isActive, status, exception, name).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import SPARK_WORKER_START_FAULT, start_query
+
+
+class _Query:
+    def __init__(self, active: bool, error: str = "", message: str = "Waiting for data to arrive"):
+        self.isActive = active
+        self.status = {"message": message}
+        self._error = error
+        self.name = "q"
+
+    def exception(self):
+        return RuntimeError(self._error) if self._error else None
+
+
+class _Writer:
+    def __init__(self, *queries: _Query):
+        self.queries = list(queries)
+        self.starts = 0
+
+    def start(self):
+        self.starts += 1
+        return self.queries.pop(0)
+
+
+def test_the_planner_start_fault_starts_the_query_again_with_a_warning():
+    good = _Query(active=True)
+    writer = _Writer(_Query(active=False, error=f"{SPARK_WORKER_START_FAULT}. Read timed out",
+                            message="Initializing sources"), good)
+    with pytest.warns(UserWarning, match="did not connect back"):
+        assert start_query(writer) is good
+    assert writer.starts == 2
+
+
+@pytest.mark.parametrize("query", [
+    _Query(active=False, error="AcsOptionError: option 'maxRowsPerTrigger' must be a positive integer"),
+    _Query(active=False),  # an AvailableNow query that already finished
+    _Query(active=True),
+])
+def test_any_other_outcome_is_the_test_s_to_see(query):
+    writer = _Writer(query, _Query(active=True))
+    assert start_query(writer) is query
+    assert writer.starts == 1
+
+
+def test_the_fault_every_time_returns_the_failed_query_after_the_last_attempt():
+    failed = [_Query(active=False, error=SPARK_WORKER_START_FAULT) for _ in range(3)]
+    writer = _Writer(*failed)
+    with pytest.warns(UserWarning):
+        assert start_query(writer, attempts=3) is failed[-1]
+    assert writer.starts == 3
