@@ -79,6 +79,22 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: rank.get(_group(item) or item.path.name, len(rank)))
 
 
+def pytest_collection_finish(session):
+    """In a parallel run, refuse to go on when pytest-xdist did not group: its loadgroup marks a
+    grouped test by appending ``@group`` to the node id, which pytest 9.2 ignores (pytest-xdist
+    issue 1386); ungrouped, every worker starts the module servers and a Spark session itself
+    and the suite takes minutes longer, silently."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or session.config.getoption("dist", None) != "loadgroup":
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {len(lost)} tests (first: {lost[0]}): this pytest "
+            f"({pytest.__version__}) drops its group marks; install the test extra's pytest "
+            f"(pip install -e '.[test]', pytest<9.2)")
+
+
 @pytest.fixture(autouse=True)
 def _process_security_default_restored():
     """Parsing source or sink options installs their token and TLS settings as the process's

@@ -197,7 +197,7 @@ def test_metadata_outage_delivers_from_durable_lengths_then_returns(dep, root):
                 count = sender.stop()
                 col.until(lambda: len(col.values) >= count, 30, "every message")
                 assert_exact(col.values, count)
-        with CacheClient(dep.metadata_endpoints) as mc:
+        with CacheClient(dep.metadata_endpoints, deadline=DEADLINE) as mc:  # a loaded machine's deadline
             lc, ld = MetadataCache(mc).lengths([uri])[uri]
         assert ld is not None and ld == open_store(root).length(uri.split(root, 1)[1].lstrip("/"))
     finally:
