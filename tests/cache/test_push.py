@@ -927,19 +927,17 @@ def test_slow_reader_holds_up_nobody_and_grows_no_server_memory(dep):
         client.close()
 
 
-def test_a_feed_whose_readers_all_lag_stops_its_push_then_resumes_without_asking(dep, monkeypatch):
+def test_a_feed_whose_readers_all_lag_stops_its_push_then_resumes_without_asking(dep):
     """Every reader of a followed file far behind (here: one that reads nothing): the feed
     stops the file's push when it holds FEED_MAX_BYTES instead of dropping the oldest bytes
     (which the reader would then ask for, and the feed push again), and pushes on from the
     buffer's end once the reader has read half. Every byte is read from the feed, in order,
     and pushed about once. With a second reader that keeps up, the push goes on and the
     oldest bytes are dropped as before (the lagging one asks for them)."""
-    from pyspark_acs.cache import feed as feed_module
     from pyspark_acs.cache.feed import ChunkFeed
 
     cap = 2 * 1024 * 1024
-    monkeypatch.setattr(feed_module, "FEED_MAX_BYTES", cap)
-    feed = ChunkFeed(dep.data_endpoints.split(","))
+    feed = ChunkFeed(dep.data_endpoints.split(","), max_bytes=cap)
     writer_client = CacheClient(dep.data_endpoints)
     piece = bytes(range(256)) * 1024  # 256 KiB
     total = 32 * len(piece)  # 8 MiB: four times the cap
@@ -993,21 +991,26 @@ def test_a_feed_whose_readers_all_lag_stops_its_push_then_resumes_without_asking
         writer_client.close()
 
 
-def test_a_consumer_the_feed_dropped_bytes_for_asks_for_them_and_the_others_go_on(dep, root, monkeypatch):
+def test_a_consumer_the_feed_dropped_bytes_for_asks_for_them_and_the_others_go_on(dep, root):
     """Two consumers of one process share its feed: one reads as the producer writes, the
     other reads nothing until the producer is done. The feed keeps pushing for the one at the
     head and drops the oldest bytes above FEED_MAX_BYTES (bounded memory), so the laggard's
     bytes are gone from it: it falls back to asking the data cache for them, and gets every
     message in order. The one at the head is not held up: it has every message while the
     laggard has read nothing."""
-    from pyspark_acs.cache import feed as feed_module
+    from pyspark_acs.cache.feed import ChunkFeed
+    from pyspark_acs.read.cachepath import CachedReadPath
 
     cap = 1024 * 1024
-    monkeypatch.setattr(feed_module, "FEED_MAX_BYTES", cap)
+    feed = ChunkFeed(dep.data_endpoints.split(","), max_bytes=cap)  # the process's feed, with a small buffer
+
+    def reader(store: DurableStore) -> Consumer:
+        return Consumer(store, "laggard", read_path=CachedReadPath(store, push=True, feed=feed, **endpoints(dep)))
+
     count = 8000  # ~1.6 MB of messages: past the cap, so the feed must drop for the laggard
-    with Producer(root, "laggard", shards=1, **endpoints(dep)) as p, \
-            Consumer(root, "laggard", **endpoints(dep)) as fast, Consumer(root, "laggard", **endpoints(dep)) as slow:
-        assert slow.path.feed is fast.path.feed  # one feed per process: the readers share it
+    with contextlib.closing(feed), Producer(root, "laggard", shards=1, **endpoints(dep)) as p, \
+            reader(DurableStore(root)) as fast, reader(DurableStore(root)) as slow:
+        assert slow.path.feed is fast.path.feed is feed  # one feed per process: the readers share it
         quick, behind = Collector(fast), Collector(slow)
         p.send(msg(0))
         p.flush()
