@@ -27,7 +27,7 @@ from pyspark_acs.server.local.deploy import LocalDeployment
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.write.producer import Producer
 
-from tests.helpers import Collector, Sender, assert_exact, msg, wait_until
+from tests.helpers import Collector, FakeClock, Sender, assert_exact, msg, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -1275,12 +1275,20 @@ def test_reader_processes_spread_their_follow_streams_over_the_replicas():
 def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, root):
     """Bytes the cache holds that the live feed has not pushed yet are waited for (at most
     PUSH_GRACE_S while the feed does not grow), not asked for with Gets: a busy replica asked
-    for what it is pushing falls further behind. After the grace the reader asks."""
-    from pyspark_acs.cache.feed import PUSH_GRACE_S
+    for what it is pushing falls further behind. After the grace the reader asks. The grace
+    runs on the feed's clock, moved by hand here."""
+    from pyspark_acs.cache.feed import PUSH_GRACE_S, ChunkFeed
+    from pyspark_acs.read.cachepath import CachedReadPath
 
-    with Producer(root, "grace", shards=1, **endpoints(dep)) as p, Consumer(root, "grace", **endpoints(dep)) as c:
+    clock = FakeClock()
+    own = ChunkFeed(dep.data_endpoints.split(","), clock=clock)
+    store = DurableStore(root)
+    path = CachedReadPath(store, push=True, feed=own, **endpoints(dep))
+    with contextlib.closing(own), Producer(root, "grace", shards=1, **endpoints(dep)) as p, \
+            Consumer(store, "grace", read_path=path) as c:
         col, t, feed, uri = live_feed_after_msg0(p, c)
-        now = time.monotonic()
+        assert feed is own
+        now = clock()
         assert feed.waiting(uri, t.length, now=now)  # the first look starts the grace
         assert feed.waiting(uri, t.length, now=now + PUSH_GRACE_S / 2)
         assert not feed.waiting(uri, t.length, now=now + PUSH_GRACE_S * 1.5)  # then it asks
@@ -1289,7 +1297,7 @@ def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, roo
         p.flush()
         col.until(lambda: len(col.values) == 2, 20, "the second message")
         # The feed grew: a reader at its new end waits afresh.
-        assert feed.waiting(uri, t.length, now=time.monotonic())
+        assert feed.waiting(uri, t.length)
         # A push held back (the stream is up but its messages are dropped here): bytes the cache
         # holds are not asked for within the grace, then they are, whole and exact.
         with feed._lock:
@@ -1306,11 +1314,10 @@ def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, roo
         before = c.path.stats()["cache_bytes"]
         assert c.path.read(t.rel, start, published) == b""
         assert c.path.stats()["cache_bytes"] == before  # nothing asked
-        time.sleep(PUSH_GRACE_S * 1.5)
+        clock.advance(PUSH_GRACE_S * 1.5)
         got = c.path.read(t.rel, start, published)
         assert len(got) == published - start and c.path.stats()["cache_bytes"] > before
         assert msg(2) in got
-        del stream._handle  # the feed's streams are the process's: later tests use this one
 
 
 
