@@ -106,27 +106,25 @@ def idle_polls(root: str, n: int, seconds: float, read_every_listing: bool) -> D
     """Polls of a Consumer caught up at the end of the history (it lists the shard each poll
     for the next file) for ``seconds``; ``read_every_listing`` makes every listing read the
     tier records again (the peer)."""
-    import pyspark_acs.storage.tier as tier_module
+    from pyspark_acs.storage.store import DurableStore
+    from pyspark_acs.storage.tier import tiered_store
 
-    settle = tier_module.MANIFEST_SETTLE_S
-    tier_module.MANIFEST_SETTLE_S = float("inf") if read_every_listing else 0.0
-    try:
-        path = open_read_path(root)
-        got = polls = 0
-        with Consumer(root, STREAM, start="earliest", read_path=path) as c:
-            while got < n:
-                for batch in c.poll():
-                    got += batch.num_rows
-            before = path.store.tier_stats()
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                c.poll()
-                polls += 1
-            elapsed = time.perf_counter() - t0
-            after = path.store.tier_stats()
-        path.close()
-    finally:
-        tier_module.MANIFEST_SETTLE_S = settle
+    # A manifest never settled is read again at every listing; one settled at once, only when changed.
+    settle = float("inf") if read_every_listing else 0.0
+    path = open_read_path(tiered_store(DurableStore(root, create=False), manifest_settle_s=settle))
+    got = polls = 0
+    with Consumer(root, STREAM, start="earliest", read_path=path) as c:
+        while got < n:
+            for batch in c.poll():
+                got += batch.num_rows
+        before = path.store.tier_stats()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            c.poll()
+            polls += 1
+        elapsed = time.perf_counter() - t0
+        after = path.store.tier_stats()
+    path.close()
     return {"polls_s": polls / elapsed, "polls": polls,
             "reads": after["manifest_reads"] - before["manifest_reads"],
             "checks": after["manifest_checks"] - before["manifest_checks"]}

@@ -125,6 +125,26 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0, what: str 
         time.sleep(interval)
 
 
+
+class FakeClock:
+    """Monotonic seconds moved by hand: pass it as a component's ``clock`` and call
+    :meth:`advance` where the test would otherwise sleep, so a timing rule is tested without
+    waiting for it. Thread-safe (a component's own thread may read it)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self._now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> float:
+        """Move the clock on by ``seconds`` and return the new time."""
+        with self._lock:
+            self._now += seconds
+            return self._now
+
 # ---------------------------------------------------------------------------------------------
 # Deployments
 

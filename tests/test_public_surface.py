@@ -122,11 +122,6 @@ def test_internal_modules_export_only_what_other_code_imports():
     assert not extra, f"exported but imported by nobody outside the module: {extra}"
 
 
-#: Module constants tests still rewrite, to be passed down as settings (the allowance shrinks;
-#: a new rewrite fails the test below).
-NOT_YET_PASSED_DOWN = {
-    "FEED_MAX_BYTES", "FORGET_AFTER_S", "COMMIT_APPEND_BYTES", "PREREAD_TTL_S", "MANIFEST_SETTLE_S",
-}
 _CONSTANT = re.compile(r"^_?[A-Z][A-Z0-9_]+$")
 
 
@@ -165,8 +160,7 @@ def test_no_test_rewrites_a_module_constant():
     found = []
     for path in sorted((ROOT / "tests").rglob("*.py")):
         for line, name in _rewrites(ast.parse(path.read_text(encoding="utf-8"))):
-            if name not in NOT_YET_PASSED_DOWN:
-                found.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+            found.append(f"{path.relative_to(ROOT)}:{line}: {name}")
     assert not found, "tests rewrite module constants (pass a setting down instead):\n" + "\n".join(found)
 
 

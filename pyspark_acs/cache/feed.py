@@ -12,7 +12,8 @@ What a reader gets from the feed is the cache's bytes, which are the file's byte
 path still reads only below the published length, so the seal rule, prefix safety and
 Algorithm 1 stay where they are (:mod:`pyspark_acs.read.cachepath`).
 
-Memory: per file about :data:`FEED_MAX_BYTES` (never more than twice that), and the part of
+Memory: per file about ``max_bytes`` (:data:`FEED_MAX_BYTES` unless the feed is given
+another; never more than twice that), and the part of
 the oldest pushed run that is already read (runs are kept whole, see ``_File``); bytes every
 follower of the file has read are dropped at once. When every follower of a file is that far
 behind, its push stops until they have read half of it (``ChunkFeed._overflow``); a follower
@@ -49,7 +50,8 @@ __all__ = [
     "holds_whole_files",
 ]
 
-#: Most bytes buffered per followed file (a caught-up reader needs a few KiB).
+#: Most bytes buffered per followed file by default (a caught-up reader needs a few KiB;
+#: ``ChunkFeed(max_bytes=)``).
 FEED_MAX_BYTES = 8 * 1024 * 1024
 #: How long a reader waits for bytes a live feed has not pushed yet while the feed does not
 #: grow (seconds), before it asks the cache for them: a replica that lacks a chunk stops its
@@ -93,13 +95,13 @@ class _File:
     __slots__ = ("uri", "replicas", "endpoint", "since", "base", "pieces", "starts", "readers", "reached",
                  "listeners", "short_since", "paused")
 
-    def __init__(self, uri: str, replicas: Tuple[str, ...]) -> None:
+    def __init__(self, uri: str, replicas: Tuple[str, ...], since: float = 0.0) -> None:
         self.uri = uri
         self.replicas = replicas
         self.endpoint = pick_replica(replicas, uri)
-        #: Since when the file is followed on ``endpoint`` (monotonic): its stream's silence
-        #: counts as a stall of this file only after it (ChunkFeed._stalled).
-        self.since = time.monotonic()
+        #: Since when the file is followed on ``endpoint`` (the feed's clock): its stream's
+        #: silence counts as a stall of this file only after it (ChunkFeed._stalled).
+        self.since = since
         #: Since when a reader has waited for bytes past ``end`` (monotonic; None: nobody is).
         self.short_since: Optional[float] = None
         self.base = 0
@@ -135,9 +137,9 @@ class _File:
         self.starts.append(end)
         return True
 
-    def trim(self) -> None:
-        """Hold at most :data:`FEED_MAX_BYTES`: drop the oldest bytes above it."""
-        self.drop_to(self.end - FEED_MAX_BYTES)
+    def trim(self, max_bytes: int) -> None:
+        """Hold at most ``max_bytes``: drop the oldest bytes above it."""
+        self.drop_to(self.end - max_bytes)
 
     def drop_to(self, position: int) -> None:
         """Hold nothing below ``position`` (taken as ``end`` when past it)."""
@@ -171,12 +173,28 @@ class ChunkFeed:
     """Receives pushed bytes of followed files from a data cache (one per process and cache).
 
     Use :meth:`shared`. Thread-safe.
+
+    Parameters
+    ----------
+    endpoints : sequence of str
+        The data cache's replicas.
+    token, security
+        As for :class:`~pyspark_acs.cache.client.CacheClient`.
+    max_bytes : int
+        Most bytes buffered per followed file (default :data:`FEED_MAX_BYTES`; tests pass a
+        smaller one).
+    clock : callable
+        Monotonic seconds (``time.monotonic``): the clock of the stall and grace rules
+        (:data:`FEED_STALL_S`, :data:`PUSH_GRACE_S`), shared with the feed's streams.
     """
 
     _registry: Dict[Tuple[Tuple[str, ...], Optional[str], Any], "ChunkFeed"] = {}
     _registry_lock = threading.Lock()  # guards _registry
 
-    def __init__(self, endpoints: Sequence[str], token: Optional[str] = None, security: Any = None) -> None:
+    def __init__(self, endpoints: Sequence[str], token: Optional[str] = None, security: Any = None, *,
+                 max_bytes: int = FEED_MAX_BYTES, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_bytes = max_bytes
+        self.clock = clock
         self.client = CacheClient(tuple(endpoints), name="data cache", token=token, security=security)
         # Decided once: then every chunk of a followed file is on its replica (_placed is true
         # without a per-call key hash and ring lookup on the readers' hot path).
@@ -223,7 +241,7 @@ class ChunkFeed:
             f = self._files.get(uri)
             if f is None:
                 fid = file_id(uri)
-                f = self._files[uri] = _File(uri, self.client.replicas_for(chunk_key(uri, 0, file_id=fid)))
+                f = self._files[uri] = _File(uri, self.client.replicas_for(chunk_key(uri, 0, file_id=fid)), self.clock())
                 self._by_fid[fid] = f
                 f.base = position
                 f.readers[reader] = f.reached[reader] = position
@@ -257,7 +275,7 @@ class ChunkFeed:
         feed's next bytes start there, the followed replica is placed on the chunk they are in
         (:meth:`_placed`), and the feed has grown within :data:`PUSH_GRACE_S` of the first
         reader waiting at its end."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         with self._lock:
             f = self._files.get(uri)
             if f is None or f.end != position:
@@ -305,7 +323,7 @@ class ChunkFeed:
                 return
             stalled = f.endpoint
             self._move(f)
-            now = time.monotonic()
+            now = self.clock()
             if now - self._warned.get(stalled, -_WARN_INTERVAL_S) < _WARN_INTERVAL_S:
                 return
             self._warned[stalled] = now
@@ -370,7 +388,8 @@ class ChunkFeed:
         if stream is None:
             from pyspark_acs.cache.push import FollowStream  # imports grpc: only once a file is followed
 
-            stream = self._streams[endpoint] = FollowStream(self.client, endpoint, self._on_bytes, self._on_state)
+            stream = self._streams[endpoint] = FollowStream(self.client, endpoint, self._on_bytes, self._on_state,
+                                                            clock=self.clock)
         return stream
 
     def _on_bytes(self, fid: bytes, start: int, data: bytes) -> None:
@@ -382,14 +401,14 @@ class ChunkFeed:
             if not f.append(start, data):
                 return  # a gap (the cursor moved past it) or bytes the buffer already has
             f.short_since = None  # it grows: readers waiting at its end wait on
-            if f.end - f.base > FEED_MAX_BYTES:
+            if f.end - f.base > self.max_bytes:
                 self._overflow(f, fid)
             uri, end, listeners = f.uri, f.end, list(f.listeners.values())
         for on_grow in listeners:
             on_grow(uri, end)
 
     def _overflow(self, f: _File, fid: bytes) -> None:
-        """``f`` holds more than :data:`FEED_MAX_BYTES` (caller holds _lock). While a reader
+        """``f`` holds more than ``max_bytes`` (caller holds _lock). While a reader
         keeps up with the pushed bytes (within half of that of the end), the oldest are dropped
         and the readers behind read them by asking, as a slow follower of a shared file does
         (the copy daemon's destinations). When every reader is that far behind, the push stops
@@ -397,22 +416,21 @@ class ChunkFeed:
         half of it read or a reader at the head: dropping bytes nobody had read would make a
         lagging reader ask for all of them, and the feed then start over from where it was and
         push them again, on replicas already too busy to push in time."""
-        if self._at_head(f) or f.end - f.base > 2 * FEED_MAX_BYTES:
-            f.trim()
+        if self._at_head(f) or f.end - f.base > 2 * self.max_bytes:
+            f.trim(self.max_bytes)
         elif not f.paused:
             f.paused = True
             stream = self._streams.get(f.endpoint)
             if stream is not None:
                 stream.unfollow(fid)
 
-    @staticmethod
-    def _at_head(f: _File) -> bool:
+    def _at_head(self, f: _File) -> bool:
         """Whether some reader of ``f`` keeps up with its end: it stands, or its last read
-        went, within half of :data:`FEED_MAX_BYTES` of it (a reader inside a block larger than
+        went, within half of ``max_bytes`` of it (a reader inside a block larger than
         the buffer stands at the block's start but reads up to the end: the feed cannot hold
         that block, so such a reader is at the head and the oldest bytes go)."""
         lead = max([f.base] + list(f.readers.values()) + list(f.reached.values()))
-        return f.end - lead <= FEED_MAX_BYTES // 2
+        return f.end - lead <= self.max_bytes // 2
 
     def _resume_if_due(self, f: _File) -> None:
         """Push a paused file again (caller holds _lock) once its readers have read half its
@@ -421,8 +439,8 @@ class ChunkFeed:
         push never stopped."""
         if not f.paused:
             return
-        if f.end - f.base <= FEED_MAX_BYTES // 2 or self._at_head(f):
-            f.trim()
+        if f.end - f.base <= self.max_bytes // 2 or self._at_head(f):
+            f.trim(self.max_bytes)
             f.paused = False
             self._stream(f.endpoint).follow(file_id(f.uri), f.end)
 
@@ -435,7 +453,7 @@ class ChunkFeed:
             return False
         stream = self._streams.get(f.endpoint)
         asked = stream.asked_at if stream is not None else None
-        return asked is not None and time.monotonic() - max(asked, f.since) > FEED_STALL_S
+        return asked is not None and self.clock() - max(asked, f.since) > FEED_STALL_S
 
     def _move(self, f: _File) -> None:
         """Follow ``f`` on its next replica from where its buffer ends (caller holds _lock):
@@ -446,7 +464,7 @@ class ChunkFeed:
         if old is not None:
             old.unfollow(fid)
         f.endpoint = f.replicas[(f.replicas.index(f.endpoint) + 1) % len(f.replicas)]
-        f.since = time.monotonic()
+        f.since = self.clock()
         self.moves += 1
         if not f.paused:
             self._stream(f.endpoint).follow(fid, f.end)

@@ -7,7 +7,7 @@ reads the published lengths of *all* followed files in one batched consistent re
 the metadata cache sees one request per process per interval however many readers there are.
 
 A file asked for the first time is fetched at once (no interval of delay for a new file);
-files nobody asked for during :data:`FORGET_AFTER_S` are dropped from the poll, unless a
+files nobody asked for during ``forget_after_s`` (:data:`FORGET_AFTER_S`) are dropped from the poll, unless a
 reader follows them explicitly (:meth:`LengthPoller.follow`, with an event set whenever the
 file's length moves: the copy daemon's operations and its scheduler's parked operations). A
 length this process published itself (the copy daemon's writer) is handed in with
@@ -55,7 +55,8 @@ __all__ = [
 
 #: How often the shared poller reads all followed lengths (the consumer's 10 ms).
 DEFAULT_POLL_INTERVAL_S = 0.01
-#: A file no reader asked about for this long is no longer polled.
+#: A file no reader asked about for this long is no longer polled (the default of
+#: ``LengthPoller(forget_after_s=)``).
 FORGET_AFTER_S = 5.0
 #: How often a file whose lengths push streams deliver is polled all the same (seconds, on
 #: average: each wait is drawn from +-PUSH_SAFETY_JITTER of it).
@@ -85,6 +86,24 @@ class LengthPoller:
     """Shared poller of published file lengths for one metadata cache.
 
     Use :meth:`shared` to get the process-wide instance for a set of endpoints.
+
+    Parameters
+    ----------
+    endpoints : tuple of str
+        The metadata cache's replicas.
+    interval : float
+        Seconds between poll rounds (default :data:`DEFAULT_POLL_INTERVAL_S`).
+    token, security
+        As for :class:`~pyspark_acs.cache.client.CacheClient`.
+    push : bool
+        Watch the polled lengths on push streams (default on).
+    forget_after_s : float
+        A file nobody asked about for this long is no longer polled (default
+        :data:`FORGET_AFTER_S`).
+    clock : callable
+        Monotonic seconds (``time.monotonic``): the clock of the forget rule, the safety poll
+        and the feed's grace (:meth:`_fed_recently`). The thread's waits stay real ones;
+        :meth:`wake` ends the current one.
     """
 
     _registry: Dict[Tuple[Tuple[str, ...], Optional[str]], "LengthPoller"] = {}
@@ -92,9 +111,12 @@ class LengthPoller:
 
     def __init__(
         self, endpoints: Tuple[str, ...], interval: float = DEFAULT_POLL_INTERVAL_S, token: Optional[str] = None,
-        push: bool = True, security: Any = None,
+        push: bool = True, security: Any = None, *, forget_after_s: float = FORGET_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.endpoints = endpoints
+        self.forget_after_s = forget_after_s
+        self.clock = clock
         self.interval = interval
         self.push = push
         self._client = CacheClient(endpoints, name="metadata cache", token=token, security=security)
@@ -102,7 +124,7 @@ class LengthPoller:
         # The push streams, by endpoint, and the files whose keys they watch (poller thread only).
         self._streams: Dict[str, "WatchStream"] = {}
         self._watched: Dict[str, Tuple[Tuple[bytes, Tuple[str, ...]], ...]] = {}
-        #: When the next safety poll is due (monotonic; poller thread only).
+        #: When the next safety poll is due (``clock``; poller thread only).
         self._next_full_poll = 0.0
         #: Set when the poller thread must look again before its next round: a file asked for
         #: the first time (to watch it), a push stream broke (to poll what it covered).
@@ -129,7 +151,7 @@ class LengthPoller:
         self._wakes = threading.local()  # each reader thread's own wake queue
         self._values: Dict[str, Lengths] = {}
         self._asked: Dict[str, float] = {}
-        # uri -> events of explicit followers (polled while followed, whatever FORGET_AFTER_S)
+        # uri -> events of explicit followers (polled while followed, whatever forget_after_s)
         self._followers: Dict[str, List[threading.Event]] = {}
         self._error: Optional[CacheError] = None
         self._thread: Optional[threading.Thread] = None
@@ -164,7 +186,7 @@ class LengthPoller:
         wake = wake if wake is not None else threading.Event()
         with self._lock:
             self._followers.setdefault(uri, []).append(wake)
-            self._asked[uri] = time.monotonic()
+            self._asked[uri] = self.clock()
             self._ensure_thread()
         self._kick.set()
         return wake
@@ -213,7 +235,7 @@ class LengthPoller:
                     self._early[uri] = max(self._early.get(uri, 0), cache_length)
                 return
             if fed:
-                self._fed_at[uri] = time.monotonic()
+                self._fed_at[uri] = self.clock()
             c, d = self._values.get(uri, (None, None))
             new = (_max_known(c, cache_length), _max_known(d, durable_length))
             if new != (c, d):
@@ -231,7 +253,7 @@ class LengthPoller:
             poller. Pushed files need no poll: safety polls timing out on overloaded metadata
             replicas would send readers of live feeds to the store, making the overload worse.
         """
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             for u in uris:
                 self._asked[u] = now
@@ -290,6 +312,11 @@ class LengthPoller:
             if not woken:  # timed out, or interrupted: _moved() did not take it out
                 with self._lock:
                     self._waiting.discard(wake)
+
+    def wake(self) -> None:
+        """Have the poller thread start its next round now if it waits for a safety poll, a
+        new file or a broken stream (a round every ``interval`` is not shortened)."""
+        self._kick.set()
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -449,11 +476,11 @@ class LengthPoller:
 
     def _run(self) -> None:
         while True:
-            started = time.monotonic()
+            started = self.clock()
             with self._lock:
                 for u in list(self._followers):
                     self._asked[u] = started  # followed files stay polled
-                for u in [u for u, t in self._asked.items() if started - t > FORGET_AFTER_S]:
+                for u in [u for u, t in self._asked.items() if started - t > self.forget_after_s]:
                     del self._asked[u]
                     self._values.pop(u, None)
                     self._fed_at.pop(u, None)
@@ -507,8 +534,8 @@ class LengthPoller:
                 # broken stream (a round every interval costs a tailing reader ~10 % of its CPU);
                 # a feed behind that moves is looked at again within PUSH_GRACE_S, so one that
                 # stops is polled every round from then on, not from the next safety poll.
-                wait = max(0.0, self._next_full_poll - time.monotonic())
+                wait = max(0.0, self._next_full_poll - self.clock())
                 self._kick.wait(min(wait, PUSH_GRACE_S) if feeds_behind else wait)
                 self._kick.clear()
             else:
-                time.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+                time.sleep(max(0.0, self.interval - (self.clock() - started)))

@@ -49,8 +49,11 @@ class _PushStream:
 
     method = ""
 
-    def __init__(self, client: CacheClient, endpoint: str, on_state: Optional[Callable[[str, bool], None]] = None):
+    def __init__(self, client: CacheClient, endpoint: str, on_state: Optional[Callable[[str, bool], None]] = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.client = client
+        #: Monotonic seconds :attr:`asked_at` is taken on (its reader's clock: the feed's).
+        self.clock = clock
         self.endpoint = endpoint
         self.on_state = on_state
         # _lock guards the subscription of subclasses, _requests and _closed; a request queued
@@ -138,7 +141,7 @@ class _PushStream:
         waited already (a replica that answers none of a series of re-subscriptions has been
         silent since the first). Caller holds _lock."""
         if self.asked_at is None:
-            self.asked_at = time.monotonic()
+            self.asked_at = self.clock()
 
     def close(self) -> None:
         """End the stream and its thread (does not wait)."""
@@ -314,15 +317,18 @@ class FollowStream(_PushStream):
         The replica.
     on_bytes : callable
         ``on_bytes(file id, start, data)`` for every pushed run, on the stream's thread.
+    clock : callable
+        Monotonic seconds (``time.monotonic``) :attr:`asked_at` is taken on.
     """
 
     method = "Follow"
 
     def __init__(self, client: CacheClient, endpoint: str, on_bytes: Callable[[bytes, int, bytes], None],
-                 on_state: Optional[Callable[[str, bool], None]] = None) -> None:
+                 on_state: Optional[Callable[[str, bool], None]] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._cursors: Dict[bytes, int] = {}
         self.on_bytes = on_bytes
-        super().__init__(client, endpoint, on_state)
+        super().__init__(client, endpoint, on_state, clock)
 
     def follow(self, fid: bytes, offset: int) -> None:
         """Follow file ``fid`` from byte ``offset`` (moves the cursor of a followed file)."""

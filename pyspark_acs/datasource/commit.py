@@ -36,6 +36,7 @@ from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.shard import OpenFile, ShardWriter
 
 __all__ = [
+    "COMMIT_APPEND_BYTES",
     "SinkCommitter",
     "abort_batch",
     "commit_batch",
@@ -47,7 +48,8 @@ log = logging.getLogger(__name__)
 STAGING_SWEEP_AFTER_S = 3600.0
 #: Staged pieces of one segment are appended together up to this many bytes (one durable
 #: append, one chunk write, one length publication for all the tasks' pieces of a shard,
-#: instead of one each); a single larger piece is appended alone.
+#: instead of one each); a single larger piece is appended alone. The default of the commit's
+#: ``append_bytes``.
 COMMIT_APPEND_BYTES = 8 * 1024 * 1024
 #: Shards of a batch appended at once by the driver: each shard is its own writer, lease and
 #: file, so their appends (durable write, chunks, lengths: mostly waiting on I/O) overlap.
@@ -67,8 +69,10 @@ class SinkCommitter:
     seal of a predecessor's unsealed file, appends verified against seals, chunks, lengths).
     """
 
-    def __init__(self, opts: SinkOptions, sink_id: str) -> None:
+    def __init__(self, opts: SinkOptions, sink_id: str, *, append_bytes: int = COMMIT_APPEND_BYTES) -> None:
         self.opts = opts
+        #: Staged pieces of a segment are appended together up to this many bytes.
+        self.append_bytes = append_bytes
         self.sink_id = sink_id
         self.writer_id = f"sink{sink_id}"
         self.dir = sink_dir(opts.stream, sink_id)
@@ -392,11 +396,11 @@ class SinkCommitter:
         if writer.current() is None or writer.file != seg.file:
             return _Redirect(self._remaining(store, seg, cut), f"{uri} changed while this sink took the shard")
         offset = 0
-        pending: List[bytes] = []  # pieces not appended yet, appended together (COMMIT_APPEND_BYTES)
+        pending: List[bytes] = []  # pieces not appended yet, appended together (append_bytes)
         pending_bytes = pending_rows = 0
         for data, count in self._pieces(store, seg, uri):
             if offset + len(data) > done:
-                if pending and pending_bytes + len(data) > COMMIT_APPEND_BYTES:
+                if pending and pending_bytes + len(data) > self.append_bytes:
                     writer.append(b"".join(pending), pending_rows)
                     writer.check_leases()  # a long append keeps its shard
                     pending, pending_bytes, pending_rows = [], 0, 0
@@ -567,16 +571,17 @@ def _by_stream(opts: SinkOptions, messages: Sequence[Optional[WriterCommitMessag
 
 
 def commit_batch(opts: SinkOptions, sink_id: str, messages: Sequence[Optional[WriterCommitMessage]],
-                 batch_id: Optional[int]) -> None:
+                 batch_id: Optional[int], *, append_bytes: int = COMMIT_APPEND_BYTES) -> None:
     """Commit a batch stream by stream, each exactly once per batch id (its own intent and
     state): after a failure part way, the retry replays the streams done and completes the rest.
 
     Before the first stream, the batch's streams are recorded (a manifest); a retry commits the
     recorded ones too, so a stream its replay routes no rows to is still completed from its
-    intent, never left half-written."""
+    intent, never left half-written. A shard's staged pieces are appended together up to
+    ``append_bytes`` (default :data:`COMMIT_APPEND_BYTES`)."""
     if batch_id is None:  # a batch write without sinkId: no retry identity, nothing to record
         for stream_opts, staged in _by_stream(opts, messages):
-            SinkCommitter(stream_opts, sink_id).commit(staged, batch_id)
+            SinkCommitter(stream_opts, sink_id, append_bytes=append_bytes).commit(staged, batch_id)
         return
     store = open_store(opts.root)
     try:
@@ -588,7 +593,7 @@ def commit_batch(opts: SinkOptions, sink_id: str, messages: Sequence[Optional[Wr
         if names != recorded:
             store.write_small(rel, json.dumps(BatchManifest(tuple(names)).to_json()).encode())
         for stream_opts, staged in plan:
-            SinkCommitter(stream_opts, sink_id).commit(staged, batch_id)
+            SinkCommitter(stream_opts, sink_id, append_bytes=append_bytes).commit(staged, batch_id)
         store.delete(rel)
     finally:
         store.close()

@@ -53,7 +53,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from pyspark_acs.datasource.commit import abort_batch, commit_batch
+from pyspark_acs.datasource.commit import COMMIT_APPEND_BYTES, abort_batch, commit_batch
 from pyspark_acs.datasource.options import SinkOptions
 from pyspark_acs.datasource.staging import AcsCommitMessage, Stager
 from pyspark_acs.errors import AcsOptionError
@@ -185,11 +185,17 @@ def _prepare(opts: SinkOptions) -> Dict[str, int]:
 
 
 class AcsStreamWriter(DataSourceStreamArrowWriter):
-    """Stream writer of ``df.writeStream.format("acs")`` (see the module docstring for the guarantee)."""
+    """Stream writer of ``df.writeStream.format("acs")`` (see the module docstring for the guarantee).
 
-    def __init__(self, opts: SinkOptions, schema: StructType) -> None:
+    ``commit_append_bytes``: a shard's staged pieces are appended together up to this many
+    bytes at commit (default :data:`~pyspark_acs.datasource.commit.COMMIT_APPEND_BYTES`).
+    """
+
+    def __init__(self, opts: SinkOptions, schema: StructType, *,
+                 commit_append_bytes: int = COMMIT_APPEND_BYTES) -> None:
         check_sink_schema(schema, opts)
         self.opts = opts
+        self.commit_append_bytes = commit_append_bytes
         self.sink_id = _sink_id(opts)
         self.shards = _prepare(opts)
 
@@ -199,7 +205,7 @@ class AcsStreamWriter(DataSourceStreamArrowWriter):
 
     def commit(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
         """Driver side: append the batch's staged blocks to its shards, exactly once per ``batchId``."""
-        commit_batch(self.opts, self.sink_id, messages, batchId)
+        commit_batch(self.opts, self.sink_id, messages, batchId, append_bytes=self.commit_append_bytes)
 
     def abort(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
         """Delete the staged files of a batch that will not be committed.
@@ -222,13 +228,17 @@ class AcsBatchWriter(DataSourceArrowWriter):
     attempt's intent (exactly the planned bytes, nothing twice) and writes nothing of its
     own, and a rerun after a successful commit writes nothing. Use a new ``sinkId`` for new
     data.
+
+    ``commit_append_bytes`` is as for :class:`AcsStreamWriter`.
     """
 
-    def __init__(self, opts: SinkOptions, schema: StructType, overwrite: bool) -> None:
+    def __init__(self, opts: SinkOptions, schema: StructType, overwrite: bool, *,
+                 commit_append_bytes: int = COMMIT_APPEND_BYTES) -> None:
         if overwrite:
             raise AcsOptionError("acs sink: streams are append-only; use mode('append')", option="mode")
         check_sink_schema(schema, opts)
         self.opts = opts
+        self.commit_append_bytes = commit_append_bytes
         if opts.sink_id:
             self.sink_id = "batch" + hashlib.blake2b(opts.sink_id.encode(), digest_size=8).hexdigest()
             self.batch_id: Optional[int] = 0
@@ -243,7 +253,7 @@ class AcsBatchWriter(DataSourceArrowWriter):
 
     def commit(self, messages: List[Optional[WriterCommitMessage]]) -> None:
         """Driver side: append every task's staged blocks, in task order."""
-        commit_batch(self.opts, self.sink_id, messages, self.batch_id)
+        commit_batch(self.opts, self.sink_id, messages, self.batch_id, append_bytes=self.commit_append_bytes)
 
     def abort(self, messages: List[Optional[WriterCommitMessage]]) -> None:
         """Delete the staged files of a write that will not be committed (those an intent

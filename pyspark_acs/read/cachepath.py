@@ -172,6 +172,9 @@ class CachedReadPath:
         :class:`~pyspark_acs.cache.feed.ChunkFeed`): for readers that tail files (Consumers,
         the copy daemon). Reads the feed holds need no request; the rest is read as without.
         Only with no more data replicas than the replication factor (each holds every chunk).
+    feed : ChunkFeed, optional
+        The feed to have bytes pushed through when ``push`` is on (default: the process's
+        shared one for the data cache; tests pass one with their own buffer size or clock).
     """
 
     def __init__(
@@ -187,6 +190,7 @@ class CachedReadPath:
         poller: Optional[LengthPoller] = None,
         push: bool = False,
         security: Optional[SecuritySettings] = None,
+        feed: Optional[ChunkFeed] = None,
     ) -> None:
         self.store = store
         #: The process that made this path: the only one with its feed's and poller's threads.
@@ -206,8 +210,9 @@ class CachedReadPath:
         # spread over them; the feed stops at each chunk its replica lacks, and each reader
         # passing one would reopen the Follow call many times a second: such a deployment
         # reads by asking, its lengths still pushed.
-        self.feed: Optional[ChunkFeed] = (ChunkFeed.shared(self.data.endpoints, token, security)
-                                          if push and self.data and holds_whole_files(self.data) else None)
+        self.feed: Optional[ChunkFeed] = None
+        if push and self.data and holds_whole_files(self.data):
+            self.feed = feed if feed is not None else ChunkFeed.shared(self.data.endpoints, token, security)
         # rel -> the readers of it this path follows in the feed (guarded by _lock)
         self._fed: Dict[str, Set[Hashable]] = {}
         self._closed = False  # set by close(): expect() follows nothing after it

@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pyarrow.fs as pafs
 
@@ -54,13 +54,12 @@ from pyspark_acs.format.names import shard_dir
 from pyspark_acs.storage.store import _translate as _store_translate
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier_manifest import TierRecord, decode_header_index, manifest_rel, read_manifest
-from pyspark_acs.storage.tier_preread import ReadAhead
+from pyspark_acs.storage.tier_preread import PREREAD_TTL_S, ReadAhead
 from pyspark_acs.storage.tier_settings import TierSettings, stream_tier_settings
 from pyspark_acs.storage.tier_store import TierStore
 
 __all__ = [
     "DEFAULT_READ_POLICY",
-    "MANIFEST_SETTLE_S",
     "parse_read_policy",
     "raise_retention_floor",
     "retention_floor",
@@ -82,7 +81,8 @@ DEFAULT_READ_POLICY = "NOT_IN_DISK"
 #: a file it cannot find in either tier makes it read them at once.
 MANIFEST_TTL_S = 1.0
 #: A manifest changed less than this long ago (seconds, by its modification time) is read
-#: again on every fresh look; an older one only when its (mtime, size) changed.
+#: again on every fresh look; an older one only when its (mtime, size) changed. The default
+#: of ``TieredStore(manifest_settle_s=)``.
 MANIFEST_SETTLE_S = 2.0
 #: Header indexes a reader keeps in memory (one per object; 56 bytes per block).
 MAX_HEADER_INDEXES = 256
@@ -166,20 +166,35 @@ class TieredStore(DurableStore):
     preread : bool
         Fetch ahead from the secondary store (:mod:`~pyspark_acs.storage.tier_preread`); off: one
         request per read.
+    manifest_settle_s : float
+        A manifest changed less than this long ago is read again on every fresh look (default
+        :data:`MANIFEST_SETTLE_S`; measured against its modification time, on the wall clock).
+    preread_ttl_s : float
+        Read-ahead not read within this long is dropped (default
+        :data:`~pyspark_acs.storage.tier_preread.PREREAD_TTL_S`).
+    clock : callable
+        Monotonic seconds (``time.monotonic``): the clock of the reuse of tier records and
+        settings and of the read-ahead's expiry. Not carried to other processes (a pickled
+        store has the default).
     """
 
-    def __init__(self, hot: DurableStore, policy: str = DEFAULT_READ_POLICY, *, preread: bool = True) -> None:
+    def __init__(self, hot: DurableStore, policy: str = DEFAULT_READ_POLICY, *, preread: bool = True,
+                 manifest_settle_s: float = MANIFEST_SETTLE_S, preread_ttl_s: float = PREREAD_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.__dict__.update(hot.__dict__)  # same root, filesystem and open-file LRU
         self.hot = hot
         self.policy = parse_read_policy(policy)
         self.preread = preread
+        self.manifest_settle_s = manifest_settle_s
+        self.preread_ttl_s = preread_ttl_s
+        self.clock = clock
         # _tier_lock guards _manifests, _settings, _tiers, _indexes, _gone and _tier_stats.
         self._tier_lock = threading.Lock()
         #: (stream, shard) -> (monotonic time read or checked, records, manifest version).
         self._manifests: Dict[Tuple[str, int], Tuple[float, Dict[str, TierRecord], Optional[Tuple[int, int]]]] = {}
         self._settings: Dict[str, Tuple[float, TierSettings]] = {}
         self._tiers: Dict[str, TierStore] = {}
-        self._read_ahead = ReadAhead()
+        self._read_ahead = ReadAhead(preread_ttl_s, clock)
         self._indexes: "OrderedDict[str, Dict[int, bytes]]" = OrderedDict()
         self._gone: set = set()  # files whose hot copy is known deleted
         self._tier_stats = {"tier_reads": 0, "index_hits": 0, "manifest_reads": 0, "manifest_checks": 0}
@@ -188,7 +203,8 @@ class TieredStore(DurableStore):
         return f"TieredStore({self.root!r}, {self.policy})"
 
     def __reduce__(self):  # only plain data crosses process boundaries
-        return (_reopen, (self.root, self.policy, self.preread, getattr(self.hot, "create", True)))
+        return (_reopen, (self.root, self.policy, self.preread, getattr(self.hot, "create", True),
+                          self.manifest_settle_s, self.preread_ttl_s))
 
     # -- which tier --------------------------------------------------------------------------
 
@@ -205,7 +221,7 @@ class TieredStore(DurableStore):
         manifest when it has not changed since it was read (:meth:`_manifest_version`), one
         read when it has: a reader waiting for a shard's next file lists it every poll, and a
         manifest of a long history is a large JSON document."""
-        now = time.monotonic()
+        now = self.clock()
         with self._tier_lock:
             hit = self._manifests.get((stream, shard))
         if hit is not None and not fresh and now - hit[0] < MANIFEST_TTL_S:
@@ -225,7 +241,7 @@ class TieredStore(DurableStore):
 
     def _manifest_version(self, stream: str, shard: int) -> Optional[Tuple[int, int]]:
         """``(mtime in ns, size)`` of a shard's manifest (``(0, 0)``: none), or ``None`` when it
-        changed less than MANIFEST_SETTLE_S ago: two versions written within a filesystem's
+        changed less than ``manifest_settle_s`` ago: two versions written within a filesystem's
         timestamp resolution (ms to 1 s) may look the same, so only an older one is trusted."""
         path = self.hot.path(manifest_rel(stream, shard))
         with _store_translate(f"stat {self.hot.uri(manifest_rel(stream, shard))}"):
@@ -235,7 +251,7 @@ class TieredStore(DurableStore):
         if info.type == pafs.FileType.NotFound:
             return (0, 0)
         mtime_ns = info.mtime_ns
-        if mtime_ns is None or time.time() - mtime_ns / 1e9 < MANIFEST_SETTLE_S:
+        if mtime_ns is None or time.time() - mtime_ns / 1e9 < self.manifest_settle_s:
             return None
         return (mtime_ns, int(info.size or 0))
 
@@ -262,7 +278,7 @@ class TieredStore(DurableStore):
 
     def tier(self, stream: str) -> Optional[TierStore]:
         """The secondary store of ``stream`` (``None`` when it is not tiered)."""
-        now = time.monotonic()
+        now = self.clock()
         with self._tier_lock:
             hit = self._settings.get(stream)
         if hit is None or now - hit[0] >= SETTINGS_TTL_S:
@@ -444,12 +460,17 @@ class TieredStore(DurableStore):
         self.hot.close()
 
 
-def _reopen(root: str, policy: str, preread: bool, create: bool = True) -> TieredStore:
-    return TieredStore(DurableStore(root, create=create), policy, preread=preread)
+def _reopen(root: str, policy: str, preread: bool, create: bool = True, manifest_settle_s: float = MANIFEST_SETTLE_S,
+            preread_ttl_s: float = PREREAD_TTL_S) -> TieredStore:
+    return TieredStore(DurableStore(root, create=create), policy, preread=preread,
+                       manifest_settle_s=manifest_settle_s, preread_ttl_s=preread_ttl_s)
 
 
-def tiered_store(store: DurableStore, policy: str = DEFAULT_READ_POLICY, *, preread: bool = True) -> TieredStore:
-    """``store`` as readers see it with tiering (returned as is when it already is a view)."""
+def tiered_store(store: DurableStore, policy: str = DEFAULT_READ_POLICY, *, preread: bool = True,
+                 **settings: Any) -> TieredStore:
+    """``store`` as readers see it with tiering (returned as is when it already is a view);
+    ``settings`` are :class:`TieredStore`'s ``manifest_settle_s``, ``preread_ttl_s`` and
+    ``clock``."""
     if isinstance(store, TieredStore):
         return store
-    return TieredStore(store, policy, preread=preread)
+    return TieredStore(store, policy, preread=preread, **settings)

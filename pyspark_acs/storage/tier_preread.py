@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
 
 __all__ = [
+    "PREREAD_TTL_S",
     "ReadAhead",
 ]
 
@@ -16,7 +17,8 @@ __all__ = [
 PREREAD_MIN_BYTES = 256 * 1024
 #: Largest pre-reading window (bytes): bounds the memory one reader holds per shard.
 PREREAD_MAX_BYTES = 32 * 1024 * 1024
-#: Read-ahead bytes not read within this many seconds are dropped (and the window halves).
+#: Read-ahead bytes not read within this many seconds are dropped (and the window halves);
+#: the default of ``ReadAhead(ttl_s=)``.
 PREREAD_TTL_S = 30.0
 #: Read-ahead buffers a reader keeps (one per file it reads; least recently used dropped first).
 PREREAD_MAX_BUFFERS = 16
@@ -46,7 +48,7 @@ class _Buffer:
     start: int  # file position of data[0]
     data: bytes
     used: int  # file position up to which it was read
-    at: float = field(default_factory=time.monotonic)
+    at: float  # when it was kept (the ReadAhead's clock)
 
     @property
     def end(self) -> int:
@@ -60,10 +62,13 @@ def _window_key(rel: str) -> str:
 
 class ReadAhead:
     """One reader's read-ahead from the secondary store: a buffer per file it reads (at most
-    PREREAD_MAX_BUFFERS, least recently used dropped first; dropped after PREREAD_TTL_S idle)
-    and a :class:`PrereadWindow` per shard. Thread-safe."""
+    PREREAD_MAX_BUFFERS, least recently used dropped first; dropped after ``ttl_s`` idle,
+    :data:`PREREAD_TTL_S` by default, on ``clock``, monotonic seconds) and a
+    :class:`PrereadWindow` per shard. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float = PREREAD_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
         self._lock = threading.Lock()  # guards _buffers, _windows and _stats
         self._buffers: "OrderedDict[str, _Buffer]" = OrderedDict()
         self._windows: Dict[str, PrereadWindow] = {}
@@ -93,7 +98,7 @@ class ReadAhead:
             old = self._buffers.pop(rel, None)
             if old is not None:
                 self._drop(old, _window_key(rel))
-            self._buffers[rel] = _Buffer(at, data, used)
+            self._buffers[rel] = _Buffer(at, data, used, self.clock())
             while len(self._buffers) > PREREAD_MAX_BUFFERS:
                 k, b = self._buffers.popitem(last=False)
                 self._drop(b, _window_key(k))
@@ -124,7 +129,7 @@ class ReadAhead:
                 w.shrink()
 
     def _expire(self) -> None:
-        """Drop buffers idle for PREREAD_TTL_S (under _lock)."""
-        now = time.monotonic()
-        for k in [k for k, b in self._buffers.items() if now - b.at > PREREAD_TTL_S]:
+        """Drop buffers idle for ``ttl_s`` (under _lock)."""
+        now = self.clock()
+        for k in [k for k, b in self._buffers.items() if now - b.at > self.ttl_s]:
             self._drop(self._buffers.pop(k), _window_key(k))

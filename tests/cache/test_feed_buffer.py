@@ -4,13 +4,20 @@ caught-up reader's read of the last run."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyspark_acs.cache import feed
-from pyspark_acs.cache.feed import _File
+from pyspark_acs.cache.feed import FEED_STALL_S, PUSH_GRACE_S, _File
+
+from tests.helpers import FakeClock
 
 FILE = bytes(range(256)) * 64  # the file's bytes: any pushed run is a slice of them
+#: A small buffer size for the property test (runs of up to 900 bytes overflow it often).
+CAP = 2048
 
 
 class _Plain:
@@ -27,8 +34,8 @@ class _Plain:
         if start > self.end or start + len(data) <= self.end:
             return False
         self.buf += data[self.end - start:]
-        if len(self.buf) > feed.FEED_MAX_BYTES:
-            drop = len(self.buf) - feed.FEED_MAX_BYTES
+        if len(self.buf) > CAP:
+            drop = len(self.buf) - CAP
             del self.buf[:drop]
             self.base += drop
         return True
@@ -60,37 +67,32 @@ ops = st.lists(
 @given(ops=ops)
 def test_runs_read_back_as_one_buffer(ops):
     """Any sequence of pushes (overlapping, past a gap, exact), reads, drops and restarts
-    gives the same bytes, base and end as one plain buffer, under a small FEED_MAX_BYTES."""
-    saved = feed.FEED_MAX_BYTES
-    feed.FEED_MAX_BYTES = 2048
-    try:
-        f, ref = _File("file:///x", ("a",)), _Plain()
-        for op in ops:
-            if op[0] == "push":
-                start = max(0, f.end + op[1])
-                data = FILE[start:start + op[2]]
-                assert f.append(start, data) == ref.append(start, data)
-                if f.end - f.base > feed.FEED_MAX_BYTES:  # the feed's drop (ChunkFeed._overflow)
-                    f.drop_to(f.end - feed.FEED_MAX_BYTES)
-            elif op[0] == "read":
-                start = f.base + op[1] % max(1, f.end - f.base) if f.end > f.base else None
-                if start is not None:
-                    assert f.take(start, start + op[2]) == ref.take(start, start + op[2])
-            elif op[0] == "drop":
-                to = f.base + op[1] % (f.end - f.base + 1)
-                f.drop_to(to)
-                ref.drop_to(to)
-            else:
-                f.restart(op[1])
-                ref.restart(op[1])
-            assert (f.base, f.end) == (ref.base, ref.end)
-            assert f.end - f.base <= feed.FEED_MAX_BYTES
-            # no run below what is held stays referenced (memory is bounded by what is held)
-            assert not f.pieces or f.starts[0] + len(f.pieces[0]) > f.base
-            if f.end > f.base:
-                assert f.take(f.base, f.end) == bytes(ref.buf) == FILE[f.base:f.end]
-    finally:
-        feed.FEED_MAX_BYTES = saved
+    gives the same bytes, base and end as one plain buffer, under a small buffer size."""
+    f, ref = _File("file:///x", ("a",)), _Plain()
+    for op in ops:
+        if op[0] == "push":
+            start = max(0, f.end + op[1])
+            data = FILE[start:start + op[2]]
+            assert f.append(start, data) == ref.append(start, data)
+            if f.end - f.base > CAP:  # the feed's drop (ChunkFeed._overflow)
+                f.trim(CAP)
+        elif op[0] == "read":
+            start = f.base + op[1] % max(1, f.end - f.base) if f.end > f.base else None
+            if start is not None:
+                assert f.take(start, start + op[2]) == ref.take(start, start + op[2])
+        elif op[0] == "drop":
+            to = f.base + op[1] % (f.end - f.base + 1)
+            f.drop_to(to)
+            ref.drop_to(to)
+        else:
+            f.restart(op[1])
+            ref.restart(op[1])
+        assert (f.base, f.end) == (ref.base, ref.end)
+        assert f.end - f.base <= CAP
+        # no run below what is held stays referenced (memory is bounded by what is held)
+        assert not f.pieces or f.starts[0] + len(f.pieces[0]) > f.base
+        if f.end > f.base:
+            assert f.take(f.base, f.end) == bytes(ref.buf) == FILE[f.base:f.end]
 
 
 def test_caught_up_read_is_the_pushed_run_itself():
@@ -109,10 +111,12 @@ def test_caught_up_read_is_the_pushed_run_itself():
 
 
 class _FakeStream:
-    """Stands in for a FollowStream: records the cursor the feed asks for."""
+    """Stands in for a FollowStream: records the cursor the feed asks for, and since when a
+    subscription is unanswered (``asked_at``, set by the test)."""
 
     def __init__(self) -> None:
         self.cursors: dict = {}
+        self.asked_at = None
 
     def follow(self, fid: bytes, offset: int) -> None:
         self.cursors[fid] = offset
@@ -131,27 +135,25 @@ class _FakeStream:
 RUN = 256 * 1024
 
 
-def _feed_following(uri: str, *readers: str):
-    """A ChunkFeed over a stand-in stream, ``readers`` following ``uri`` from byte 0:
-    ``(feed, stream, file id)``."""
-    import threading
-
+def _feed_following(uri: str, *readers: str, replicas=("r1",), clock=time.monotonic):
+    """A ChunkFeed over stand-in streams (one per replica), ``readers`` following ``uri`` from
+    byte 0: ``(feed, stream of the file's replica, file id)``."""
     from pyspark_acs.cache.chunks import file_id
 
     f = object.__new__(feed.ChunkFeed)
     f._whole_files, f._lock = True, threading.Lock()
-    f._files, f._by_fid, f.received, f.served = {}, {}, 0, 0
+    f._files, f._by_fid, f.received, f.served, f.moves, f._warned = {}, {}, 0, 0, 0, {}
+    f.max_bytes, f.clock = feed.FEED_MAX_BYTES, clock
 
     class _Client:
         def replicas_for(self, key):
-            return ("r1",)
+            return replicas
 
     f.client = _Client()
-    stream = _FakeStream()
-    f._streams = {"r1": stream}
+    f._streams = {r: _FakeStream() for r in replicas}
     for reader in readers:
         f.follow(uri, reader, 0)
-    return f, stream, file_id(uri)
+    return f, f._streams[f._files[uri].endpoint], file_id(uri)
 
 
 def test_a_paused_push_resumes_when_one_of_its_readers_reaches_the_head():
@@ -187,3 +189,49 @@ def test_a_reader_inside_a_block_larger_than_the_buffer_keeps_the_push_going():
         f.consumed(uri, "R", 0, held.end)  # no complete block: it stands at 0, read to the end
         assert fid in stream.cursors, "the push stopped inside the block"
     assert not held.paused and held.base > 0 and held.end - held.base <= cap
+
+
+def test_a_replica_silent_for_the_stall_time_loses_the_file_to_the_next_one():
+    """The stall rule on a hand-moved clock: a reader past the feed (it read by asking) while
+    the file's stream leaves its subscription unanswered moves the file to its next replica only
+    once FEED_STALL_S has passed since the subscription (and since the file came there)."""
+    clock = FakeClock()
+    uri = "file:///stalled"
+    f, stream, fid = _feed_following(uri, "R", replicas=("r1", "r2", "r3"), clock=clock)
+    first = f._files[uri].endpoint
+    stream.asked_at = clock()  # subscribed, never answered
+    clock.advance(FEED_STALL_S / 2)
+    f.consumed(uri, "R", 4096)  # past the feed: read from the cache
+    assert f._files[uri].endpoint == first and f.moves == 0  # not silent for long enough yet
+    assert stream.cursors[fid] == 4096  # followed on from where the reader is, on the same replica
+    clock.advance(FEED_STALL_S)
+    f.consumed(uri, "R", 8192)
+    moved = f._files[uri].endpoint
+    assert moved != first and f.moves == 1
+    assert fid not in stream.cursors and f._streams[moved].cursors[fid] == 8192
+    f._streams[moved].asked_at = clock()  # the next replica is asked now: its own time to answer
+    f.consumed(uri, "R", 12288)
+    assert f._files[uri].endpoint == moved and f.moves == 1
+
+
+def test_a_reader_waits_for_the_push_for_the_grace_time_only():
+    """Push grace on a hand-moved clock: a reader at the end of the feed's bytes waits for the
+    push (no request) until PUSH_GRACE_S has passed without the feed growing; pushed bytes
+    start the grace afresh."""
+    clock = FakeClock()
+    uri = "file:///grace"
+    f, stream, fid = _feed_following(uri, "R", clock=clock)
+    stream.live = threading.Event()
+    stream.live.set()
+    stream.push(f, fid, 1000)
+    assert f.waiting(uri, 1000)  # the first look starts the grace
+    clock.advance(PUSH_GRACE_S / 2)
+    assert f.waiting(uri, 1000)
+    clock.advance(PUSH_GRACE_S)
+    assert not f.waiting(uri, 1000)  # then it asks
+    stream.push(f, fid, 500)  # the feed grew: a reader at its new end waits again
+    assert f.waiting(uri, 1500)
+    clock.advance(PUSH_GRACE_S * 1.5)
+    assert not f.waiting(uri, 1500)
+    stream.live.clear()
+    assert not f.waiting(uri, 1500)

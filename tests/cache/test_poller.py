@@ -8,9 +8,11 @@ import pytest
 
 from pyspark_acs import Consumer, Producer
 from pyspark_acs.read.cachepath import CachedReadPath
-from pyspark_acs.cache.poller import LengthPoller
+from pyspark_acs.cache.poller import FORGET_AFTER_S, PUSH_SAFETY_POLL_S, LengthPoller
 from pyspark_acs.server.local.deploy import LocalDeployment
 from pyspark_acs.storage.store import open_store
+
+from tests.helpers import FakeClock, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -38,40 +40,50 @@ def test_readers_of_one_process_share_one_poller_and_see_new_lengths(root, deplo
         assert c1.stats()["metadata_fallbacks"] == 0  # lengths came from the poller, not the store
 
 
-def test_poller_stops_when_nothing_is_followed(deployment, monkeypatch):
-    import pyspark_acs.cache.poller as poller_mod
-
-    monkeypatch.setattr(poller_mod, "FORGET_AFTER_S", 0.1)
-    poller = LengthPoller(tuple(deployment.metadata_endpoints.split(",")))
+def test_poller_stops_when_nothing_is_followed(deployment):
+    """A file nobody asked about for forget_after_s leaves the poll; with none left the thread
+    stops. On a hand-moved clock: not a moment before."""
+    clock = FakeClock()
+    poller = LengthPoller(tuple(deployment.metadata_endpoints.split(",")), clock=clock)
+    assert poller.forget_after_s == FORGET_AFTER_S
     assert poller.lengths(["file:///nowhere.acs"]) == {"file:///nowhere.acs": (None, None)}
-    deadline = time.monotonic() + 5
-    while poller._thread is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert poller._thread is None
+    rounds = poller.polls
+    wait_until(lambda: poller.polls > rounds + 2, 10, "poll rounds")
+    assert poller._thread is not None and "file:///nowhere.acs" in poller._asked  # not forgotten yet
+    clock.advance(FORGET_AFTER_S + 0.1)
+    poller.wake()
+    wait_until(lambda: poller._thread is None, 10, "the poller thread to stop")
+    assert "file:///nowhere.acs" not in poller._asked
 
 
-
-def test_followed_files_wake_their_followers_and_outlive_forget(deployment, monkeypatch):
+def test_followed_files_wake_their_followers_and_outlive_forget(deployment):
     """The copy daemon follows its files through this poller (no second poller): a published
-    length wakes the file's followers only, a followed file is polled past FORGET_AFTER_S,
+    length wakes the file's followers only, a followed file is polled past forget_after_s,
     a length the process published itself (notify) is seen at once, and lengths never shrink."""
-    import pyspark_acs.cache.poller as poller_mod
     from pyspark_acs.cache.client import CacheClient
     from pyspark_acs.cache.metadata import MetadataCache
 
-    monkeypatch.setattr(poller_mod, "FORGET_AFTER_S", 0.1)
-    poller = LengthPoller(tuple(deployment.metadata_endpoints.split(",")), interval=0.02)
+    clock = FakeClock()
+    poller = LengthPoller(tuple(deployment.metadata_endpoints.split(",")), interval=0.02, forget_after_s=0.1,
+                          clock=clock)
     a, b = "file:///follow/a.acs", "file:///follow/b.acs"
     wake_a, wake_b = poller.follow(a), poller.follow(b)
     with CacheClient(deployment.metadata_endpoints) as client:
-        time.sleep(0.3)  # past FORGET_AFTER_S: still polled because followed
+        clock.advance(0.3)  # past forget_after_s: still polled because followed
+        rounds = poller.polls
+        poller.wake()
+        wait_until(lambda: poller.polls > rounds + 1, 10, "a poll round past forget_after_s")
+        assert poller._thread is not None and a in poller._asked and b in poller._asked
         MetadataCache(client).publish(a, cache_length=10, durable_length=10)
         assert wake_a.wait(5) and not wake_b.is_set()
         assert poller.lengths([a])[a] == (10, 10)
         poller.notify(b, durable_length=7)  # this process published it: no poll needed
         assert wake_b.is_set() and poller.lengths([b])[b] == (None, 7)
         MetadataCache(client).publish(a, cache_length=4)  # a lower length (a lagging writer) never lowers it
-        time.sleep(0.1)
+        clock.advance(2 * PUSH_SAFETY_POLL_S)  # a round after it polls a, pushed or not
+        rounds = poller.polls
+        poller.wake()
+        wait_until(lambda: poller.polls > rounds + 1, 10, "a poll round after the lower length")
         assert poller.lengths([a])[a] == (10, 10)
     poller.unfollow(a, wake_a)
     poller.unfollow(b, wake_b)
@@ -172,10 +184,7 @@ def test_wait_for_change_wakes_every_waiter_at_once_and_only_for_a_change():
         waiters = [threading.Thread(target=wait) for _ in range(3)]
         for t in waiters:
             t.start()
-        deadline = time.monotonic() + 5
-        while len(poller._waiting) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(poller._waiting) == 3
+        wait_until(lambda: len(poller._waiting) == 3, 5, "three waiting readers", interval=0.01)
         poller.notify(uri, cache_length=100)
         for t in waiters:
             t.join(5)

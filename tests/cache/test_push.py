@@ -27,7 +27,7 @@ from pyspark_acs.server.local.deploy import LocalDeployment
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.write.producer import Producer
 
-from tests.helpers import Collector, Sender, assert_exact, msg, wait_until
+from tests.helpers import Collector, FakeClock, Sender, assert_exact, msg, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -927,19 +927,17 @@ def test_slow_reader_holds_up_nobody_and_grows_no_server_memory(dep):
         client.close()
 
 
-def test_a_feed_whose_readers_all_lag_stops_its_push_then_resumes_without_asking(dep, monkeypatch):
+def test_a_feed_whose_readers_all_lag_stops_its_push_then_resumes_without_asking(dep):
     """Every reader of a followed file far behind (here: one that reads nothing): the feed
     stops the file's push when it holds FEED_MAX_BYTES instead of dropping the oldest bytes
     (which the reader would then ask for, and the feed push again), and pushes on from the
     buffer's end once the reader has read half. Every byte is read from the feed, in order,
     and pushed about once. With a second reader that keeps up, the push goes on and the
     oldest bytes are dropped as before (the lagging one asks for them)."""
-    from pyspark_acs.cache import feed as feed_module
     from pyspark_acs.cache.feed import ChunkFeed
 
     cap = 2 * 1024 * 1024
-    monkeypatch.setattr(feed_module, "FEED_MAX_BYTES", cap)
-    feed = ChunkFeed(dep.data_endpoints.split(","))
+    feed = ChunkFeed(dep.data_endpoints.split(","), max_bytes=cap)
     writer_client = CacheClient(dep.data_endpoints)
     piece = bytes(range(256)) * 1024  # 256 KiB
     total = 32 * len(piece)  # 8 MiB: four times the cap
@@ -993,21 +991,26 @@ def test_a_feed_whose_readers_all_lag_stops_its_push_then_resumes_without_asking
         writer_client.close()
 
 
-def test_a_consumer_the_feed_dropped_bytes_for_asks_for_them_and_the_others_go_on(dep, root, monkeypatch):
+def test_a_consumer_the_feed_dropped_bytes_for_asks_for_them_and_the_others_go_on(dep, root):
     """Two consumers of one process share its feed: one reads as the producer writes, the
     other reads nothing until the producer is done. The feed keeps pushing for the one at the
     head and drops the oldest bytes above FEED_MAX_BYTES (bounded memory), so the laggard's
     bytes are gone from it: it falls back to asking the data cache for them, and gets every
     message in order. The one at the head is not held up: it has every message while the
     laggard has read nothing."""
-    from pyspark_acs.cache import feed as feed_module
+    from pyspark_acs.cache.feed import ChunkFeed
+    from pyspark_acs.read.cachepath import CachedReadPath
 
     cap = 1024 * 1024
-    monkeypatch.setattr(feed_module, "FEED_MAX_BYTES", cap)
+    feed = ChunkFeed(dep.data_endpoints.split(","), max_bytes=cap)  # the process's feed, with a small buffer
+
+    def reader(store: DurableStore) -> Consumer:
+        return Consumer(store, "laggard", read_path=CachedReadPath(store, push=True, feed=feed, **endpoints(dep)))
+
     count = 8000  # ~1.6 MB of messages: past the cap, so the feed must drop for the laggard
-    with Producer(root, "laggard", shards=1, **endpoints(dep)) as p, \
-            Consumer(root, "laggard", **endpoints(dep)) as fast, Consumer(root, "laggard", **endpoints(dep)) as slow:
-        assert slow.path.feed is fast.path.feed  # one feed per process: the readers share it
+    with contextlib.closing(feed), Producer(root, "laggard", shards=1, **endpoints(dep)) as p, \
+            reader(DurableStore(root)) as fast, reader(DurableStore(root)) as slow:
+        assert slow.path.feed is fast.path.feed is feed  # one feed per process: the readers share it
         quick, behind = Collector(fast), Collector(slow)
         p.send(msg(0))
         p.flush()
@@ -1272,12 +1275,20 @@ def test_reader_processes_spread_their_follow_streams_over_the_replicas():
 def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, root):
     """Bytes the cache holds that the live feed has not pushed yet are waited for (at most
     PUSH_GRACE_S while the feed does not grow), not asked for with Gets: a busy replica asked
-    for what it is pushing falls further behind. After the grace the reader asks."""
-    from pyspark_acs.cache.feed import PUSH_GRACE_S
+    for what it is pushing falls further behind. After the grace the reader asks. The grace
+    runs on the feed's clock, moved by hand here."""
+    from pyspark_acs.cache.feed import PUSH_GRACE_S, ChunkFeed
+    from pyspark_acs.read.cachepath import CachedReadPath
 
-    with Producer(root, "grace", shards=1, **endpoints(dep)) as p, Consumer(root, "grace", **endpoints(dep)) as c:
+    clock = FakeClock()
+    own = ChunkFeed(dep.data_endpoints.split(","), clock=clock)
+    store = DurableStore(root)
+    path = CachedReadPath(store, push=True, feed=own, **endpoints(dep))
+    with contextlib.closing(own), Producer(root, "grace", shards=1, **endpoints(dep)) as p, \
+            Consumer(store, "grace", read_path=path) as c:
         col, t, feed, uri = live_feed_after_msg0(p, c)
-        now = time.monotonic()
+        assert feed is own
+        now = clock()
         assert feed.waiting(uri, t.length, now=now)  # the first look starts the grace
         assert feed.waiting(uri, t.length, now=now + PUSH_GRACE_S / 2)
         assert not feed.waiting(uri, t.length, now=now + PUSH_GRACE_S * 1.5)  # then it asks
@@ -1286,7 +1297,7 @@ def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, roo
         p.flush()
         col.until(lambda: len(col.values) == 2, 20, "the second message")
         # The feed grew: a reader at its new end waits afresh.
-        assert feed.waiting(uri, t.length, now=time.monotonic())
+        assert feed.waiting(uri, t.length)
         # A push held back (the stream is up but its messages are dropped here): bytes the cache
         # holds are not asked for within the grace, then they are, whole and exact.
         with feed._lock:
@@ -1303,11 +1314,10 @@ def test_a_reader_waits_for_bytes_a_live_feed_is_about_to_push_not_asks(dep, roo
         before = c.path.stats()["cache_bytes"]
         assert c.path.read(t.rel, start, published) == b""
         assert c.path.stats()["cache_bytes"] == before  # nothing asked
-        time.sleep(PUSH_GRACE_S * 1.5)
+        clock.advance(PUSH_GRACE_S * 1.5)
         got = c.path.read(t.rel, start, published)
         assert len(got) == published - start and c.path.stats()["cache_bytes"] > before
         assert msg(2) in got
-        del stream._handle  # the feed's streams are the process's: later tests use this one
 
 
 

@@ -12,6 +12,7 @@ import pytest
 from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
 
 from pyspark_acs.datasource import commit as commit_module
+from pyspark_acs.datasource.commit import COMMIT_APPEND_BYTES
 from pyspark_acs.datasource.options import parse_sink_options
 from pyspark_acs.datasource.sink import AcsStreamWriter
 from pyspark_acs.datasource.staging import AcsCommitMessage
@@ -22,10 +23,10 @@ from pyspark_acs.write.shard import ShardWriter
 SCHEMA = StructType([StructField("shard", IntegerType()), StructField("value", BinaryType())])
 
 
-def writer(root, **extra):
+def writer(root, commit_append_bytes=COMMIT_APPEND_BYTES, **extra):
     opts = parse_sink_options({"root": root, "stream": "out", "shards": "2", "checkpointLocation": "/ck/batching",
                                **extra})
-    return AcsStreamWriter(opts, SCHEMA)
+    return AcsStreamWriter(opts, SCHEMA, commit_append_bytes=commit_append_bytes)
 
 
 def rows(values, shards):
@@ -75,10 +76,9 @@ def test_one_append_per_shard_in_task_order(root, appends):
     assert stream_values(root) == expected(range(2))
 
 
-def test_pieces_beyond_the_append_size_go_in_several_appends(root, appends, monkeypatch):
+def test_pieces_beyond_the_append_size_go_in_several_appends(root, appends):
     calls, _ = appends
-    monkeypatch.setattr(commit_module, "COMMIT_APPEND_BYTES", 1)  # every piece its own append
-    w = writer(root)
+    w = writer(root, commit_append_bytes=1)  # every piece its own append
     w.commit(task_messages(w, 0), 0)
     assert sorted(calls) == [(0, 2)] * 3 + [(1, 2)] * 3
     assert stream_values(root) == expected([0])

@@ -169,12 +169,11 @@ def test_a_replay_that_routes_no_rows_to_a_stream_still_completes_it(root, monke
         return real(self, data, count)
 
     monkeypatch.setattr(W.ShardWriter, "append", flaky)
-    # one append per staged piece (the commit joins a shard's pieces up to COMMIT_APPEND_BYTES),
-    # so the second one fails part way through stream b
-    monkeypatch.setattr("pyspark_acs.datasource.commit.COMMIT_APPEND_BYTES", 1)
     first = [stage(rows[10:25]), stage(rows[25:40])]
     with pytest.raises(OSError, match="disk gone"):
-        commit_batch(opts, sid, first, 1)
+        # one append per staged piece (append_bytes=1; the commit joins a shard's pieces up to
+        # it), so the second one fails part way through stream b
+        commit_batch(opts, sid, first, 1, append_bytes=1)
     abort_batch(opts, sid, first, 1, "batch 1 failed")
     monkeypatch.setattr(W.ShardWriter, "append", real)
     if lose_manifest:

@@ -32,7 +32,7 @@ from pyspark_acs.storage.tier_manifest import read_manifest
 from pyspark_acs.storage.tier_preread import PREREAD_MIN_BYTES, PrereadWindow
 from pyspark_acs.storage.tier_settings import configure_tier, stream_tier_settings
 from pyspark_acs.storage.tier_store import TierStore
-from tests.helpers import ROOT, Env, free_port, start_caches, start_query
+from tests.helpers import ROOT, Env, FakeClock, free_port, start_caches, start_query
 
 BUCKET = "acs-tier"
 KEY, SECRET = "testing", "testing"
@@ -414,8 +414,9 @@ def test_preread_window_grows_additively_and_halves():
     assert w.size == 100
 
 
-def test_preread_cuts_requests_to_the_secondary_store(root, s3, monkeypatch):
-    import pyspark_acs.storage.tier_preread as preread_module
+def test_preread_cuts_requests_to_the_secondary_store(root, s3):
+    from pyspark_acs.storage.tier import tiered_store
+    from pyspark_acs.storage.tier_preread import PREREAD_TTL_S
 
     make_stream(root, "pre", 2000, roll_bytes=100_000)
     configure_tier(root, "pre", tier_uri(s3, "t8"), hot_retention_s=0)
@@ -424,7 +425,8 @@ def test_preread_cuts_requests_to_the_secondary_store(root, s3, monkeypatch):
     rel, rec = next((f"{shard_dir('pre', 0)}/{n}", r) for n, r in sorted(name.items()))
     requests = {}
     for preread in (False, True):
-        path = open_read_path(root, tier_preread=preread)
+        clock = FakeClock()
+        path = open_read_path(tiered_store(DurableStore(root, create=False), preread=preread, clock=clock))
         data = b"".join(path.read(rel, at, min(rec.length, at + 4096)) for at in range(0, rec.length, 4096))
         assert len(data) == rec.length
         requests[preread] = path.store.tier_stats()["tier_requests"]
@@ -435,8 +437,7 @@ def test_preread_cuts_requests_to_the_secondary_store(root, s3, monkeypatch):
             # (the RocketMQ tiered-storage article's AIMD: the client stopped pulling).
             rel2 = f"{shard_dir('pre', 0)}/{sorted(name)[1]}"
             path.store.read(rel2, 0, 4096)
-            monkeypatch.setattr(preread_module, "PREREAD_TTL_S", 0.0)
-            time.sleep(0.01)
+            clock.advance(PREREAD_TTL_S + 1)
             path.store.read(rel, 100, 200)  # not a header: through the pre-read path
             assert path.store.tier_stats()["preread_dropped_bytes"] > 0
             assert path.store.window("pre", 0) == max(PREREAD_MIN_BYTES, grown // 2)
@@ -920,19 +921,20 @@ def test_acs_tier_sets_changes_shows_and_turns_off_tier_settings(root, s3, capsy
 # -- listings and the tier records ----------------------------------------------------------------
 
 
-def test_a_consumer_waiting_for_the_next_file_does_not_read_the_tier_records_per_poll(root, s3, monkeypatch):
+def test_a_consumer_waiting_for_the_next_file_does_not_read_the_tier_records_per_poll(root, s3):
     """A Consumer at a sealed file's end lists the shard (to find the next file); the tier
     records are read again only when the manifest changed (one stat per listing). The listing
     back-off is turned off here so that it lists every poll, as many listings as polls."""
-    import pyspark_acs.storage.tier as tier_module
     from pyspark_acs.read.consumer import TailTiming
+    from pyspark_acs.storage.tier import tiered_store
 
-    monkeypatch.setattr(tier_module, "MANIFEST_SETTLE_S", 0.0)  # trust (mtime, size) at once
     make_stream(root, "idle", 60)
     configure_tier(root, "idle", tier_uri(s3, "t20"), hot_retention_s=0)
     run_pass(root)
     got: List[bytes] = []
-    with Consumer(root, "idle", start="earliest", timing=TailTiming(listing_backoff_s=(0.0, 0.0))) as c:
+    store = tiered_store(DurableStore(root, create=False), manifest_settle_s=0.0)  # trust (mtime, size) at once
+    with Consumer(root, "idle", start="earliest", read_path=open_read_path(store),
+                  timing=TailTiming(listing_backoff_s=(0.0, 0.0))) as c:
         while len(got) < 60:
             for batch in c.poll():
                 got.extend(batch.column("value").to_pylist())

@@ -21,7 +21,7 @@ from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
 
 import pyspark_acs.write.producer as producer_mod
 from pyspark_acs.datasource.options import parse_sink_options
-from pyspark_acs.datasource.commit import SinkCommitter
+from pyspark_acs.datasource.commit import COMMIT_APPEND_BYTES, SinkCommitter
 from pyspark_acs.datasource.sink import AcsBatchWriter, AcsStreamWriter
 from pyspark_acs.errors import AcsError, WriterConflictError
 from pyspark_acs.format.block import encode_block, encode_seal, parse_header, scan_blocks, seal_void_from
@@ -438,9 +438,9 @@ def test_takeover_of_a_producer_stopped_holding_its_append_lock(tmp_path, root, 
 SCHEMA = StructType([StructField("shard", IntegerType()), StructField("value", BinaryType())])
 
 
-def sink(root, name):
+def sink(root, name, **settings):
     opts = parse_sink_options({"root": root, "stream": "both", "shards": "1", "checkpointLocation": f"/ck/{name}"})
-    return AcsStreamWriter(opts, SCHEMA)
+    return AcsStreamWriter(opts, SCHEMA, **settings)
 
 
 def staged(w, values):
@@ -456,6 +456,7 @@ def test_retried_sink_batch_after_another_writer_moved_on_is_seen_once_by_live_r
     try:
         follower.wait_for(b"a0-2")
         batch1 = [staged(a, [b"a1-%d" % i for i in range(3)]), staged(a, [b"a1-%d" % i for i in range(3, 6)])]
+        crashing = a  # the attempt that dies (sink "a" again, its own settings)
         if crash == "after_intent":
             def die(self, store, shard, plan):
                 raise AcsError("injected: the driver died right after writing its intent")
@@ -473,10 +474,10 @@ def test_retried_sink_batch_after_another_writer_moved_on_is_seen_once_by_live_r
 
             monkeypatch.setattr(ShardWriter, "append", die_after_first)
             # One append per task's piece (the commit joins a shard's pieces into one append up
-            # to COMMIT_APPEND_BYTES): the failure must land between two tasks' rows.
-            monkeypatch.setattr("pyspark_acs.datasource.commit.COMMIT_APPEND_BYTES", 1)
+            # to commit_append_bytes): the failure must land between two tasks' rows.
+            crashing = sink(root, "a", commit_append_bytes=1)
         with pytest.raises(AcsError, match="injected"):
-            a.commit(batch1, 1)
+            crashing.commit(batch1, 1)
         a.abort(batch1, 1)
         monkeypatch.undo()
         # The other sink moves on: it takes the shard, writes its batch and leaves.
@@ -841,13 +842,13 @@ def test_a_free_metadata_lease_is_taken_with_one_compare_and_set(tmp_path):
 # -- suspected: df.write reruns -------------------------------------------------------------------
 
 
-def batch_writer(root, **extra):
+def batch_writer(root, commit_append_bytes=COMMIT_APPEND_BYTES, **extra):
     opts = parse_sink_options({"root": root, "stream": "bw", "shards": "1", **extra})
-    return AcsBatchWriter(opts, SCHEMA, overwrite=False)
+    return AcsBatchWriter(opts, SCHEMA, overwrite=False, commit_append_bytes=commit_append_bytes)
 
 
 def test_batch_write_with_sink_id_rerun_after_a_partial_commit_completes_once(root, monkeypatch):
-    w = batch_writer(root, sinkId="nightly-2026-01-01")
+    w = batch_writer(root, sinkId="nightly-2026-01-01", commit_append_bytes=1)  # an append per piece
     msgs = [staged(w, [b"r%d" % i for i in range(3)]), staged(w, [b"r%d" % i for i in range(3, 6)])]
     real_append = ShardWriter.append
     calls = []
@@ -859,7 +860,6 @@ def test_batch_write_with_sink_id_rerun_after_a_partial_commit_completes_once(ro
         return real_append(self, data, messages)
 
     monkeypatch.setattr(ShardWriter, "append", die_after_first)
-    monkeypatch.setattr("pyspark_acs.datasource.commit.COMMIT_APPEND_BYTES", 1)  # an append per piece
     with pytest.raises(AcsError, match="injected"):
         w.commit(msgs)
     w.abort(msgs)
