@@ -48,12 +48,14 @@ if TYPE_CHECKING:
     from pyspark_acs.cache.push import WatchStream
 
 __all__ = [
+    "DEFAULT_POLL_INTERVAL_S",
     "LengthPoller",
     "PUSH_SAFETY_POLL_S",
     "safety_period",
 ]
 
-#: How often the shared poller reads all followed lengths (the consumer's 10 ms).
+#: How often a reader looks for new bytes: the shared poller's reads of all followed lengths
+#: and a Consumer's (and the Spark source's) default poll interval.
 DEFAULT_POLL_INTERVAL_S = 0.01
 #: A file no reader asked about for this long is no longer polled.
 FORGET_AFTER_S = 5.0

@@ -15,7 +15,7 @@ from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, NO_C
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.security import SecuritySettings, install_default, resolve_security
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES
-from pyspark_acs.read.consumer import DEFAULT_POLL_INTERVAL_S
+from pyspark_acs.cache.poller import DEFAULT_POLL_INTERVAL_S
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES
 from pyspark_acs.format.names import validate_stream
 from pyspark_acs.format.offsets import parse_offsets, parse_timestamps

@@ -67,13 +67,14 @@ __all__ = [
 
 log = logging.getLogger("pyspark_acs.copy")
 
-#: Largest gRPC message: a delta (max_delta_bytes, or one large block) plus headers.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+#: Largest gRPC message of the copy protocol: a delta (max_delta_bytes, or one large block)
+#: plus headers; larger than the cache protocol's (a block is sent whole).
+COPY_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 #: In-flight RPCs get this long to finish at shutdown.
-STOP_GRACE_S = 2.0
+COPY_STOP_GRACE_S = 2.0
 _CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", COPY_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", COPY_MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
@@ -237,7 +238,7 @@ class CopyDaemon:
         self.health.stop()
         self.scheduler.stop()
         if self._server is not None:
-            self._server.stop(STOP_GRACE_S).wait(STOP_GRACE_S + 1)
+            self._server.stop(COPY_STOP_GRACE_S).wait(COPY_STOP_GRACE_S + 1)
             self._server = None
         if self._http is not None:
             self._http.stop()
