@@ -55,8 +55,7 @@ from pyspark_acs.server.copy.writer import CopyServicer
 from pyspark_acs.server.metrics import MetricsEndpoint
 from pyspark_acs.server.copy.proto import copy_pb2_grpc
 from pyspark_acs.server.copy.topology import load_topology
-from pyspark_acs.security import (SecuritySettings, TokenInterceptor, check_bind, install_default,
-                                  resolve_security)
+from pyspark_acs.security import SecuritySettings, TokenInterceptor, check_bind, resolve_security
 from pyspark_acs.server.copy.writer import COPY_STREAMS_RESERVE
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import tiered_store
@@ -116,9 +115,9 @@ class CopyDaemon:
             sec = topology.security
             security = resolve_security(token_file=sec.get("token_file"), tls_cert=sec.get("tls_cert"),
                                         tls_key=sec.get("tls_key"), tls_ca=sec.get("tls_ca"), mtls=sec.get("mtls"))
+        # Passed to everything the daemon builds: its cluster's clients (and through them the
+        # shared poller and feed of its read path), the health probes, the channels to other daemons.
         self.security = security
-        # Every cache client of this process (the poller's, the read path's) uses them too.
-        install_default(security)
         self.insecure = insecure
         self.io = ClusterIO(topology.cluster(cluster), security=self.security)
         self.metrics = CopyMetrics(self.cluster)
@@ -139,7 +138,7 @@ class CopyDaemon:
                                      max_streams=self._threads() - COPY_STREAMS_RESERVE)
         self.health = HealthMonitor(
             self.cluster, self.options.health_interval, self.options.unhealthy_after, self.stub_for,
-            self.scheduler.set_unhealthy,
+            self.scheduler.set_unhealthy, security=self.security,
         )
         self.health.set_topology(topology)
         self.scheduler.topology_listeners.append(self.health.set_topology)
