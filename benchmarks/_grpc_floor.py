@@ -35,12 +35,12 @@ from typing import Callable, Iterator, List
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyspark_acs._grpc import grpc  # noqa: E402  (fork handlers off, as in the package)
+# The cache protocol's message limit, so both ends accept the same sizes as the cache's.
+from pyspark_acs.cache.wire import CACHE_MAX_MESSAGE_BYTES  # noqa: E402
 
 SERVICE = "acsbench.Floor"
-#: The cache server's own message limit, so both ends accept the same sizes.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-           ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+OPTIONS = [("grpc.max_send_message_length", CACHE_MAX_MESSAGE_BYTES),
+           ("grpc.max_receive_message_length", CACHE_MAX_MESSAGE_BYTES)]
 DEFAULT_GET_BYTES = 1 << 20
 START_TIMEOUT_S = 30.0
 

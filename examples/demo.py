@@ -368,7 +368,7 @@ class Demo:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pyspark_acs.server.copy.daemon", "--topology", str(path), "--cluster", cluster,
                  "--parent-pid", str(os.getpid()), "--metrics-port", "-1", "--log-level", "WARNING",
-                 # The daemons' default poll interval (DEFAULT_POLL_INTERVAL_S, 50 ms): at 10 ms
+                 # The daemons' default poll interval (COPY_POLL_INTERVAL_S, 50 ms): at 10 ms
                  # their polls took 9.2 of the run's 64 core-seconds and the caches' 8.7 (4.1 and
                  # 4.4 at 50 ms), CPU that Spark lacked on 2 cores; cluster B's delay was no lower.
                  "--set", "listing_interval=300ms"],

@@ -23,7 +23,9 @@ variable               meaning
 =====================  ===========================================================
 
 :class:`SecuritySettings` is plain picklable data (paths and the token, never open files
-or credentials objects), so it crosses into Spark tasks and the topology file unchanged.
+or credentials objects), so it crosses into Spark tasks and the topology file unchanged. There
+is no process-wide default besides the environment: whatever builds clients for settings it
+was given (the Spark source and sink options, a copy daemon) passes them to each client.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ __all__ = [
     "SecuritySettings",
     "TokenInterceptor",
     "check_bind",
-    "install_default",
     "metadata_has_token",
     "resolve_security",
     "token_matches",
@@ -251,18 +252,6 @@ def _flag(value: Any, option: str) -> bool:
     raise AcsOptionError(f"{option}: {value!r} is not a boolean (use 1/0, true/false)", option=option)
 
 
-#: Settings a Spark task's options installed for this process (see :func:`install_default`).
-_installed: Optional[SecuritySettings] = None
-
-
-def install_default(settings: Optional[SecuritySettings]) -> None:
-    """Make ``settings`` this process's default for anything :func:`resolve_security` is not
-    given explicitly (before the environment). Spark's options call it when they arrive in a
-    Python worker, whose environment is not the driver's; ``None`` removes it."""
-    global _installed
-    _installed = settings
-
-
 def resolve_security(
     *,
     token: Optional[str] = None,
@@ -284,12 +273,6 @@ def resolve_security(
         For an unreadable or empty token file, an empty token, a certificate without its key
         (or the reverse), or mutual TLS without a CA bundle; names the setting.
     """
-    if env is None and _installed is not None:
-        d = _installed
-        token = token if token is not None or token_file else d.token
-        tls_cert, tls_key = tls_cert or d.tls_cert, tls_key or d.tls_key
-        tls_ca = tls_ca or d.tls_ca
-        mtls = d.mtls if mtls is None else mtls
     env = os.environ if env is None else env
     if token is not None and not str(token).strip():
         raise AcsOptionError("token: must not be empty", option="token")

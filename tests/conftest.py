@@ -95,20 +95,6 @@ def pytest_collection_finish(session):
             f"(pip install -e '.[test]', pytest<9.2)")
 
 
-@pytest.fixture(autouse=True)
-def _process_security_default_restored():
-    """Parsing source or sink options installs their token and TLS settings as the process's
-    default (``security.install_default``: a Spark worker's environment is not the driver's).
-    In the one test process that default outlived its test: after test_poller's token test,
-    every later LocalDeployment started token-protected servers ("s3cret") whose copy daemons,
-    started with the plain environment, got UNAUTHENTICATED (test_cross_cluster, run after it)."""
-    from pyspark_acs import security
-
-    before = security._installed
-    yield
-    security.install_default(before)
-
-
 @pytest.fixture
 def root(tmp_path):
     """A fresh durable store root (a local folder)."""

@@ -180,3 +180,58 @@ monkeypatch.setattr(os, "environ", {})
     assert [name for _, name in sorted(_rewrites(ast.parse(src)))] == [
         "STUCK_WARN_AFTER_S", "COMMIT_APPEND_BYTES", "_SCAN_WINDOW", "STREAM_LOCK_WAIT_S", "LISTING_BACKOFF_S",
         "FEED_MAX_BYTES"]
+
+
+#: Public UPPER_CASE names more than one module may assign: the same word in unrelated senses.
+SHARED_CONSTANT_NAMES = {
+    # A type variable: each module's generic helpers have their own (it is no value to share).
+    "T",
+}
+_PUBLIC_CONSTANT = re.compile(r"^[A-Z][A-Z0-9_]*$")
+
+
+def _assigned_constants(tree: ast.Module):
+    """``(line, name)`` of each public UPPER_CASE name a module's top level assigns (imports do
+    not count)."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets = [n for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
+            targets = [node.target] if getattr(node, "value", None) is not None else []
+        else:
+            continue
+        for target in targets:
+            if _PUBLIC_CONSTANT.match(target.id):
+                yield node.lineno, target.id
+
+
+def test_each_module_constant_has_one_definition():
+    """A limit or default is defined in one module and imported where else it is used; two
+    that differ on purpose have names that say which they are (CACHE_MAX_MESSAGE_BYTES,
+    COPY_MAX_MESSAGE_BYTES). protoc's generated modules are left out (regenerated, not edited)."""
+    where = defaultdict(list)
+    for path in sorted((ROOT / "pyspark_acs").rglob("*.py")):
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        for line, name in _assigned_constants(ast.parse(path.read_text(encoding="utf-8"))):
+            where[name].append(f"{path.relative_to(ROOT)}:{line}")
+    shared = {name: places for name, places in where.items() if len({p.rsplit(":", 1)[0] for p in places}) > 1}
+    twice = {name: places for name, places in shared.items() if name not in SHARED_CONSTANT_NAMES}
+    assert not twice, f"module constants defined in more than one module (import one definition): {twice}"
+    assert SHARED_CONSTANT_NAMES <= set(shared), "an allowed name is no longer shared; drop it from the list"
+
+
+def test_the_constant_check_sees_assignments_not_imports():
+    src = '''
+from pyspark_acs.cache.wire import CACHE_MAX_MESSAGE_BYTES
+import pyspark_acs.cache.wire as WIRE
+LIMIT = 1
+A, (B, _C) = 2, (3, 4)
+TYPED: int = 5
+DECLARED: int
+_PRIVATE = 6
+lower = 7
+def f():
+    INNER = 8
+'''
+    assert [name for _, name in _assigned_constants(ast.parse(src))] == ["LIMIT", "A", "B", "TYPED"]

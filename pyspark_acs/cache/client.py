@@ -809,7 +809,7 @@ def client_for(
     """The client for an option that is an endpoint string or a ready :class:`CacheClient`.
 
     ``None`` or ``""`` gives None. A client created here (with ``token`` and ``security``,
-    default: the process's, :func:`~pyspark_acs.security.resolve_security`) is appended to ``owned``: the caller closes those (and only those)
+    default: the environment's, :func:`~pyspark_acs.security.resolve_security`) is appended to ``owned``: the caller closes those (and only those)
     when it closes.
     """
     if value is None or value == "":

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_key, file_id
 from pyspark_acs.cache.client import CacheClient
+from pyspark_acs.security import SecuritySettings, resolve_security
 
 if TYPE_CHECKING:
     from pyspark_acs.cache.push import FollowStream
@@ -188,7 +189,7 @@ class ChunkFeed:
         (:data:`FEED_STALL_S`, :data:`PUSH_GRACE_S`), shared with the feed's streams.
     """
 
-    _registry: Dict[Tuple[Tuple[str, ...], Optional[str], Any], "ChunkFeed"] = {}
+    _registry: Dict[Tuple[Tuple[str, ...], SecuritySettings], "ChunkFeed"] = {}
     _registry_lock = threading.Lock()  # guards _registry
 
     def __init__(self, endpoints: Sequence[str], token: Optional[str] = None, security: Any = None, *,
@@ -212,13 +213,17 @@ class ChunkFeed:
         self._warned: Dict[str, float] = {}  # endpoint -> when its stall was last reported (under _lock)
 
     @classmethod
-    def shared(cls, endpoints: Sequence[str], token: Optional[str] = None, security: Any = None) -> "ChunkFeed":
-        """The process-wide feed for these data-cache endpoints (and token and TLS settings)."""
-        key = (tuple(endpoints), token, security)
+    def shared(cls, endpoints: Sequence[str], token: Optional[str] = None,
+               security: Optional[SecuritySettings] = None) -> "ChunkFeed":
+        """The process-wide feed for these data-cache endpoints and these token and TLS settings
+        (``security`` with ``token``; without ``security``, the environment's): readers with
+        other settings get a feed of their own, never one whose streams carry another token."""
+        settings = (security if security is not None else resolve_security()).with_token(token)
+        key = (tuple(endpoints), settings)
         with cls._registry_lock:
             feed = cls._registry.get(key)
             if feed is None:
-                feed = cls._registry[key] = cls(tuple(endpoints), token, security)
+                feed = cls._registry[key] = cls(tuple(endpoints), security=settings)
             return feed
 
     # -- readers ---------------------------------------------------------------------------

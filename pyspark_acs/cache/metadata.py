@@ -26,7 +26,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.cache.fanout import Entry
 from pyspark_acs.errors import CacheError, LeasePoisonedError, WriterConflictError
-from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, LeaseRecord
+from pyspark_acs.storage.leases import WRITER_LEASE_S, LeaseRecord
 from pyspark_acs.format.names import parse_file_name
 
 __all__ = [
@@ -137,7 +137,7 @@ class MetadataCache:
         entries = self.client.get([b"h:" + u.encode() for u in shard_uris], consistent=True) if shard_uris else []
         return {u: (e.value.decode() if e else None) for u, e in zip(shard_uris, entries)}
 
-    def lease(self, uri: str, writer: str, what: str, seconds: float = DEFAULT_LEASE_SECONDS) -> "MetadataLease":
+    def lease(self, uri: str, writer: str, what: str, seconds: float = WRITER_LEASE_S) -> "MetadataLease":
         """A :class:`MetadataLease` on ``uri`` for ``writer``."""
         return MetadataLease(self, uri, writer, what, seconds)
 
@@ -159,7 +159,7 @@ class MetadataLease:
         min(1 s, seconds / 3), so a poisoned holder stops within one check.
     """
 
-    def __init__(self, meta: MetadataCache, uri: str, writer: str, what: str, seconds: float = DEFAULT_LEASE_SECONDS):
+    def __init__(self, meta: MetadataCache, uri: str, writer: str, what: str, seconds: float = WRITER_LEASE_S):
         self.meta = meta
         self.key = b"w:" + uri.encode()
         #: Names the lease in errors: the metadata-cache key of ``uri``'s lease.

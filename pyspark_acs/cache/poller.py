@@ -43,17 +43,20 @@ from pyspark_acs.cache.fanout import majority
 from pyspark_acs.cache.feed import PUSH_GRACE_S
 from pyspark_acs.errors import CacheError, ClosedError
 from pyspark_acs.cache.metadata import MetadataCache, length_keys, parse_length_key
+from pyspark_acs.security import SecuritySettings, resolve_security
 
 if TYPE_CHECKING:
     from pyspark_acs.cache.push import WatchStream
 
 __all__ = [
+    "DEFAULT_POLL_INTERVAL_S",
     "LengthPoller",
     "PUSH_SAFETY_POLL_S",
     "safety_period",
 ]
 
-#: How often the shared poller reads all followed lengths (the consumer's 10 ms).
+#: How often a reader looks for new bytes: the shared poller's reads of all followed lengths
+#: and a Consumer's (and the Spark source's) default poll interval.
 DEFAULT_POLL_INTERVAL_S = 0.01
 #: A file no reader asked about for this long is no longer polled (the default of
 #: ``LengthPoller(forget_after_s=)``).
@@ -106,7 +109,7 @@ class LengthPoller:
         :meth:`wake` ends the current one.
     """
 
-    _registry: Dict[Tuple[Tuple[str, ...], Optional[str]], "LengthPoller"] = {}
+    _registry: Dict[Tuple[Tuple[str, ...], SecuritySettings], "LengthPoller"] = {}
     _registry_lock = threading.Lock()  # guards _registry
 
     def __init__(
@@ -160,21 +163,24 @@ class LengthPoller:
     @classmethod
     def shared(
         cls, endpoints: Sequence[str], token: Optional[str] = None, interval: Optional[float] = None,
-        security: Any = None,
+        security: Optional[SecuritySettings] = None,
     ) -> "LengthPoller":
-        """The process-wide poller for these metadata-cache endpoints (and token).
+        """The process-wide poller for these metadata-cache endpoints and these token and TLS
+        settings (``security`` with ``token``; without ``security``, the environment's): readers
+        with other settings get a poller of their own, never one whose calls carry another token.
 
         ``interval`` (seconds, default :data:`DEFAULT_POLL_INTERVAL_S`) is the poll interval
         when this call creates the poller; a later caller asking for a shorter one shortens it
         (every reader of the process then gets news at least as often as it asked for).
         """
-        key = (tuple(endpoints), token, security)
+        settings = (security if security is not None else resolve_security()).with_token(token)
+        key = (tuple(endpoints), settings)
         with cls._registry_lock:
             poller = cls._registry.get(key)
             if poller is None:
                 poller = cls._registry[key] = cls(
-                    tuple(endpoints), interval=DEFAULT_POLL_INTERVAL_S if interval is None else interval, token=token,
-                    security=security,
+                    tuple(endpoints), interval=DEFAULT_POLL_INTERVAL_S if interval is None else interval,
+                    security=settings,
                 )
             elif interval is not None and interval < poller.interval:
                 poller.interval = interval

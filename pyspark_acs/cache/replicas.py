@@ -7,6 +7,7 @@ import time
 from typing import Any, Dict, Optional
 
 from pyspark_acs.cache.pipeline import PipelinedCall
+from pyspark_acs.cache.wire import CACHE_MAX_MESSAGE_BYTES
 
 __all__ = [
     "CHANNEL_OPTIONS",
@@ -21,12 +22,10 @@ __all__ = [
 DOWN_BACKOFF_INITIAL_S = 1.0
 #: ... doubling after each failed probe up to this.
 DOWN_BACKOFF_MAX_S = 10.0
-#: Largest gRPC message accepted or sent; equal to the server's.
-MAX_MESSAGE_BYTES = 64 * 1024**2
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", CACHE_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", CACHE_MAX_MESSAGE_BYTES),
     # A restarted replica must be reachable again within about a second, not after gRPC's
     # default reconnect back-off of up to two minutes. Not "grpc.min_reconnect_backoff_ms":
     # gRPC takes it as the connect timeout too, and with 100 ms every connection whose

@@ -25,9 +25,15 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, NamedTuple, Tuple, Type
 
 __all__ = [
+    "CACHE_MAX_MESSAGE_BYTES",
     "encode",
     "split",
 ]
+
+#: Largest gRPC message of the cache protocol, either way, for client and server alike: a
+#: batched put or get of several MiB of 4 KiB chunks (the client splits batches at 4 MiB;
+#: 64 MiB leaves room for callers that do not).
+CACHE_MAX_MESSAGE_BYTES = 64 * 1024**2
 
 #: Protobuf wire types (the low three bits of a field's key).
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5

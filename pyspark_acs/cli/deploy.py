@@ -28,7 +28,7 @@ from pyspark_acs.cli.watch import add_watch_flags
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.options import bytes_parser, duration_parser, flag_type
 from pyspark_acs.server.cache.options import DEFAULT_CAPACITY_BYTES, MIN_CAPACITY_BYTES, ROLE_DEFAULT_TTL_S
-from pyspark_acs.server.settings import LOG_LEVELS
+from pyspark_acs.server.settings import DEFAULT_HOST, LOG_LEVELS
 from pyspark_acs.units import format_duration, format_size
 
 __all__: list = []
@@ -476,7 +476,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-ttl", dest="ttl", type=ttl, help=argparse.SUPPRESS)  # its former name
     p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                    help="--log-level of every server started (default theirs, INFO)")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"interface to bind (default {DEFAULT_HOST})")
     p.add_argument("--base-port", type=int, default=None, metavar="N",
                    help="fixed ports: gRPC from N (data servers, then metadata), then the metrics ports "
                         "(default: free ports)")

@@ -106,7 +106,8 @@ class SinkCommitter:
         if not (self.opts.data_cache or self.opts.metadata_cache):
             return None, None
         o = self.opts
-        key = (os.getpid(), o.data_cache, o.metadata_cache, o.cache_token, o.tls_ca, o.tls_cert, o.tls_key, o.mtls)
+        security = o.security()
+        key = (os.getpid(), o.data_cache, o.metadata_cache, security)
         with _commit_clients_lock:
             clients = _commit_clients.get(key)
             if clients is None:
@@ -114,8 +115,8 @@ class SinkCommitter:
                 from pyspark_acs.cache.metadata import MetadataCache
 
                 owned: List[Any] = []  # never closed: they live as long as the process
-                data = client_for(self.opts.data_cache, "data cache", owned, self.opts.cache_token)
-                meta = client_for(self.opts.metadata_cache, "metadata cache", owned, self.opts.cache_token)
+                data = client_for(o.data_cache, "data cache", owned, security=security)
+                meta = client_for(o.metadata_cache, "metadata cache", owned, security=security)
                 clients = _commit_clients[key] = (data, MetadataCache(meta) if meta is not None else None)
             return clients
 

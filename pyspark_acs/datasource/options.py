@@ -13,9 +13,9 @@ from typing import Any, Mapping, Optional, Tuple
 
 from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, NO_CACHE, cache_endpoints, parse_endpoints
 from pyspark_acs.errors import AcsOptionError
-from pyspark_acs.security import SecuritySettings, install_default, resolve_security
+from pyspark_acs.security import SecuritySettings, resolve_security
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES
-from pyspark_acs.read.consumer import DEFAULT_POLL_INTERVAL_S
+from pyspark_acs.cache.poller import DEFAULT_POLL_INTERVAL_S
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES
 from pyspark_acs.format.names import validate_stream
 from pyspark_acs.format.offsets import parse_offsets, parse_timestamps
@@ -96,11 +96,9 @@ def _with_env_caches(opts: Any) -> Any:
     """Cache endpoints not given as options come from the driver's environment (``acs up``'s
     exports), resolved here, once, so every task reads through the caches the planner used.
     So do the token and TLS files (:func:`pyspark_acs.security.resolve_security`): the token
-    is read from its file on the driver and travels in the options."""
+    is read from its file on the driver and travels in the options (:meth:`_Secured.security`)."""
     sec = resolve_security(token=opts.cache_token, token_file=opts.token_file, tls_cert=opts.tls_cert,
                            tls_key=opts.tls_key, tls_ca=opts.tls_ca, mtls=opts.mtls)
-    if sec.token or sec.client_tls:  # the driver's own clients (the planner's) use them too
-        install_default(sec)
     return replace(
         opts,
         data_cache=cache_endpoints(opts.data_cache, DATA_CACHE_ENV),
@@ -111,19 +109,14 @@ def _with_env_caches(opts: Any) -> Any:
 
 
 class _Secured:
-    """Options carrying security settings: once unpickled in a Spark Python worker they become
-    that process's default (:func:`pyspark_acs.security.install_default`), so every client a
-    task opens uses the driver's token and TLS files."""
+    """Options carrying security settings, as plain data: the driver resolves them once and
+    every client, read path and writer the source or sink builds (on the driver and in the
+    Spark Python workers, whose environment is not the driver's) is given :meth:`security`."""
 
     def security(self) -> SecuritySettings:
         """The token and TLS settings these options carry."""
         return SecuritySettings(token=self.cache_token, tls_cert=self.tls_cert, tls_key=self.tls_key,
                                 tls_ca=self.tls_ca, mtls=bool(self.mtls))
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if state.get("cache_token") or state.get("tls_ca") or state.get("tls_cert"):
-            install_default(self.security())
 
 
 _SECURITY_DOCS = {

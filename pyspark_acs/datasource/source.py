@@ -111,9 +111,10 @@ class AcsPartition(InputPartition):
 
 
 def source_read_path(opts: SourceOptions) -> ReadPath:
-    """The read path for the source options (caches when configured, else the durable store)."""
+    """The read path for the source options (caches when configured, else the durable store),
+    with the options' token and TLS settings."""
     return open_read_path(
-        opts.root, data_cache=opts.data_cache, metadata_cache=opts.metadata_cache, token=opts.cache_token,
+        opts.root, data_cache=opts.data_cache, metadata_cache=opts.metadata_cache, security=opts.security(),
         tier_read_policy=opts.tier_read_policy,
     )
 
@@ -127,8 +128,7 @@ _task_paths: Dict[Tuple[Any, ...], ReadPath] = {}
 
 
 def _task_read_path(opts: SourceOptions) -> ReadPath:
-    key = (os.getpid(), opts.root, opts.data_cache, opts.metadata_cache, opts.cache_token, opts.tls_ca,
-           opts.tls_cert, opts.tls_key, opts.mtls, opts.tier_read_policy)
+    key = (os.getpid(), opts.root, opts.data_cache, opts.metadata_cache, opts.security(), opts.tier_read_policy)
     with _task_paths_lock:
         path = _task_paths.get(key)
         if path is None:

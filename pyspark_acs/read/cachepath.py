@@ -156,7 +156,7 @@ class CachedReadPath:
     token : str, optional
         Shared token of token-protected cache servers (default ``$ACS_CACHE_TOKEN``).
     security : SecuritySettings, optional
-        Token and TLS settings of the cache clients (default: the process's,
+        Token and TLS settings of the cache clients (default: the environment's,
         :func:`~pyspark_acs.security.resolve_security`).
     shared_poller : bool
         Take metadata lengths from the process's shared :class:`~pyspark_acs.cache.poller.LengthPoller`
@@ -203,7 +203,7 @@ class CachedReadPath:
         # (tests, the copy daemon's own poller) is read directly.
         self.poller: Optional[LengthPoller] = poller
         if poller is None and meta is not None and shared_poller and not isinstance(metadata_cache, CacheClient):
-            self.poller = LengthPoller.shared(meta.endpoints, token, security=security)
+            self.poller = LengthPoller.shared(meta.endpoints, security=meta.security)
         self.chunks = ChunkReader(self.data) if self.data else None
         # Bytes are pushed only where the replica a feed follows holds every chunk of a file
         # (no more data replicas than the replication factor). With more, a file's chunks are
@@ -212,7 +212,7 @@ class CachedReadPath:
         # reads by asking, its lengths still pushed.
         self.feed: Optional[ChunkFeed] = None
         if push and self.data and holds_whole_files(self.data):
-            self.feed = feed if feed is not None else ChunkFeed.shared(self.data.endpoints, token, security)
+            self.feed = feed if feed is not None else ChunkFeed.shared(self.data.endpoints, security=self.data.security)
         # rel -> the readers of it this path follows in the feed (guarded by _lock)
         self._fed: Dict[str, Set[Hashable]] = {}
         self._closed = False  # set by close(): expect() follows nothing after it

@@ -25,7 +25,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 import pyarrow as pa
 
 from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
-from pyspark_acs.cache.poller import PUSH_SAFETY_POLL_S, safety_period
+from pyspark_acs.cache.poller import DEFAULT_POLL_INTERVAL_S, PUSH_SAFETY_POLL_S, safety_period
 from pyspark_acs.errors import AcsOptionError, ClosedError, CorruptFileError, DataLossError
 from pyspark_acs.format.arrays import ConstantColumns
 from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, decode_block
@@ -41,7 +41,6 @@ from pyspark_acs.storage.tier import retention_gap
 __all__ = [
     "Consumer",
     "DEFAULT_MAX_READ_BYTES",
-    "DEFAULT_POLL_INTERVAL_S",
     "ShardTailer",
     "earliest_offset",
 ]
@@ -51,7 +50,6 @@ log = logging.getLogger(__name__)
 #: What a DataLossError adds: how to read on past the loss instead.
 _SKIP_HINT = " (set failOnDataLoss=false / fail_on_data_loss=False to skip to the next available data)"
 
-DEFAULT_POLL_INTERVAL_S = 0.01
 #: How long a consumer whose followed files all have their lengths pushed waits at most, on
 #: average (seconds): pushes wake it at once; this bound is the same safety net as the poller's
 #: (Algorithm 1's maxDelay, 1 s), drawn afresh for each wait like the poller's

@@ -111,7 +111,8 @@ def open_read_path(
         The process's shared length poller to take published lengths from when
         ``metadata_cache`` is a ready client (the copy daemon); endpoint strings find it alone.
     security : SecuritySettings, optional
-        Token and TLS settings of the cache clients (default: the process's).
+        Token and TLS settings of the cache clients (default: the environment's,
+        :func:`~pyspark_acs.security.resolve_security`).
     push : bool
         Tailing reader: have the data cache push the bytes of the files it reads
         (:class:`~pyspark_acs.cache.feed.ChunkFeed`). Lengths are pushed to every reader.

@@ -38,17 +38,18 @@ from pyspark_acs.errors import LeasePoisonedError, WriterConflictError
 from pyspark_acs.storage.store import DurableStore
 
 __all__ = [
-    "DEFAULT_LEASE_SECONDS",
     "LOCK_WAIT_SECONDS",
     "LeaseRecord",
     "StoreLease",
+    "WRITER_LEASE_S",
     "exclusive",
 ]
 
 log = logging.getLogger(__name__)
 
-#: A holder renews every third of this; a dead holder's lease is free after it.
-DEFAULT_LEASE_SECONDS = 10.0
+#: The store's writer lease (a shard's writer: Producer, the sink's commits): a holder renews
+#: every third of this; a dead holder's lease is free after it.
+WRITER_LEASE_S = 10.0
 
 
 #: How long :func:`exclusive` waits for a lock before going on without it. The holders
@@ -235,7 +236,7 @@ class StoreLease:
         Lease duration.
     """
 
-    def __init__(self, store: DurableStore, rel: str, writer: str, what: str, seconds: float = DEFAULT_LEASE_SECONDS):
+    def __init__(self, store: DurableStore, rel: str, writer: str, what: str, seconds: float = WRITER_LEASE_S):
         self.store = store
         self.rel = rel
         self.writer = writer

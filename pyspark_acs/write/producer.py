@@ -28,7 +28,7 @@ from pyspark_acs.errors import AcsOptionError, AcsTimeoutError, ClosedError, Lea
 from pyspark_acs.format.block import DEFAULT_MAX_BLOCK_BYTES, encode_block
 from pyspark_acs.format.names import MAX_SHARDS, new_writer_id, validate_shard, validate_stream
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_int, parse_options
-from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS
+from pyspark_acs.storage.leases import WRITER_LEASE_S
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.errors import AppendConflictError
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES, DEFAULT_ROLL_SECONDS, ShardWriter, shard_for_key
@@ -147,7 +147,7 @@ class ProducerOptions:
                                     doc="cap of the adaptive batching delay")
     max_pending_bytes: int = option("max_pending_bytes", DEFAULT_MAX_PENDING_BYTES, parse=bytes_parser(1),
                                     doc="send() blocks while this many bytes are buffered")
-    lease_seconds: float = option("lease_seconds", DEFAULT_LEASE_SECONDS, parse=duration_parser(0.1),
+    lease_seconds: float = option("lease_seconds", WRITER_LEASE_S, parse=duration_parser(0.1),
                                   doc="shard lease; a crashed producer's shards are free after it")
     acknowledge: str = option("acknowledge", DEFAULT_ACKNOWLEDGE, parse=_acknowledge,
                               doc="when a message counts as acknowledged: published or durable")
@@ -277,7 +277,7 @@ class Producer:
         roll_seconds: float = DEFAULT_ROLL_SECONDS,
         max_batch_delay: float = DEFAULT_MAX_BATCH_DELAY_S,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        lease_seconds: float = WRITER_LEASE_S,
         acknowledge: str = DEFAULT_ACKNOWLEDGE,
         writer_id: Optional[str] = None,
         data_cache: Any = None,

@@ -29,7 +29,7 @@ from pyspark_acs.errors import (AppendConflictError, CacheError, LaterFileError,
                                 StoreFileNotFoundError, WriterConflictError)
 from pyspark_acs.format.block import HEADER_SIZE, encode_seal
 from pyspark_acs.format.names import next_file_name, shard_dir
-from pyspark_acs.storage.leases import DEFAULT_LEASE_SECONDS, StoreLease
+from pyspark_acs.storage.leases import WRITER_LEASE_S, StoreLease
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.write.file import FileTail, FileWriter, scan_file
 
@@ -94,7 +94,7 @@ class ShardWriter:
     """
 
     def __init__(self, store: DurableStore, stream: str, shard: int, writer_id: str, *, data: Any = None,
-                 meta: Any = None, lease_seconds: float = DEFAULT_LEASE_SECONDS,
+                 meta: Any = None, lease_seconds: float = WRITER_LEASE_S,
                  roll_bytes: int = DEFAULT_ROLL_BYTES, roll_seconds: float = DEFAULT_ROLL_SECONDS,
                  on_cache_error: Optional[Callable[[str, Exception], None]] = None,
                  what: Optional[str] = None) -> None:

@@ -69,6 +69,82 @@ def test_settings_resolve_from_argument_then_environment_and_pickle(tmp_path):
     check_bind("0.0.0.0", SecuritySettings(), True, what="x")
 
 
+# -- the settings travel in the objects, not in the process ------------------------------------------
+
+
+def test_sources_with_different_tokens_in_one_process_keep_to_their_own(tmp_path, monkeypatch):
+    """Two Spark sources with different tokens in one process each read through their own
+    token-protected caches (the settings travel in the options, pickled as Spark ships a reader
+    to a worker), and neither token reaches a later plain Consumer: there is no process default,
+    and the shared length poller and byte feed are per endpoints and settings."""
+    from pyspark_acs import Consumer, Producer
+    from pyspark_acs.cache.feed import ChunkFeed
+    from pyspark_acs.cache.poller import LengthPoller
+    from pyspark_acs.datasource.options import parse_source_options
+    from pyspark_acs.datasource.source import AcsBatchReader, _task_read_path
+
+    for name in ("ACS_CACHE_TOKEN", "ACS_TOKEN_FILE", "ACS_TLS_CA", "ACS_DATA_CACHE", "ACS_METADATA_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    n = 40
+    with LocalDeployment(str(tmp_path / "a"), data_replicas=1, metadata_replicas=1, token="token-a") as a, \
+            LocalDeployment(str(tmp_path / "b"), data_replicas=1, metadata_replicas=1, token="token-b") as b:
+        deployments = {"a": a, "b": b}
+        options = {}
+        for name, dep in deployments.items():
+            root = str(tmp_path / f"root-{name}")
+            with Producer(root, "s", shards=1, data_cache=dep.data_endpoints, metadata_cache=dep.metadata_endpoints,
+                          cache_token=f"token-{name}") as p:
+                for i in range(n):
+                    p.send(f"{name}{i}".encode())
+                p.flush(timeout=30)
+                assert p.stats()["cache_errors"] == 0
+            options[name] = parse_source_options({"root": root, "stream": "s", "dataCache": dep.data_endpoints,
+                                                  "metadataCache": dep.metadata_endpoints,
+                                                  "cacheToken": f"token-{name}"})
+        paths = {}
+        for name in ("a", "b", "a"):  # a's options are unpickled last: a process default would be a's token
+            reader = AcsBatchReader(options[name])
+            parts = reader.partitions()
+            worker = pickle.loads(pickle.dumps(reader))  # as Spark ships read() to a Python worker
+            got = [v for part in parts for batch in worker.read(pickle.loads(pickle.dumps(part)))
+                   for v in batch.column("value").to_pylist()]
+            assert got == [f"{name}{i}".encode() for i in range(n)]
+            path = paths[name] = _task_read_path(worker.opts)
+            stats = path.stats()
+            assert stats["cache_bytes"] > 0 and stats["durable_bytes"] == 0, (name, stats)  # its caches took it
+            assert path.data.security.token == path.meta.client.security.token == f"token-{name}"
+        assert paths["a"].poller is not paths["b"].poller
+
+        # A plain Consumer of a's caches: no token, so a's servers refuse it and it reads the store.
+        plain = Consumer(str(tmp_path / "root-a"), "s", data_cache=a.data_endpoints,
+                         metadata_cache=a.metadata_endpoints)
+        try:
+            assert plain.path.data.security.token is None and plain.path.meta.client.security.token is None
+            assert plain.path.poller is not paths["a"].poller
+            assert plain.path.poller.meta.client.security.token is None
+            assert plain.path.feed is not None and plain.path.feed.client.security.token is None
+            got = [v for batch in plain.batches(timeout=2) for v in batch.column("value").to_pylist()]
+            stats = plain.stats()
+        finally:
+            plain.close()
+        assert got == [f"a{i}".encode() for i in range(n)]
+        assert stats["cache_bytes"] == 0 and stats["durable_bytes"] > 0, stats
+
+        # The shared poller and feed are keyed by the settings, the token included.
+        ends = a.metadata_endpoints.split(",")
+        assert LengthPoller.shared(ends, token="token-a") is LengthPoller.shared(ends, token="token-a")
+        assert LengthPoller.shared(ends, token="token-a") is not LengthPoller.shared(ends)
+        assert (LengthPoller.shared(ends, security=SecuritySettings(token="token-a"))
+                is not LengthPoller.shared(ends, security=SecuritySettings(token="token-b")))
+        data = a.data_endpoints.split(",")
+        with_token = ChunkFeed.shared(data, token="token-a")
+        try:
+            assert with_token is ChunkFeed.shared(data, token="token-a")
+            assert with_token is not ChunkFeed.shared(data) and with_token.client.security.token == "token-a"
+        finally:
+            with_token.close()
+
+
 # -- finding 3: acs up and the token --------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.errors import CacheError
 from pyspark_acs.read.consumer import Consumer
-from pyspark_acs.security import SecuritySettings, install_default, resolve_security
+from pyspark_acs.security import SecuritySettings, resolve_security
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 from pyspark_acs.write.producer import Producer
 
@@ -140,13 +140,10 @@ def test_producer_consumer_copy_daemon_and_spark_over_tls(secure, spark, monkeyp
     # Spark: the token file and CA as options (the Python workers' environment has neither).
     monkeypatch.delenv("ACS_TOKEN_FILE")
     monkeypatch.delenv("ACS_TLS_CA")
-    try:
-        df = (spark.read.format("acs").option("root", secure["roots"]["B"]).option("stream", "tls")
-              .option("dataCache", b["ACS_DATA_CACHE"]).option("metadataCache", b["ACS_METADATA_CACHE"])
-              .option("tokenFile", tls["token_file"]).option("tlsCa", tls["tls_ca"]).load())
-        assert df.count() == N
-    finally:
-        install_default(None)
+    df = (spark.read.format("acs").option("root", secure["roots"]["B"]).option("stream", "tls")
+          .option("dataCache", b["ACS_DATA_CACHE"]).option("metadataCache", b["ACS_METADATA_CACHE"])
+          .option("tokenFile", tls["token_file"]).option("tlsCa", tls["tls_ca"]).load())
+    assert df.count() == N
 
     # Producer and Consumer arguments: the settings given explicitly, nothing in the environment.
     explicit = resolve_security(token_file=tls["token_file"], tls_ca=tls["tls_ca"])

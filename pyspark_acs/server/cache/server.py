@@ -16,7 +16,7 @@ listen, it prints exactly one line on stdout, which a parent process parses for 
     acs-cache-server role=data listening on 127.0.0.1:PORT metrics=http://127.0.0.1:MPORT/metrics
 
 It binds 127.0.0.1 unless ``--host`` says otherwise, stops gracefully on SIGTERM or SIGINT
-(in-flight calls get :data:`STOP_GRACE_S` to finish) and exits with status 2 and a message
+(in-flight calls get :data:`CACHE_STOP_GRACE_S` to finish) and exits with status 2 and a message
 naming the flag when a flag is bad. With a token (``--token-file``, ``$ACS_TOKEN_FILE`` or
 ``$ACS_CACHE_TOKEN``; ``--token`` is deprecated: ``ps`` shows it) every call must carry the
 metadata ``authorization: Bearer <token>`` (the bare token is accepted too), else it fails with
@@ -48,6 +48,7 @@ from pyspark_acs.server.cache.options import (DEFAULT_CAPACITY_BYTES, MIN_CAPACI
                                               CacheServerOptions)
 from pyspark_acs.server.settings import DEFAULT_HOST, configure_logging
 from pyspark_acs.cache import wire
+from pyspark_acs.cache.wire import CACHE_MAX_MESSAGE_BYTES
 from pyspark_acs.cache.proto import acs_pb2, acs_pb2_grpc
 from pyspark_acs.server.cache.store import PutResult, Store
 from pyspark_acs.server.cache.watch import FileFollow, KeyWatch, Run, Watchers
@@ -62,9 +63,6 @@ __all__ = [
 
 #: Prefix of every cache-server metric.
 CACHE_PREFIX = "acs_cache_"
-#: Largest gRPC message either way: a batched put or get of several MiB of 4 KiB chunks
-#: (the client splits batches at 4 MiB; 64 MiB leaves room for callers that do not).
-MAX_MESSAGE_BYTES = 64 * 1024**2
 #: Most keys one Get, Put or Delete may name (the client sends at most MAX_BATCH_KEYS = 1024):
 #: bounds how long one call holds the store's lock.
 MAX_KEYS_PER_CALL = 16_384
@@ -74,17 +72,17 @@ MAX_KEYS_PER_CALL = 16_384
 #: at most MAX_KEYS_PER_CALL files.
 MAX_KEYS_PER_STREAM = 262_144
 #: Most value bytes one Get answer may hold, checked before it is assembled (the client splits
-#: batches at 4 MiB; below MAX_MESSAGE_BYTES so an answer is never built only to be refused).
+#: batches at 4 MiB; below CACHE_MAX_MESSAGE_BYTES so an answer is never built only to be refused).
 MAX_RESPONSE_BYTES = 32 * 1024**2
 #: How often expired entries are swept (in bounded slices, off the request path).
 EXPIRY_SWEEP_INTERVAL_S = 1.0
 #: In-flight calls get this long to finish on SIGTERM/SIGINT.
-STOP_GRACE_S = 1.0
+CACHE_STOP_GRACE_S = 1.0
 _SERVER_OPTIONS = [
     # Two servers must never silently share a port (a restarted replica must own its port).
     ("grpc.so_reuseport", 0),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", CACHE_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", CACHE_MAX_MESSAGE_BYTES),
     # Cache clients keep one channel per server for the life of a process; let them keep alive.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5000),
@@ -585,7 +583,7 @@ class CacheServer:
         while not self._stopping.wait(EXPIRY_SWEEP_INTERVAL_S):
             self.store.expire()
 
-    def stop(self, grace: float = STOP_GRACE_S) -> None:
+    def stop(self, grace: float = CACHE_STOP_GRACE_S) -> None:
         """Stop serving; in-flight calls get ``grace`` seconds (push streams end). Idempotent."""
         self._stopping.set()
         loop, thread, self._loop, self._loop_thread = self._loop, self._loop_thread, None, None

@@ -55,8 +55,7 @@ from pyspark_acs.server.copy.writer import CopyServicer
 from pyspark_acs.server.metrics import MetricsEndpoint
 from pyspark_acs.server.copy.proto import copy_pb2_grpc
 from pyspark_acs.server.copy.topology import load_topology
-from pyspark_acs.security import (SecuritySettings, TokenInterceptor, check_bind, install_default,
-                                  resolve_security)
+from pyspark_acs.security import SecuritySettings, TokenInterceptor, check_bind, resolve_security
 from pyspark_acs.server.copy.writer import COPY_STREAMS_RESERVE
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import tiered_store
@@ -67,13 +66,14 @@ __all__ = [
 
 log = logging.getLogger("pyspark_acs.copy")
 
-#: Largest gRPC message: a delta (max_delta_bytes, or one large block) plus headers.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+#: Largest gRPC message of the copy protocol: a delta (max_delta_bytes, or one large block)
+#: plus headers; larger than the cache protocol's (a block is sent whole).
+COPY_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 #: In-flight RPCs get this long to finish at shutdown.
-STOP_GRACE_S = 2.0
+COPY_STOP_GRACE_S = 2.0
 _CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", COPY_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", COPY_MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
@@ -115,9 +115,9 @@ class CopyDaemon:
             sec = topology.security
             security = resolve_security(token_file=sec.get("token_file"), tls_cert=sec.get("tls_cert"),
                                         tls_key=sec.get("tls_key"), tls_ca=sec.get("tls_ca"), mtls=sec.get("mtls"))
+        # Passed to everything the daemon builds: its cluster's clients (and through them the
+        # shared poller and feed of its read path), the health probes, the channels to other daemons.
         self.security = security
-        # Every cache client of this process (the poller's, the read path's) uses them too.
-        install_default(security)
         self.insecure = insecure
         self.io = ClusterIO(topology.cluster(cluster), security=self.security)
         self.metrics = CopyMetrics(self.cluster)
@@ -138,7 +138,7 @@ class CopyDaemon:
                                      max_streams=self._threads() - COPY_STREAMS_RESERVE)
         self.health = HealthMonitor(
             self.cluster, self.options.health_interval, self.options.unhealthy_after, self.stub_for,
-            self.scheduler.set_unhealthy,
+            self.scheduler.set_unhealthy, security=self.security,
         )
         self.health.set_topology(topology)
         self.scheduler.topology_listeners.append(self.health.set_topology)
@@ -237,7 +237,7 @@ class CopyDaemon:
         self.health.stop()
         self.scheduler.stop()
         if self._server is not None:
-            self._server.stop(STOP_GRACE_S).wait(STOP_GRACE_S + 1)
+            self._server.stop(COPY_STOP_GRACE_S).wait(COPY_STOP_GRACE_S + 1)
             self._server = None
         if self._http is not None:
             self._http.stop()

@@ -18,6 +18,7 @@ from pyspark_acs._grpc import grpc
 
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.errors import AcsError
+from pyspark_acs.security import SecuritySettings
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
 from pyspark_acs.server.copy.topology import Topology
 
@@ -48,12 +49,15 @@ class HealthMonitor:
         ``stub_for(cluster) -> CopyStub``.
     on_change : callable
         Called with the new frozenset of unhealthy clusters when it changes.
+    security : SecuritySettings, optional
+        Token and TLS of the cache clients it probes with (default: the environment).
     """
 
     def __init__(self, self_cluster: str, interval: float, unhealthy_after: float,
                  stub_for: Callable[[str], copy_pb2_grpc.CopyStub],
-                 on_change: Callable[[FrozenSet[str]], None]) -> None:
+                 on_change: Callable[[FrozenSet[str]], None], security: Optional[SecuritySettings] = None) -> None:
         self.self_cluster = self_cluster
+        self.security = security
         self.interval = interval
         self.unhealthy_after = unhealthy_after
         self.stub_for = stub_for
@@ -102,8 +106,10 @@ class HealthMonitor:
             if pair is None:
                 c = self._topology.cluster(name)
                 pair = (
-                    CacheClient(c.data_cache, name=f"data cache of {name}", deadline=HEALTH_RPC_TIMEOUT_S),
-                    CacheClient(c.metadata_cache, name=f"metadata cache of {name}", deadline=HEALTH_RPC_TIMEOUT_S),
+                    CacheClient(c.data_cache, name=f"data cache of {name}", deadline=HEALTH_RPC_TIMEOUT_S,
+                                security=self.security),
+                    CacheClient(c.metadata_cache, name=f"metadata cache of {name}", deadline=HEALTH_RPC_TIMEOUT_S,
+                                security=self.security),
                 )
                 self._clients[name] = pair
             return pair

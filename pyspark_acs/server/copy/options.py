@@ -12,7 +12,7 @@ from typing import Any, Tuple
 
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.options import bytes_parser, duration_parser, option, parse_int, parse_str
-from pyspark_acs.server.settings import DEFAULT_HOST, host_option, metrics_port_option
+from pyspark_acs.server.settings import host_option, metrics_port_option
 
 __all__ = [
     "CopyDaemonOptions",
@@ -21,8 +21,9 @@ __all__ = [
 #: Concurrently running operations per daemon (threads; each tails one file to one storage
 #: of one child).
 DEFAULT_WORKERS = 64
-#: How often a reader polls the source lengths (paper: 50 ms for copy readers).
-DEFAULT_POLL_INTERVAL_S = 0.05
+#: How often a copy reader polls the source lengths (paper: 50 ms for copy readers; a
+#: consumer's is :data:`~pyspark_acs.cache.poller.DEFAULT_POLL_INTERVAL_S`).
+COPY_POLL_INTERVAL_S = 0.05
 #: How often the scheduler lists the durable store for files the head keys did not name.
 DEFAULT_LISTING_INTERVAL_S = 1.0
 #: How often the daemon probes other clusters' daemons and caches.
@@ -38,8 +39,9 @@ DEFAULT_CHUNK_TTL_S = 60.0
 DEFAULT_MAX_DELTA_BYTES = 4 * 1024 * 1024
 #: Cache deltas in flight (sent, not yet acknowledged) per cache operation.
 DEFAULT_CACHE_WINDOW = 16
-#: Writer lease duration per (file, storage); a dead writer is superseded within ~1 s.
-DEFAULT_LEASE_SECONDS = 3.0
+#: The copy writer's lease per (file, storage), shorter than the store's writer lease
+#: (:data:`~pyspark_acs.storage.leases.WRITER_LEASE_S`): a dead copy writer is superseded within ~1 s.
+COPY_FILE_LEASE_S = 3.0
 #: Back-off of an operation after an error before it reconnects.
 DEFAULT_RETRY_S = 0.5
 #: An operation that has copied everything of an unsealed file that has not grown for this
@@ -82,7 +84,7 @@ class CopyDaemonOptions:
         "replica", (0, 1), parse=parse_replica, metavar="I/N", doc="i/n: this replica owns hash range i of n of the operations"
     )
     poll_interval: float = option(
-        "poll_interval", DEFAULT_POLL_INTERVAL_S, parse=duration_parser(0.001), doc="source length polling interval"
+        "poll_interval", COPY_POLL_INTERVAL_S, parse=duration_parser(0.001), doc="source length polling interval"
     )
     listing_interval: float = option(
         "listing_interval", DEFAULT_LISTING_INTERVAL_S, parse=duration_parser(0.01),
@@ -113,7 +115,7 @@ class CopyDaemonOptions:
         "cache_window", DEFAULT_CACHE_WINDOW, parse=parse_int(1, 1024), doc="unacknowledged cache deltas in flight"
     )
     lease_seconds: float = option(
-        "lease_seconds", DEFAULT_LEASE_SECONDS, parse=duration_parser(0.1), doc="writer lease duration"
+        "lease_seconds", COPY_FILE_LEASE_S, parse=duration_parser(0.1), doc="writer lease duration"
     )
     retry: float = option("retry", DEFAULT_RETRY_S, parse=duration_parser(0.001), doc="back-off after an error")
     park_after: float = option(

@@ -82,7 +82,7 @@ class SourceFiles:
 
     def __init__(self, io: ClusterIO, interval: float) -> None:
         self.io = io
-        self.poller = LengthPoller.shared(io.meta_client.endpoints, interval=interval)
+        self.poller = LengthPoller.shared(io.meta_client.endpoints, interval=interval, security=io.meta_client.security)
         # push: the operations tail growing files, so the source's data cache pushes their
         # bytes as chunks land (one Follow stream per replica for the whole daemon) instead of
         # each operation asking for every flush (docs/cache.md).

@@ -34,7 +34,7 @@ from pyspark_acs.security import (ENV_MTLS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KE
 from pyspark_acs.errors import DeploymentError
 from pyspark_acs.options import choice_parser
 from pyspark_acs.server.cache.options import DEFAULT_CAPACITY_BYTES, ROLE_DEFAULT_TTL_S
-from pyspark_acs.server.settings import LOG_LEVELS
+from pyspark_acs.server.settings import DEFAULT_HOST, LOG_LEVELS
 from pyspark_acs.units import parse_bytes, parse_duration
 
 __all__ = [
@@ -247,7 +247,7 @@ class LocalDeployment:
         metadata_ttl: Union[str, float] = ROLE_DEFAULT_TTL_S["metadata"],
         *,
         metadata_capacity: Union[str, int, None] = None,
-        host: str = "127.0.0.1",
+        host: str = DEFAULT_HOST,
         token: Optional[str] = None,
         security: Optional[SecuritySettings] = None,
         insecure: bool = False,
