@@ -202,26 +202,29 @@ def describe_options(cls: type, style: str = "text") -> str:
 
 
 def add_option_flags(parser: Any, cls: type, *, only: Optional[Sequence[str]] = None,
-                     exclude: Sequence[str] = ()) -> None:
+                     exclude: Sequence[str] = (), shown: Mapping[str, str] = {}) -> None:
     """Add one argparse flag per option of ``cls`` (or of the fields named in ``only``).
 
     Each flag's help is the option's doc and default, its value is parsed by the option's parser
     at argparse time (a bad value is a usage error naming the flag), a boolean option is a
-    switch, a ``many`` option is repeatable, and a required option is a required flag. A flag
-    not given leaves ``None``: :func:`options_from_flags` then takes the declared default.
+    switch (``--name``, and ``--no-name`` too when it is on by default), a ``many`` option is
+    repeatable, and a required option is a required flag. A flag not given leaves ``None``:
+    :func:`options_from_flags` then takes the declared default, unless the command resolves it
+    otherwise; ``shown`` (field name -> text) then states that default in the help instead.
     """
     for f in _declared(cls):
         if (only is not None and f.name not in only) or f.name in exclude:
             continue
         flag = flag_of(f)
-        d = default_text(f)
+        d = shown.get(f.name) or default_text(f)
         doc = f.metadata["acs_doc"]
         quiet = d in ("required", "none") or "(default" in doc or (f.metadata["acs_parse"] is parse_bool and d == "false")
         help_text = (doc if quiet else f"{doc} (default {d})").replace("%", "%%")
         kw: Dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         choices = getattr(f.metadata["acs_parse"], "acs_choices", None)
         if f.metadata["acs_parse"] is parse_bool:
-            kw["action"] = "store_true"
+            # A switch that is on by default needs its --no- form to be turned off at all.
+            kw["action"] = argparse.BooleanOptionalAction if f.default is True else "store_true"
         elif choices:  # argparse lists them in usage and refuses others ("invalid choice")
             kw["choices"] = choices
         else:
@@ -245,7 +248,8 @@ def options_from_flags(cls: Type[T], args: Any, **values: Any) -> T:
     kwargs = {}
     for f in _declared(cls):
         value = getattr(args, f.name, None)
-        if value is not None and value is not False:
+        # False is given only by the --no- form of a switch that is on by default.
+        if value is not None and (value is not False or f.default is True):
             kwargs[f.name] = tuple(value) if f.metadata.get("acs_many") else value
     kwargs.update(values)
     return cls(**kwargs)

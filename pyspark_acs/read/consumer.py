@@ -544,15 +544,16 @@ class ConsumerOptions:
     max_bytes_per_second: Optional[int] = option("max_bytes_per_second", None, parse=_rate, shown="no cap",
                                                  doc="read-rate cap in bytes per second, across every shard")
     max_read_bytes: int = option("max_read_bytes", DEFAULT_MAX_READ_BYTES, parse=bytes_parser(1),
-                                 doc="bytes read from one shard in one step at most (a larger block is still "
-                                     "read whole)")
+                                 doc="bytes read from one shard in one step at most; a larger block is still "
+                                     "read whole")
     fail_on_data_loss: bool = option("fail_on_data_loss", True, parse=parse_bool,
                                      doc="fail when data at the position is gone; otherwise log it and go on at "
                                          "the next available data")
     include_headers: bool = option("include_headers", False, parse=parse_bool,
-                                   doc="batches carry the messages' headers column")
+                                   doc="batches carry the messages' headers (a headers column; acs tail "
+                                       "--format json prints them)")
     tier_read_policy: str = option("tier_read_policy", DEFAULT_READ_POLICY, parse=parse_read_policy,
-                                   doc="which tier a tiered file is read from: NOT_IN_DISK, NOT_IN_MEM or FORCE")
+                                   metavar="POLICY", doc="which tier a tiered file is read from: NOT_IN_DISK, NOT_IN_MEM or FORCE")
 
     @classmethod
     def from_values(cls, **values: Any) -> "ConsumerOptions":
