@@ -44,8 +44,10 @@ __all__ = [
     "ConsumerOptions",
     "DEFAULT_MAX_READ_BYTES",
     "DEFAULT_POLL_INTERVAL_S",
+    "START_WORDS",
     "ShardTailer",
     "earliest_offset",
+    "parse_start",
 ]
 
 log = logging.getLogger(__name__)
