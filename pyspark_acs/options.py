@@ -6,6 +6,12 @@ options, snake_case elsewhere), a parser from string, and a one-line help text.
 :func:`parse_options` builds the dataclass from a ``Mapping[str, str]`` (Spark options,
 CLI flags), matching names case-insensitively as Spark does and refusing unknown keys with
 a message that lists the valid ones.
+
+:data:`REFERENCE` names every component's options dataclass; the tables of README.md
+("Settings reference") and docs/*.md are rendered from them by :func:`describe_options`, between
+``<!-- options: module.Class style -->`` and ``<!-- /options -->``. After changing a declaration,
+regenerate them with ``python -m pyspark_acs.options --write-docs`` (``--check`` only compares;
+with no flag, every component's reference is printed).
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib
 import re
+import sys
 import textwrap
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Type, TypeVar
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type, TypeVar
 
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.units import format_duration, format_size, parse_bytes, parse_duration
@@ -201,27 +210,97 @@ def describe_options(cls: type, style: str = "text") -> str:
     raise ValueError(f"describe_options: style {style!r} is not text, rst, markdown or flags")
 
 
+#: Every component that takes settings: (title, its options dataclass as ``module.Class``, the
+#: style its table has in README.md's settings reference). Named as strings: the components import
+#: this module. The daemons set theirs as flags, so their tables show the flags.
+REFERENCE = (
+    ("Producer", "pyspark_acs.write.producer.ProducerOptions", "markdown"),
+    ("Consumer", "pyspark_acs.read.consumer.ConsumerOptions", "markdown"),
+    ("Spark source", "pyspark_acs.datasource.options.SourceOptions", "markdown"),
+    ("Spark sink", "pyspark_acs.datasource.options.SinkOptions", "markdown"),
+    ("acs-cache-server", "pyspark_acs.server.cache.options.CacheServerOptions", "flags"),
+    ("acs-copy-daemon", "pyspark_acs.server.copy.options.CopyDaemonOptions", "markdown"),
+    ("acs-tier-mover", "pyspark_acs.server.tier.options.TierMoverOptions", "flags"),
+)
+#: A table rendered from an options dataclass in a Markdown file: the marker naming the class
+#: and style, the table, the end marker.
+OPTION_TABLE = re.compile(r"(<!-- options: (\S+) (\w+) -->\n)(.*?)(\n<!-- /options -->)", re.S)
+#: The command that regenerates the tables (named in the docs test's failure message).
+WRITE_DOCS_COMMAND = "python -m pyspark_acs.options --write-docs"
+
+
+def declared_class(path: str) -> type:
+    """The options dataclass named ``module.Class``."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def render_option_tables(text: str) -> str:
+    """``text`` (Markdown) with every marked options table rendered afresh from its declarations."""
+    return OPTION_TABLE.sub(
+        lambda m: m.group(1) + describe_options(declared_class(m.group(2)), m.group(3)) + m.group(5), text)
+
+
+def _doc_files(root: Path) -> List[Path]:
+    return [root / "README.md"] + sorted((root / "docs").glob("*.md"))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m pyspark_acs.options``: print every component's reference, or (``--write-docs``)
+    rewrite the option tables of README.md and docs/*.md from the declarations, or (``--check``)
+    exit 1 naming the files whose tables differ from them."""
+    parser = argparse.ArgumentParser(prog="python -m pyspark_acs.options",
+                                     description="The options reference of every component, from the declarations.")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--write-docs", action="store_true", help="rewrite the option tables in README.md and docs/*.md")
+    what.add_argument("--check", action="store_true", help="exit 1 if a table in README.md or docs/*.md is stale")
+    parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
+                        help="the checkout holding README.md and docs/ (default: this package's)")
+    parser.add_argument("--style", default="text", choices=("text", "markdown", "flags", "rst"),
+                        help="how the printed reference is rendered (default text)")
+    args = parser.parse_args(argv)
+    if not (args.write_docs or args.check):
+        for title, path, _ in REFERENCE:
+            print(f"{title} ({path})\n{describe_options(declared_class(path), args.style)}\n")
+        return 0
+    stale = []
+    for doc in _doc_files(Path(args.root)):
+        text = doc.read_text(encoding="utf-8")
+        fresh = render_option_tables(text)
+        if fresh != text:
+            stale.append(str(doc))
+            if args.write_docs:
+                doc.write_text(fresh, encoding="utf-8")
+    verb = "rewrote" if args.write_docs else "stale (run " + WRITE_DOCS_COMMAND + "):"
+    for doc in stale:
+        print(f"{verb} {doc}")
+    return 1 if stale and args.check else 0
+
+
 def add_option_flags(parser: Any, cls: type, *, only: Optional[Sequence[str]] = None,
-                     exclude: Sequence[str] = ()) -> None:
+                     exclude: Sequence[str] = (), shown: Mapping[str, str] = {}) -> None:
     """Add one argparse flag per option of ``cls`` (or of the fields named in ``only``).
 
     Each flag's help is the option's doc and default, its value is parsed by the option's parser
     at argparse time (a bad value is a usage error naming the flag), a boolean option is a
-    switch, a ``many`` option is repeatable, and a required option is a required flag. A flag
-    not given leaves ``None``: :func:`options_from_flags` then takes the declared default.
+    switch (``--name``, and ``--no-name`` too when it is on by default), a ``many`` option is
+    repeatable, and a required option is a required flag. A flag not given leaves ``None``:
+    :func:`options_from_flags` then takes the declared default, unless the command resolves it
+    otherwise; ``shown`` (field name -> text) then states that default in the help instead.
     """
     for f in _declared(cls):
         if (only is not None and f.name not in only) or f.name in exclude:
             continue
         flag = flag_of(f)
-        d = default_text(f)
+        d = shown.get(f.name) or default_text(f)
         doc = f.metadata["acs_doc"]
         quiet = d in ("required", "none") or "(default" in doc or (f.metadata["acs_parse"] is parse_bool and d == "false")
         help_text = (doc if quiet else f"{doc} (default {d})").replace("%", "%%")
         kw: Dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         choices = getattr(f.metadata["acs_parse"], "acs_choices", None)
         if f.metadata["acs_parse"] is parse_bool:
-            kw["action"] = "store_true"
+            # A switch that is on by default needs its --no- form to be turned off at all.
+            kw["action"] = argparse.BooleanOptionalAction if f.default is True else "store_true"
         elif choices:  # argparse lists them in usage and refuses others ("invalid choice")
             kw["choices"] = choices
         else:
@@ -245,7 +324,8 @@ def options_from_flags(cls: Type[T], args: Any, **values: Any) -> T:
     kwargs = {}
     for f in _declared(cls):
         value = getattr(args, f.name, None)
-        if value is not None and value is not False:
+        # False is given only by the --no- form of a switch that is on by default.
+        if value is not None and (value is not False or f.default is True):
             kwargs[f.name] = tuple(value) if f.metadata.get("acs_many") else value
     kwargs.update(values)
     return cls(**kwargs)
@@ -346,3 +426,11 @@ def choice_parser(*choices: str, upper: bool = False) -> Callable[[Any, str], st
 
     parse.acs_choices = choices  # type: ignore[attr-defined] # the flag's metavar lists them
     return parse
+
+
+if __name__ == "__main__":  # pragma: no cover
+    # Run as `python -m pyspark_acs.options`: this file is __main__; the components import
+    # `pyspark_acs.options`, so run that module's main (one set of parsers, one REFERENCE).
+    from pyspark_acs.options import main as _main
+
+    sys.exit(_main())

@@ -206,30 +206,53 @@ def test_benchmark_results_name_command_commit_and_date():
 
 # -- option references rendered from the declarations ------------------------------------------
 
-#: A table rendered from an options dataclass: ``<!-- options: module.Class style -->``, the
-#: table, ``<!-- /options -->``.
-OPTIONS_TABLE = re.compile(r"<!-- options: (\S+) (\w+) -->\n(.*?)\n<!-- /options -->", re.S)
-
-
-def _declared(path: str):
-    import importlib
-
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
 
 def test_option_tables_in_the_docs_agree_with_the_declarations():
-    from pyspark_acs.options import describe_options
+    """Every table between ``<!-- options: module.Class style -->`` and ``<!-- /options -->`` is
+    what :func:`~pyspark_acs.options.describe_options` renders from the declarations now."""
+    from pyspark_acs.options import OPTION_TABLE, WRITE_DOCS_COMMAND, declared_class, describe_options
 
-    found = 0
+    found, stale = 0, []
     for doc in DOCS:
-        for m in OPTIONS_TABLE.finditer(doc.read_text(encoding="utf-8")):
+        for m in OPTION_TABLE.finditer(doc.read_text(encoding="utf-8")):
             found += 1
-            expected = describe_options(_declared(m.group(1)), m.group(2))
-            assert m.group(3) == expected, (
-                f"{doc.relative_to(ROOT)}: the table of {m.group(1)} differs from its declarations; "
-                f"replace it with:\n{expected}")
+            expected = describe_options(declared_class(m.group(2)), m.group(3))
+            if m.group(4) != expected:
+                stale.append(f"{doc.relative_to(ROOT)}: the table of {m.group(2)} differs from its declarations; "
+                             f"it should be:\n{expected}")
+    assert not stale, f"stale option tables: run `{WRITE_DOCS_COMMAND}` to regenerate them\n" + "\n".join(stale)
     assert found >= 1
+
+
+def test_the_readme_settings_reference_has_every_component():
+    """README.md's "Settings reference" holds one rendered table per component that takes
+    settings (:data:`pyspark_acs.options.REFERENCE`), in the style listed there."""
+    from pyspark_acs.options import OPTION_TABLE, REFERENCE, WRITE_DOCS_COMMAND
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Settings reference\n", 1)[1].split("\n## ", 1)[0]
+    tables = [(m.group(2), m.group(3)) for m in OPTION_TABLE.finditer(section)]
+    wanted = [(path, style) for _, path, style in REFERENCE]
+    assert tables == wanted, (
+        f"README.md's settings reference must hold, in order, a table per component: add the markers "
+        f"<!-- options: CLASS STYLE --> and <!-- /options --> for each of {wanted} and run `{WRITE_DOCS_COMMAND}`")
+    for title, _, _ in REFERENCE:
+        assert f"\n### {title}\n" in section, title
+
+
+def test_write_docs_regenerates_a_stale_table(tmp_path):
+    from pyspark_acs.options import describe_options, main
+    from pyspark_acs.read.consumer import ConsumerOptions
+
+    (tmp_path / "docs").mkdir()
+    readme = tmp_path / "README.md"
+    marker = "<!-- options: pyspark_acs.read.consumer.ConsumerOptions markdown -->"
+    readme.write_text(f"# x\n\n{marker}\n| old |\n<!-- /options -->\n", encoding="utf-8")
+    assert main(["--check", "--root", str(tmp_path)]) == 1
+    assert main(["--write-docs", "--root", str(tmp_path)]) == 0
+    assert readme.read_text(encoding="utf-8") == (
+        f"# x\n\n{marker}\n{describe_options(ConsumerOptions, 'markdown')}\n<!-- /options -->\n")
+    assert main(["--check", "--root", str(tmp_path)]) == 0
 
 
 def test_the_datasource_docstring_lists_every_declared_option():

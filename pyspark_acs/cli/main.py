@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import sys
 from typing import Callable, Dict, Optional, Sequence
 
 from pyspark_acs.errors import AcsError, AcsOptionError
-from pyspark_acs.options import duration_parser, flag_type
+from pyspark_acs.options import add_option_flags, duration_parser, flag_type, options_from_flags
 
 __all__ = [
     "check_cache_flags",
     "main",
 ]
 
-#: Shards of a stream ``acs produce`` creates without ``--shards``.
-DEFAULT_NEW_SHARDS = 1
 #: How often ``acs tail --wait`` looks for a stream that does not exist yet.
 STREAM_WAIT_POLL_S = 0.5
 #: How long a Ctrl-C'd ``acs produce`` waits for the messages it sent to be acknowledged (s).
@@ -52,13 +51,62 @@ def _add_caches(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...", help="metadata-cache endpoints, or none (default: $ACS_METADATA_CACHE)")
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser that adds some of its flags only when the command is parsed or its
+    help shown (:meth:`defer`): the flags generated from the Producer's and Consumer's
+    declarations import those modules, and pyarrow with them, which ``acs up``, ``acs --help``
+    and the other commands do not need."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred: list = []
+
+    def defer(self, add: Callable[[argparse.ArgumentParser], None]) -> None:
+        self._deferred.append(add)
+
+    def _complete(self) -> None:
+        while self._deferred:
+            self._deferred.pop(0)(self)
+
+    def parse_known_args(self, *args, **kwargs):
+        self._complete()
+        return super().parse_known_args(*args, **kwargs)
+
+    def format_usage(self) -> str:
+        self._complete()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._complete()
+        return super().format_help()
+
+
+def _producer_flags(p: argparse.ArgumentParser) -> None:
+    """The Producer's settings as flags, generated from their declarations; without --shards an
+    existing stream keeps its own count."""
+    from pyspark_acs.write.producer import ProducerOptions
+
+    group = p.add_argument_group("Producer settings", "as the Producer's keyword arguments (README.md, "
+                                                      "\"Settings reference\")")
+    add_option_flags(group, ProducerOptions, shown={"shards": "the existing stream's count, or 1 for a new stream"})
+
+
+def _consumer_flags(p: argparse.ArgumentParser) -> None:
+    """The Consumer's settings as flags, generated from their declarations (start is --from)."""
+    from pyspark_acs.read.consumer import ConsumerOptions
+
+    group = p.add_argument_group("Consumer settings", "as the Consumer's keyword arguments (README.md, "
+                                                      "\"Settings reference\")")
+    add_option_flags(group, ConsumerOptions, exclude=("start",))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``acs`` (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
         prog="acs",
         description="pyspark_acs: ordered message delivery through files (Fast ACS).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_CommandParser)
 
     p = sub.add_parser("produce", help="send lines (or whole files) from stdin into a stream",
                        description="Send each line of stdin as one message (or each --file as one message). "
@@ -67,8 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "a second Ctrl-C exits at once.")
     _add_root(p)
     p.add_argument("--stream", required=True, help="stream name")
-    p.add_argument("--shards", type=int, default=None,
-                   help="shard count when creating the stream (default 1); an existing stream keeps its own")
+    p.defer(_producer_flags)
     p.add_argument("--key-separator", default=None, metavar="SEP",
                    help="split each line at the first SEP into key and value (key picks the shard)")
     p.add_argument("--shard", type=int, default=None, help="send every message to this shard")
@@ -98,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wait for streams, and the root, that do not exist yet instead of failing "
                         "(a missing root is an error without it)")
     _add_caches(p)
+    p.defer(_consumer_flags)
     p.set_defaults(func=cmd_tail)
 
     p = sub.add_parser("ls", help="list streams, shards, files and lengths",
@@ -117,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTRA_COMMANDS: Dict[str, Callable[[argparse._SubParsersAction], None]] = {}
 
 
-def _read_path(args: argparse.Namespace, root: str):
+def _read_path(args: argparse.Namespace, root: str, tier_read_policy: str):
     """The read path of ``acs tail`` (a tailing reader: bytes pushed): caches when given, else
     the durable store alone."""
     from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
@@ -126,6 +174,7 @@ def _read_path(args: argparse.Namespace, root: str):
     return open_read_path(
         root, data_cache=cache_endpoints(getattr(args, "data_cache", None), DATA_CACHE_ENV),
         metadata_cache=cache_endpoints(getattr(args, "metadata_cache", None), METADATA_CACHE_ENV), push=True,
+        tier_read_policy=tier_read_policy,
     )
 
 
@@ -133,18 +182,18 @@ def cmd_produce(args: argparse.Namespace) -> int:
     """``acs produce``. Ctrl-C stops reading the input, waits at most
     :data:`INTERRUPT_WAIT_S` for what was sent to be acknowledged, prints ``sent N (M
     acknowledged)`` and exits 130; a second Ctrl-C exits at once (see :class:`_CtrlC`)."""
-    from pyspark_acs.write.producer import Producer
+    from pyspark_acs.write.producer import Producer, ProducerOptions
 
     check_cache_flags(args)
     from pyspark_acs.storage.store import open_store
 
     try:
-        shards = args.shards
-        if shards is None:  # an existing stream's own count, else one shard
+        opts = options_from_flags(ProducerOptions, args)
+        if args.shards is None:  # an existing stream's own count, else the declared default
             store = open_store(args.root)
-            shards = store.stream_shards(args.stream) or DEFAULT_NEW_SHARDS
+            opts = dataclasses.replace(opts, shards=store.stream_shards(args.stream) or opts.shards)
             store.close()
-        producer = Producer(args.root, args.stream, shards=shards, data_cache=args.data_cache,
+        producer = Producer(args.root, args.stream, **dataclasses.asdict(opts), data_cache=args.data_cache,
                             metadata_cache=args.metadata_cache)
     except KeyboardInterrupt:
         print(f"acs produce: interrupted before stream {args.stream!r} was open: sent 0 (0 acknowledged)",
@@ -307,15 +356,11 @@ def _flush(producer, ctrl_c: _CtrlC) -> None:
             continue
 
 
-#: The words ``--from`` takes besides an offsets JSON object or ``@FILE``.
-_START_WORDS = ("earliest", "latest")
-
-
 def _start_spec(text: str):
-    """``--from``: earliest, latest, an offsets JSON object or @FILE holding one, checked here so
-    an error names the flag (the Consumer's would name its parameter, ``start``)."""
-    from pyspark_acs.format.offsets import parse_offsets
+    """``--from``: the Consumer's ``start`` (:func:`~pyspark_acs.read.consumer.parse_start`), or
+    @FILE holding offsets JSON, checked here so an error names the flag."""
     from pyspark_acs.options import nearest_name
+    from pyspark_acs.read.consumer import START_WORDS, parse_start
 
     if text.startswith("@"):
         try:
@@ -323,14 +368,11 @@ def _start_spec(text: str):
                 spec = json.load(f)
         except (OSError, ValueError) as exc:
             raise AcsOptionError(f"--from: cannot read offsets from {text[1:]}: {exc}", option="--from") from exc
-        parse_offsets(spec, option="--from")
-        return spec
-    if text.strip().lower() in _START_WORDS:
-        return text.strip().lower()
-    if text.lstrip().startswith("{"):
-        parse_offsets(text, option="--from")
-        return text
-    nearest = nearest_name(text, _START_WORDS)
+        return parse_start(spec, "--from")
+    if text.strip().lower() in START_WORDS or text.lstrip().startswith("{"):
+        return parse_start(text, "--from")
+    # The flag's own wording: it takes @FILE too, and JSON text rather than a dict.
+    nearest = nearest_name(text.strip(), START_WORDS)
     hint = f" (did you mean {nearest!r}?)" if nearest else ""
     raise AcsOptionError(f"--from: {text!r} is not allowed{hint}; use earliest, latest, an offsets JSON object "
                          f"or @FILE holding one", option="--from")
@@ -387,7 +429,7 @@ def _as_text(b: Optional[bytes]) -> Optional[str]:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from pyspark_acs.read.consumer import Consumer
+    from pyspark_acs.read.consumer import Consumer, ConsumerOptions
 
     streams = [s.strip() for s in args.stream.split(",") if s.strip()]
     try:
@@ -396,16 +438,16 @@ def cmd_tail(args: argparse.Namespace) -> int:
         raise AcsOptionError(f"--shards: {args.shards!r} is not a comma-separated list of shard numbers",
                              option="--shards") from None
     check_cache_flags(args)
-    start = _start_spec(args.start)
+    opts = options_from_flags(ConsumerOptions, args, start=_start_spec(args.start))
     if args.wait:
         _wait_for_streams(args.root, streams, args.timeout)
     from pyspark_acs.errors import RootNotFoundError
 
     try:
-        read_path = _read_path(args, args.root)
+        read_path = _read_path(args, args.root, opts.tier_read_policy)
     except RootNotFoundError as exc:
         raise RootNotFoundError(f"{exc}; or add --wait to wait for it", root=exc.root, path=exc.path) from None
-    consumer = Consumer(args.root, streams, shards, start=start, read_path=read_path)
+    consumer = Consumer(args.root, streams, shards, read_path=read_path, **dataclasses.asdict(opts))
     out = sys.stdout.buffer
     seen = 0
     printed: Optional[int] = None  # rows printed of the batch being printed (None: all of it)
@@ -428,6 +470,10 @@ def cmd_tail(args: argparse.Namespace) -> int:
                         "key": _as_text(rows["key"][i]),
                         "value": _as_text(rows["value"][i]),
                     }
+                    if opts.include_headers:
+                        headers = rows["headers"][i]
+                        rec["headers"] = None if headers is None else [
+                            {"key": h["key"], "value": _as_text(h["value"])} for h in headers]
                     out.write(json.dumps(rec).encode() + b"\n")
                 seen += 1
                 printed = i + 1

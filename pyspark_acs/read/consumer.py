@@ -31,18 +31,22 @@ from pyspark_acs.format.arrays import ConstantColumns
 from pyspark_acs.format.block import BLOCK_SCHEMA, BLOCK_SCHEMA_WITH_HEADERS, decode_block
 from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
+from pyspark_acs.options import bytes_parser, duration_parser, nearest_name, option, parse_bool, parse_options
 from pyspark_acs.read.batches import CONSUMER_BATCH_BYTES, coalesce_runs
 from pyspark_acs.read.positions import (ends_with_seal, latest_offset, read_blocks, seal_behind, skip_void,
                                         unfinished_file)
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
-from pyspark_acs.storage.tier import retention_gap
+from pyspark_acs.storage.tier import DEFAULT_READ_POLICY, parse_read_policy, retention_gap
 
 __all__ = [
     "Consumer",
+    "ConsumerOptions",
     "DEFAULT_MAX_READ_BYTES",
+    "START_WORDS",
     "ShardTailer",
     "earliest_offset",
+    "parse_start",
 ]
 
 log = logging.getLogger(__name__)
@@ -498,6 +502,71 @@ def earliest_offset(store: DurableStore, stream: str, shard: int) -> Offset:
 
 StartSpec = Union[str, Mapping[str, Any]]
 
+#: The words ``start`` takes besides an offsets dict or its JSON.
+START_WORDS = ("earliest", "latest")
+
+
+def parse_start(value: Any, name: str) -> StartSpec:
+    """``start``: ``"earliest"``/``"latest"`` (any case, returned lower-cased) or an offsets dict
+    or its JSON (checked, returned as given); AcsOptionError naming ``name`` otherwise."""
+    if isinstance(value, str) and value.strip().lower() in START_WORDS:
+        return value.strip().lower()
+    if isinstance(value, str) and not value.lstrip().startswith("{"):
+        nearest = nearest_name(value.strip(), START_WORDS)
+        hint = f" (did you mean {nearest!r}?)" if nearest else ""
+        raise AcsOptionError(
+            f"{name}: {value!r} is not allowed{hint}; use 'earliest', 'latest' or an offsets dict", option=name)
+    parse_offsets(value, option=name)
+    return value
+
+
+def _rate(value: Any, name: str) -> int:
+    """A read-rate cap in bytes per second: a size (``"8MiB"``) or a number (a float is rounded down)."""
+    if isinstance(value, float) and math.isfinite(value):
+        value = int(value)
+    return bytes_parser(1)(value, name)
+
+
+_rate.acs_kind = "bytes"  # type: ignore[attr-defined] # describe_options shows a size
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerOptions:
+    """Validated Consumer settings (see :class:`Consumer` for their meaning), declared with
+    :func:`~pyspark_acs.options.option` and built by :meth:`from_values`; ``acs tail``'s flags are
+    generated from the same declarations."""
+
+    start: StartSpec = option("start", "earliest", parse=parse_start,
+                              doc="where to begin: earliest, latest, or offsets (a dict or its JSON) as "
+                                  "offsets() returns; shards missing from them start at the earliest position")
+    poll_interval: float = option("poll_interval", DEFAULT_POLL_INTERVAL_S, parse=duration_parser(0.0),
+                                  doc="time between polls while there is no new data")
+    max_bytes_per_second: Optional[int] = option("max_bytes_per_second", None, parse=_rate, shown="no cap",
+                                                 doc="read-rate cap in bytes per second, across every shard")
+    max_read_bytes: int = option("max_read_bytes", DEFAULT_MAX_READ_BYTES, parse=bytes_parser(1),
+                                 doc="bytes read from one shard in one step at most; a larger block is still "
+                                     "read whole")
+    fail_on_data_loss: bool = option("fail_on_data_loss", True, parse=parse_bool,
+                                     doc="fail when data at the position is gone; otherwise log it and go on at "
+                                         "the next available data")
+    include_headers: bool = option("include_headers", False, parse=parse_bool,
+                                   doc="batches carry the messages' headers (a headers column; acs tail "
+                                       "--format json prints them)")
+    tier_read_policy: str = option("tier_read_policy", DEFAULT_READ_POLICY, parse=parse_read_policy,
+                                   metavar="POLICY", doc="which tier a tiered file is read from: NOT_IN_DISK, NOT_IN_MEM or FORCE")
+
+    @classmethod
+    def from_values(cls, **values: Any) -> "ConsumerOptions":
+        """Parse the Consumer's keyword arguments (numbers or strings such as ``"10ms"``,
+        ``"8MiB"``); ``None`` means the default.
+
+        Raises
+        ------
+        AcsOptionError
+            Naming the option and what it allows.
+        """
+        return parse_options(cls, values, component="Consumer")
+
 
 class Consumer:
     """Tail-read one or more streams, in order per shard.
@@ -514,10 +583,15 @@ class Consumer:
         Where to begin: the first message, the end of what exists now, or an offsets dict
         (or its JSON) as returned by :meth:`offsets`. Shards missing from the dict start at
         the earliest position.
-    poll_interval : float
-        Seconds between polls while there is no new data (default 10 ms).
-    max_bytes_per_second : float, optional
-        Passive cap on the read rate (bytes/s) so a backlog cannot melt the store or cache.
+    poll_interval : float or str
+        Seconds (or a duration such as ``"10ms"``) between polls while there is no new data
+        (default 10 ms).
+    max_bytes_per_second : int or str, optional
+        Passive cap on the read rate (bytes/s, or a size such as ``"8MiB"``) so a backlog
+        cannot melt the store or cache.
+    max_read_bytes : int or str
+        Bytes read from one shard in one step at most (default 16 MiB): bounds memory when far
+        behind; a single larger block is still read whole.
     fail_on_data_loss : bool
         Raise :class:`~pyspark_acs.errors.DataLossError` when data at the position is gone
         (default); otherwise log and skip to the next available data.
@@ -547,6 +621,15 @@ class Consumer:
         When the shards' tailers look again and say they are stuck (default
         :class:`TailTiming`'s values).
 
+    The settings (``start`` to ``tier_read_policy``) are checked once, by
+    :class:`ConsumerOptions` (``self.options``); ``None`` for any of them means its default.
+
+    Raises
+    ------
+    AcsOptionError
+        A setting that is not allowed, naming it and what it allows; a stream that does not
+        exist.
+
     Examples
     --------
     >>> c = Consumer("/tmp/acs", "orders", start="earliest")   # doctest: +SKIP
@@ -561,9 +644,9 @@ class Consumer:
         shards: Optional[Sequence[int]] = None,
         *,
         start: StartSpec = "earliest",
-        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
-        max_bytes_per_second: Optional[float] = None,
-        max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
+        poll_interval: Union[float, str] = DEFAULT_POLL_INTERVAL_S,
+        max_bytes_per_second: Union[int, float, str, None] = None,
+        max_read_bytes: Union[int, str] = DEFAULT_MAX_READ_BYTES,
         fail_on_data_loss: bool = True,
         data_cache: Any = None,
         metadata_cache: Any = None,
@@ -574,15 +657,16 @@ class Consumer:
         tier_read_policy: Optional[str] = None,
         timing: TailTiming = TailTiming(),
     ) -> None:
-        if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or poll_interval < 0:
-            raise AcsOptionError(f"poll_interval: {poll_interval!r} is not allowed; use seconds >= 0", option="poll_interval")
-        if max_bytes_per_second is not None and max_bytes_per_second <= 0:
-            raise AcsOptionError("max_bytes_per_second: must be > 0 (or None for no cap)", option="max_bytes_per_second")
+        self.options = opts = ConsumerOptions.from_values(
+            start=start, poll_interval=poll_interval, max_bytes_per_second=max_bytes_per_second,
+            max_read_bytes=max_read_bytes, fail_on_data_loss=fail_on_data_loss, include_headers=include_headers,
+            tier_read_policy=tier_read_policy,
+        )
         if read_path is None:
             read_path = open_read_path(root, data_cache=cache_endpoints(data_cache, DATA_CACHE_ENV),
                                        metadata_cache=cache_endpoints(metadata_cache, METADATA_CACHE_ENV),
                                        token=cache_token, push=True, security=security,
-                                       tier_read_policy=tier_read_policy)
+                                       tier_read_policy=opts.tier_read_policy)
         self.path: ReadPath = read_path
         self.store = read_path.store
         self.streams = [validate_stream(s) for s in ([stream] if isinstance(stream, str) else stream)]
@@ -592,8 +676,8 @@ class Consumer:
             # channel per replica) is not charged to the first messages, and many consumer
             # processes started together do not all do it when the first file appears.
             connect()
-        self.poll_interval = float(poll_interval)
-        limiter = RateLimiter(max_bytes_per_second)
+        self.poll_interval = opts.poll_interval
+        limiter = RateLimiter(opts.max_bytes_per_second)
         self._tailers: List[ShardTailer] = []
         for name in self.streams:
             count = self.store.stream_shards(name)
@@ -606,10 +690,10 @@ class Consumer:
                         self.path,
                         name,
                         shard,
-                        max_read_bytes=max_read_bytes,
-                        fail_on_data_loss=fail_on_data_loss,
+                        max_read_bytes=opts.max_read_bytes,
+                        fail_on_data_loss=opts.fail_on_data_loss,
                         limiter=limiter,
-                        include_headers=include_headers,
+                        include_headers=opts.include_headers,
                         timing=timing,
                     )
                 )
@@ -626,7 +710,7 @@ class Consumer:
         # would find nothing, so the loop waits at once instead (once; after the wait it always
         # looks, so the safety-net timeout still reads). A seek moves no length: it clears it.
         self._settled: Optional[int] = None
-        self.seek(start)
+        self.seek(opts.start)
 
     def seek(self, start: StartSpec) -> None:
         """Move every followed shard to ``start`` ("earliest", "latest" or an offsets dict).
@@ -638,8 +722,9 @@ class Consumer:
         """
         if self._closed:
             raise ClosedError("consumer is closed")
-        if isinstance(start, str) and start.strip().lower() in ("earliest", "latest"):
-            mode = start.strip().lower()
+        start = parse_start(start, "start")
+        if start in START_WORDS:
+            mode = start
             for t in self._tailers:
                 t.seek(
                     earliest_offset(self.store, t.stream, t.shard)
@@ -648,10 +733,6 @@ class Consumer:
                 )
             self._forget_pending()
             return
-        if isinstance(start, str) and not start.lstrip().startswith("{"):
-            raise AcsOptionError(
-                f"start: {start!r} is not allowed; use 'earliest', 'latest' or an offsets dict", option="start"
-            )
         offsets: OffsetMap = parse_offsets(start, option="start")
         for t in self._tailers:
             t.seek(offsets.get((t.stream, t.shard)) or earliest_offset(self.store, t.stream, t.shard))

@@ -37,6 +37,7 @@ __all__ = [
     "ACKNOWLEDGE_MODES",
     "DEFAULT_ACKNOWLEDGE",
     "Producer",
+    "ProducerOptions",
 ]
 
 log = logging.getLogger(__name__)
@@ -130,13 +131,17 @@ def _acknowledge(value: Any, name: str) -> str:
     return value
 
 
+_acknowledge.acs_choices = ACKNOWLEDGE_MODES  # type: ignore[attr-defined] # the flag lists them
+
+
 @dataclass(frozen=True)
 class ProducerOptions:
     """Validated Producer settings (see :class:`Producer` for their meaning), declared with
     :func:`~pyspark_acs.options.option` and built by :func:`~pyspark_acs.options.parse_options`
-    (:meth:`from_values`)."""
+    (:meth:`from_values`); ``acs produce``'s flags are generated from the same declarations."""
 
-    shards: int = option("shards", 1, parse=parse_int(1, MAX_SHARDS), doc="shards of the stream")
+    shards: int = option("shards", 1, parse=parse_int(1, MAX_SHARDS), metavar="N",
+                         doc="shards of the stream; an existing stream must have this many")
     max_block_bytes: int = option("max_block_bytes", DEFAULT_MAX_BLOCK_BYTES, parse=bytes_parser(1024),
                                   doc="largest block body")
     roll_bytes: int = option("roll_bytes", DEFAULT_ROLL_BYTES, parse=bytes_parser(1),

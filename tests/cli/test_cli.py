@@ -184,6 +184,14 @@ def test_unknown_option_exits_2(acs, acs_inproc, root):
         ((), "required: COMMAND"),
         (("tail", "--root", root, "--stream", "s", "--format", "xml"), "invalid choice: 'xml'"),
         (("tail", "--root", root, "--stream", "s", "--timeout", "soon"), "argument --timeout: 'soon' is not a duration"),
+        (("tail", "--root", root, "--stream", "s", "--poll-interval", "soon"),
+         "argument --poll-interval: 'soon' is not a duration"),
+        (("tail", "--root", root, "--stream", "s", "--max-read-bytes", "0"), "argument --max-read-bytes: '0' is too small"),
+        (("tail", "--root", root, "--stream", "s", "--tier-read-policy", "disk"),
+         "argument --tier-read-policy: 'disk' is not allowed; use one of: NOT_IN_DISK"),
+        (("produce", "--root", root, "--stream", "s", "--shards", "0"), "argument --shards: 0 is out of range"),
+        (("produce", "--root", root, "--stream", "s", "--roll-bytes", "big"), "argument --roll-bytes: 'big' is not a byte size"),
+        (("produce", "--root", root, "--stream", "s", "--acknowledge", "fast"), "argument --acknowledge: invalid choice"),
     ]:
         code, _, err = acs_inproc(*args)
         assert code == 2 and text in err, (args, err)
@@ -356,6 +364,51 @@ def test_daemon_help_is_generated_from_the_declarations_in_plain_text(python_exe
         assert " ".join(f.metadata["acs_doc"].split()) in text, (f.name, res.stdout)
     assert METRICS_PORT_DOC in text and "--log-level" in text
     assert "``" not in res.stdout and ":class:" not in res.stdout and ":data:" not in res.stdout
+
+
+@pytest.mark.parametrize("command, declared, own", [
+    ("produce", "pyspark_acs.write.producer:ProducerOptions", ()),
+    ("tail", "pyspark_acs.read.consumer:ConsumerOptions", ("start",)),  # start is tail's own --from
+])
+def test_produce_and_tail_flags_are_generated_from_the_declarations(acs_inproc, command, declared, own):
+    import dataclasses
+    import importlib
+
+    from pyspark_acs.options import flag_of
+
+    mod, _, name = declared.partition(":")
+    cls = getattr(importlib.import_module(mod), name)
+    code, out, _ = acs_inproc(command, "--help")
+    assert code == 0
+    text = " ".join(out.decode().split())
+    for f in dataclasses.fields(cls):
+        if f.name in own:
+            continue
+        assert flag_of(f) in text, (flag_of(f), text)
+        assert " ".join(f.metadata["acs_doc"].split()) in text, (f.name, text)
+    assert "Settings reference" in text
+
+
+def test_produce_and_tail_settings_reach_the_producer_and_consumer(acs_inproc, root, tmp_path):
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"x" * 3000)
+    code, _, err = acs_inproc("produce", "--root", root, "--stream", "small", "--roll-bytes", "2KiB",
+                              "--max-block-bytes", "1KiB", "--acknowledge", "durable",
+                              *(["--file", str(blob)] * 3))
+    assert code == 0, err
+    code, out, _ = acs_inproc("ls", "--root", root, "--stream", "small", "--json")
+    (entry,) = json.loads(out)["streams"]
+    assert len(entry["shard_list"][0]["files"]) == 3  # --roll-bytes 2KiB: a new file after each message
+    with Producer(root, "small") as p:  # an existing stream keeps its shard count without --shards
+        p.send(b"with", headers=[("trace", b"t1")])
+    code, out, err = acs_inproc("tail", "--root", root, "--stream", "small", "--timeout", "0.2", "--format", "json",
+                                "--include-headers", "--max-read-bytes", "1KiB", "--poll-interval", "5ms",
+                                "--no-fail-on-data-loss", "--tier-read-policy", "not_in_mem")
+    assert code == 0, err
+    recs = [json.loads(line) for line in out.splitlines()]
+    assert [r["headers"] for r in recs] == [None, None, None, [{"key": "trace", "value": "t1"}]]
+    code, out, _ = acs_inproc("tail", "--root", root, "--stream", "small", "--timeout", "0.2", "--format", "json")
+    assert "headers" not in json.loads(out.splitlines()[0])
 
 
 # -- help text and errors a user reads -----------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as dt
 import math
@@ -19,6 +20,7 @@ from pyspark_acs.format.names import (
 )
 from pyspark_acs.format.offsets import Offset, format_offsets, parse_offsets
 from pyspark_acs.options import (
+    add_option_flags,
     bytes_parser,
     choice_parser,
     describe_options,
@@ -26,6 +28,7 @@ from pyspark_acs.options import (
     option,
     parse_bool,
     parse_int,
+    options_from_flags,
     parse_options,
     parse_str,
 )
@@ -214,6 +217,19 @@ def test_describe_options():
     assert "path (required): where" in text
     assert "maxBytes (default 1KiB): cap" in text
     assert "pollInterval (default 10ms): poll" in text
+
+
+def test_option_flags_parse_values_and_switch_off_what_is_on_by_default():
+    parser = argparse.ArgumentParser()
+    add_option_flags(parser, _Opts, shown={"count": "the command's own choice"})
+    args = parser.parse_args(["--path", "/x", "--max-bytes", "2KiB", "--no-enabled"])
+    assert options_from_flags(_Opts, args) == _Opts("/x", 2048, 0.01, False, 3, "fast")
+    args = parser.parse_args(["--path", "/x", "--enabled"])
+    assert options_from_flags(_Opts, args).enabled is True
+    assert options_from_flags(_Opts, parser.parse_args(["--path", "/x"])).enabled is True  # not given: the default
+    text = " ".join(parser.format_help().split())
+    assert "--enabled, --no-enabled" in text and "how many (default the command's own choice)" in text
+    assert "cap (default 1KiB)" in text
 
 
 # -- offsets -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from pyspark_acs.format.block import HEADER_SIZE, encode_block, encode_seal, scan_blocks
 from pyspark_acs.format.offsets import Offset
-from pyspark_acs.read.consumer import Consumer, TailTiming
+from pyspark_acs.read.consumer import Consumer, ConsumerOptions, TailTiming
 from pyspark_acs.errors import (
     AcsOptionError,
     ChecksumMismatchError,
@@ -786,6 +786,9 @@ def test_bad_consumer_options_name_the_option(root):
         ({"start": "{not json"}, "start"),
         ({"start": {"copts": {"0": {"file": "../x", "length": 0}}}}, "start"),
         ({"max_bytes_per_second": 0}, "max_bytes_per_second"),
+        ({"max_read_bytes": 0}, "max_read_bytes"),
+        ({"fail_on_data_loss": "maybe"}, "fail_on_data_loss"),
+        ({"tier_read_policy": "disk"}, "tier_read_policy"),
     ]
     for kwargs, option in cases:
         with pytest.raises(AcsOptionError) as err:
@@ -795,6 +798,19 @@ def test_bad_consumer_options_name_the_option(root):
         Consumer(root, "missing")
     with pytest.raises(InvalidNameError, match="invalid shard 2"):
         Consumer(root, "copts", shards=[2])
+
+
+def test_consumer_settings_take_units_and_say_what_was_meant(root):
+    """The Consumer's settings are parsed once by ConsumerOptions: sizes and durations take
+    units, None is the default, and a misspelt start word gets the nearest one."""
+    Producer(root, "units").close()
+    with Consumer(root, "units", start=" Latest", poll_interval="5ms", max_bytes_per_second="8MiB",
+                  max_read_bytes="64KiB", fail_on_data_loss=None) as c:
+        assert c.options == ConsumerOptions(start="latest", poll_interval=0.005, max_bytes_per_second=8 * MiB,
+                                            max_read_bytes=64 * 1024)
+        assert c.poll_interval == 0.005
+    with pytest.raises(AcsOptionError, match=r"start: 'earlist' is not allowed \(did you mean 'earliest'\?\)"):
+        Consumer(root, "units", start="earlist")
 
 
 def test_mismatched_shard_count_refused(root):
