@@ -31,8 +31,8 @@ setup(
         # moto[server]: a real S3 endpoint on loopback for the tiered-storage tests (tests/storage/test_tiered.py).
         # pytest<9.2: pytest 9.2 keeps node ids structured, and pytest-xdist's --dist loadgroup
         # (3.8) still appends its group to the old field, so nothing is grouped: each worker
-        # then starts every module's servers and a Spark session of its own (pytest-xdist issue
-        # 1386). tests/conftest.py refuses to run a parallel suite that is not grouped.
+        # then starts every module's servers and a Spark session of its own (reported at
+        # github.com/pytest-dev/pytest-xdist/issues/1386). tests/conftest.py refuses to run a parallel suite that is not grouped.
         "secure": ["cryptography>=42"],
         "test": ["pytest>=8,<9.2", "pytest-timeout", "pytest-xdist>=3.6", "chispa", "hypothesis", "grpcio-tools>=1.85.1", "pandas<3",
                  "matplotlib", "cryptography>=42", "moto[server]"],

@@ -81,8 +81,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """In a parallel run, refuse to go on when pytest-xdist did not group: its loadgroup marks a
-    grouped test by appending ``@group`` to the node id, which pytest 9.2 ignores (pytest-xdist
-    issue 1386); ungrouped, every worker starts the module servers and a Spark session itself
+    grouped test by appending ``@group`` to the node id, which pytest 9.2 ignores (reported as
+    github.com/pytest-dev/pytest-xdist/issues/1386); ungrouped, every worker starts the module servers and a Spark session itself
     and the suite takes minutes longer, silently."""
     if not os.environ.get("PYTEST_XDIST_WORKER") or session.config.getoption("dist", None) != "loadgroup":
         return
