@@ -29,13 +29,17 @@ os.environ.setdefault("SPARK_SUBMIT_OPTS", TEST_SPARK_JAVA_OPTIONS)
 os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", TEST_SPARK_JAVA_OPTIONS)
 
 
-#: Work units of a parallel run that take longest, longest first (a module's file name, a
-#: group's name): they start before every other unit, so none of them starts last and holds
-#: the run up alone at its end.
+#: Work units of a parallel run that take longest, in the order they start (a group's name, a
+#: module's file name, or ``module::test`` for a test that is a unit of its own): before every
+#: other unit, so none of them starts last and holds the run up alone at its end. Units that
+#: start JVMs (Spark sessions, spark-submit jobs, the standalone cluster) alternate with units
+#: that mostly wait on servers: started side by side, the JVMs' start-ups took the 2 cores for
+#: minutes and Spark's 10 s Python connect-back timed out.
 LONG_UNITS = (
-    "test_spark_cluster.py", "test_examples.py", "spark-a", "spark-b", "test_push.py", "test_cross_cluster.py",
-    "test_tiered.py", "test_copy_daemon.py", "test_cache_delivery.py", "test_write_path.py",
-    "test_lease_split.py", "test_fencing.py", "test_push_sharing.py", "test_model.py",
+    "test_spark_cluster.py", "test_push.py", "spark-a", "test_cross_cluster.py",
+    "test_examples.py::test_producer_job_then_consumer_job_available_now", "test_copy_daemon.py", "spark-b",
+    "test_tiered.py", "test_examples.py::test_demo_runs_end_to_end", "test_cache_delivery.py", "test_lease_split.py",
+    "test_spark_user.py", "test_model.py", "test_write_path.py", "test_fencing.py", "test_push_sharing.py",
 )
 
 
@@ -76,7 +80,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group))
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {name: i for i, name in enumerate(LONG_UNITS)}
-        items.sort(key=lambda item: rank.get(_group(item) or item.path.name, len(rank)))
+        def start(item) -> int:
+            unit = _group(item)
+            if unit is None:
+                test = f"{item.path.name}::{item.originalname}"
+                unit = test if test in rank else item.path.name
+            return rank.get(unit, len(rank))
+
+        items.sort(key=start)
 
 
 def pytest_collection_finish(session):

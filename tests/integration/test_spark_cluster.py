@@ -212,14 +212,10 @@ def test_round_trip_on_a_standalone_cluster(cluster, tmp_path):
     roots = {c: str(tmp_path / f"root-{c}") for c in "AB"}
     caches_a = LocalDeployment(tmp_path / "caches-A", data_replicas=1, metadata_replicas=1, capacity="64MiB").start()
     try:
-        # cluster B's cache servers: spark-submit jars-free/cache_server.py on the Spark cluster
-        endpoints: Dict[str, str] = {}
-        for role in ("data", "metadata"):
-            proc = procs.spark_submit(f"cache-B-{role}", master, "jars-free/cache_server.py", "--role", role,
-                                      "--host", "127.0.0.1", "--port", "0", "--capacity", "64MiB",
-                                      "--metrics-port", "-1", stdout=subprocess.PIPE)
-            line = procs.banner(proc, "acs-cache-server")
-            endpoints[role] = line.split(" listening on ")[1].split()[0]
+        # cluster B's cache servers and both clusters' copy daemons: spark-submit jars-free/... on
+        # the Spark cluster, all four at once (each is a JVM start; one after another they took
+        # most of this test's minutes on a loaded machine), on ports picked beforehand
+        endpoints = {role: f"127.0.0.1:{free_port()}" for role in ("data", "metadata")}
         topology = tmp_path / "topology.json"
         daemon_ports = {c: free_port() for c in "AB"}
         topology.write_text(json.dumps({
@@ -232,11 +228,19 @@ def test_round_trip_on_a_standalone_cluster(cluster, tmp_path):
             "links": [{"from": "A", "to": "B", "cost": 1}],
             "streams": {"orders": {"source": "A", "destinations": ["B"]}},
         }))
-        # both clusters' copy daemons: spark-submit jars-free/copy_daemon.py
+        launched = []
+        for role in ("data", "metadata"):
+            port = endpoints[role].rsplit(":", 1)[1]
+            launched.append((procs.spark_submit(
+                f"cache-B-{role}", master, "jars-free/cache_server.py", "--role", role, "--host", "127.0.0.1",
+                "--port", port, "--capacity", "64MiB", "--metrics-port", "-1", stdout=subprocess.PIPE),
+                f"acs-cache-server role={role} listening on {endpoints[role]}"))
         for c in "AB":
-            proc = procs.spark_submit(f"copy-{c}", master, "jars-free/copy_daemon.py", "--topology", str(topology),
-                                      "--cluster", c, "--metrics-port", "-1", stdout=subprocess.PIPE)
-            procs.banner(proc, f"acs-copy-daemon cluster={c} listening on")
+            launched.append((procs.spark_submit(
+                f"copy-{c}", master, "jars-free/copy_daemon.py", "--topology", str(topology), "--cluster", c,
+                "--metrics-port", "-1", stdout=subprocess.PIPE), f"acs-copy-daemon cluster={c} listening on"))
+        for proc, banner in launched:
+            procs.banner(proc, banner)
 
         producer = Producer(roots["A"], "orders", shards=SHARDS, data_cache=caches_a.data_endpoints,
                             metadata_cache=caches_a.metadata_endpoints, roll_bytes=64 * 1024)
