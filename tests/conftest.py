@@ -106,6 +106,16 @@ def pytest_collection_finish(session):
             f"(pip install -e '.[test]', pytest<9.2)")
 
 
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """One data and one metadata cache server per cluster A, B and C, for the whole module (its
+    tests then share a worker). A module that needs other deployments defines its own."""
+    from tests.helpers import deployments
+
+    with deployments(tmp_path_factory.mktemp("caches")) as deps:
+        yield deps
+
+
 @pytest.fixture
 def root(tmp_path):
     """A fresh durable store root (a local folder)."""

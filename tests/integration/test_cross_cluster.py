@@ -37,13 +37,6 @@ pytestmark = pytest.mark.slow
 QUIET_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def caches(tmp_path_factory):
-    """One data and one metadata cache server per cluster, for the whole module."""
-    with deployments(tmp_path_factory.mktemp("caches")) as deps:
-        yield deps
-
-
 _counter = [0]
 
 

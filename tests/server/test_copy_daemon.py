@@ -26,7 +26,7 @@ from pyspark_acs.format.names import shard_dir
 from pyspark_acs.storage.store import DurableStore
 
 from tests.helpers import (
-    ARRIVE_S, CHAIN, CLUSTERS, LOCK_HOLDER, ROOT, STAR, Background, Env, check_order, consume_all, deployments,
+    ARRIVE_S, CHAIN, CLUSTERS, LOCK_HOLDER, ROOT, STAR, Background, Env, check_order, consume_all,
     metric, produce, stop_process,
 )
 
@@ -34,13 +34,6 @@ pytestmark = pytest.mark.slow
 
 
 # -- fixtures ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def caches(tmp_path_factory):
-    """One data and one metadata cache server per cluster, for the whole module."""
-    with deployments(tmp_path_factory.mktemp("caches")) as deps:
-        yield deps
 
 
 _counter = [0]

@@ -363,13 +363,7 @@ class LocalDeployment:
             cmd = [self.python, "-m", _TIER_MODULE, "--root", str(self.tier_mover_root), "--host", self.host,
                    "--interval", f"{self.tier_interval!r}s",
                    "--metrics-port", str(self._metrics_ports.get(server.name, 0))]
-            if self.die_with_parent:
-                cmd += ["--parent-pid", str(os.getpid())]
-            if self.insecure:
-                cmd += ["--insecure"]
-            if self.log_level:
-                cmd += ["--log-level", self.log_level]
-            return cmd
+            return cmd + self._daemon_flags()
         cmd = [
             self.python, "-m", _SERVER_MODULE,
             "--role", server.role,
@@ -379,13 +373,18 @@ class LocalDeployment:
             "--ttl", f"{self.ttl[server.role]!r}s",
             "--metrics-port", str(self._metrics_ports.get(server.name, 0)),
         ]
+        return cmd + self._daemon_flags()
+
+    def _daemon_flags(self) -> List[str]:
+        """The flags every daemon of this deployment shares (server/settings.py declares them)."""
+        flags = []
         if self.die_with_parent:
-            cmd += ["--parent-pid", str(os.getpid())]
+            flags += ["--parent-pid", str(os.getpid())]
         if self.insecure:
-            cmd += ["--insecure"]
+            flags += ["--insecure"]
         if self.log_level:
-            cmd += ["--log-level", self.log_level]
-        return cmd
+            flags += ["--log-level", self.log_level]
+        return flags
 
     def _env(self) -> Dict[str, str]:
         env = dict(os.environ)
