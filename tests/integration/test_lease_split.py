@@ -83,7 +83,7 @@ def test_a_split_lease_key_is_taken_over(caches2, holders):
 def test_two_writers_racing_for_fresh_keys_never_wedge_them(caches2):
     """Two writers acquire the same fresh key at once, 20 times: one of them always gets the
     lease (before the fix, a few keys in 30 ended with both refused, for good), and when
-    both got it in turn the first one is poisoned."""
+    both got it in turn the first one is poisoned. Short leases: a loser waits one out."""
     metas = [_meta(caches2["A"].metadata_endpoints) for _ in range(2)]
     wedged: List[str] = []
     try:
@@ -92,7 +92,7 @@ def test_two_writers_racing_for_fresh_keys_never_wedge_them(caches2):
             got: Dict[str, object] = {}
 
             def take(w: int) -> None:
-                lease = MetadataLease(metas[w], uri, f"writer-{w}", f"writer {w}", seconds=1.5)
+                lease = MetadataLease(metas[w], uri, f"writer-{w}", f"writer {w}", seconds=0.6)
                 try:
                     lease.acquire(timeout=3.0)
                     got[f"writer-{w}"] = (time.monotonic(), lease)
