@@ -35,6 +35,7 @@ __all__ = [
     "choice_parser",
     "describe_options",
     "duration_parser",
+    "flag_of",
     "flag_type",
     "nearest_name",
     "option",
@@ -221,6 +222,7 @@ REFERENCE = (
     ("acs-cache-server", "pyspark_acs.server.cache.options.CacheServerOptions", "flags"),
     ("acs-copy-daemon", "pyspark_acs.server.copy.options.CopyDaemonOptions", "markdown"),
     ("acs-tier-mover", "pyspark_acs.server.tier.options.TierMoverOptions", "flags"),
+    ("Tier settings", "pyspark_acs.storage.tier_settings.TierSettings", "markdown"),
 )
 #: A table rendered from an options dataclass in a Markdown file: the marker naming the class
 #: and style, the table, the end marker.

@@ -866,7 +866,10 @@ def test_acs_tier_sets_changes_shows_and_turns_off_tier_settings(root, s3, capsy
     uri = tier_uri(s3, "t19")
 
     def acs(*argv):
-        code = main(["tier", *argv, "--root", root])
+        try:
+            code = main(["tier", *argv, "--root", root])
+        except SystemExit as exc:  # a usage error: argparse exits
+            code = exc.code
         out, err = capsys.readouterr()
         return code, out, err
 
@@ -888,11 +891,12 @@ def test_acs_tier_sets_changes_shows_and_turns_off_tier_settings(root, s3, capsy
     code, out, _ = acs("cli", "--json")
     shown = json.loads(out)
     assert code == 0 and shown["uri"] == f"s3://{BUCKET}/t19" and shown["hot_retention_s"] == 43200
-    # Bad values name their flag; nothing is written.
+    # Bad values are usage errors naming their flag (the flags are generated from TierSettings'
+    # declarations); a bare number needs its unit; nothing is written.
     for flag, value in (("--hot-retention", "soon"), ("--hot-retention-bytes", "lots"),
-                        ("--secondary-retention", "-1d")):
+                        ("--secondary-retention", "-1d"), ("--hot-retention", "1")):
         code, _, err = acs("cli", f"{flag}={value}")
-        assert code == 1 and f"acs tier: error: {flag}: " in err, err
+        assert code == 2 and f"acs tier: error: argument {flag}: " in err, err
     code, _, err = acs("cli", uri, "--off")
     assert code == 1 and "--off: takes no URI" in err
     code, _, err = acs("cli", tier_uri(s3, "x").replace(BUCKET, "no-such-bucket"))
