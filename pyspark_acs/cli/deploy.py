@@ -23,7 +23,7 @@ import sys
 from typing import Any, Dict, Optional, Tuple
 
 from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
-from pyspark_acs.cli.main import register_command
+from pyspark_acs.cli.main import add_cache_flags, check_cache_flags, register_command
 from pyspark_acs.cli.watch import add_watch_flags
 from pyspark_acs.errors import AcsOptionError
 from pyspark_acs.options import add_option_flags, duration_parser, flag_type, options_from_flags
@@ -413,33 +413,31 @@ def cmd_status(args: argparse.Namespace) -> int:
     """``acs status``: print :func:`status_report` as text, or as JSON with ``--json``, or refresh
     a table in place with ``--watch``; returns 0.
 
-    When neither ``--data-cache`` nor ``--metadata-cache`` is given, the endpoints come from
-    ``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE``, else from the deployment in ``--dir``.
+    Each cache is its flag's, else its variable's (``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE``;
+    ``none`` turns it off); with neither flag given nor set in the environment, the deployment's
+    in ``--dir``.
 
     Raises
     ------
     AcsOptionError
         If ``--stream`` names no stream of the store.
     """
-    from pyspark_acs.cli.main import check_cache_flags
-
     check_cache_flags(args)
-    data, meta = args.data_cache, args.metadata_cache
+    # Each as every command takes it (given, else the environment's; none: no cache) ...
+    data, meta = cache_endpoints(args.data_cache, ENV_DATA), cache_endpoints(args.metadata_cache, ENV_METADATA)
     folder, _ = deployment_dir(args.dir)
-    if data is None and meta is None:
-        # No endpoints given: those of the environment, else of the local deployment in --dir.
-        data, meta = cache_endpoints(None, ENV_DATA), cache_endpoints(None, ENV_METADATA)
-        if data is None and meta is None:
-            from pyspark_acs.server.local.deploy import load_deployment
+    if args.data_cache is None and args.metadata_cache is None and data is None and meta is None:
+        # ... and with neither flag given nor in the environment, the local deployment's in --dir.
+        from pyspark_acs.server.local.deploy import load_deployment
 
-            state = load_deployment(folder)
-            if state is not None:
-                data = state.get("data_endpoints") or None
-                meta = state.get("metadata_endpoints") or None
-            else:
-                print(f"acs status: no cache endpoints: none given (--data-cache/--metadata-cache), ${ENV_DATA} / "
-                      f"${ENV_METADATA} unset, and no deployment in {os.path.abspath(folder)} (--dir, "
-                      f"${ENV_DEPLOYMENT}); showing the durable store only", file=sys.stderr)
+        state = load_deployment(folder)
+        if state is not None:
+            data = state.get("data_endpoints") or None
+            meta = state.get("metadata_endpoints") or None
+        else:
+            print(f"acs status: no cache endpoints: none given (--data-cache/--metadata-cache), ${ENV_DATA} / "
+                  f"${ENV_METADATA} unset, and no deployment in {os.path.abspath(folder)} (--dir, "
+                  f"${ENV_DEPLOYMENT}); showing the durable store only", file=sys.stderr)
     if args.watch:
         from pyspark_acs.cli.watch import watch
 
@@ -517,8 +515,7 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
                                    f"${ENV_DATA} / ${ENV_METADATA}, else the deployment in --dir.")
     p.add_argument("--root", required=True, help="durable store root: a local folder or a URI")
     p.add_argument("--stream", default=None, help="only this stream")
-    p.add_argument("--data-cache", default=None, metavar="HOST:PORT,...", help="data-cache endpoints")
-    p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...", help="metadata-cache endpoints")
+    add_cache_flags(p, otherwise=", else the deployment in --dir, when neither flag is given")
     p.add_argument("--dir", default=None,
                    help=f"local deployment to ask when no endpoints are given (default ${ENV_DEPLOYMENT}, else the "
                         f"one ./{POINTER_FILE} names, else {DEFAULT_DIR})")
