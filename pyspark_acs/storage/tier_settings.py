@@ -14,7 +14,6 @@ from pyspark_acs.storage.tier_manifest import read_manifest
 from pyspark_acs.storage.tier_store import TierStore, public_uri
 
 __all__ = [
-    "NO_LIMIT",
     "TierSettings",
     "configure_tier",
     "stream_tier_settings",
