@@ -35,6 +35,7 @@ __all__ = [
     "choice_parser",
     "describe_options",
     "duration_parser",
+    "flag_of",
     "flag_type",
     "nearest_name",
     "option",
@@ -221,6 +222,7 @@ REFERENCE = (
     ("acs-cache-server", "pyspark_acs.server.cache.options.CacheServerOptions", "flags"),
     ("acs-copy-daemon", "pyspark_acs.server.copy.options.CopyDaemonOptions", "markdown"),
     ("acs-tier-mover", "pyspark_acs.server.tier.options.TierMoverOptions", "flags"),
+    ("Tier settings", "pyspark_acs.storage.tier_settings.TierSettings", "markdown"),
 )
 #: A table rendered from an options dataclass in a Markdown file: the marker naming the class
 #: and style, the table, the end marker.
@@ -278,7 +280,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def add_option_flags(parser: Any, cls: type, *, only: Optional[Sequence[str]] = None,
-                     exclude: Sequence[str] = (), shown: Mapping[str, str] = {}) -> None:
+                     exclude: Sequence[str] = (), shown: Mapping[str, str] = {},
+                     former: Mapping[str, str] = {}) -> None:
     """Add one argparse flag per option of ``cls`` (or of the fields named in ``only``).
 
     Each flag's help is the option's doc and default, its value is parsed by the option's parser
@@ -287,6 +290,8 @@ def add_option_flags(parser: Any, cls: type, *, only: Optional[Sequence[str]] = 
     repeatable, and a required option is a required flag. A flag not given leaves ``None``:
     :func:`options_from_flags` then takes the declared default, unless the command resolves it
     otherwise; ``shown`` (field name -> text) then states that default in the help instead.
+    ``former`` (field name -> flag) keeps a renamed flag working under its old name, parsed
+    alike and left out of the help.
     """
     for f in _declared(cls):
         if (only is not None and f.name not in only) or f.name in exclude:
@@ -311,6 +316,11 @@ def add_option_flags(parser: Any, cls: type, *, only: Optional[Sequence[str]] = 
         if f.metadata["acs_required"]:
             kw["required"] = True
         parser.add_argument(flag, **kw)
+        if f.name in former:
+            old = former[f.name]
+            if "type" in kw:  # its errors name the flag as typed
+                kw["type"] = flag_type(f.metadata["acs_parse"], old)
+            parser.add_argument(old, **{**kw, "help": argparse.SUPPRESS, "required": False})
 
 
 def _metavar(f: dataclasses.Field) -> str:

@@ -23,12 +23,11 @@ import sys
 from typing import Any, Dict, Optional, Tuple
 
 from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
-from pyspark_acs.cli.main import register_command
+from pyspark_acs.cli.main import add_cache_flags, check_cache_flags, register_command
 from pyspark_acs.cli.watch import add_watch_flags
 from pyspark_acs.errors import AcsOptionError
-from pyspark_acs.options import bytes_parser, duration_parser, flag_type
-from pyspark_acs.server.cache.options import DEFAULT_CAPACITY_BYTES, MIN_CAPACITY_BYTES, ROLE_DEFAULT_TTL_S
-from pyspark_acs.server.settings import DEFAULT_HOST, LOG_LEVELS
+from pyspark_acs.options import add_option_flags, duration_parser, flag_type, options_from_flags
+from pyspark_acs.server.cache.options import DEFAULT_CAPACITY_BYTES, ROLE_DEFAULT_TTL_S, CacheServerOptions
 from pyspark_acs.units import format_duration, format_size
 
 __all__: list = []
@@ -111,7 +110,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                              option="--root")
     links = [_link(text) for text in args.link]
     tier_interval = args.tier_interval
-    security, exports = _security(args)
+    # The settings its flags give the data servers, with acs-cache-server's declared defaults.
+    server = options_from_flags(CacheServerOptions, args, role="data")
+    security, exports = _security(args, server)
     if args.topology is not None:
         from pyspark_acs.server.copy.topology import check_writable
 
@@ -120,13 +121,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.dir,
         data_replicas=args.data_replicas,
         metadata_replicas=args.metadata_replicas,
-        capacity=DEFAULT_CAPACITY_BYTES["data"] if args.capacity is None else args.capacity,
-        data_ttl=ROLE_DEFAULT_TTL_S["data"] if args.ttl is None else args.ttl,
-        log_level=args.log_level,
-        host=args.host,
+        capacity=DEFAULT_CAPACITY_BYTES["data"] if server.capacity is None else server.capacity,
+        data_ttl=ROLE_DEFAULT_TTL_S["data"] if server.ttl is None else server.ttl,
+        log_level=args.log_level,  # not given: the servers' own default
+        host=server.host,
         base_port=args.base_port,
         security=security,
-        insecure=args.insecure,
+        insecure=server.insecure,
         tier_mover_root=args.root if args.tier_mover else None,
         tier_interval=tier_interval,
     )
@@ -143,8 +144,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.cluster is not None:
         from pyspark_acs.server.copy.topology import set_cluster
 
-        copy_port = args.copy_port if args.copy_port is not None else _free_port(args.host)
-        host = f"[{args.host}]" if ":" in args.host else args.host
+        copy_port = args.copy_port if args.copy_port is not None else _free_port(server.host)
+        host = f"[{server.host}]" if ":" in server.host else server.host
         try:
             set_cluster(args.topology, args.cluster, {
                 "root": args.root, "data_cache": data, "metadata_cache": meta, "copy_daemon": f"{host}:{copy_port}",
@@ -164,8 +165,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _security(args: argparse.Namespace):
-    """The servers' security settings of ``acs up`` and the variables the export line adds.
+def _security(args: argparse.Namespace, server: CacheServerOptions):
+    """The servers' security settings of ``acs up`` (``server``: those its flags give) and the
+    variables the export line adds.
 
     ``--secure`` makes a self-signed CA, certificates and a token file under ``DIR/tls``
     (kept across restarts); explicit ``--token-file``/``--tls-*`` flags win over it, and the
@@ -184,12 +186,12 @@ def _security(args: argparse.Namespace):
     if args.secure:
         from pyspark_acs.server.local.tls import make_local_tls
 
-        made = make_local_tls(os.path.join(args.dir, "tls"), [args.host])
-    token_file = args.token_file or (made.get("token_file") if not os.environ.get(ENV_TOKEN) else None)
-    security = resolve_security(token_file=token_file, tls_cert=args.tls_cert or made.get("cert"),
-                                tls_key=args.tls_key or made.get("key"), tls_ca=args.tls_ca or made.get("ca"),
-                                mtls=True if args.mtls else None)
-    check_bind(args.host, security, args.insecure, what="acs up")
+        made = make_local_tls(os.path.join(args.dir, "tls"), [server.host])
+    token_file = server.token_file or (made.get("token_file") if not os.environ.get(ENV_TOKEN) else None)
+    security = resolve_security(token_file=token_file, tls_cert=server.tls_cert or made.get("cert"),
+                                tls_key=server.tls_key or made.get("key"), tls_ca=server.tls_ca or made.get("ca"),
+                                mtls=server.mtls)
+    check_bind(server.host, security, server.insecure, what="acs up")
     exports = {}
     if token_file:
         exports[ENV_TOKEN_FILE] = os.path.abspath(token_file)
@@ -411,33 +413,31 @@ def cmd_status(args: argparse.Namespace) -> int:
     """``acs status``: print :func:`status_report` as text, or as JSON with ``--json``, or refresh
     a table in place with ``--watch``; returns 0.
 
-    When neither ``--data-cache`` nor ``--metadata-cache`` is given, the endpoints come from
-    ``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE``, else from the deployment in ``--dir``.
+    Each cache is its flag's, else its variable's (``$ACS_DATA_CACHE`` / ``$ACS_METADATA_CACHE``;
+    ``none`` turns it off); with neither flag given nor set in the environment, the deployment's
+    in ``--dir``.
 
     Raises
     ------
     AcsOptionError
         If ``--stream`` names no stream of the store.
     """
-    from pyspark_acs.cli.main import check_cache_flags
-
     check_cache_flags(args)
-    data, meta = args.data_cache, args.metadata_cache
+    # Each as every command takes it (given, else the environment's; none: no cache) ...
+    data, meta = cache_endpoints(args.data_cache, ENV_DATA), cache_endpoints(args.metadata_cache, ENV_METADATA)
     folder, _ = deployment_dir(args.dir)
-    if data is None and meta is None:
-        # No endpoints given: those of the environment, else of the local deployment in --dir.
-        data, meta = cache_endpoints(None, ENV_DATA), cache_endpoints(None, ENV_METADATA)
-        if data is None and meta is None:
-            from pyspark_acs.server.local.deploy import load_deployment
+    if args.data_cache is None and args.metadata_cache is None and data is None and meta is None:
+        # ... and with neither flag given nor in the environment, the local deployment's in --dir.
+        from pyspark_acs.server.local.deploy import load_deployment
 
-            state = load_deployment(folder)
-            if state is not None:
-                data = state.get("data_endpoints") or None
-                meta = state.get("metadata_endpoints") or None
-            else:
-                print(f"acs status: no cache endpoints: none given (--data-cache/--metadata-cache), ${ENV_DATA} / "
-                      f"${ENV_METADATA} unset, and no deployment in {os.path.abspath(folder)} (--dir, "
-                      f"${ENV_DEPLOYMENT}); showing the durable store only", file=sys.stderr)
+        state = load_deployment(folder)
+        if state is not None:
+            data = state.get("data_endpoints") or None
+            meta = state.get("metadata_endpoints") or None
+        else:
+            print(f"acs status: no cache endpoints: none given (--data-cache/--metadata-cache), ${ENV_DATA} / "
+                  f"${ENV_METADATA} unset, and no deployment in {os.path.abspath(folder)} (--dir, "
+                  f"${ENV_DEPLOYMENT}); showing the durable store only", file=sys.stderr)
     if args.watch:
         from pyspark_acs.cli.watch import watch
 
@@ -457,6 +457,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 # -- registration ---------------------------------------------------------------------------
 
 
+def _data_only(by_role: Dict[str, str]) -> str:
+    return f"{by_role['data']} on the data servers; the metadata servers keep {by_role['metadata']}"
+
+
 def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a local deployment of cache servers in the background",
                        description="Start data and metadata cache servers as background processes; "
@@ -464,19 +468,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"deployment folder: logs, pids, state (default {DEFAULT_DIR})")
     p.add_argument("--data-replicas", type=_replicas, default=3, help="data-cache servers (default 3)")
     p.add_argument("--metadata-replicas", type=_replicas, default=3, help="metadata-cache servers (default 3)")
-    # --capacity and --ttl are acs-cache-server's flags, with its declarations' defaults, for the
-    # data servers (the metadata servers keep their role's defaults).
-    p.add_argument("--capacity", default=None, type=flag_type(bytes_parser(MIN_CAPACITY_BYTES), "--capacity"),
-                   metavar="SIZE", help=f"data-cache capacity per server (default "
-                                        f"{format_size(DEFAULT_CAPACITY_BYTES['data'])}, as acs-cache-server's)")
-    ttl = flag_type(duration_parser(0.001, unit_required=True), "--ttl")
-    p.add_argument("--ttl", default=None, type=ttl, metavar="DURATION",
-                   help=f"time to live of data chunks, with its unit (default "
-                        f"{format_duration(ROLE_DEFAULT_TTL_S['data'])}, as acs-cache-server's)")
-    p.add_argument("--data-ttl", dest="ttl", type=ttl, help=argparse.SUPPRESS)  # its former name
-    p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
-                   help="--log-level of every server started (default theirs, INFO)")
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"interface to bind (default {DEFAULT_HOST})")
+    # The servers' own settings, generated from acs-cache-server's declarations; --capacity and
+    # --ttl set the data servers' only (the metadata servers keep their role's defaults).
+    add_option_flags(p, CacheServerOptions, only=("capacity", "ttl", "log_level", "host"), former={"ttl": "--data-ttl"},
+                     shown={"capacity": _data_only({r: format_size(b) for r, b in DEFAULT_CAPACITY_BYTES.items()}),
+                            "ttl": _data_only({r: format_duration(t) for r, t in ROLE_DEFAULT_TTL_S.items()})})
     p.add_argument("--base-port", type=int, default=None, metavar="N",
                    help="fixed ports: gRPC from N (data servers, then metadata), then the metrics ports "
                         "(default: free ports)")
@@ -496,15 +492,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--secure", action="store_true",
                    help="make a self-signed CA, certificates and a token file under DIR/tls and serve TLS with "
                         "a token; the export line names the files")
-    s.add_argument("--token-file", default=None, metavar="FILE",
-                   help="file holding the shared token (default: $ACS_CACHE_TOKEN, else $ACS_TOKEN_FILE)")
-    s.add_argument("--tls-cert", default=None, metavar="PEM", help="server certificate chain (default $ACS_TLS_CERT)")
-    s.add_argument("--tls-key", default=None, metavar="PEM", help="its private key (default $ACS_TLS_KEY)")
-    s.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle (default $ACS_TLS_CA)")
-    s.add_argument("--mtls", action="store_true", help="require client certificates")
-    s.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --host without TLS and a token (anyone who reaches it can read "
-                        "and forge messages)")
+    add_option_flags(s, CacheServerOptions, only=("token_file", "tls_cert", "tls_key", "tls_ca", "mtls", "insecure"))
     p.set_defaults(func=cmd_up)
 
 
@@ -527,8 +515,7 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
                                    f"${ENV_DATA} / ${ENV_METADATA}, else the deployment in --dir.")
     p.add_argument("--root", required=True, help="durable store root: a local folder or a URI")
     p.add_argument("--stream", default=None, help="only this stream")
-    p.add_argument("--data-cache", default=None, metavar="HOST:PORT,...", help="data-cache endpoints")
-    p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...", help="metadata-cache endpoints")
+    add_cache_flags(p, otherwise=", else the deployment in --dir, when neither flag is given")
     p.add_argument("--dir", default=None,
                    help=f"local deployment to ask when no endpoints are given (default ${ENV_DEPLOYMENT}, else the "
                         f"one ./{POINTER_FILE} names, else {DEFAULT_DIR})")

@@ -16,7 +16,7 @@ import argparse
 import json
 from typing import Any, Dict, List, Optional
 
-from pyspark_acs.cli.main import register_command
+from pyspark_acs.cli.main import add_cache_flags, check_cache_flags, register_command
 from pyspark_acs.cli.watch import add_watch_flags, rich_table, text_table, watch
 
 __all__: list = []
@@ -86,6 +86,7 @@ def _cells(report: Dict[str, Any]) -> List[List[str]]:
 
 def cmd_lag(args: argparse.Namespace) -> int:
     """``acs lag``: print :func:`lag_report` as a table, as JSON (``--json``), or refresh it (``--watch``)."""
+    check_cache_flags(args)
 
     def report() -> Dict[str, Any]:
         return lag_report(args.checkpoint, args.root, stream=args.stream, data_cache=args.data_cache,
@@ -114,14 +115,12 @@ def _add_lag(sub: argparse._SubParsersAction) -> None:
                        description="Read a Structured Streaming query's committed offsets from its checkpoint "
                                    "(offsets/ and commits/) and print, per stream and shard, the bytes and "
                                    "messages between them and the readable end of the shard (as Kafka's "
-                                   "consumer-group lag).")
+                                   "consumer-group lag). With a metadata cache the end counts bytes published "
+                                   "but not yet durable.")
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="the query's checkpointLocation (folder or URI)")
     p.add_argument("--root", required=True, help="durable store root of the streams the query reads")
     p.add_argument("--stream", default=None, help="only this stream")
-    p.add_argument("--data-cache", default=None, metavar="HOST:PORT,...", help="data-cache endpoints, or none (default: $ACS_DATA_CACHE)")
-    p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...",
-                   help="metadata-cache endpoints, or none (default: $ACS_METADATA_CACHE): the end then counts "
-                        "bytes published but not yet durable")
+    add_cache_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_watch_flags(p)
     p.set_defaults(func=cmd_lag)

@@ -17,6 +17,7 @@ from pyspark_acs.errors import AcsError, AcsOptionError
 from pyspark_acs.options import add_option_flags, duration_parser, flag_type, options_from_flags
 
 __all__ = [
+    "add_cache_flags",
     "check_cache_flags",
     "main",
 ]
@@ -46,9 +47,16 @@ def check_cache_flags(args: argparse.Namespace) -> None:
             parse_endpoints(value, option=flag)
 
 
-def _add_caches(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-cache", default=None, metavar="HOST:PORT,...", help="data-cache endpoints, or none (default: $ACS_DATA_CACHE)")
-    p.add_argument("--metadata-cache", default=None, metavar="HOST:PORT,...", help="metadata-cache endpoints, or none (default: $ACS_METADATA_CACHE)")
+def add_cache_flags(p: argparse.ArgumentParser, otherwise: str = "") -> None:
+    """``--data-cache`` / ``--metadata-cache``, the same for every command that reads through the
+    caches (checked by :func:`check_cache_flags`): not given, ``$ACS_DATA_CACHE`` /
+    ``$ACS_METADATA_CACHE`` (:func:`~pyspark_acs.cache.endpoints.cache_endpoints`), then what
+    ``otherwise`` says (the command's own fallback); ``none`` turns a cache off."""
+    from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV
+
+    for role, env in (("data", DATA_CACHE_ENV), ("metadata", METADATA_CACHE_ENV)):
+        p.add_argument(f"--{role}-cache", default=None, metavar="HOST:PORT,...",
+                       help=f"{role}-cache endpoints, or none (default: ${env}{otherwise})")
 
 
 class _CommandParser(argparse.ArgumentParser):
@@ -123,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send the content of PATH as one message (repeatable); stdin is then not read")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr: messages, bytes, rate (default: when stderr is a terminal)")
-    _add_caches(p)
+    add_cache_flags(p)
     p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("tail", help="print messages of a stream as they arrive",
@@ -144,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true",
                    help="wait for streams, and the root, that do not exist yet instead of failing "
                         "(a missing root is an error without it)")
-    _add_caches(p)
+    add_cache_flags(p)
     p.defer(_consumer_flags)
     p.set_defaults(func=cmd_tail)
 

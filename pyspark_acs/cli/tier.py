@@ -7,10 +7,12 @@ Registered with :func:`pyspark_acs.cli.main.register_command` when ``acs`` start
     acs tier STREAM --root R --hot-retention 12h  # change one setting, keep the others
     acs tier STREAM --root R --off                # stop tiering (refused while files live in the tier)
 
-Durations and sizes are read by :mod:`pyspark_acs.units` (``90d``, ``12h``, ``10GiB``); a
-retention needs its unit (a bare ``1`` is refused rather than read as one second);
-``forever`` (or ``none``) removes a retention. A retention flag not given keeps its current
-value. The settings are written by :func:`pyspark_acs.storage.tier_settings.configure_tier`, the one
+The retention flags are generated from the declarations of
+:class:`pyspark_acs.storage.tier_settings.TierSettings`: durations and sizes are read by
+:mod:`pyspark_acs.units` (``90d``, ``12h``, ``10GiB``); a retention needs its unit (a bare
+``1`` is refused rather than read as one second); ``forever`` (or ``none``) removes a
+retention; a bad value is a usage error naming the flag. A retention flag not given keeps its
+current value. The settings are written by :func:`pyspark_acs.storage.tier_settings.configure_tier`, the one
 writer of them, which checks the URI (the bucket must exist) and refuses to strand tiered files.
 """
 
@@ -18,31 +20,39 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 from pyspark_acs.cli.main import register_command
 from pyspark_acs.errors import AcsOptionError
-from pyspark_acs.units import format_bytes, parse_bytes, parse_duration
+from pyspark_acs.units import format_bytes
 
 __all__: list = []
 
-#: Retention values that mean "no limit".
-KEEP_FOREVER = ("forever", "none", "unbounded")
-
-#: flag -> (TierSettings field, parser of its value).
-_RETENTION_FLAGS: Dict[str, tuple] = {
-    "--hot-retention": ("hot_retention_s", lambda v, flag: parse_duration(v, option=flag, unit_required=True)),
-    "--hot-retention-bytes": ("hot_retention_bytes", lambda v, flag: parse_bytes(v, option=flag)),
-    "--secondary-retention": ("secondary_retention_s",
-                              lambda v, flag: parse_duration(v, option=flag, unit_required=True)),
-}
+#: The TierSettings fields ``acs tier`` sets with flags (the URI is its second argument).
+_RETENTIONS = ("hot_retention_s", "hot_retention_bytes", "secondary_retention_s")
+#: A retention flag's value when not given (not a string: argparse would parse one).
+_UNCHANGED = object()
 
 
-def _retention(value: str, flag: str, parse: Callable[[str, str], Any]) -> Optional[float]:
-    """A retention flag's value: ``None`` for :data:`KEEP_FOREVER`, else parsed (errors name the flag)."""
-    if value.strip().lower() in KEEP_FOREVER:
-        return None
-    return parse(value, flag)
+def _retention_flags(p: argparse.ArgumentParser) -> None:
+    """The retention flags, generated from TierSettings' declarations (deferred: that module
+    imports pyarrow, which the other commands do not need). A flag not given is
+    :data:`_UNCHANGED`, so that it keeps the stream's value while ``forever`` (None) removes it."""
+    from pyspark_acs.options import add_option_flags
+    from pyspark_acs.storage.tier_settings import TierSettings
+
+    add_option_flags(p, TierSettings, only=_RETENTIONS, shown={f: "unchanged" for f in _RETENTIONS})
+    p.set_defaults(**{f: _UNCHANGED for f in _RETENTIONS})
+
+
+def _flags() -> Dict[str, str]:
+    """Field -> flag of the retentions."""
+    import dataclasses
+
+    from pyspark_acs.options import flag_of
+    from pyspark_acs.storage.tier_settings import TierSettings
+
+    return {f.name: flag_of(f) for f in dataclasses.fields(TierSettings) if f.name in _RETENTIONS}
 
 
 def _age(seconds: Optional[float]) -> str:
@@ -73,10 +83,10 @@ def cmd_tier(args: argparse.Namespace) -> int:
     from pyspark_acs.storage.store import open_store
     from pyspark_acs.storage.tier_settings import configure_tier, stream_tier_settings, tier_summary
 
-    given = {flag: getattr(args, field) for flag, (field, _) in _RETENTION_FLAGS.items()
-             if getattr(args, field) is not None}
+    given = {field: getattr(args, field) for field in _RETENTIONS if getattr(args, field) is not _UNCHANGED}
+    named = ", ".join(flag for field, flag in _flags().items() if field in given)
     if args.off and (args.uri or given):
-        raise AcsOptionError(f"--off: takes no URI and no retention flags (got {args.uri or ', '.join(given)})",
+        raise AcsOptionError(f"--off: takes no URI and no retention flags (got {args.uri or named})",
                              option="--off")
     store = open_store(args.root, create=False)  # a missing root is an error naming it
     try:
@@ -87,11 +97,9 @@ def cmd_tier(args: argparse.Namespace) -> int:
             uri = args.uri or current.uri
             if not uri:
                 raise AcsOptionError(f"URI: stream {args.stream!r} is not tiered; give the secondary store's URI "
-                                     f"(e.g. s3://bucket/prefix) with {', '.join(given)}", option="URI")
-            values = {field: getattr(current, field) for field, _ in _RETENTION_FLAGS.values()}
-            for flag, (field, parse) in _RETENTION_FLAGS.items():
-                if flag in given:
-                    values[field] = _retention(given[flag], flag, parse)
+                                     f"(e.g. s3://bucket/prefix) with {named}", option="URI")
+            values = {field: getattr(current, field) for field in _RETENTIONS}
+            values.update(given)  # a flag not given keeps the stream's value
             configure_tier(store, args.stream, uri, **values)
         summary = tier_summary(store, args.stream)
     finally:
@@ -113,13 +121,7 @@ def _add_tier(sub: argparse._SubParsersAction) -> None:
                    help="secondary store: s3://bucket/prefix[?endpoint_override=host:port&scheme=http], "
                         "gs://bucket/prefix, or a folder (default: the stream's current one)")
     p.add_argument("--root", required=True, help="durable (hot) store root: a local folder or a URI")
-    p.add_argument("--hot-retention", dest="hot_retention_s", default=None, metavar="AGE",
-                   help="delete hot copies of tiered files older than this, e.g. 1d (forever: keep)")
-    p.add_argument("--hot-retention-bytes", dest="hot_retention_bytes", default=None, metavar="SIZE",
-                   help="keep the stream's hot files below this by deleting the oldest tiered hot copies, "
-                        "e.g. 10GiB (unbounded: no limit)")
-    p.add_argument("--secondary-retention", dest="secondary_retention_s", default=None, metavar="AGE",
-                   help="delete files older than this from both tiers, e.g. 90d (forever: keep)")
+    p.defer(_retention_flags)
     p.add_argument("--off", action="store_true",
                    help="stop tiering the stream (refused while files of it are recorded in the secondary store)")
     p.add_argument("--json", action="store_true", help="print the settings and tier state as JSON")

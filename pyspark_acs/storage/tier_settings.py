@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Dict, List, Optional
 
 from pyspark_acs.errors import AcsOptionError, StoreError
 from pyspark_acs.format.names import shard_dir
+from pyspark_acs.options import bytes_parser, duration_parser, option, parse_options, parse_str
 from pyspark_acs.storage.store import STREAM_META_FILE, DurableStore
 from pyspark_acs.storage.tier_manifest import read_manifest
 from pyspark_acs.storage.tier_store import TierStore, public_uri
@@ -20,33 +21,54 @@ __all__ = [
 ]
 
 
+#: Retention values that mean "no limit": the retention is removed.
+NO_LIMIT = ("forever", "none", "unbounded")
+
+
+def _retention(parse: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    """A retention's parser: ``None`` or one of :data:`NO_LIMIT` is no limit, else ``parse``."""
+
+    def retention(value: Any, name: str) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() in NO_LIMIT):
+            return None
+        return parse(value, name)
+
+    return retention
+
+
 @dataclass(frozen=True)
 class TierSettings:
     """Tiering and retention settings of one stream (in its metadata file, key ``"tier"``).
 
-    Parameters
-    ----------
-    uri : str, optional
-        The secondary store (``s3://bucket/prefix?endpoint_override=...``, ``gs://bucket/prefix``,
-        a local folder). ``None``: the stream is not tiered and nothing is deleted.
-    hot_retention_s : float, optional
-        Hot copies of tiered files older than this (seconds since their last write) are deleted.
-    hot_retention_bytes : int, optional
-        The stream's hot files are kept below this many bytes by deleting the oldest tiered hot
-        copies. A hot file not yet verified in the secondary store is never deleted, so the
-        hot store may exceed it while uploads lag.
-    secondary_retention_s : float, optional
-        Files older than this are deleted from both tiers. ``None``: kept forever.
-    owner : str, optional
-        A random id of this stream in this hot store, part of every object name the mover
-        writes: the mover sweeps only its own objects, so two clusters (or streams) pointed at
-        the same bucket prefix never delete each other's objects.
+    The settings are declared with :func:`~pyspark_acs.options.option` (``acs tier`` makes its
+    flags of them, README.md's "Settings reference" lists them). ``owner`` is no setting: a
+    random id of this stream in this hot store, part of every object name the mover writes, so
+    the mover sweeps only its own objects and two clusters (or streams) pointed at the same
+    bucket prefix never delete each other's objects.
     """
 
-    uri: Optional[str] = None
-    hot_retention_s: Optional[float] = None
-    hot_retention_bytes: Optional[int] = None
-    secondary_retention_s: Optional[float] = None
+    uri: Optional[str] = option(
+        "uri", None, parse=parse_str, metavar="URI",
+        doc="the secondary store: s3://bucket/prefix[?endpoint_override=host:port&scheme=http], "
+            "gs://bucket/prefix or a folder; not set, the stream is not tiered and nothing is deleted",
+    )
+    hot_retention_s: Optional[float] = option(
+        "hot_retention_s", None, parse=_retention(duration_parser(0.0, unit_required=True)),
+        flag="--hot-retention", metavar="AGE", shown="forever",
+        doc="hot copies of tiered files older than this (since their last write) are deleted, e.g. 1d; "
+            "forever keeps them",
+    )
+    hot_retention_bytes: Optional[int] = option(
+        "hot_retention_bytes", None, parse=_retention(bytes_parser(0)), metavar="SIZE", shown="unbounded",
+        doc="the stream's hot files are kept below this size by deleting the oldest tiered hot copies, e.g. "
+            "10GiB (a hot file not yet verified in the secondary store stays, so lagging uploads may exceed "
+            "it); unbounded: no limit",
+    )
+    secondary_retention_s: Optional[float] = option(
+        "secondary_retention_s", None, parse=_retention(duration_parser(0.0, unit_required=True)),
+        flag="--secondary-retention", metavar="AGE", shown="forever",
+        doc="files older than this are deleted from both tiers, e.g. 90d; forever keeps them",
+    )
     owner: Optional[str] = None
 
     @property
@@ -111,24 +133,26 @@ def configure_tier(
 ) -> TierSettings:
     """Set (or with ``uri=None`` clear) the secondary store and retention of an existing stream.
 
-    The secondary store is opened once to check the URI. Returns the settings written.
+    A retention is seconds or bytes, or a string with its unit (``"1d"``, ``"10GiB"``);
+    ``None`` (or ``"forever"``) is no limit. The secondary store is opened once to check the
+    URI. Returns the settings written.
     ``acs tier`` (:mod:`pyspark_acs.cli.tier`) calls it.
 
     Raises
     ------
     AcsOptionError
-        No such stream, a URI pyarrow cannot open, or a negative retention (names the option);
+        No such stream, a URI pyarrow cannot open, or a retention that is negative or a string
+        without its unit (names the option);
         turning tiering off, or pointing the stream at another location, while files of the
         stream are recorded in its secondary store (their only copy may be there: they would
         become unreadable).
     """
     from pyspark_acs.storage.store import open_store
 
+    given = parse_options(TierSettings, {"uri": uri, "hot_retention_s": hot_retention_s,
+                                         "hot_retention_bytes": hot_retention_bytes,
+                                         "secondary_retention_s": secondary_retention_s}, component="configure_tier")
     store = open_store(root)
-    for name, value in (("hot_retention_s", hot_retention_s), ("hot_retention_bytes", hot_retention_bytes),
-                        ("secondary_retention_s", secondary_retention_s)):
-        if value is not None and value < 0:
-            raise AcsOptionError(f"{name}: must be >= 0 or None (keep forever), got {value!r}", option=name)
     if uri is not None:
         TierStore(uri).check()  # raises naming the URI when it cannot be reached
     _stream_meta(store, stream)  # no such stream: say so before taking its lock
@@ -150,7 +174,7 @@ def configure_tier(
                     f"secondary_retention_s delete them first", option="uri")
         # The owner id outlives reconfiguration: objects written under it stay this stream's.
         owner = current.owner or secrets.token_hex(4)
-        settings = TierSettings(uri, hot_retention_s, hot_retention_bytes, secondary_retention_s, owner)
+        settings = replace(given, owner=owner)
         written.append(settings)
         meta["tier"] = settings.to_json() if settings.enabled else None
         return meta

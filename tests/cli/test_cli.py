@@ -317,9 +317,9 @@ def test_a_retention_without_a_unit_is_refused_naming_the_unit(acs, tmp_path):
     cold = str(tmp_path / "cold")
     for flag in ("--hot-retention", "--secondary-retention"):
         res = acs("tier", "s", cold, "--root", root, flag, "1")
-        assert res.returncode == 1, (res.stdout, res.stderr)
+        assert res.returncode == 2, (res.stdout, res.stderr)  # a usage error, as every generated flag's
         err = res.stderr.decode()
-        assert f"{flag}: '1' has no unit; add one: '1s' for seconds, '1h' for hours or '1d' for days" in err, err
+        assert f"argument {flag}: '1' has no unit; add one: '1s' for seconds, '1h' for hours or '1d' for days" in err, err
     show = acs("tier", "s", "--root", root, check=0)
     assert b"not tiered" in show.stdout  # nothing was written
     acs("tier", "s", cold, "--root", root, "--hot-retention", "1d", check=0)
@@ -451,8 +451,10 @@ def test_acs_up_and_acs_cache_server_share_flag_names_and_defaults(acs, python_e
                             env=subprocess_env, timeout=TIMEOUT).stdout
     server = " ".join(server.split())
     data = format_size(DEFAULT_CAPACITY_BYTES["data"])
-    assert f"data-cache capacity per server (default {data}, as acs-cache-server's)" in up
-    assert f"(default data {data}, metadata" in server
+    # One declaration's text in both; acs up states the default of the data servers it sets.
+    doc = "memory for entries, e.g. 1GiB"
+    assert f"(default {data} on the data servers; the metadata servers keep" in up and doc in up
+    assert f"(default data {data}, metadata" in server and doc in server
     for flag in ("--ttl DURATION", "--capacity SIZE", "--log-level"):
         assert flag in up and flag in server, flag
     assert "--data-ttl" not in up  # its former name still works, but is not shown

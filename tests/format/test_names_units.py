@@ -232,6 +232,17 @@ def test_option_flags_parse_values_and_switch_off_what_is_on_by_default():
     assert "cap (default 1KiB)" in text
 
 
+def test_a_former_flag_name_parses_alike_hidden_from_the_help(capsys):
+    parser = argparse.ArgumentParser(prog="t")
+    add_option_flags(parser, _Opts, only=("path", "max_bytes"), former={"max_bytes": "--cap"})
+    args = parser.parse_args(["--path", "/x", "--cap", "2KiB"])
+    assert options_from_flags(_Opts, args).max_bytes == 2048
+    assert "--cap" not in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--path", "/x", "--cap", "lots"])
+    assert "argument --cap: 'lots' is not a byte size" in capsys.readouterr().err
+
+
 # -- offsets -----------------------------------------------------------------------------------
 
 F1 = "20260102T030405000006Z-abc.acs"

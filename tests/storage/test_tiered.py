@@ -471,6 +471,11 @@ def test_configure_tier_names_bad_settings(root, s3):
     make_stream(root, "cfg", 10)
     with pytest.raises(AcsOptionError, match="hot_retention_s"):
         configure_tier(root, "cfg", "/tmp/x", hot_retention_s=-1)
+    # Strings are read by the declarations' parsers, as acs tier's flags are: with their unit.
+    with pytest.raises(AcsOptionError, match="secondary_retention_s: '90' has no unit"):
+        configure_tier(root, "cfg", "/tmp/x", secondary_retention_s="90")
+    with pytest.raises(AcsOptionError, match="hot_retention_bytes: 'lots' is not a byte size"):
+        configure_tier(root, "cfg", "/tmp/x", hot_retention_bytes="lots")
     with pytest.raises(AcsOptionError, match="no stream 'nope'"):
         configure_tier(root, "nope", "/tmp/x")
     with pytest.raises(AcsOptionError, match="bucket 'no-such-bucket' of s3://no-such-bucket/x does not exist"):
@@ -483,7 +488,9 @@ def test_local_folder_tier(root, tmp_path):
     """Any pyarrow filesystem serves as the secondary store: here a local folder."""
     make_stream(root, "local", 80)
     before = file_bytes(root, "local")
-    configure_tier(root, "local", str(tmp_path / "cold"), hot_retention_s=0)
+    settings = configure_tier(root, "local", str(tmp_path / "cold"), hot_retention_s="0s",
+                              secondary_retention_s="forever")
+    assert (settings.hot_retention_s, settings.secondary_retention_s) == (0, None)
     report = run_pass(root)
     assert report.uploaded_files == len(before) and len(hot_files(root, "local")) == 1
     assert list((tmp_path / "cold" / "local" / "00000").iterdir())
@@ -866,7 +873,10 @@ def test_acs_tier_sets_changes_shows_and_turns_off_tier_settings(root, s3, capsy
     uri = tier_uri(s3, "t19")
 
     def acs(*argv):
-        code = main(["tier", *argv, "--root", root])
+        try:
+            code = main(["tier", *argv, "--root", root])
+        except SystemExit as exc:  # a usage error: argparse exits
+            code = exc.code
         out, err = capsys.readouterr()
         return code, out, err
 
@@ -888,11 +898,12 @@ def test_acs_tier_sets_changes_shows_and_turns_off_tier_settings(root, s3, capsy
     code, out, _ = acs("cli", "--json")
     shown = json.loads(out)
     assert code == 0 and shown["uri"] == f"s3://{BUCKET}/t19" and shown["hot_retention_s"] == 43200
-    # Bad values name their flag; nothing is written.
+    # Bad values are usage errors naming their flag (the flags are generated from TierSettings'
+    # declarations); a bare number needs its unit; nothing is written.
     for flag, value in (("--hot-retention", "soon"), ("--hot-retention-bytes", "lots"),
-                        ("--secondary-retention", "-1d")):
+                        ("--secondary-retention", "-1d"), ("--hot-retention", "1")):
         code, _, err = acs("cli", f"{flag}={value}")
-        assert code == 1 and f"acs tier: error: {flag}: " in err, err
+        assert code == 2 and f"acs tier: error: argument {flag}: " in err, err
     code, _, err = acs("cli", uri, "--off")
     assert code == 1 and "--off: takes no URI" in err
     code, _, err = acs("cli", tier_uri(s3, "x").replace(BUCKET, "no-such-bucket"))
