@@ -25,7 +25,7 @@ import logging
 import random
 import threading
 import time
-from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Sequence, Set, Tuple, Union
 
 from pyspark_acs import _fork
 from pyspark_acs.cache.client import CacheClient, client_for
@@ -123,7 +123,7 @@ class StoreHold:
         self.min_hold = min_hold
         self.max_hold = max_hold
         self.hold = 0.0  # the length of the last hold before its jitter (0: none yet)
-        self.until = float("-inf")  # when the current or last hold ends (monotonic)
+        self.until = float("-inf")  # when the current or last hold ends (the caller's clock)
 
     def holding(self, now: float) -> bool:
         """Whether a hold runs at ``now`` (read from the store alone)."""
@@ -175,6 +175,9 @@ class CachedReadPath:
     feed : ChunkFeed, optional
         The feed to have bytes pushed through when ``push`` is on (default: the process's
         shared one for the data cache; tests pass one with their own buffer size or clock).
+    clock : callable
+        Monotonic seconds (``time.monotonic``): the clock of the metadata cache's retry, the
+        durable poll interval, Algorithm 1's delay, the store hold and the warning interval.
     """
 
     def __init__(
@@ -191,8 +194,10 @@ class CachedReadPath:
         push: bool = False,
         security: Optional[SecuritySettings] = None,
         feed: Optional[ChunkFeed] = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
+        self.clock = clock
         #: The process that made this path: the only one with its feed's and poller's threads.
         self._made = _fork.mark()
         self._own = []
@@ -233,7 +238,7 @@ class CachedReadPath:
         self._standing: Dict[str, Tuple[int, float]] = {}
         self._meta_down_until = 0.0
         self._hold = StoreHold()
-        self._warned_at = float("-inf")  # last data-cache warning (monotonic)
+        self._warned_at = float("-inf")  # last data-cache warning (clock)
         self._stats = {"durable_bytes": 0, "durable_fallbacks": 0, "metadata_fallbacks": 0, "pushed_bytes": 0,
                        "store_holds": 0}
 
@@ -272,7 +277,7 @@ class CachedReadPath:
         self._check_process()
         rels = list(rels)
         published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
-        now = time.monotonic()
+        now = self.clock()
         meta_down = self.meta is not None and now < self._meta_down_until
         holding = self.holding(now)  # store lengths, fresh at every call, as without caches
         if self.meta is not None and rels and not meta_down and not holding:
@@ -339,7 +344,7 @@ class CachedReadPath:
         """Store lengths; while the metadata cache is down they are reused for a poll interval."""
         if not rels:
             return {}
-        now = time.monotonic()
+        now = self.clock()
         out: Dict[str, Optional[int]] = {}
         ask = []
         with self._lock:
@@ -547,7 +552,7 @@ class CachedReadPath:
             delay = self._delay(rel)
             with self._lock:  # DelayedDurableReads is not thread-safe; readers may share a file
                 late = (self.chunks is not None and postpone
-                        and delay.should_read_durable(cache_len, durable_len or end))
+                        and delay.should_read_durable(cache_len, durable_len or end, self.clock()))
                 go_durable = self.chunks is None or not postpone or late
             if late:
                 self._trip(f"the data cache trails the store by more than {self.max_delay:g} s")
@@ -558,7 +563,7 @@ class CachedReadPath:
     def holding(self, now: Optional[float] = None) -> bool:
         """Whether the path reads from the durable store alone now: the caches failed it
         within a hold (:class:`StoreHold`)."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         with self._lock:
             return self._hold.holding(now)
 
@@ -567,7 +572,7 @@ class CachedReadPath:
         and stop what the caches push to it (the feed's bytes, the poller's watches of its
         files), so an overloaded cache gets less work, not more. After the hold, the next
         :meth:`read` follows its file in the feed again and :meth:`lengths` asks the poller."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             seconds = self._hold.trip(now)
             if seconds is None:

@@ -32,7 +32,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from pyspark_acs.errors import LeasePoisonedError, WriterConflictError
 from pyspark_acs.storage.store import DurableStore
@@ -160,10 +160,12 @@ class LeaseRecord(dict):
     it was added have none)."""
 
     @classmethod
-    def new(cls, writer: str, seconds: float, since: Optional[float] = None) -> "LeaseRecord":
-        """A fresh record for ``writer``: random nonce, this host and pid, expiring in ``seconds``;
-        ``since`` (wall-clock seconds) is when the writer began to acquire (default: now)."""
-        now = time.time()
+    def new(cls, writer: str, seconds: float, since: Optional[float] = None,
+            now: Optional[float] = None) -> "LeaseRecord":
+        """A fresh record for ``writer``: random nonce, this host and pid, expiring ``seconds``
+        after ``now`` (wall-clock seconds; default: the time now); ``since`` is when the writer
+        began to acquire (default: ``now``)."""
+        now = time.time() if now is None else now
         return cls(
             writer=writer,
             nonce=secrets.token_hex(8),
@@ -211,9 +213,10 @@ class LeaseRecord(dict):
         """Whether ``other`` is this same acquisition: same writer and nonce (``None`` never is)."""
         return other is not None and other.get("writer") == self["writer"] and other.get("nonce") == self["nonce"]
 
-    def describe(self) -> str:
-        """Holder (writer, pid, host) and time to expiry, for error messages."""
-        left = float(self.get("expires", 0)) - time.time()
+    def describe(self, now: Optional[float] = None) -> str:
+        """Holder (writer, pid, host) and time to expiry at ``now`` (wall-clock seconds;
+        default: the time now), for error messages."""
+        left = float(self.get("expires", 0)) - (time.time() if now is None else now)
         return (
             f"writer {self.get('writer')} (pid {self.get('pid')} on {self.get('host')}), "
             f"lease expires in {max(left, 0):.1f} s"
@@ -234,10 +237,18 @@ class StoreLease:
         What the lease protects, for messages (e.g. ``"shard 0 of stream 'orders'"``).
     seconds : float
         Lease duration.
+    clock : callable
+        Wall-clock seconds since the epoch (``time.time``): records cross processes, so their
+        expiry is wall time; this clock writes it and decides whether a record read has
+        expired. A test passes a clock it moves past an expiry instead of sleeping. Renewal
+        pacing (:meth:`due`) and the stall check stay on ``time.monotonic``: a step of the
+        wall clock must not stop renewals.
     """
 
-    def __init__(self, store: DurableStore, rel: str, writer: str, what: str, seconds: float = WRITER_LEASE_S):
+    def __init__(self, store: DurableStore, rel: str, writer: str, what: str, seconds: float = WRITER_LEASE_S,
+                 *, clock: Callable[[], float] = time.time):
         self.store = store
+        self.clock = clock
         self.rel = rel
         self.writer = writer
         self.what = what
@@ -255,9 +266,10 @@ class StoreLease:
         with exclusive(self.store, self._lock):
             read_at = time.monotonic()  # before the read: a stop inside it counts
             current = self._read()
-            if not force and current is not None and current.live() and current.get("writer") != self.writer:
-                raise WriterConflictError(f"{self.what} is held by {current.describe()}; stop that writer or wait")
-            record = LeaseRecord.new(self.writer, self.seconds)
+            now = self.clock()
+            if not force and current is not None and current.live(now) and current.get("writer") != self.writer:
+                raise WriterConflictError(f"{self.what} is held by {current.describe(now)}; stop that writer or wait")
+            record = LeaseRecord.new(self.writer, self.seconds, now=now)
             if not force and self._changed_since(current, read_at):
                 raise WriterConflictError(f"{self.what}: another writer took the lease while this one was held up "
                                           f"taking it")
@@ -284,15 +296,15 @@ class StoreLease:
             current = self._read()
             if force and self.record is not None and not self.record.same_holder(current):
                 log.warning("%s: the store lease was overwritten by %s; taking it back (we hold the cache lease)",
-                            self.what, current.describe() if current else "nobody")
+                            self.what, current.describe(self.clock()) if current else "nobody")
                 current = self.record
             if self.record is None or not self.record.same_holder(current) or current.get("poisoned"):
-                holder = current.describe() if current else "nobody"
+                holder = current.describe(self.clock()) if current else "nobody"
                 raise LeasePoisonedError(f"{self.what}: our lease was taken over (now held by {holder}); stopping")
             if not force and self._changed_since(current, read_at):
                 raise LeasePoisonedError(f"{self.what}: our lease was taken over while this writer was held up "
                                          f"renewing it; stopping")
-            self.record = LeaseRecord(self.record, expires=time.time() + self.seconds)
+            self.record = LeaseRecord(self.record, expires=self.clock() + self.seconds)
             self.store.write_small(self.rel, self.record.encode())
         self._renewed = time.monotonic()
 

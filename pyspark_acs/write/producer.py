@@ -8,7 +8,8 @@ metadata cache, roll-over, seals).
 
 Batching is adaptive (Pravega): when the writer is idle a block is written at once; while
 it is busy, the next block waits ``recent write latency x (1 - average block size / max
-block size)`` (capped) so that small messages under load share blocks.
+block size)`` (capped) so that small messages under load share blocks, or less when the block
+fills or a flush waits (:mod:`pyspark_acs.write.batching`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from pyspark_acs import _fork
 from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
@@ -31,6 +32,7 @@ from pyspark_acs.options import bytes_parser, duration_parser, option, parse_int
 from pyspark_acs.storage.leases import WRITER_LEASE_S
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.errors import AppendConflictError
+from pyspark_acs.write.batching import Batching
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES, DEFAULT_ROLL_SECONDS, ShardWriter, shard_for_key
 
 __all__ = [
@@ -55,8 +57,6 @@ ACKNOWLEDGE_MODES = (ACKNOWLEDGE_PUBLISHED, ACKNOWLEDGE_DURABLE)
 DEFAULT_ACKNOWLEDGE = ACKNOWLEDGE_PUBLISHED
 #: send() blocks while this many bytes wait to be written (back-pressure).
 DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
-#: Weight of the newest sample in the write-latency and block-size moving averages.
-_EWMA_ALPHA = 0.2
 
 
 #: Bytes a message is accounted for beyond its key, value and headers (its offsets and
@@ -249,6 +249,13 @@ class Producer:
         Token and TLS settings of token- or TLS-protected caches
         (:class:`~pyspark_acs.security.SecuritySettings`; default from the environment, see
         docs/security.md).
+    clock : callable
+        Monotonic seconds (``time.monotonic``): the clock of the batching rule (write latencies
+        and the busy writer's wait, :class:`~pyspark_acs.write.batching.Batching`). The wait
+        itself is a real one; :meth:`wake` has the writer look at the clock again.
+    lease_clock : callable
+        Wall-clock seconds (``time.time``) of the store leases' expiry
+        (:class:`~pyspark_acs.storage.leases.StoreLease`).
 
     Notes
     -----
@@ -289,6 +296,8 @@ class Producer:
         metadata_cache: Any = None,
         cache_token: Optional[str] = None,
         security: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        lease_clock: Callable[[], float] = time.time,
     ) -> None:
         self.options = ProducerOptions.from_values(
             shards=shards, max_block_bytes=max_block_bytes, roll_bytes=roll_bytes, roll_seconds=roll_seconds,
@@ -301,18 +310,20 @@ class Producer:
         self.store = open_store(root)
         self.writer_id = writer_id or new_writer_id()
         self.shards = self.store.create_stream(stream, self.options.shards)
-        # _lock guards the pending lists of every _Shard, _pending_bytes, _stats,
-        # _error, _closed and _round_robin; _cond (on _lock) signals the writer thread and
-        # waiters in flush()/send().
+        # _lock guards the pending lists of every _Shard, _pending_bytes, _stats, _error,
+        # _closed, _round_robin, _batching, _lingering, _linger_checks and _flushing; _cond (on
+        # _lock) signals the writer thread and waiters in flush()/send().
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pending_bytes = 0
         self._round_robin = 0
         self._writer_idle = False  # (lock) the writer thread waits for messages
+        self._batching = Batching(self.options.max_block_bytes, self.options.max_batch_delay, clock)
+        self._lingering = False  # (lock) the busy writer waits for its block to fill
+        self._linger_checks = 0  # (lock) times it looked at the rule and went on waiting
+        self._flushing = 0  # (lock) flush() calls waiting: a waiting block goes at once
         self._error: Optional[BaseException] = None
         self._closed = False
-        self._latency_ewma = 0.0
-        self._block_ewma = 0.0
         self._stats = {"messages": 0, "blocks": 0, "bytes": 0, "cache_errors": 0}
         self._own_clients: list = []
         self._data = meta_client = None
@@ -332,7 +343,7 @@ class Producer:
             _Shard(i, ShardWriter(
                 self.store, self.stream, i, self.writer_id, data=self._data, meta=self._meta,
                 lease_seconds=self.options.lease_seconds, roll_bytes=self.options.roll_bytes,
-                roll_seconds=self.options.roll_seconds, on_cache_error=self._cache_error,
+                roll_seconds=self.options.roll_seconds, on_cache_error=self._cache_error, lease_clock=lease_clock,
             ))
             for i in range(self.shards)
         ]
@@ -400,11 +411,7 @@ class Producer:
             sh.pending_bytes += size
             sh.queued += 1
             self._pending_bytes += size
-            # Wake the writer only when it sleeps: a notify per message costs more than the
-            # message (the busy writer picks pending messages up after its current write).
-            if self._writer_idle:
-                self._writer_idle = False
-                self._cond.notify_all()
+            self._wake_writer()
         return shard
 
     def send_many(
@@ -476,9 +483,18 @@ class Producer:
                     sh.queued += 1
                     added += size
             self._pending_bytes += added
-            if self._writer_idle:
-                self._writer_idle = False
-                self._cond.notify_all()
+            self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        """After messages were queued: wake the writer if it sleeps, or if it waits for its
+        block to fill and the block is full. Only then: a notify per message costs more than
+        the message (the busy writer picks pending messages up after its current write).
+        Caller holds _lock."""
+        if self._writer_idle:
+            self._writer_idle = False
+            self._cond.notify_all()
+        elif self._lingering and self._pending_bytes >= self.options.max_block_bytes:
+            self._cond.notify_all()
 
     def _shard_for(self, key: Optional[bytes]) -> int:
         """The shard of a message sent without an explicit one: its key's hash, else the next
@@ -505,16 +521,30 @@ class Producer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             targets = [(sh, sh.queued) for sh in self._shards]
-            while self._error is None:
-                short = sum(max(0, t - sh.acknowledged) for sh, t in targets)
-                if not short:
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise AcsTimeoutError(f"flush: {short} messages not yet acknowledged after {timeout} s")
-                self._cond.wait(left if left is not None else 0.5)
+            self._flushing += 1  # a block waiting to fill goes now
+            if self._lingering:
+                self._cond.notify_all()
+            try:
+                while self._error is None:
+                    short = sum(max(0, t - sh.acknowledged) for sh, t in targets)
+                    if not short:
+                        break
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise AcsTimeoutError(f"flush: {short} messages not yet acknowledged after {timeout} s")
+                    self._cond.wait(left if left is not None else 0.5)
+            finally:
+                self._flushing -= 1
             if self._error is not None:
                 raise self._error
+
+    def wake(self) -> None:
+        """Have the writer thread look at its batching rule again now: a block waiting to fill
+        goes if the Producer's ``clock`` passed its delay meanwhile (a test's clock moved by
+        hand), else it waits on."""
+        self._check_process()
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Flush, seal the open files, release the shard leases and stop the writer thread."""
@@ -552,8 +582,9 @@ class Producer:
         with self._lock:
             files = sum(sh.writer.files_opened for sh in self._shards)
             overlapped = sum(sh.writer.overlapped_appends for sh in self._shards)
-            return dict(self._stats, files=files, overlapped_blocks=overlapped, write_latency_s=self._latency_ewma,
-                        avg_block_bytes=self._block_ewma, sent=sum(sh.queued for sh in self._shards),
+            return dict(self._stats, files=files, overlapped_blocks=overlapped,
+                        write_latency_s=self._batching.latency, avg_block_bytes=self._batching.block_bytes,
+                        sent=sum(sh.queued for sh in self._shards),
                         acknowledged=sum(sh.acknowledged for sh in self._shards))
 
     def counts_unlocked(self) -> Tuple[int, int]:
@@ -600,7 +631,7 @@ class Producer:
                     closing = self._closed
                     pending = self._pending_bytes
                 if busy and pending and pending < self.options.max_block_bytes:
-                    time.sleep(self._batch_delay())
+                    self._linger()
                 self._housekeeping()
                 wrote = self._write_pending()
                 busy = wrote > 0
@@ -634,9 +665,23 @@ class Producer:
         # Wake up for lease renewal and age-based rollover even without traffic.
         return max(0.01, min(self.options.lease_seconds / 3, self.options.roll_seconds) / 2)
 
-    def _batch_delay(self) -> float:
-        fill = min(self._block_ewma / self.options.max_block_bytes, 1.0)
-        return min(self._latency_ewma * (1.0 - fill), self.options.max_batch_delay)
+    def _linger(self) -> None:
+        """The busy writer's wait for its next block to fill (:class:`Batching`): until the block
+        is full, its delay passed on the clock, a flush waits or the Producer closes. On the
+        condition, so that what ends it early wakes it (:meth:`_wake_writer`, :meth:`flush`,
+        :meth:`close`, :meth:`wake`)."""
+        with self._cond:
+            deadline = self._batching.deadline()
+            self._lingering = True
+            try:
+                while not self._closed:
+                    left = self._batching.left(deadline, self._pending_bytes, self._flushing > 0)
+                    if left <= 0:
+                        break
+                    self._linger_checks += 1
+                    self._cond.wait(left)
+            finally:
+                self._lingering = False
 
     def _housekeeping(self) -> None:
         for sh in self._shards:
@@ -728,12 +773,12 @@ class Producer:
         any_headers = any(h is not None for h in headers)
         block = encode_block(values, keys if any_key else None, stamps, first_index=writer.next_index,
                              headers=headers if any_headers else None)
-        started = time.perf_counter()
+        clock = self._batching.clock
+        started = clock()
         writer.append(block, len(values), more_follows=more_follows)
-        latency = time.perf_counter() - started
+        latency = clock() - started
         with self._lock:
-            self._latency_ewma += _EWMA_ALPHA * (latency - self._latency_ewma)
-            self._block_ewma += _EWMA_ALPHA * (len(block) - self._block_ewma)
+            self._batching.record(latency, len(block))
             self._stats["blocks"] += 1
             self._stats["bytes"] += len(block)
 

@@ -88,6 +88,9 @@ class ShardWriter:
         Cache failures (never raised): logged and counted by the caller.
     what : str, optional
         Names the writer in messages (default: the shard and stream).
+    lease_clock : callable
+        Wall-clock seconds (``time.time``) of the store lease's expiry
+        (:class:`~pyspark_acs.storage.leases.StoreLease`'s ``clock``).
 
     Not thread-safe: one writer thread. Call :meth:`acquire`, then :meth:`recover` before
     the first append.
@@ -97,8 +100,9 @@ class ShardWriter:
                  meta: Any = None, lease_seconds: float = WRITER_LEASE_S,
                  roll_bytes: int = DEFAULT_ROLL_BYTES, roll_seconds: float = DEFAULT_ROLL_SECONDS,
                  on_cache_error: Optional[Callable[[str, Exception], None]] = None,
-                 what: Optional[str] = None) -> None:
+                 what: Optional[str] = None, lease_clock: Callable[[], float] = time.time) -> None:
         self.store = store
+        self.lease_clock = lease_clock
         self.stream = stream
         self.shard = shard
         self.writer_id = writer_id
@@ -146,7 +150,8 @@ class ShardWriter:
                 force = True  # the cache lease is the authority: take the store lease over too
             except CacheError as exc:
                 log.warning("%s: metadata cache unavailable for the lease, using the store lease: %s", self.what, exc)
-        store_lease = StoreLease(self.store, f"{self.dir}/{LEASE_FILE}", self.writer_id, self.what, self.lease_seconds)
+        store_lease = StoreLease(self.store, f"{self.dir}/{LEASE_FILE}", self.writer_id, self.what, self.lease_seconds,
+                                 clock=self.lease_clock)
         try:
             store_lease.acquire(force=force)
         except BaseException:

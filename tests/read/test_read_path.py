@@ -29,8 +29,11 @@ from pyspark_acs.datasource.source import _Planner
 from pyspark_acs.format.block import encode_block, encode_seal
 from pyspark_acs.format.names import file_name, shard_dir
 from pyspark_acs.format.offsets import Offset
+from pyspark_acs.read.cachepath import STORE_HOLD_JITTER, STORE_HOLD_MIN_S, CachedReadPath
 from pyspark_acs.server.local.deploy import LocalDeployment
 from pyspark_acs.storage.store import DurableStore
+
+from tests.helpers import FakeClock, free_port
 
 WAIT_S = 20.0
 
@@ -564,5 +567,28 @@ def test_planner_does_not_read_again_the_headers_its_boundary_walk_just_read(roo
         # b1 lies before the last walk's span: the planner's cache says nothing, the header is read
         assert carries_messages(path, extent, Offset(name, 0), Offset(name, len(b1)), boundaries)
         assert path.asked == HEADER_SIZE
+    finally:
+        path.close()
+
+
+def test_the_store_hold_and_the_metadata_retry_run_on_the_paths_clock(root):
+    """A metadata cache that refuses connections trips the path's store hold; the hold, and the
+    retry of the metadata cache after it, end when the path's clock passes them, not before."""
+    clock = FakeClock()
+    path = CachedReadPath(DurableStore(root), metadata_cache=f"127.0.0.1:{free_port()}", shared_poller=False,
+                          clock=clock)
+    try:
+        assert path.lengths(["s/00000/x.acs"]) == {"s/00000/x.acs": None}
+        assert (path.stats()["metadata_fallbacks"], path.stats()["store_holds"]) == (1, 1)
+        shortest = STORE_HOLD_MIN_S * (1 - STORE_HOLD_JITTER)
+        clock.advance(shortest * 0.9)
+        assert path.holding()
+        path.lengths(["s/00000/x.acs"])  # from the store alone: the cache is not asked
+        assert path.stats()["metadata_fallbacks"] == 1
+        clock.advance(STORE_HOLD_MIN_S * (1 + STORE_HOLD_JITTER) - shortest * 0.9 + 0.01)  # past the longest
+        assert not path.holding()
+        path.lengths(["s/00000/x.acs"])  # asked again: it fails again, a second hold
+        assert (path.stats()["metadata_fallbacks"], path.stats()["store_holds"]) == (2, 2)
+        assert path.holding()
     finally:
         path.close()

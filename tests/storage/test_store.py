@@ -20,7 +20,7 @@ from pyspark_acs.errors import (
 from pyspark_acs.storage.leases import LeaseRecord, StoreLease
 from pyspark_acs.storage.store import STREAM_LOCK_FILE, STREAM_META_FILE, DurableStore, open_store
 
-from tests.helpers import LOCK_HOLDER
+from tests.helpers import LOCK_HOLDER, FakeClock
 
 REL = "s/00000/20260102T030405000006Z-w.acs"
 
@@ -298,8 +298,8 @@ def test_store_errors_name_the_path(root):
 # -- leases ------------------------------------------------------------------------------------
 
 
-def _lease(store, writer, seconds=10.0):
-    return StoreLease(store, "s/00000/_writer.lease", writer, "shard 0 of stream 's'", seconds)
+def _lease(store, writer, seconds=10.0, clock=time.time):
+    return StoreLease(store, "s/00000/_writer.lease", writer, "shard 0 of stream 's'", seconds, clock=clock)
 
 
 def test_lease_conflict_release_and_expiry(root):
@@ -318,17 +318,15 @@ def test_lease_conflict_release_and_expiry(root):
     first.renew()
     first.release()
     assert store.read_small("s/00000/_writer.lease") is None
-    second = _lease(store, "w2", seconds=0.3)
+    clock = FakeClock(time.time())  # the leases' wall clock, moved past an expiry
+    second = _lease(store, "w2", seconds=0.3, clock=clock)
     second.acquire()
-    # second "dies" (never renews): after its expiry a third writer takes over
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            _lease(store, "w3").acquire()
-            break
-        except WriterConflictError:
-            assert time.monotonic() < deadline, "expired lease was never freed"
-            time.sleep(0.05)
+    # second "dies" (never renews): until its expiry nobody else takes it, then a third writer does
+    clock.advance(0.2)
+    with pytest.raises(WriterConflictError, match="lease expires in 0.1 s"):
+        _lease(store, "w3", clock=clock).acquire()
+    clock.advance(0.2)
+    _lease(store, "w3", clock=clock).acquire()
     with pytest.raises(LeasePoisonedError, match="taken over"):
         second.renew()
     second.release()  # not ours any more: must not delete w3's lease
@@ -362,16 +360,17 @@ def test_a_stopped_process_holding_the_lease_lock_delays_a_take_over_only_for_th
     from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS
 
     store = DurableStore(root)
-    _lease(store, "w1", seconds=0.2).acquire()  # w1 then stops renewing: its lease expires
+    clock = FakeClock(time.time())  # the leases' wall clock, moved past w1's expiry
+    _lease(store, "w1", seconds=0.2, clock=clock).acquire()  # w1 then stops renewing: its lease expires
     lock = store.path("s/00000/_writer.lease.lock")
     holder = subprocess.Popen([python_exe, "-c", LOCK_HOLDER, lock], stdout=subprocess.PIPE, env=subprocess_env,
                               text=True)
     try:
         assert holder.stdout.readline().strip() == "LOCKED"
         holder.send_signal(signal.SIGSTOP)
-        time.sleep(0.3)
+        clock.advance(0.3)
         began = time.monotonic()
-        _lease(store, "w2").acquire()
+        _lease(store, "w2", clock=clock).acquire()
         waited = time.monotonic() - began
         assert LOCK_WAIT_SECONDS * 0.9 <= waited < LOCK_WAIT_SECONDS + 10, waited
         assert json.loads(store.read_small("s/00000/_writer.lease"))["writer"] == "w2"

@@ -25,7 +25,13 @@ from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.file import scan_file
 from pyspark_acs.write.shard import STRAY_RETRY_S
 
-from tests.helpers import later_files_at_first_open, stall_at_next_lease_check
+from tests.helpers import FakeClock, later_files_at_first_open, stall_at_next_lease_check
+
+
+def _lease_clock() -> FakeClock:
+    """The store leases' wall clock of a test's producers: moved past a 1 s lease where a
+    writer's lease runs out, instead of sleeping (every holder and taker is in this process)."""
+    return FakeClock(time.time())
 
 
 def _drain(consumer: Consumer, timeout: float) -> list:
@@ -34,15 +40,17 @@ def _drain(consumer: Consumer, timeout: float) -> list:
 
 @pytest.mark.parametrize("variant", ["stall_before_naming", "stall_after_naming"])
 def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
-    deposed = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
+    clock = _lease_clock()
+    deposed = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d", lease_clock=clock)
     writer = deposed._shards[0].writer
     # The stall ends once the successor holds the shard (not after a fixed 1.6 s, which a loaded
     # machine could reach before the successor's take-over: then nobody would depose the writer).
-    taken_over = threading.Event()
+    stalled, taken_over = threading.Event(), threading.Event()
     if variant == "stall_before_naming":
         original = writer.open_new
 
         def slow_open_new(name=None):
+            stalled.set()
             taken_over.wait(30)  # past the 1 s lease: another writer takes the shard over meanwhile
             return original(name)
 
@@ -51,6 +59,7 @@ def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
         original = writer._open
 
         def slow_open(name, length, index):
+            stalled.set()
             taken_over.wait(30)
             return original(name, length, index)
 
@@ -68,8 +77,10 @@ def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
 
     flusher = threading.Thread(target=flush)
     flusher.start()
-    time.sleep(1.2)
-    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r", roll_bytes=1)  # every block rolls
+    assert stalled.wait(30)  # after its lease check
+    clock.advance(1.2)  # the deposed writer's lease runs out
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r", roll_bytes=1,  # every block rolls
+                         lease_clock=clock)
     taken_over.set()
     successor.send(b"r1")
     successor.flush()
@@ -94,14 +105,15 @@ def test_lease_holder_moves_past_a_deposed_writers_later_file(root, monkeypatch)
     successor holds the lease, so it must go on (seal that file and its own empty one, and
     write to a file named after both), not stop too. Made deterministic here: the later file
     appears right after the successor creates its first file."""
-    deposed = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
+    clock = _lease_clock()
+    deposed = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d", lease_clock=clock)
     deposed.send(b"d0")
     deposed.flush()
     taken_over = stall_at_next_lease_check(deposed._shards[0].writer)  # past its lease
     live = Consumer(root, "s", start="earliest")
     seen = _drain(live, 0.5)
-    time.sleep(1.2)  # the deposed writer's lease runs out
-    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
+    clock.advance(1.2)  # the deposed writer's lease runs out
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r", lease_clock=clock)
     taken_over.set()
     writer = successor._shards[0].writer
     late = later_files_at_first_open(monkeypatch, writer, ["d"])  # before our claim
@@ -132,11 +144,12 @@ def test_a_later_file_that_cannot_be_sealed_strands_no_file(root, monkeypatch, l
     finding 1). With two, the first stays unsealed and is not the newest: the next take-over
     seals every empty file, and with the newest empty, the last file holding bytes too
     (hostile review of 350838f, finding 3). Readers then get every message."""
-    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
+    clock = _lease_clock()
+    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d", lease_clock=clock)
     first.send(b"d0")
     first.flush()
     first.close()
-    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r", lease_clock=clock)
     writer = successor._shards[0].writer
     store = writer.store
     late = later_files_at_first_open(monkeypatch, writer, later, refuse_first=True)
@@ -148,8 +161,8 @@ def test_a_later_file_that_cannot_be_sealed_strands_no_file(root, monkeypatch, l
     monkeypatch.undo()  # the refusal ends (the dead writer's HDFS lease on the file expired)
     unsealed = [f for f in writer.files() if not scan_file(store, f"{writer.dir}/{f}").sealed]
     assert unsealed == late  # ours is sealed; the refused one and any after it are not
-    time.sleep(1.2)  # the successor's lease runs out
-    third = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")
+    clock.advance(1.2)  # the successor's lease runs out
+    third = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t", lease_clock=clock)
     third.send(b"t1")
     third.flush()
     third.close()
@@ -282,7 +295,8 @@ def test_a_refused_seal_of_the_last_file_with_bytes_stops_the_take_over(root, mo
     deposed writer may still hold it with an append in flight (HDFS refuses the seal then),
     so a refused seal stops the take-over, it is not logged and passed (hostile review of
     a1a24e8, finding 1)."""
-    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d")
+    clock = _lease_clock()
+    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="d", lease_clock=clock)
     first.send(b"d0")
     first.flush()
     writer = first._shards[0].writer
@@ -298,9 +312,9 @@ def test_a_refused_seal_of_the_last_file_with_bytes_stops_the_take_over(root, mo
         return original(self, rel)
 
     monkeypatch.setattr(DurableStore, "open_appender", appender)
-    time.sleep(1.2)  # d's lease runs out
+    clock.advance(1.2)  # d's lease runs out
     with pytest.raises(StoreError, match="AlreadyBeingCreated"):
-        Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")
+        Producer(root, "s", 1, lease_seconds=1.0, writer_id="t", lease_clock=clock)
     monkeypatch.undo()
     resumed.set()
     with contextlib.suppress(WriterConflictError):  # its lease was taken over before the recovery stopped
@@ -312,7 +326,8 @@ def test_a_file_sealed_unused_after_a_crashed_writers_file_does_not_hide_it(root
     writer's file, which that writer left unsealed when it crashed: the next take-over must
     fence that file too, as when the newest file is empty, or readers wait at its end for
     good and never see the new writer's messages (final review of this session, finding 1)."""
-    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="w")
+    clock = _lease_clock()
+    first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="w", lease_clock=clock)
     first.send(b"w0")
     first.flush()
     live = Consumer(root, "s", start="earliest")  # waits at the end of w's file through the crash
@@ -322,8 +337,8 @@ def test_a_file_sealed_unused_after_a_crashed_writers_file_does_not_hide_it(root
     resumed = stall_at_next_lease_check(writer)  # w crashed (stalls here) with its file unsealed
     store = open_store(root)
     store.write_small(f"s/00000/{next_file_name([full], 'z')}", encode_seal(0))  # sealed unused
-    time.sleep(1.2)  # w's lease runs out
-    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t")
+    clock.advance(1.2)  # w's lease runs out
+    successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="t", lease_clock=clock)
     assert scan_file(store, f"s/00000/{full}").sealed
     successor.send(b"t1")
     successor.flush()

@@ -33,7 +33,7 @@ from pyspark_acs.write.file import DurableFile, scan_file
 from pyspark_acs.write.producer import Producer
 from pyspark_acs.write.shard import ShardWriter
 
-from tests.helpers import LOCK_HOLDER, stop_process
+from tests.helpers import LOCK_HOLDER, FakeClock, stop_process
 
 WAIT_S = 20.0
 
@@ -91,7 +91,8 @@ def test_deposed_producer_stalled_after_its_lease_check_is_fenced(root, monkeypa
     """A producer stalls between its lease check and its append (GC pause, slow I/O); another
     producer takes the shard over. The stalled one's flush must fail naming the file and the
     messages, and no reader may ever see those messages."""
-    first = Producer(root, "fence", lease_seconds=0.6)
+    clock = FakeClock(time.time())  # the store leases' wall clock, moved past a lease's expiry
+    first = Producer(root, "fence", lease_seconds=0.6, lease_clock=clock)
     follower = Follower(root, "fence")
     try:
         for i in range(10):
@@ -113,14 +114,8 @@ def test_deposed_producer_stalled_after_its_lease_check_is_fenced(root, monkeypa
         for i in range(5):
             first.send(b"deposed-%d" % i)
         assert stalled.wait(WAIT_S)
-        deadline = time.monotonic() + WAIT_S
-        while True:  # the stalled writer does not renew: its lease expires and we take over
-            try:
-                second = Producer(root, "fence", lease_seconds=0.6)
-                break
-            except WriterConflictError:
-                assert time.monotonic() < deadline, "the stalled producer's lease never expired"
-                time.sleep(0.05)
+        clock.advance(1.0)  # the stalled writer does not renew: its lease expires and we take over
+        second = Producer(root, "fence", lease_seconds=0.6, lease_clock=clock)
         with second:
             for i in range(10):
                 second.send(b"second-%d" % i)
@@ -152,7 +147,9 @@ def test_deposed_producer_stalled_before_it_creates_its_next_file_is_fenced(root
     the deposed producer's new file may sort before or after the new writer's file. Either
     way its flush fails, its file is sealed empty (no reader waits at it) and no reader sees
     its messages."""
-    first = Producer(root, "rollfence", lease_seconds=0.6, roll_bytes=1)  # every block ends its file
+    clock = FakeClock(time.time())  # the store leases' wall clock, moved past a lease's expiry
+    first = Producer(root, "rollfence", lease_seconds=0.6, roll_bytes=1,  # every block ends its file
+                     lease_clock=clock)
     follower = Follower(root, "rollfence")
     try:
         for i in range(3):
@@ -177,14 +174,8 @@ def test_deposed_producer_stalled_before_it_creates_its_next_file_is_fenced(root
         monkeypatch.setattr(ShardWriter, "new_file_name", stalling_name)
         first.send(b"deposed-0")
         assert stalled.wait(WAIT_S)
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            try:
-                second = Producer(root, "rollfence", lease_seconds=0.6)
-                break
-            except WriterConflictError:
-                assert time.monotonic() < deadline, "the stalled producer's lease never expired"
-                time.sleep(0.05)
+        clock.advance(1.0)  # the stalled writer's lease expires
+        second = Producer(root, "rollfence", lease_seconds=0.6, lease_clock=clock)
         with second:
             for i in range(5):
                 second.send(b"second-%d" % i)
@@ -509,11 +500,13 @@ def test_sink_stalled_before_it_creates_its_planned_file_does_not_hide_the_batch
 
     import pyspark_acs.datasource.commit as commit_mod
 
-    monkeypatch.setattr(commit_mod, "ShardWriter", functools.partial(ShardWriter, lease_seconds=0.6))
+    clock = FakeClock(time.time())  # the store leases' wall clock, moved past a lease's expiry
+    monkeypatch.setattr(commit_mod, "ShardWriter", functools.partial(ShardWriter, lease_seconds=0.6,
+                                                                     lease_clock=clock))
     a = sink(root, "a")
     a.commit([staged(a, [b"a0-%d" % i for i in range(3)])], 0)
     # The sink's next batch starts a new file: the producer below seals the sink's file.
-    with Producer(root, "both", lease_seconds=0.6) as p:
+    with Producer(root, "both", lease_seconds=0.6, lease_clock=clock) as p:
         p.send(b"p-0")
     follower = Follower(root, "both")
     stalled, resume = threading.Event(), threading.Event()
@@ -541,14 +534,8 @@ def test_sink_stalled_before_it_creates_its_planned_file_does_not_hide_the_batch
         committer = threading.Thread(target=commit)
         committer.start()
         assert stalled.wait(WAIT_S)
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            try:
-                p = Producer(root, "both", lease_seconds=0.6)
-                break
-            except WriterConflictError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        clock.advance(1.0)  # the stalled commit's lease expires
+        p = Producer(root, "both", lease_seconds=0.6, lease_clock=clock)
         with p:
             p.send(b"p-1")
             p.flush(timeout=WAIT_S)
@@ -726,12 +713,13 @@ def test_a_seal_that_meets_the_successors_recovery_seal_keeps_the_bytes_acknowle
     (a caller would send them again); the writer's next file is refused instead."""
     store = DurableStore(root)
     store.create_stream("meet", 1)
-    writer = ShardWriter(store, "meet", 0, "old", lease_seconds=0.5, roll_bytes=10**9)
+    clock = FakeClock(time.time())  # the store leases' wall clock
+    writer = ShardWriter(store, "meet", 0, "old", lease_seconds=0.5, roll_bytes=10**9, lease_clock=clock)
     writer.acquire()
     writer.recover()
     writer.append(encode_block([b"o0", b"o1"], None, [1, 2]), 2)
-    time.sleep(0.6)  # it stalls: its lease lapses
-    successor = ShardWriter(store, "meet", 0, "new", lease_seconds=5)
+    clock.advance(0.6)  # it stalls: its lease lapses
+    successor = ShardWriter(store, "meet", 0, "new", lease_seconds=5, lease_clock=clock)
     successor.acquire()
     successor.recover()
     assert successor.recovered == [writer.file]
