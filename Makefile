@@ -31,10 +31,10 @@ demo: setup check-java
 	$(BIN)/python examples/demo.py
 
 # 2. Set up and run the tests: the whole suite, on TEST_WORKERS processes (pytest-xdist). The
-# tests mostly wait on servers and Spark, so three workers keep 2 cores busy; tests tied
+# tests mostly wait on servers and Spark, so four workers keep 2 cores busy (five overloaded them while JVMs started); tests tied
 # together (a module's servers, each of the two Spark sessions, the serial group) share a worker
 # (tests/conftest.py). TEST_WORKERS=0 runs the suite in this one process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: setup check-java
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
