@@ -6,7 +6,9 @@ while the clock moves (its latency on that clock) and a second message arrives (
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Iterator, Tuple
 
 import pytest
 
@@ -61,9 +63,12 @@ def test_a_full_block_or_a_flush_goes_at_once():
 # -- through the Producer's writer thread ---------------------------------------------------------
 
 
-def _busy_producer(root: str, clock: FakeClock) -> Producer:
-    """A Producer whose writer waits for its second block to fill: the first block's write took
-    LATENCY_S on ``clock``, and the second message arrived during it."""
+@contextlib.contextmanager
+def busy_producer(root: str) -> Iterator[Tuple[Producer, FakeClock]]:
+    """A Producer on a FakeClock whose writer waits for its second block to fill: the first
+    block's write took LATENCY_S on the clock, and the second message arrived during it.
+    Closed (with a timeout) on exit."""
+    clock = FakeClock()
     p = Producer(root, "b", 1, clock=clock, max_batch_delay=60.0, max_block_bytes=BLOCK_BYTES)
     writer = p._shards[0].writer
     original = writer.append
@@ -83,7 +88,10 @@ def _busy_producer(root: str, clock: FakeClock) -> Producer:
     release.set()
     wait_until(lambda: p._linger_checks > 0, WAIT_S, "the busy writer to wait for its block to fill")
     assert p.stats()["blocks"] == 1
-    return p
+    try:
+        yield p, clock
+    finally:
+        p.close(timeout=WAIT_S)
 
 
 def test_an_idle_writer_writes_at_once(root):
@@ -95,9 +103,7 @@ def test_an_idle_writer_writes_at_once(root):
 
 
 def test_a_waiting_block_goes_once_the_clock_passes_its_delay_and_not_before(root):
-    clock = FakeClock()
-    p = _busy_producer(root, clock)
-    try:
+    with busy_producer(root) as (p, clock):
         delay = p._batching.delay()
         assert LATENCY_S / 5 * 0.9 < delay < LATENCY_S / 5
         checks = p._linger_checks
@@ -109,25 +115,15 @@ def test_a_waiting_block_goes_once_the_clock_passes_its_delay_and_not_before(roo
         p.wake()
         wait_until(lambda: p.stats()["acknowledged"] == 2, WAIT_S, "the second block")
         assert p.stats()["blocks"] == 2
-    finally:
-        p.close(timeout=WAIT_S)
 
 
 def test_a_waiting_block_that_fills_goes_at_once(root):
-    clock = FakeClock()
-    p = _busy_producer(root, clock)
-    try:
+    with busy_producer(root) as (p, clock):
         p.send(b"x" * BLOCK_BYTES)  # the clock stands still: only the full block ends the wait
         wait_until(lambda: p.stats()["acknowledged"] == 3, WAIT_S, "the full block")
-    finally:
-        p.close(timeout=WAIT_S)
 
 
 def test_flush_sends_a_waiting_block_without_waiting(root):
-    clock = FakeClock()
-    p = _busy_producer(root, clock)
-    try:
+    with busy_producer(root) as (p, clock):
         p.flush(timeout=WAIT_S)  # the clock stands still: without the flush it would wait for good
         assert p.stats()["acknowledged"] == 2
-    finally:
-        p.close(timeout=WAIT_S)
