@@ -286,13 +286,23 @@ def test_stale_replica_dueling_writers_stay_byte_exact(make_env):
     env.start_daemon("A")
     env.start_daemon("A", "--port", "0")  # a stale replica owning the same operations (ports are never shared)
     env.start_daemon("B")
-    with env.producer(roll_bytes=1_000_000) as p:  # long-lived files: both readers meet on them
-        produce(p, 0, 300, pause=0.005)
-    env.wait_same("B")
     a1, a2 = env.daemons["A"]
-    poisoned = metric(a1, "errors_total", kind="poisoned") + metric(a2, "errors_total", kind="poisoned")
-    assert poisoned > 0, "one of the two readers should have been stopped by the lease"
-    check_order(consume_all(env, "B", 300), 300)
+
+    def poisoned() -> float:
+        return metric(a1, "errors_total", kind="poisoned") + metric(a2, "errors_total", kind="poisoned")
+
+    # Produce until the two readers have met at the lease: on a loaded machine the second
+    # may find the file only after the first has copied what there was, and a fixed count
+    # would then end before they duel.
+    n = 0
+    deadline = time.monotonic() + 60
+    with env.producer(roll_bytes=1_000_000) as p:  # long-lived files: both readers meet on them
+        while n < 300 or (poisoned() == 0 and time.monotonic() < deadline):
+            produce(p, n, 100, pause=0.005)
+            n += 100
+    env.wait_same("B")
+    assert poisoned() > 0, f"one of the two readers should have been stopped by the lease\n{env.logs()}"
+    check_order(consume_all(env, "B", n), n)
 
 
 def test_unhealthy_b_rebuilds_tree_and_c_continues(make_env):
