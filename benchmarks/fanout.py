@@ -36,12 +36,50 @@ our/Redis ratios; and it writes a PNG plot (``--plot``) of p99 and MB/s against 
     .venv/bin/python benchmarks/fanout.py --consumers 4 --seconds 3       # smoke run
     .venv/bin/python benchmarks/fanout.py --consumers 32 --producer-acknowledge durable   # ack at the durable append
     .venv/bin/python benchmarks/fanout.py --consumers 64 --columns caches,redis --hog 1   # a busy machine
+    .venv/bin/python benchmarks/fanout.py --mode spike --consumers 32 --columns caches,redis  # all join at once
+    .venv/bin/python benchmarks/fanout.py --producer default --consumers 32 --columns caches,redis
 
 Per column and N it also prints, per second of the run (by send time), the largest delay and
 how many consumers passed ``SLOW_MS`` in it: whether a p99 came from a start-up burst, a
 stall of everyone at once (the producer or a server) or a few slow consumers. ``--hog K``
 runs K processes spinning on the CPU beside every point, the same for every column: the
 machine's busy phases (other tenants) made repeatable.
+
+``--producer`` picks our columns' producer: ``tuned`` (default) is ``send_many`` of the
+messages due and ``flush()`` every 10 ms; ``default`` is how an application that never tunes
+would send: about every 1 ms, one ``send()`` per message that is due, never ``flush()`` (the
+Producer's own batching cuts the blocks; ``close()`` flushes at the end). Redis keeps its
+``XADD`` pipeline every 10 ms either way, its normal use.
+
+``--mode spike`` (default ``steady``: all of the above) measures N consumers joining a running
+stream at once. The N consumer processes start first with everything imported (pyspark_acs
+and grpc, or redis) but nothing connected, say ready and wait on the board (the shared
+memory map) for the join. The parent starts the producer, waits ``--join-after`` seconds
+(default 3: past the producer's start-up), stores the join time and sets the join; every
+consumer then creates ``Consumer(root, stream, start="latest", data_cache=...,
+metadata_cache=...)`` at once, its connect included (Redis: ``XREAD`` from ``$`` until entries
+come, then from the last id). The producer goes on until ``--seconds`` after the join. Every
+message carries its sequence (ours in the value's first 8 bytes, Redis in its payload) and
+send time; the producer keeps each message's send time (taken right before the call that
+sends it). Per column and N it prints:
+
+- delay p50/p99 over the messages sent from the join to ``--seconds`` after it (sampled as
+  above), and the largest of all their delays;
+- settle s: seconds from the join until the p99 of every later second (by send second,
+  counted from the join) stays under 1.5x Redis's p99 of the same N (Redis against itself;
+  ``>S`` when the last second is still over);
+- delivered MB/s, all bytes received over the time from the join to the last receipt;
+- durable B: bytes our consumers read from the durable store, and as % of the bytes
+  delivered; the store holds;
+- missing: a consumer at latest rightly skips what was sent before it could receive; it owes
+  every message sent after that moment -- for ours when ``Consumer()`` returned, for Redis
+  when its first ``XREAD`` from ``$`` returned entries (the first moment a Redis client knows
+  where ``$`` put it; a later moment than ours, so Redis is counted no stricter). Missing are
+  the owed sequences it did not receive, summed over the consumers;
+- connect ms: from the join to that moment, p50 and max over the consumers (for Redis it
+  includes waiting for the next pipeline, up to 10 ms).
+
+The grpc floor columns are skipped in a spike (no latest position, no sequences).
 
 No assertion is timed here; an honest miss is printed as it is.
 """
@@ -86,6 +124,21 @@ STOP_CHECK_S = 0.1
 #: A delay above this (ms) counts a consumer as slow in that second of the timeline.
 SLOW_MS = 50.0
 COLUMNS = ("caches", "durable", "redis", "grpc", "grpc3")
+#: ``--mode``: consumers there from the start (steady), or all joining a running producer (spike).
+MODES = ("steady", "spike")
+#: The columns a spike runs: the grpc floor has no "latest" to join at nor sequences to count.
+SPIKE_COLUMNS = ("caches", "durable", "redis")
+#: ``--producer`` (our columns): send_many + flush every FLUSH_EVERY_S, or send() per message.
+PRODUCERS = ("tuned", "default")
+#: How often the ``default`` producer sends the messages that are due (seconds).
+SEND_EVERY_S = 0.001
+#: How often a consumer waiting for the spike's join looks at the board (seconds): the join is
+#: seen within this, which its connect time includes.
+JOIN_CHECK_S = 0.002
+#: A column has settled once every later second's p99 stays under this times Redis's p99.
+SETTLE_FACTOR = 1.5
+#: Seconds a spike's producer goes on past join_after + seconds when the join never comes.
+JOIN_LATE_S = 60.0
 
 
 # -- child processes --------------------------------------------------------------------------
@@ -101,6 +154,32 @@ def _floor_payload(count: int, now_us: int) -> bytes:
 def _payload(i: int, now_us: int) -> bytes:
     head = b"%d %d " % (now_us, i)
     return head + b"x" * (MESSAGE_BYTES - len(head))
+
+
+_FILL = b"x" * (MESSAGE_BYTES - 8)
+
+
+def _seq_value(i: int) -> bytes:
+    """Our columns' message in a spike: its sequence as 8 bytes (little-endian), read back
+    vectorized; the send time is the Producer's timestamp, as in the steady state."""
+    return i.to_bytes(8, "little") + _FILL
+
+
+def _seqs(values: "Any", offsets: "Any") -> "Any":
+    """The sequences at the start of every value of an Arrow binary array (``offsets``: its
+    int32 offsets, as viewed by the consumer)."""
+    data = np.frombuffer(values.buffers()[2], dtype=np.uint8)
+    at = offsets[:-1].astype(np.int64)[:, None] + np.arange(8)
+    return data[at].view("<i8").ravel()
+
+
+def _runs(seqs: "Any") -> List[List[int]]:
+    """Sorted distinct sequences as ``[first, end)`` runs: what a consumer received, compact."""
+    if not len(seqs):
+        return []
+    u = np.unique(seqs)
+    cut = np.flatnonzero(np.diff(u) != 1) + 1
+    return [[int(run[0]), int(run[-1]) + 1] for run in np.split(u, cut)]
 
 
 class _Tally:
@@ -122,7 +201,17 @@ class _Tally:
         self.n = 0
         self.nbytes = 0
         self._delays = np.empty(SAMPLES, dtype=np.float32)
+        #: In a spike, the send second (since the join) of each kept delay, beside it.
+        self._seconds = np.empty(SAMPLES, dtype=np.int32)
         self._filled = 0
+        #: A spike's window of send times whose delays count, ``[join, join + seconds)`` in µs
+        #: (:meth:`spike`); None in the steady state (all after the warm-up count).
+        self.window: Optional[tuple] = None
+        #: In a spike: when the consumer could receive (Consumer() returned; Redis: the first
+        #: XREAD from ``$`` that returned entries), µs; the sequences received, per batch.
+        self.ready_us: Optional[int] = None
+        self._seq_parts: List[Any] = []
+        self.next_seq = 0
         self.last_at = 0.0
         self.first_sent_us: Optional[int] = None
         #: Whether a message sent after the warm-up came (the steady state began).
@@ -132,17 +221,37 @@ class _Tally:
         #: (counted from the first message): where a p99 came from, printed per column.
         self.worst: Dict[int, float] = {}
 
+    def spike(self, join_us: int, seconds: float) -> None:
+        """Count, from now on, the delays of the messages sent in ``[join, join + seconds)``,
+        with their seconds counted from the join, and the sequences received."""
+        self.window = (join_us, join_us + int(seconds * 1e6))
+        self.first_sent_us = join_us  # the timeline's origin
+
     @property
     def samples(self) -> List[float]:
         """At most :data:`SAMPLES` of the delays, drawn uniformly without replacement."""
-        kept = self._delays[: self._filled]
-        if len(kept) > SAMPLES:
-            kept = self._rng.choice(kept, SAMPLES, replace=False)
-        return kept.astype(np.float64).tolist()
+        return self.draw()[0]
 
-    def add_many(self, sent_us: "Any", now_us: int, nbytes: int) -> None:
+    def draw(self) -> "tuple":
+        """At most :data:`SAMPLES` of the delays (ms) and their send seconds (spike), drawn
+        uniformly without replacement, as lists."""
+        at = np.arange(self._filled)
+        if len(at) > SAMPLES:
+            at = self._rng.choice(at, SAMPLES, replace=False)
+        return self._delays[at].astype(np.float64).tolist(), self._seconds[at].tolist()
+
+    @property
+    def largest(self) -> float:
+        """The largest of all the delays kept (ms), not only of the drawn ones."""
+        return float(self._delays[: self._filled].max()) if self._filled else float("nan")
+
+    @property
+    def runs(self) -> List[List[int]]:
+        return _runs(np.concatenate(self._seq_parts)) if self._seq_parts else []
+
+    def add_many(self, sent_us: "Any", now_us: int, nbytes: int, seqs: "Any" = None) -> None:
         """A batch of messages (``sent_us``: a numpy int64 array of send times, µs) received
-        at ``now_us``, ``nbytes`` of values in all."""
+        at ``now_us``, ``nbytes`` of values in all (``seqs``: their sequences, in a spike)."""
         n = len(sent_us)
         if not n:
             return
@@ -154,46 +263,76 @@ class _Tally:
         # has the warm-up's seconds too, so that a start-up burst shows where it began.
         first = int((int(sent_us[0]) - self.first_sent_us) // 1_000_000)
         self.worst[first] = max(self.worst.get(first, 0.0), (now_us - int(sent_us[0])) / 1000.0)
-        kept = sent_us[sent_us - self.first_sent_us >= WARMUP_S * 1e6]
+        if self.window is None:
+            kept = sent_us[sent_us - self.first_sent_us >= WARMUP_S * 1e6]
+        else:
+            kept = sent_us[(sent_us >= self.window[0]) & (sent_us < self.window[1])]
+            if seqs is not None and len(seqs):
+                self._seq_parts.append(np.array(seqs, dtype=np.int64))  # a copy: not the batch's buffer
+                self.next_seq = max(self.next_seq, int(self._seq_parts[-1].max()) + 1)
         k = len(kept)
         if k:
             self.warm = True
             if self._filled + k > len(self._delays):
-                grown = np.empty(max(2 * len(self._delays), self._filled + k), dtype=np.float32)
-                grown[: self._filled] = self._delays[: self._filled]
-                self._delays = grown
+                size = max(2 * len(self._delays), self._filled + k)
+                for name, dtype in (("_delays", np.float32), ("_seconds", np.int32)):
+                    grown = np.empty(size, dtype=dtype)
+                    grown[: self._filled] = getattr(self, name)[: self._filled]
+                    setattr(self, name, grown)
             delays = self._delays[self._filled : self._filled + k]
             delays[:] = now_us - kept  # in int64 (the stamps are ~1.8e15 us), then as float32 ms
             delays /= 1000.0
+            if self.window is not None:
+                self._seconds[self._filled : self._filled + k] = (kept - self.window[0]) // 1_000_000
             self._filled += k
 
     def tick(self) -> None:
-        """Show the running count to the parent (a store into shared memory)."""
-        self.board.set_count(self.index, self.n)
+        """Show the progress to the parent (a store into shared memory): the running count, or
+        in a spike the next sequence (consumers joining at latest do not receive them all)."""
+        self.board.set_count(self.index, self.n if self.window is None else self.next_seq)
 
 
 class _Board:
-    """What the parent and a point's consumers share, in one memory-mapped file of int64
-    slots: slot 0 the parent's stop, slot 1 + i consumer i's running count.
+    """What the parent, a point's producer and its consumers share, in one memory-mapped file
+    of int64 slots: slot 0 the parent's stop, slot 1 a spike's join, slot 2 the join's time
+    (µs, stored before the join), slot 3 + i consumer i's progress (:meth:`_Tally.tick`).
 
     A store into mapped memory, no system call. A count file per consumer (open, write, rename
     over the last one every 0.25 s) blocks on ext4, which starts writing a file's data back when
     it is renamed over another: at N=64 such an instrument holds up the system it measures.
     """
 
+    FIRST = 3  # the first consumer's slot
+
     def __init__(self, path: str, consumers: Optional[int] = None) -> None:
         if consumers is not None:  # the parent makes it
             with open(path, "wb") as f:
-                f.truncate(8 * (consumers + 1))
+                f.truncate(8 * (consumers + _Board.FIRST))
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), 0)
         self._slots = memoryview(self._map).cast("q")  # aligned 8-byte stores: never torn on x86-64
 
     def set_count(self, index: int, n: int) -> None:
-        self._slots[1 + index] = n
+        self._slots[self.FIRST + index] = n
 
     def count(self, index: int) -> int:
-        return self._slots[1 + index]
+        return self._slots[self.FIRST + index]
+
+    def join(self, join_us: int) -> None:
+        self._slots[2] = join_us  # before the flag: whoever sees the join sees its time
+        self._slots[1] = 1
+
+    def joined(self) -> Optional[int]:
+        """The join's time (µs) once the parent set it, else None."""
+        return self._slots[2] if self._slots[1] else None
+
+    def wait_join(self) -> Optional[int]:
+        """Wait for the join (None: the parent stopped first)."""
+        while not self._slots[1]:
+            if self.stopped():
+                return None
+            time.sleep(JOIN_CHECK_S)
+        return self._slots[2]
 
     def stop(self) -> None:
         self._slots[0] = 1
@@ -207,24 +346,49 @@ def run_consumer(args: argparse.Namespace) -> int:
     tally = _Tally(board, args.index)
     stopped = board.stopped
     extra: Dict[str, object] = {}
+    spike = args.mode == "spike"
+
+    def join() -> bool:
+        """Spike: say ready (imported, nothing connected) and wait for the join; False when
+        the parent stopped first."""
+        print("ready", flush=True)
+        join_us = board.wait_join()
+        if join_us is None:
+            return False
+        tally.spike(join_us, args.seconds)
+        return True
+
     if args.kind == "redis":
         import redis  # type: ignore
 
-        client = redis.Redis(host="127.0.0.1", port=args.redis_port)
-        last = "0-0"
-        print("ready", flush=True)
+        if spike and not join():
+            return _write_result(args, tally, extra)
+        client = redis.Redis(host="127.0.0.1", port=args.redis_port)  # connects at its first call
+        # A spike reads from "$" (what arrives after the call) until the first entries come,
+        # then on from the last id.
+        last = "$" if spike else "0-0"
+        if not spike:
+            print("ready", flush=True)
         while not stopped():
             got = client.xread({args.stream: last}, count=2000, block=100)
             now_us = time.time_ns() // 1000
             for _, entries in got or ():
                 sent = []
+                seqs: Optional[List[int]] = [] if spike else None
                 nbytes = 0
                 for entry_id, fields in entries:
                     last = entry_id
                     value = fields[b"v"]
-                    sent.append(int(value.split(b" ", 1)[0]))
+                    if seqs is None:
+                        sent.append(int(value.split(b" ", 1)[0]))
+                    else:
+                        stamp, seq, _ = value.split(b" ", 2)
+                        sent.append(int(stamp))
+                        seqs.append(int(seq))
                     nbytes += len(value)
-                tally.add_many(np.array(sent, dtype=np.int64), now_us, nbytes)
+                if spike and tally.ready_us is None:
+                    tally.ready_us = now_us  # where "$" put it is known from now on
+                tally.add_many(np.array(sent, dtype=np.int64), now_us, nbytes, seqs)
                 tally.last_at = time.time()
             tally.tick()
     elif args.kind in ("grpc", "grpc3"):
@@ -257,11 +421,23 @@ def run_consumer(args: argparse.Namespace) -> int:
     else:
         from pyspark_acs import Consumer
 
-        kw = {}
+        kw: Dict[str, Any] = {}
         if args.kind == "caches":
             kw = {"data_cache": args.data_cache, "metadata_cache": args.metadata_cache}
+        if spike:
+            if args.kind == "caches":
+                # Imported before the join, as in a process that was running already: its
+                # Consumer's connect (channels to the six servers) is what the join measures.
+                import pyspark_acs.read.cachepath  # noqa: F401
+                from pyspark_acs._grpc import grpc  # noqa: F401
+            if not join():
+                return _write_result(args, tally, extra)
+            kw["start"] = "latest"
         with Consumer(args.root, args.stream, **kw) as c:
-            print("ready", flush=True)
+            if spike:
+                tally.ready_us = time.time_ns() // 1000
+            else:
+                print("ready", flush=True)
             # The read path's counters when the steady state began (the first batch holding a
             # message sent after WARMUP_S): the store bytes and holds after it are the steady
             # state's (0 when the caches keep up), apart from a start-up burst.
@@ -281,7 +457,8 @@ def run_consumer(args: argparse.Namespace) -> int:
                     stamps = b.column("timestamp")
                     sent = np.frombuffer(stamps.buffers()[1], dtype=np.int64, count=len(stamps),
                                          offset=8 * stamps.offset)
-                    tally.add_many(sent, now_us, int(offsets[-1] - offsets[0]))
+                    tally.add_many(sent, now_us, int(offsets[-1] - offsets[0]),
+                                   _seqs(values, offsets) if spike else None)
                     tally.last_at = time.time()
                     if at_warm is None and tally.warm:
                         at_warm = c.stats()
@@ -293,11 +470,18 @@ def run_consumer(args: argparse.Namespace) -> int:
             base = at_warm if at_warm is not None else {}  # never warm: all of it counts
             extra["steady_durable_bytes"] = extra.get("durable_bytes", 0) - base.get("durable_bytes", 0)
             extra["steady_store_holds"] = extra.get("store_holds", 0) - base.get("store_holds", 0)
+    return _write_result(args, tally, extra)
+
+
+def _write_result(args: argparse.Namespace, tally: _Tally, extra: Dict[str, Any]) -> int:
     tally.tick()
-    result = {"n": tally.n, "bytes": tally.nbytes, "samples": tally.samples, "last_at": tally.last_at,
+    samples, seconds = tally.draw()
+    result = {"n": tally.n, "bytes": tally.nbytes, "samples": samples, "last_at": tally.last_at,
               "durable_bytes": extra.get("durable_bytes", 0), "pushed_bytes": extra.get("pushed_bytes", 0), "store_holds": extra.get("store_holds", 0),
               "worst": tally.worst, "steady_durable_bytes": extra.get("steady_durable_bytes", 0),
               "steady_store_holds": extra.get("steady_store_holds", 0)}
+    if tally.window is not None:
+        result.update(sample_seconds=seconds, largest=tally.largest, ready_us=tally.ready_us, runs=tally.runs)
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
@@ -310,11 +494,27 @@ def run_producer(args: argparse.Namespace) -> int:
     started = time.monotonic()
     first_send = time.time()
     end = started + args.seconds
+    spike = args.mode == "spike"
+    # A spike: every message's send time (µs, taken right before the call that sends it; our
+    # Producer stamps it a little later), for the parent to tell what each consumer owed.
+    stamps: List[int] = []
+    if spike:
+        board = _Board(args.board)
+        late = started + args.join_after + args.seconds + JOIN_LATE_S
+
+        def producing() -> bool:  # until `seconds` after the join
+            join_us = board.joined()
+            if join_us is None:
+                return time.monotonic() < late
+            return time.time_ns() // 1000 < join_us + int(args.seconds * 1e6)
+    else:
+        def producing() -> bool:
+            return time.monotonic() < end
     if args.kind == "redis":
         import redis  # type: ignore
 
         client = redis.Redis(host="127.0.0.1", port=args.redis_port)
-        while time.monotonic() < end:
+        while producing():
             due = int((time.monotonic() - started) * rate)
             if due > sent:
                 pipe = client.pipeline(transaction=False)
@@ -322,6 +522,8 @@ def run_producer(args: argparse.Namespace) -> int:
                 for i in range(sent, due):
                     pipe.xadd(args.stream, {b"v": _payload(i, now_us)})
                 pipe.execute()
+                if spike:
+                    stamps.extend([now_us] * (due - sent))
                 sent = due
             time.sleep(FLUSH_EVERY_S)
     elif args.kind in ("grpc", "grpc3"):
@@ -356,18 +558,39 @@ def run_producer(args: argparse.Namespace) -> int:
             kw = {"data_cache": args.data_cache, "metadata_cache": args.metadata_cache}
         value = b"x" * MESSAGE_BYTES
         with Producer(args.root, args.stream, shards=1, acknowledge=args.producer_acknowledge, **kw) as p:
-            while time.monotonic() < end:
-                due = int((time.monotonic() - started) * rate)
-                if due > sent:
-                    t0 = time.monotonic()
-                    p.send_many([value] * (due - sent))  # stamped with the send time
-                    p.flush()
-                    if t0 - started >= WARMUP_S:  # as the delays: start-up left out
-                        flushes.append((time.monotonic() - t0) * 1000.0)
-                    sent = due
-                time.sleep(FLUSH_EVERY_S)
+            if args.producer == "default":
+                # As an application would: one send() per message as it is due, never flush();
+                # the Producer's own batching decides the blocks. close() flushes at the end.
+                while producing():
+                    due = int((time.monotonic() - started) * rate)
+                    for i in range(sent, due):
+                        if spike:
+                            stamps.append(time.time_ns() // 1000)
+                            p.send(_seq_value(i))
+                        else:
+                            p.send(value)
+                    sent = max(sent, due)
+                    time.sleep(SEND_EVERY_S)
+            else:
+                while producing():
+                    due = int((time.monotonic() - started) * rate)
+                    if due > sent:
+                        t0 = time.monotonic()
+                        if spike:
+                            stamps.extend([time.time_ns() // 1000] * (due - sent))
+                            p.send_many([_seq_value(i) for i in range(sent, due)])
+                        else:
+                            p.send_many([value] * (due - sent))  # stamped with the send time
+                        p.flush()
+                        if t0 - started >= WARMUP_S:  # as the delays: start-up left out
+                            flushes.append((time.monotonic() - t0) * 1000.0)
+                        sent = due
+                    time.sleep(FLUSH_EVERY_S)
     elapsed = time.monotonic() - started
+    if spike:
+        np.asarray(stamps, dtype=np.int64).tofile(args.result)
     print(json.dumps({"sent": sent, "elapsed": elapsed, "first_send": first_send,
+                      "first_send_us": stamps[0] if stamps else None,
                       "flush_p50": percentile(flushes, 50), "flush_p99": percentile(flushes, 99)}), flush=True)
     return 0
 
@@ -378,7 +601,8 @@ def run_producer(args: argparse.Namespace) -> int:
 def _child(args: argparse.Namespace, role: str, kind: str, stream: str, extra: List[str]) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--role", role, "--kind", kind, "--stream", stream, "--root", args.root,
            "--rate-mb", str(args.rate_mb), "--seconds", str(args.seconds),
-           "--producer-acknowledge", args.producer_acknowledge] + extra
+           "--producer-acknowledge", args.producer_acknowledge, "--mode", args.mode, "--producer", args.producer,
+           "--join-after", str(args.join_after)] + extra
     if kind == "caches":
         cmd += ["--data-cache", args.data_cache, "--metadata-cache", args.metadata_cache]
     if kind == "redis":
@@ -412,15 +636,30 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
             line = proc.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"a {kind} consumer did not start: {line!r}")
-        progress(f"{kind}: {n} consumers ready; producing {args.rate_mb} MB/s for {args.seconds} s")
+        spike = args.mode == "spike"
+        if spike:
+            progress(f"{kind}: {n} consumers imported; producing {args.rate_mb} MB/s, they join after "
+                     f"{args.join_after:g} s, then {args.seconds:g} s more")
+        else:
+            progress(f"{kind}: {n} consumers ready; producing {args.rate_mb} MB/s for {args.seconds} s")
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
                 for _ in range(args.hog)]
         cpu0 = {role: cpu_seconds(pids, descendants=False) for role, pids in servers.items()}
         ccpu0 = cpu_seconds([c.pid for c in consumers], descendants=False)
-        producer = _child(args, "producer", kind, stream, [])
-        out, _ = producer.communicate(timeout=args.seconds + 120)
+        producer = _child(args, "producer", kind, stream,
+                          ["--board", str(work / "board"), "--result", str(work / "sent.bin")] if spike else [])
+        join_us = 0
+        if spike:
+            time.sleep(args.join_after)
+            # The CPU from the join: what the spike and the run after it cost.
+            cpu0 = {role: cpu_seconds(pids, descendants=False) for role, pids in servers.items()}
+            ccpu0 = cpu_seconds([c.pid for c in consumers], descendants=False)
+            join_us = time.time_ns() // 1000
+            board.join(join_us)
+        out, _ = producer.communicate(timeout=args.join_after + args.seconds + JOIN_LATE_S + 120)
         prod = json.loads(out.strip().splitlines()[-1])
         sent = prod["sent"]
+        stamps = np.fromfile(work / "sent.bin", dtype=np.int64) if spike else None
         # Drain: until every consumer has everything, nothing moved for 3 s, or --drain passed.
         deadline = time.monotonic() + args.drain
         last_total, still_since = -1, time.monotonic()
@@ -456,7 +695,13 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
             by_second.setdefault(int(second), []).append(ms)
     delivered = sum(r["bytes"] for r in results)
     last = max((r["last_at"] for r in results), default=0.0)
-    span = max(1e-9, last - prod["first_send"])
+    span = max(1e-9, last - (join_us / 1e6 if spike else prod["first_send"]))
+    point: Dict[str, Any] = {}
+    if spike:
+        point = _spike_figures(results, stamps, join_us, delivered)
+        if prod["first_send_us"] is None or prod["first_send_us"] > join_us:
+            progress(f"{kind} N={n}: the producer had not sent before the join (--join-after is shorter than its "
+                     "start-up): the consumers joined an idle stream")
     return {
         "sent": sent,
         "producer_mb_s": sent * MESSAGE_BYTES / prod["elapsed"] / 1e6,
@@ -476,7 +721,49 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
         "client_cpu_per_gb": (ccpu1 - ccpu0) / max(delivered / 1e9, 1e-9),
         # second of the run -> (largest delay in ms, consumers whose delay passed SLOW_MS)
         "timeline": {sec: (max(v), sum(ms > SLOW_MS for ms in v)) for sec, v in sorted(by_second.items())},
+        **point,  # a spike's: its missing count replaces the steady state's
     }
+
+
+def _spike_figures(results: List[Dict[str, Any]], stamps: "Any", join_us: int, delivered: int) -> Dict[str, Any]:
+    """A spike's figures from its consumers' results and the producer's send times (µs, by
+    sequence): the largest delay, each second's p99 (by send second from the join), the
+    connect times and what each consumer missed of what it owed (every message sent after
+    it could receive, ``ready_us``)."""
+    per_second: Dict[int, List[float]] = {}
+    for r in results:
+        for ms, sec in zip(r["samples"], r["sample_seconds"]):
+            per_second.setdefault(sec, []).append(ms)
+    missing = 0
+    connect: List[float] = []
+    for r in results:
+        # A consumer that never could receive (Redis: no entries came) owed all after the join.
+        ready = r["ready_us"] if r["ready_us"] is not None else join_us
+        if r["ready_us"] is not None:
+            connect.append((r["ready_us"] - join_us) / 1000.0)
+        got = np.zeros(len(stamps), dtype=bool)
+        for first, end in r["runs"]:
+            got[first:end] = True
+        missing += int(np.count_nonzero((stamps > ready) & ~got))
+    largest = [r["largest"] for r in results if r["largest"] == r["largest"]]
+    return {
+        "max_ms": max(largest) if largest else float("nan"),
+        "second_p99": {sec: percentile(v, 99) for sec, v in sorted(per_second.items())},
+        "missing": missing,
+        "connect_p50": percentile(connect, 50),
+        "connect_max": max(connect) if connect else float("nan"),
+        "durable_pct": 100.0 * sum(r["durable_bytes"] for r in results) / max(delivered, 1),
+    }
+
+
+def settle_seconds(r: Dict[str, Any], limit: float, seconds: float) -> str:
+    """Seconds from the join until every later second's p99 (by send second) stays under
+    ``limit`` ms: "0" when it never passed it, ">S" when the last second still did."""
+    over = [sec for sec, p99 in r["second_p99"].items() if p99 >= limit]
+    if not over:
+        return "0"
+    last = max(over) + 1
+    return f">{seconds:g}" if last >= seconds else str(last)
 
 
 _CALLS = re.compile(r'^acs_cache_request_seconds_count\{[^}]*method="(\w+)"[^}]*\} (\S+)$', re.M)
@@ -541,6 +828,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "machine made repeatable (default 0)")
     p.add_argument("--producer-acknowledge", default=DEFAULT_ACKNOWLEDGE, choices=ACKNOWLEDGE_MODES,
                    help="our Producer's acknowledge mode (default published; see Producer)")
+    p.add_argument("--mode", default="steady", choices=MODES,
+                   help="steady: consumers there from the start; spike: all join a running producer at once, "
+                        "at latest (default steady)")
+    p.add_argument("--join-after", type=float, default=3.0,
+                   help="spike: seconds from the producer's start to the join, past its start-up (default 3)")
+    p.add_argument("--producer", default="tuned", choices=PRODUCERS,
+                   help="our columns' producer: tuned = send_many + flush every 10 ms; default = one send() "
+                        "per message as it is due, never flush() (default tuned)")
     # child-process arguments
     p.add_argument("--role", default="parent", choices=["parent", "consumer", "producer"], help=argparse.SUPPRESS)
     p.add_argument("--kind", default="caches", help=argparse.SUPPRESS)
@@ -563,10 +858,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     ns = [int(x) for x in args.consumers.split(",")]
     columns = [c for c in args.columns.split(",") if c]
+    notes: List[str] = []
+    if args.mode == "spike":
+        skipped = [c for c in columns if c not in SPIKE_COLUMNS]
+        if skipped:
+            notes.append(f"{','.join(skipped)} skipped in a spike: the grpc floor has no latest position to join at "
+                         "nor sequences to count missing messages by")
+        columns = [c for c in columns if c in SPIKE_COLUMNS]
     args.drain = 2 * args.seconds if args.drain is None else args.drain
     base = Path(tempfile.mkdtemp(prefix="acs-fanout-"))
     args.root = str(base / "store")
-    notes: List[str] = []
     redis_server = None
     floor_server = None
     floor3: List[Any] = []
@@ -614,8 +915,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                         f"{role} " + ", ".join(f"{m} {calls1[role][m] - calls0[role].get(m, 0.0):.0f}"
                                                for m in sorted(calls1[role]))
                         for role in calls1))
-                progress(f"{kind} N={n} per second sent, largest delay ms (consumers over {SLOW_MS:g} ms): "
+                since = "since the join" if args.mode == "spike" else "sent"
+                progress(f"{kind} N={n} per second {since}, largest delay ms (consumers over {SLOW_MS:g} ms): "
                          + " ".join(f"{sec}:{ms:.0f}({slow})" for sec, (ms, slow) in r["timeline"].items()))
+                if args.mode == "spike":
+                    progress(f"{kind} N={n} per second since the join, p99 ms: "
+                             + " ".join(f"{sec}:{ms:.1f}" for sec, ms in r["second_p99"].items())
+                             + f"; connect p50 {r['connect_p50']:.0f} ms, max {r['connect_max']:.0f} ms")
                 progress(f"{kind} N={n}: {r['mb_s']:.1f} MB/s, p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, "
                          f"missing {r['missing']}"
                          + (f", producer flush p50 {r['flush_p50']:.1f} ms p99 {r['flush_p99']:.1f} ms"
@@ -632,6 +938,47 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     print(f"\n== fan-out: 1 producer of {MESSAGE_BYTES} B messages at {args.rate_mb} MB/s, N consumers, "
           f"{args.seconds:g} s per point" + (f", {args.hog} spinning processes beside" if args.hog else ""))
+    ours = {"tuned": f"send_many + flush every {FLUSH_EVERY_S * 1000:g} ms",
+            "default": "send() per message as due, no flush"}[args.producer]
+    print(f"mode {args.mode}, producer {args.producer} (ours: {ours}; redis: XADD pipelined every "
+          f"{FLUSH_EVERY_S * 1000:g} ms)" + (f", join after {args.join_after:g} s at latest" if args.mode == "spike"
+                                            else ""))
+    if args.mode == "spike":
+        print_spike(args, ns, table)
+    else:
+        print_steady(ns, table)
+    print_ratios(ns, table)
+    print_cpu(args, ns, table)
+    note = plot(args.plot, table) if table else None
+    if note:
+        notes.append(note)
+    elif table:
+        print(f"\nplot: {args.plot}")
+    for line in notes:
+        print(f"note: {line}")
+    return 0
+
+
+def print_spike(args: argparse.Namespace, ns: List[int], table: Dict[str, Dict[int, Dict[str, Any]]]) -> None:
+    print(f"{'column':<8} {'N':>3} {'MB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'settle s':>8} "
+          f"{'missing':>8} {'durable B':>10} {'durable %':>9} {'holds':>6} {'connect ms':>11} {'producer MB/s':>13}")
+    print(f"  (delays of the messages sent in the {args.seconds:g} s from the join; settle s: from the join until "
+          f"each later second's p99 stays under {SETTLE_FACTOR:g}x redis's p99; missing: of the messages sent after "
+          "each consumer could receive; connect ms: from the join to that, p50/max)")
+    for n in ns:
+        limit = SETTLE_FACTOR * table["redis"][n]["p99"] if n in table.get("redis", {}) else None
+        for kind in table:
+            r = table[kind].get(n)
+            if r is None:
+                continue
+            settle = settle_seconds(r, limit, args.seconds) if limit is not None else "-"
+            connect = f"{r['connect_p50']:.0f}/{r['connect_max']:.0f}"
+            print(f"{kind:<8} {n:>3} {r['mb_s']:>7.1f} {r['p50']:>8.1f} {r['p99']:>8.1f} {r['max_ms']:>8.1f} "
+                  f"{settle:>8} {r['missing']:>8} {r['durable_bytes']:>10} {r['durable_pct']:>9.1f} "
+                  f"{r['store_holds']:>6} {connect:>11} {r['producer_mb_s']:>13.2f}")
+
+
+def print_steady(ns: List[int], table: Dict[str, Dict[int, Dict[str, Any]]]) -> None:
     header = (f"{'column':<8} {'N':>3} {'MB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'missing':>8} {'durable B':>10} "
               f"{'steady B':>10} {'pushed MB':>9} {'holds':>7} {'CPU s/GB':>9} {'client s/GB':>11} {'producer MB/s':>13}")
     print(header)
@@ -647,6 +994,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{r['durable_bytes']:>10} {r['steady_durable_bytes']:>10} {r['pushed_bytes'] / 1e6:>9.1f} "
                   f"{str(r['store_holds']) + '/' + str(r['steady_store_holds']):>7} {cpu:>9} "
                   f"{r['client_cpu_per_gb']:>11.1f} {r['producer_mb_s']:>13.2f}")
+
+
+def print_ratios(ns: List[int], table: Dict[str, Dict[int, Dict[str, Any]]]) -> None:
     roles = [f"  {kind} N={n}: " + ", ".join(f"{role} {v:.2f}" for role, v in r["cpu_per_gb_by_role"].items())
              for kind in table for n, r in table[kind].items() if len(r["cpu_per_gb_by_role"]) > 1]
     if roles:
@@ -668,6 +1018,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 client = r["client_cpu_per_gb"] / max(q["client_cpu_per_gb"], 1e-9)
                 print(f"  {kind:<8} N={n:>3}: MB/s {r['mb_s'] / max(q['mb_s'], 1e-9):.2f}x  "
                       f"p99 {r['p99'] / max(q['p99'], 1e-9):.2f}x  server CPU/GB {cpu}x  client CPU/GB {client:.2f}x")
+
+
+def print_cpu(args: argparse.Namespace, ns: List[int], table: Dict[str, Dict[int, Dict[str, Any]]]) -> None:
     # Where the CPU goes: the cores the asked load (N x rate) needs by each column's measured
     # CPU per GB -- on this machine the sum must stay below os.cpu_count() to keep up.
     print(f"\nCPU the asked load needs ({os.cpu_count()} cores here): consumers + servers, in cores")
@@ -680,14 +1033,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 server = r["cpu_per_gb"] * gb_s if kind != "durable" else 0.0
                 parts.append(f"{kind} {r['client_cpu_per_gb'] * gb_s:.2f} + {server:.2f}")
         print(f"  N={n:>3}: " + "   ".join(parts))
-    note = plot(args.plot, table) if table else None
-    if note:
-        notes.append(note)
-    elif table:
-        print(f"\nplot: {args.plot}")
-    for line in notes:
-        print(f"note: {line}")
-    return 0
 
 
 if __name__ == "__main__":
