@@ -381,6 +381,27 @@ class CachedReadPath:
             return False
         return self.poller.all_pushed([self.store.uri(r) for r in rels])
 
+    def published_boundary(self, rel: str) -> Optional[int]:
+        """A length of ``rel`` a writer published in the metadata cache (the cache length, else
+        the durable one; every published length is a block boundary, docs/format.md), by one
+        consistent read; None without a metadata cache, while it is down or held off, or when
+        it knows nothing of the file. Not a readable length: bytes a store holds past it are
+        not counted (they may end in a torn block)."""
+        self._check_process()
+        if self.meta is None or self.holding() or self.clock() < self._meta_down_until:
+            return None
+        uri = self.store.uri(rel)
+        try:
+            c, d = self.meta.lengths([uri])[uri]
+        except CacheError:
+            return None  # the caller walks the file's headers instead
+        with self._lock:  # known from now on: reads below them go to the cache
+            c0, d0 = self._published.get(rel, (None, None))
+            self._published[rel] = (_max_known(c, c0), _max_known(d, d0))
+        # The cache length when there is one: the bytes below it (the seal check's too) are
+        # read from the cache, not the store; blocks durable past it are new to the reader.
+        return c if c else d
+
     def durable_length(self, rel: str) -> Optional[int]:
         """The durable store's length of ``rel`` in bytes (``None`` if missing), bypassing the caches."""
         return self.store.lengths([rel])[rel]

@@ -199,14 +199,16 @@ class ShardTailer:
         """The followed file relative to the store root (None before the first file)."""
         return f"{self.dir}/{self.file}" if self.file else None
 
-    def seek(self, offset: Offset) -> None:
+    def seek(self, offset: Offset, *, after_seal: bool = True) -> None:
         """Move to ``offset`` (a block boundary, and the message of its block to start at),
-        forgetting per-file read state of the old file."""
+        forgetting per-file read state of the old file. ``after_seal=False``: the offset is
+        known not to be right after a seal (:func:`latest_offset`'s), so the tailer does not
+        prove it by walking the file's headers from its start."""
         if self.file and offset.file != self.file and hasattr(self.path, "forget"):
             self.path.forget(self.rel)  # drop per-file read state of the file we leave
         self.file, self.length, self._position = offset
         self.sealed = False
-        self._check_behind = True  # a position saved right after a seal is at a finished file's end
+        self._check_behind = after_seal  # a position saved right after a seal is at a finished file's end
         self._void_checked = None
         expect = getattr(self.path, "expect", None)
         if expect is not None and self.file:
@@ -726,11 +728,10 @@ class Consumer:
         if start in START_WORDS:
             mode = start
             for t in self._tailers:
-                t.seek(
-                    earliest_offset(self.store, t.stream, t.shard)
-                    if mode == "earliest"
-                    else latest_offset(self.path, t.stream, t.shard)
-                )
+                if mode == "earliest":
+                    t.seek(earliest_offset(self.store, t.stream, t.shard))
+                else:
+                    t.seek(latest_offset(self.path, t.stream, t.shard), after_seal=False)
             self._forget_pending()
             return
         offsets: OffsetMap = parse_offsets(start, option="start")

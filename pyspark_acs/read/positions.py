@@ -163,14 +163,21 @@ def seal_behind(path: ReadPath, rel: str, at: int, *, start: int = 0) -> Optiona
 
 def _seal_size(path: ReadPath, rel: str, at: int) -> Optional[int]:
     """The size of the seal a walk proved to end at ``at``: its last 48 or 56 bytes."""
+    begin = max(0, at - RECOVERY_SEAL_SIZE)
+    return _seal_size_in(_read_now(path, rel, begin, at), begin, at)
+
+
+def _seal_size_in(tail: bytes, begin: int, at: int) -> Optional[int]:
+    """The size of a seal (48 or 56 bytes) that ``tail`` (the file's bytes ``[begin, at)``)
+    ends with, if it ends with one; None otherwise."""
     for size in (HEADER_SIZE, RECOVERY_SEAL_SIZE):
-        if at < size:
+        if at - begin < size or len(tail) < at - begin:
             continue
         try:
-            header = parse_header(_read_now(path, rel, at - size, at), 0, position=at - size)
+            header = parse_header(tail, len(tail) - size, position=at - size)
         except CorruptFileError:
             continue
-        if header.sealed and header.size == size:
+        if header is not None and header.sealed and header.size == size:
             return size
     return None
 
@@ -546,8 +553,15 @@ def offset_for_timestamp(path: ReadPath, stream: str, shard: int, ts_us: int, *,
 
 def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
     """The position after the last complete block of a shard's newest file (before its seal,
-    so a reader starting there reads the seal and follows the next file at once).
+    so a reader starting there reads the seal and follows the next file at once). Never a
+    position right after a seal: a reader starting there need not look for one behind it.
 
+    Where the read path knows a length a writer published for the file
+    (:meth:`CachedReadPath.published_boundary`: every published length is a block boundary,
+    docs/format.md), that length is the position, unless the bytes just before it have the
+    shape of a seal; only then, and on paths without published lengths, are the file's headers
+    walked from its start. A reader joining a running stream thus reads a few bytes, not the
+    whole newest file (which, read by many readers joining at once, overloaded the caches).
     Headers are read through ``path`` up to the readable length it reports, so a cache copy
     that is ahead of the durable copy is walked in the cache.
     """
@@ -555,8 +569,25 @@ def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
     if not files:
         return Offset()
     rel = f"{shard_dir(stream, shard)}/{files[-1]}"
+    published = getattr(path, "published_boundary", None)
+    at = published(rel) if published is not None else None
+    if at is not None and not _may_end_with_seal(path, rel, at):
+        return Offset(files[-1], at)
     length = path.lengths([rel])[rel] or 0
     at, _, _, sealed = walk_blocks(path, rel, 0, length)
     if sealed:
         at -= _seal_size(path, rel, at) or 0  # the walk proved the seal
     return Offset(files[-1], at)
+
+
+def _may_end_with_seal(path: ReadPath, rel: str, at: int) -> bool:
+    """Whether the bytes before ``at`` have the shape of a seal (a plain one or a recovery
+    seal). A file sealed at ``at`` always has it; bytes without it prove no seal ends there,
+    bytes with it prove nothing (a message may end in such bytes: :func:`seal_behind`)."""
+    if at < HEADER_SIZE:
+        return False
+    begin = max(0, at - RECOVERY_SEAL_SIZE)
+    tail = _read_now(path, rel, begin, at)
+    if len(tail) < at - begin:
+        return True  # the bytes are not readable: let the walk decide
+    return _seal_size_in(tail, begin, at) is not None

@@ -192,6 +192,44 @@ def test_latest_where_the_cache_copy_leads_the_durable_copy(root, caches):
         assert c.offsets()["l"]["0"] == {"file": name, "length": len(b1) + len(b2)}
 
 
+def test_latest_through_the_caches_reads_a_few_bytes_not_the_newest_file(root, caches):
+    # A joining reader took "latest" by reading the whole newest file (and read it again to
+    # look for a seal behind its position): with many joining at once, a storm of reads.
+    with Producer(root, "j", shards=1, **caches) as p:
+        for i in range(100):  # 100 blocks, 1 MB in one file
+            p.send_many([b"old-%d-" % i + b"x" * 1000] * 10)
+            p.flush(timeout=WAIT_S)
+        with Consumer(root, "j", start="latest", **caches) as c:
+            p.send(b"new")
+            p.flush(timeout=WAIT_S)
+            assert _values(c, 1) == [b"new"]
+            stats = c.stats()
+    assert stats["cache_bytes"] + stats["durable_bytes"] < 16 * 1024, stats
+
+
+def test_latest_after_a_message_shaped_like_a_seal_reads_on_in_the_file(root, caches):
+    # The newest block ends in a seal's 48 bytes (a message value may): the bytes before the
+    # published length prove nothing, so the file's headers are walked and it is not sealed.
+    with Producer(root, "k", shards=1, **caches) as p:
+        p.send(b"a")
+        p.send(b"tail" + encode_seal(first_index=2))
+        p.flush(timeout=WAIT_S)
+        with Consumer(root, "k", start="latest", **caches) as c:
+            p.send(b"after")
+            p.flush(timeout=WAIT_S)
+            assert _values(c, 1) == [b"after"]
+
+
+def test_latest_through_the_caches_after_a_sealed_file_follows_the_next(root, caches):
+    with Producer(root, "z", shards=1, **caches) as p:
+        p.send(b"before")
+    with Consumer(root, "z", start="latest", **caches) as c:
+        with Producer(root, "z", shards=1, **caches) as p2:
+            p2.send(b"after")
+        assert _values(c, 1) == [b"after"]
+        _quiet(c, 0.05)
+
+
 # -- bug 8: the length poller's thread on a closed client -----------------------------------------
 
 
