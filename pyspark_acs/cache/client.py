@@ -664,7 +664,7 @@ class CacheClient:
                 self._send(rep, "CompareAndSet", request, end, out, None)
                 pending += 1
             else:
-                errors[ep] = Down(rep.retry_in(start))
+                errors[ep] = rep.down(start)
         swapped = answered = 0
         best: Optional[Entry] = None
         while pending > 0:

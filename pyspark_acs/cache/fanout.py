@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from pyspark_acs.cache.replicas import Down, Replica, deadline_error
+from pyspark_acs.cache.replicas import Replica, deadline_error
 from pyspark_acs.errors import CacheError
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ class QuorumRead(_FanOut):
                 continue
             alive[ep] = rep.usable(start)
             if not alive[ep]:
-                errors[ep] = Down(rep.retry_in(start))
+                errors[ep] = rep.down(start)
         super().__init__(client, end, errors)
         orders: Dict[Tuple[str, ...], List[Replica]] = {}
         for reps in distinct:
@@ -349,7 +349,7 @@ class QuorumWrite(_FanOut):
                 if ep not in usable:
                     usable[ep] = replicas[ep].usable(start)
         super().__init__(client, end, {
-            ep: Down(replicas[ep].retry_in(start)) for ep, ok in usable.items() if not ok})
+            ep: replicas[ep].down(start) for ep, ok in usable.items() if not ok})
         self.op = op
         self.n = n
         self.acked = acked

@@ -77,13 +77,20 @@ def describe(exc: BaseException) -> str:
 
 
 class Down(Exception):
-    """Stands for a replica skipped because it is marked down (never raised to callers)."""
+    """Stands for a replica skipped because it is marked down (never raised to callers).
 
-    def __init__(self, retry_in: float) -> None:
-        super().__init__(f"marked down after a failure; next probe in {retry_in:.1f} s")
+    ``code``: the status of the failure that marked it, so a call whose replicas all timed out
+    (an overloaded or hung cache) stays a timeout when later calls skip them
+    (:class:`~pyspark_acs.errors.CacheTimeoutError`), and one they refused stays unavailable.
+    """
+
+    def __init__(self, retry_in: float, code: str = "UNAVAILABLE") -> None:
+        why = "a failure" if code == "UNAVAILABLE" else code
+        super().__init__(f"marked down after {why}; next probe in {retry_in:.1f} s")
+        self._code = _DeadlineCode if code == "DEADLINE_EXCEEDED" else _DownCode
 
     def code(self):  # so code_name() reports it like a gRPC status
-        return _DownCode
+        return self._code
 
 
 class _DownCode:
@@ -113,7 +120,7 @@ class Replica:
     """
 
     __slots__ = ("endpoint", "lock", "deadline", "channel", "stub", "raw", "puts", "unary_puts",
-                 "down_until", "backoff", "marked_at")
+                 "down_until", "backoff", "marked_at", "down_code")
 
     def __init__(self, endpoint: str, lock: threading.Lock, deadline: float) -> None:
         self.endpoint = endpoint
@@ -127,6 +134,7 @@ class Replica:
         self.down_until = 0.0  # 0: up; else monotonic time before which it is skipped
         self.backoff = DOWN_BACKOFF_INITIAL_S
         self.marked_at = 0.0  # monotonic time it was last marked down
+        self.down_code = "UNAVAILABLE"  # the status of the failure that last marked it down
 
     def usable(self, now: float) -> bool:
         """Whether to send to it now; lets one probe through once a down replica's back-off ends."""
@@ -138,6 +146,10 @@ class Replica:
                 self.down_until = now + self.deadline
                 return True
             return False
+
+    def down(self, now: float) -> Down:
+        """What a call skipping it records for it (:class:`Down`, with the failure's status)."""
+        return Down(self.retry_in(now), self.down_code)
 
     def retry_in(self, now: float) -> float:
         """Seconds until its next probe (0 when it is up)."""
@@ -166,5 +178,6 @@ class Replica:
                 now = time.monotonic()
                 self.down_until = now + self.backoff
                 self.marked_at = now
+                self.down_code = code_name(exc)
                 if was_down:  # a failed probe: wait longer next time
                     self.backoff = min(self.backoff * 2.0, DOWN_BACKOFF_MAX_S)

@@ -16,6 +16,11 @@ the durable store as fallback (docs/overview.md section 5, paper section 2.4 and
   alone for a hold (:class:`StoreHold`) and stops its pushes, then tries the caches again.
   Without it, a reader of overloaded caches would wait for pushes, then ask, then time out,
   then read the store -- all four, on every read.
+- Caches that only time out (every replica asked gave no answer in time: loaded) do not fail
+  a reader at once: for :data:`OVERLOAD_PATIENCE_S` it waits for them (lengths stand, reads
+  stop short and are asked again at the next round), and only caches that keep timing out
+  longer, or refuse calls, start a hold. Overload thus slows readers instead of sending them
+  all to the store together, which cost more CPU and slowed the caches further.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from pyspark_acs import _fork
 from pyspark_acs.cache.client import CacheClient, client_for
 from pyspark_acs.cache.chunks import ChunkReader
 from pyspark_acs.cache.feed import ChunkFeed, holds_whole_files
-from pyspark_acs.errors import CacheError
+from pyspark_acs.errors import CacheError, CacheTimeoutError
 from pyspark_acs.cache.metadata import MetadataCache
 from pyspark_acs.cache.poller import LengthPoller
 from pyspark_acs.security import SecuritySettings
@@ -66,6 +71,17 @@ STORE_HOLD_MIN_S = 1.0
 STORE_HOLD_MAX_S = 8.0
 #: A failure this long (seconds) after the last hold ended starts again at the shortest hold.
 STORE_HOLD_RESET_S = 2 * STORE_HOLD_MAX_S
+#: How long the caches may keep timing out (every replica asked gave no answer in time: loaded,
+#: or hung) before a reader reads from the store alone (a store hold). Until then it waits for
+#: them: its lengths stand and its reads stop short, as a Redis client waits for a busy server.
+#: Going to the store at the first expired deadline turned an overloaded cache into a storm of
+#: store reads, which cost more CPU, which slowed the cache further (64 readers joining at once
+#: on 2 cores). A cache that refuses calls (down) is failed over at once.
+OVERLOAD_PATIENCE_S = 3.0
+#: While the caches time out within the patience, the metadata cache is asked again after this
+#: long, doubling up to :data:`SLOW_RETRY_MAX_S`: a reader waiting on a loaded cache asks it less.
+SLOW_RETRY_MIN_S = 0.1
+SLOW_RETRY_MAX_S = 1.0
 #: Each hold is drawn within +-25 % of its length, so the readers of overloaded caches, which
 #: fail together, do not all come back to them at the same moment.
 STORE_HOLD_JITTER = 0.25
@@ -224,7 +240,7 @@ class CachedReadPath:
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval
         # _lock guards _fed, _published, _polled, _recent, _delays, _durable_cache, _standing,
-        # _meta_down_until, _hold and _stats.
+        # _meta_down_until, _hold, the _slow_* fields and _stats.
         self._lock = threading.Lock()
         self._published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
         # files asked of the shared poller (released when this path closes)
@@ -238,9 +254,15 @@ class CachedReadPath:
         self._standing: Dict[str, Tuple[int, float]] = {}
         self._meta_down_until = 0.0
         self._hold = StoreHold()
+        # The caches' timeouts within OVERLOAD_PATIENCE_S: when the first of a run came (None:
+        # the last call answered), and until when lengths stand before the metadata cache is
+        # asked again (_slow_retry: the next such wait).
+        self._slow_since: Optional[float] = None
+        self._slow_until = float("-inf")
+        self._slow_retry = SLOW_RETRY_MIN_S
         self._warned_at = float("-inf")  # last data-cache warning (clock)
         self._stats = {"durable_bytes": 0, "durable_fallbacks": 0, "metadata_fallbacks": 0, "pushed_bytes": 0,
-                       "store_holds": 0}
+                       "store_holds": 0, "cache_waits": 0}
 
     def connect(self) -> None:
         """Set up now what the first read would: gRPC imported, channels to every replica of
@@ -280,7 +302,8 @@ class CachedReadPath:
         now = self.clock()
         meta_down = self.meta is not None and now < self._meta_down_until
         holding = self.holding(now)  # store lengths, fresh at every call, as without caches
-        if self.meta is not None and rels and not meta_down and not holding:
+        slow = self.meta is not None and not holding and now < self._slow_until
+        if self.meta is not None and rels and not meta_down and not holding and not slow:
             uris = [self.store.uri(r) for r in rels]
             if self.poller is not None:
                 with self._lock:
@@ -288,19 +311,31 @@ class CachedReadPath:
             try:
                 got = self.poller.lengths(uris) if self.poller is not None else self.meta.lengths(uris)
                 published = {r: got[u] for r, u in zip(rels, uris)}
+                self._answered()
             except CacheError as exc:
-                meta_down = True
-                with self._lock:
-                    self._meta_down_until = now + _METADATA_RETRY_S
-                    self._stats["metadata_fallbacks"] += 1
-                self._trip(f"metadata cache unavailable: {exc}")
+                if self._bends(exc, now):
+                    slow = True
+                    with self._lock:
+                        self._slow_until = now + self._slow_retry
+                        self._slow_retry = min(SLOW_RETRY_MAX_S, 2 * self._slow_retry)
+                else:
+                    meta_down = True
+                    with self._lock:
+                        self._meta_down_until = now + _METADATA_RETRY_S
+                        self._stats["metadata_fallbacks"] += 1
+                    self._trip(f"metadata cache unavailable: {exc}")
+        if slow:
+            # The metadata cache is loaded: the lengths it gave last stand (the store is not
+            # asked for files it knows, nor does Algorithm 1 learn that the store is ahead).
+            with self._lock:
+                published = {r: self._published[r] for r in rels if r in self._published}
         unknown = [r for r in rels if published.get(r, (None, None)) == (None, None)]
         # While the metadata cache is down, durable lengths are polled less often; files it
         # simply does not know (written without caches) are read from the store each time.
         durable = self._durable_lengths(unknown, cached=meta_down and not holding)
         # Published lengths that stood still for a poll interval: ask the store for its real
         # size (Algorithm 1 is fed by it; the read path postpones durable reads by maxDelay).
-        stalled = self._stalled([r for r in rels if r not in durable], published, now)
+        stalled = [] if slow else self._stalled([r for r in rels if r not in durable], published, now)
         if stalled:
             durable.update(self.store.lengths(stalled))
         out: Dict[str, Optional[int]] = {}
@@ -548,7 +583,10 @@ class CachedReadPath:
             uri = self.store.uri(rel)
             try:
                 chunks = self.chunks.read(uri, start, cache_end)
+                self._answered()
             except CacheError as exc:
+                if postpone and self._bends(exc, self.clock()):
+                    return b""  # wait for the loaded cache: read again at the next round
                 self._trip(f"data cache read failed: {exc}")
                 chunks = [(start, cache_end, None)]
             run_start = None
@@ -580,6 +618,27 @@ class CachedReadPath:
             if go_durable:
                 parts.append(self._durable(rel, cache_end, end))
         return b"".join(parts)
+
+    def _bends(self, exc: CacheError, now: float) -> bool:
+        """Whether the path waits for the caches after ``exc`` instead of failing over to the
+        store: ``exc`` is a timeout (no replica asked answered in time) and the caches have not
+        been timing out for :data:`OVERLOAD_PATIENCE_S` yet."""
+        if not isinstance(exc, CacheTimeoutError):
+            return False
+        with self._lock:
+            if self._slow_since is None:
+                self._slow_since = now
+            if now - self._slow_since >= OVERLOAD_PATIENCE_S:
+                return False
+            self._stats["cache_waits"] += 1
+            return True
+
+    def _answered(self) -> None:
+        """A cache call succeeded: a run of timeouts is over."""
+        if self._slow_since is not None:  # read without the lock: cleared only here, set under it
+            with self._lock:
+                self._slow_since = None
+                self._slow_retry = SLOW_RETRY_MIN_S
 
     def holding(self, now: Optional[float] = None) -> bool:
         """Whether the path reads from the durable store alone now: the caches failed it
@@ -632,7 +691,8 @@ class CachedReadPath:
         """``cache_bytes`` (from the data cache: asked for, or pushed), ``pushed_bytes`` (of
         those, pushed), ``relaxed_chunks``, ``consistent_chunks``, ``missing_chunks``,
         ``durable_bytes``, ``durable_fallbacks``, ``metadata_fallbacks``, ``store_holds`` (how
-        often the caches failed the path and it read from the store alone for a while)."""
+        often the caches failed the path and it read from the store alone for a while),
+        ``cache_waits`` (how often it waited for caches that timed out instead)."""
         with self._lock:
             out = dict(self._stats)
         base = self.chunks.stats() if self.chunks else {"cache_bytes": 0, "relaxed_chunks": 0, "consistent_chunks": 0, "missing_chunks": 0}

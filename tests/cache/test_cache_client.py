@@ -430,6 +430,26 @@ def test_a_relaxed_read_that_fails_reports_what_each_replica_said(cluster):
         assert info.value.__cause__ is not None
 
 
+def test_replicas_marked_down_by_timeouts_still_fail_a_call_as_a_timeout(cluster):
+    """A call skipping replicas that an earlier call's timeouts marked down is a timeout too
+    (CacheTimeoutError: the cache is slow), not CacheUnavailableError (it refuses calls):
+    readers wait for a loaded cache but fail over from a dead one."""
+    with CacheClient(cluster.data_endpoints, deadline=0.3) as c:
+        c.put([(b"slow", b"v", 1)])
+        stopped = [cluster.server("data", i) for i in range(3)]
+        for server in stopped:
+            os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CacheTimeoutError):
+                c.get([b"slow"])
+            with pytest.raises(CacheTimeoutError) as info:  # every replica marked down now
+                c.get([b"slow"])
+            assert "marked down after DEADLINE_EXCEEDED" in str(info.value), info.value
+        finally:
+            for server in stopped:
+                os.kill(server.pid, signal.SIGCONT)
+
+
 def test_a_relaxed_read_probes_a_replica_whose_back_off_ended(cluster):
     """Review of 400ec98/1de8f62, finding 2: the one-call read claimed the probe of every replica
     whose back-off had ended (``Replica.usable`` lets one request through and holds the others
@@ -610,7 +630,9 @@ def test_a_stalled_replica_ends_its_put_stream_at_the_deadline_and_rejoins(clust
             # 10 ms apart, 0.3 s deadline: about 30 requests wait before the stream is ended;
             # without the deadline all of them (~100+) would
             assert most_waiting <= 60, most_waiting
-            assert n > 60
+            # Puts went on at the majority: waiting for the stalled replica's 0.3 s deadline,
+            # 1.5 s would hold about 5 of them (a bound with room for a loaded machine).
+            assert n > 20, n
             # Those ~30 failed together: one failure, not 30 failed probes. The back-off grows
             # only when a probe fails (at most once or twice in 1.5 s), not to its 10 s maximum,
             # which left the replica out of every call for 10 s after it recovered.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -29,7 +30,8 @@ from pyspark_acs.datasource.source import _Planner
 from pyspark_acs.format.block import encode_block, encode_seal
 from pyspark_acs.format.names import file_name, shard_dir
 from pyspark_acs.format.offsets import Offset
-from pyspark_acs.read.cachepath import STORE_HOLD_JITTER, STORE_HOLD_MIN_S, CachedReadPath
+from pyspark_acs.read.cachepath import (OVERLOAD_PATIENCE_S, SLOW_RETRY_MIN_S, STORE_HOLD_JITTER, STORE_HOLD_MIN_S,
+                                        CachedReadPath)
 from pyspark_acs.server.local.deploy import LocalDeployment
 from pyspark_acs.storage.store import DurableStore
 
@@ -39,10 +41,15 @@ WAIT_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def caches(tmp_path_factory):
+def deployment(tmp_path_factory):
     """One data and one metadata cache server (real processes) for the module."""
     with LocalDeployment(str(tmp_path_factory.mktemp("caches")), data_replicas=1, metadata_replicas=1) as dep:
-        yield {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints}
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def caches(deployment):
+    return {"data_cache": deployment.data_endpoints, "metadata_cache": deployment.metadata_endpoints}
 
 
 def _name(offset_s: float, writer: str = "w") -> str:
@@ -628,5 +635,65 @@ def test_the_store_hold_and_the_metadata_retry_run_on_the_paths_clock(root):
         path.lengths(["s/00000/x.acs"])  # asked again: it fails again, a second hold
         assert (path.stats()["metadata_fallbacks"], path.stats()["store_holds"]) == (2, 2)
         assert path.holding()
+    finally:
+        path.close()
+
+
+# -- overload: caches that time out are waited for, then failed over ------------------------------
+
+
+def _one_file(root, caches, stream):
+    with Producer(root, stream, shards=1, **caches) as p:
+        p.send(b"a" * 100)
+        p.flush(timeout=WAIT_S)
+        return f"{shard_dir(stream, 0)}/{p.current_files()[0]}"
+
+
+def test_a_reader_waits_for_a_data_cache_that_times_out_then_reads_the_store(root, caches, deployment):
+    """A data replica that only times out (SIGSTOP: as a loaded one) does not send the reader to
+    the store at once: its read stops short and is asked again; only after the patience does
+    the reader hold to the store."""
+    rel = _one_file(root, caches, "slowdata")
+    clock = FakeClock()
+    path = CachedReadPath(DurableStore(root), shared_poller=False, clock=clock, **caches)
+    server = deployment.server("data", 0)
+    try:
+        length = path.lengths([rel])[rel]
+        assert length > 0
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            assert path.read(rel, 0, length) == b""  # waits for the cache
+            assert path.read(rel, 0, length) == b""  # its replica marked down after a timeout: still a wait
+            stats = path.stats()
+            assert (stats["cache_waits"], stats["store_holds"], stats["durable_bytes"]) == (2, 0, 0), stats
+            clock.advance(OVERLOAD_PATIENCE_S)
+            got = path.read(rel, 0, length)  # still timing out past the patience: the store
+            assert len(got) == length and path.holding()
+            assert path.stats()["store_holds"] == 1
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+    finally:
+        path.close()
+
+
+def test_a_reader_waits_for_a_metadata_cache_that_times_out_with_the_lengths_it_knows(root, caches, deployment):
+    rel = _one_file(root, caches, "slowmeta")
+    clock = FakeClock()
+    path = CachedReadPath(DurableStore(root), shared_poller=False, clock=clock, **caches)
+    server = deployment.server("metadata", 0)
+    try:
+        known = path.lengths([rel])[rel]
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            assert path.lengths([rel]) == {rel: known}  # timed out: the known length stands
+            assert (path.stats()["cache_waits"], path.stats()["store_holds"]) == (1, 0)
+            clock.advance(SLOW_RETRY_MIN_S / 2)
+            assert path.lengths([rel]) == {rel: known}  # not asked again so soon
+            assert path.stats()["cache_waits"] == 1
+            clock.advance(OVERLOAD_PATIENCE_S)
+            path.lengths([rel])  # timing out past the patience: the store alone
+            assert path.stats()["store_holds"] == 1 and path.holding()
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
     finally:
         path.close()
