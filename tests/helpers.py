@@ -876,7 +876,11 @@ _INITIALIZING = "Initializing sources"
 START_WAIT_S = 120.0
 
 #: Starts per query: the fault is rare, two in a row would be a finding of its own.
-START_ATTEMPTS = 3
+START_ATTEMPTS = 4
+#: Seconds between starts, times the attempt: Spark gives its Python planner a fixed 10 s to
+#: connect back, which a loaded machine (a standalone cluster's JVMs starting beside) missed
+#: three times in a row when the starts followed each other at once.
+START_PAUSE_S = 5.0
 
 
 def start_query(writer, attempts: int = START_ATTEMPTS):
@@ -907,6 +911,7 @@ def start_query(writer, attempts: int = START_ATTEMPTS):
             return query
         warnings.warn(f"start {attempt} of query {query.name!r}: Spark's Python planner did not "
                       f"connect back ({SPARK_WORKER_START_FAULT}); starting it again")
+        time.sleep(START_PAUSE_S * attempt)
     raise AssertionError("unreachable")
 
 

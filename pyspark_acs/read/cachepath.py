@@ -254,10 +254,12 @@ class CachedReadPath:
         self._standing: Dict[str, Tuple[int, float]] = {}
         self._meta_down_until = 0.0
         self._hold = StoreHold()
-        # The caches' timeouts within OVERLOAD_PATIENCE_S: when the first of a run came (None:
-        # the last call answered), and until when lengths stand before the metadata cache is
-        # asked again (_slow_retry: the next such wait).
-        self._slow_since: Optional[float] = None
+        # The caches' timeouts within OVERLOAD_PATIENCE_S: per cache ("data", "metadata"), when
+        # the first of a run came (absent: its last call answered; each cache's own answers end
+        # its run, so a metadata cache that answers does not keep readers waiting on a hung data
+        # cache), and until when lengths stand before the metadata cache is asked again
+        # (_slow_retry: the next such wait).
+        self._slow_since: Dict[str, float] = {}
         self._slow_until = float("-inf")
         self._slow_retry = SLOW_RETRY_MIN_S
         self._warned_at = float("-inf")  # last data-cache warning (clock)
@@ -311,9 +313,9 @@ class CachedReadPath:
             try:
                 got = self.poller.lengths(uris) if self.poller is not None else self.meta.lengths(uris)
                 published = {r: got[u] for r, u in zip(rels, uris)}
-                self._answered()
+                self._answered("metadata")
             except CacheError as exc:
-                if self._bends(exc, now):
+                if self._bends("metadata", exc, now):
                     slow = True
                     with self._lock:
                         self._slow_until = now + self._slow_retry
@@ -583,9 +585,9 @@ class CachedReadPath:
             uri = self.store.uri(rel)
             try:
                 chunks = self.chunks.read(uri, start, cache_end)
-                self._answered()
+                self._answered("data")
             except CacheError as exc:
-                if postpone and self._bends(exc, self.clock()):
+                if postpone and self._bends("data", exc, self.clock()):
                     return b""  # wait for the loaded cache: read again at the next round
                 self._trip(f"data cache read failed: {exc}")
                 chunks = [(start, cache_end, None)]
@@ -619,26 +621,26 @@ class CachedReadPath:
                 parts.append(self._durable(rel, cache_end, end))
         return b"".join(parts)
 
-    def _bends(self, exc: CacheError, now: float) -> bool:
-        """Whether the path waits for the caches after ``exc`` instead of failing over to the
-        store: ``exc`` is a timeout (no replica asked answered in time) and the caches have not
-        been timing out for :data:`OVERLOAD_PATIENCE_S` yet."""
+    def _bends(self, cache: str, exc: CacheError, now: float) -> bool:
+        """Whether the path waits for ``cache`` ("data" or "metadata") after ``exc`` instead of
+        failing over to the store: ``exc`` is a timeout (no replica asked answered in time) and
+        that cache has not been timing out for :data:`OVERLOAD_PATIENCE_S` yet."""
         if not isinstance(exc, CacheTimeoutError):
             return False
         with self._lock:
-            if self._slow_since is None:
-                self._slow_since = now
-            if now - self._slow_since >= OVERLOAD_PATIENCE_S:
+            since = self._slow_since.setdefault(cache, now)
+            if now - since >= OVERLOAD_PATIENCE_S:
                 return False
             self._stats["cache_waits"] += 1
             return True
 
-    def _answered(self) -> None:
-        """A cache call succeeded: a run of timeouts is over."""
-        if self._slow_since is not None:  # read without the lock: cleared only here, set under it
+    def _answered(self, cache: str) -> None:
+        """A call to ``cache`` succeeded: its run of timeouts is over."""
+        if cache in self._slow_since:  # read without the lock: a benign race
             with self._lock:
-                self._slow_since = None
-                self._slow_retry = SLOW_RETRY_MIN_S
+                self._slow_since.pop(cache, None)
+                if cache == "metadata":
+                    self._slow_retry = SLOW_RETRY_MIN_S
 
     def holding(self, now: Optional[float] = None) -> bool:
         """Whether the path reads from the durable store alone now: the caches failed it

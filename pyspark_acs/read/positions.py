@@ -557,10 +557,11 @@ def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
     position right after a seal: a reader starting there need not look for one behind it.
 
     Where the read path knows a length a writer published for the file
-    (:meth:`CachedReadPath.published_boundary`: every published length is a block boundary,
-    docs/format.md), that length is the position, unless the bytes just before it have the
-    shape of a seal; only then, and on paths without published lengths, are the file's headers
-    walked from its start. A reader joining a running stream thus reads a few bytes, not the
+    (:meth:`CachedReadPath.published_boundary`: every length a Producer or sink publishes is a
+    block boundary, docs/format.md), that length is the position, unless the bytes just before
+    it have the shape of a seal; only then, on paths without published lengths and in copies
+    (the copy daemon's lengths may end inside a block), are the file's headers walked from its
+    start. A reader joining a running stream thus reads a few bytes, not the
     whole newest file (which, read by many readers joining at once, overloaded the caches).
     Headers are read through ``path`` up to the readable length it reports, so a cache copy
     that is ahead of the durable copy is walked in the cache.
@@ -570,7 +571,12 @@ def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
         return Offset()
     rel = f"{shard_dir(stream, shard)}/{files[-1]}"
     published = getattr(path, "published_boundary", None)
-    at = published(rel) if published is not None else None
+    # Only a source cluster's lengths: a copy daemon may publish a destination's length inside
+    # a block (the end of a torn append it resumes after), so a copy's headers are walked.
+    if published is not None and not (path.store.stream_meta(stream) or {}).get("copied_from"):
+        at = published(rel)
+    else:
+        at = None
     if at is not None and not _may_end_with_seal(path, rel, at):
         return Offset(files[-1], at)
     length = path.lengths([rel])[rel] or 0

@@ -227,6 +227,25 @@ def test_latest_after_a_message_shaped_like_a_seal_reads_on_in_the_file(root, ca
             assert _values(c, 1) == [b"after"]
 
 
+def test_latest_in_a_copy_walks_to_a_boundary_not_a_published_length_inside_a_block(root, caches):
+    # A copy daemon may publish a destination's length at the end of a torn append (inside a
+    # block): in a copy, latest walks the headers instead of trusting the length.
+    store = DurableStore(root)
+    store.create_stream("cp", 1, copied_from="A")
+    name = _name(0)
+    b1, b2 = _block(0, 3), _block(3, 4)
+    _append(root, "cp", name, b1 + b2[:20])  # b2 torn so far
+    uri = store.uri(f"{shard_dir('cp', 0)}/{name}")
+    with CacheClient(caches["metadata_cache"]) as meta:
+        MetadataCache(meta).publish(uri, durable_length=len(b1) + 20)
+    with Consumer(root, "cp", start="latest", **caches) as c:
+        assert c.offsets()["cp"]["0"] == {"file": name, "length": len(b1)}
+        _append(root, "cp", name, b2[20:])
+        with CacheClient(caches["metadata_cache"]) as meta:
+            MetadataCache(meta).publish(uri, durable_length=len(b1) + len(b2))
+        assert _values(c, 4) == [b"m3", b"m4", b"m5", b"m6"]
+
+
 def test_latest_through_the_caches_after_a_sealed_file_follows_the_next(root, caches):
     with Producer(root, "z", shards=1, **caches) as p:
         p.send(b"before")
@@ -663,10 +682,13 @@ def test_a_reader_waits_for_a_data_cache_that_times_out_then_reads_the_store(roo
         os.kill(server.pid, signal.SIGSTOP)
         try:
             assert path.read(rel, 0, length) == b""  # waits for the cache
+            assert path.lengths([rel]) == {rel: length}  # the metadata cache answers meanwhile
             assert path.read(rel, 0, length) == b""  # its replica marked down after a timeout: still a wait
             stats = path.stats()
             assert (stats["cache_waits"], stats["store_holds"], stats["durable_bytes"]) == (2, 0, 0), stats
             clock.advance(OVERLOAD_PATIENCE_S)
+            # The metadata cache's answers do not restart the data cache's patience.
+            assert path.lengths([rel]) == {rel: length}
             got = path.read(rel, 0, length)  # still timing out past the patience: the store
             assert len(got) == length and path.holding()
             assert path.stats()["store_holds"] == 1
