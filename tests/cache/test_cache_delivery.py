@@ -194,12 +194,18 @@ def test_metadata_outage_delivers_from_durable_lengths_then_returns(dep, root):
                         break
                     assert time.monotonic() < deadline, f"did not return to the metadata cache: {c.stats()}"
                 uri = p.store.uri(f"{shard_dir('meta', 0)}/{p.current_files()[0]}")
+                with CacheClient(dep.metadata_endpoints, deadline=DEADLINE) as mc:  # a loaded machine's deadline
+                    # The restarted replicas came back empty: the Producer publishes lengths again.
+                    wait_until(lambda: MetadataCache(mc).lengths([uri])[uri][1] is not None, 30,
+                               "the Producer's durable length published again after the restart")
                 count = sender.stop()
                 col.until(lambda: len(col.values) >= count, 30, "every message")
                 assert_exact(col.values, count)
-        with CacheClient(dep.metadata_endpoints, deadline=DEADLINE) as mc:  # a loaded machine's deadline
+        with CacheClient(dep.metadata_endpoints, deadline=DEADLINE) as mc:
             lc, ld = MetadataCache(mc).lengths([uri])[uri]
-        assert ld is not None and ld == open_store(root).length(uri.split(root, 1)[1].lstrip("/"))
+        # Never past the store; the close's own publish may be lost on a loaded machine (a
+        # failed cache write is counted, not retried), so the length may trail the last one.
+        assert ld is not None and ld <= open_store(root).length(uri.split(root, 1)[1].lstrip("/"))
     finally:
         _heal(dep)
 

@@ -8,6 +8,7 @@ the durable file up to the cache length, and let the length poller thread die on
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -661,61 +662,55 @@ def test_the_store_hold_and_the_metadata_retry_run_on_the_paths_clock(root):
 # -- overload: caches that time out are waited for, then failed over ------------------------------
 
 
-def _one_file(root, caches, stream):
-    with Producer(root, stream, shards=1, **caches) as p:
+@contextlib.contextmanager
+def _stopped(root, caches, deployment, role: str):
+    """A path on a fake clock over a file of one message, its length known, and the cache
+    replica of ``role`` stopped (SIGSTOP: its calls only time out, as a loaded one's) until the
+    block ends. Yields ``(path, clock, rel, length)``."""
+    with Producer(root, f"slow{role}", shards=1, **caches) as p:
         p.send(b"a" * 100)
         p.flush(timeout=WAIT_S)
-        return f"{shard_dir(stream, 0)}/{p.current_files()[0]}"
-
-
-def test_a_reader_waits_for_a_data_cache_that_times_out_then_reads_the_store(root, caches, deployment):
-    """A data replica that only times out (SIGSTOP: as a loaded one) does not send the reader to
-    the store at once: its read stops short and is asked again; only after the patience does
-    the reader hold to the store."""
-    rel = _one_file(root, caches, "slowdata")
+        rel = f"{shard_dir(f'slow{role}', 0)}/{p.current_files()[0]}"
     clock = FakeClock()
     path = CachedReadPath(DurableStore(root), shared_poller=False, clock=clock, **caches)
-    server = deployment.server("data", 0)
+    server = deployment.server(role, 0)
     try:
         length = path.lengths([rel])[rel]
         assert length > 0
         os.kill(server.pid, signal.SIGSTOP)
         try:
-            assert path.read(rel, 0, length) == b""  # waits for the cache
-            assert path.lengths([rel]) == {rel: length}  # the metadata cache answers meanwhile
-            assert path.read(rel, 0, length) == b""  # its replica marked down after a timeout: still a wait
-            stats = path.stats()
-            assert (stats["cache_waits"], stats["store_holds"], stats["durable_bytes"]) == (2, 0, 0), stats
-            clock.advance(OVERLOAD_PATIENCE_S)
-            # The metadata cache's answers do not restart the data cache's patience.
-            assert path.lengths([rel]) == {rel: length}
-            got = path.read(rel, 0, length)  # still timing out past the patience: the store
-            assert len(got) == length and path.holding()
-            assert path.stats()["store_holds"] == 1
+            yield path, clock, rel, length
         finally:
             os.kill(server.pid, signal.SIGCONT)
     finally:
         path.close()
+
+
+def test_a_reader_waits_for_a_data_cache_that_times_out_then_reads_the_store(root, caches, deployment):
+    """A data replica that only times out does not send the reader to the store at once: its
+    read stops short and is asked again; only after the patience does the reader hold to the
+    store."""
+    with _stopped(root, caches, deployment, "data") as (path, clock, rel, length):
+        assert path.read(rel, 0, length) == b""  # waits for the cache
+        assert path.lengths([rel]) == {rel: length}  # the metadata cache answers meanwhile
+        assert path.read(rel, 0, length) == b""  # its replica marked down after a timeout: still a wait
+        stats = path.stats()
+        assert (stats["cache_waits"], stats["store_holds"], stats["durable_bytes"]) == (2, 0, 0), stats
+        clock.advance(OVERLOAD_PATIENCE_S)
+        # The metadata cache's answers do not restart the data cache's patience.
+        assert path.lengths([rel]) == {rel: length}
+        got = path.read(rel, 0, length)  # still timing out past the patience: the store
+        assert len(got) == length and path.holding()
+        assert path.stats()["store_holds"] == 1
 
 
 def test_a_reader_waits_for_a_metadata_cache_that_times_out_with_the_lengths_it_knows(root, caches, deployment):
-    rel = _one_file(root, caches, "slowmeta")
-    clock = FakeClock()
-    path = CachedReadPath(DurableStore(root), shared_poller=False, clock=clock, **caches)
-    server = deployment.server("metadata", 0)
-    try:
-        known = path.lengths([rel])[rel]
-        os.kill(server.pid, signal.SIGSTOP)
-        try:
-            assert path.lengths([rel]) == {rel: known}  # timed out: the known length stands
-            assert (path.stats()["cache_waits"], path.stats()["store_holds"]) == (1, 0)
-            clock.advance(SLOW_RETRY_MIN_S / 2)
-            assert path.lengths([rel]) == {rel: known}  # not asked again so soon
-            assert path.stats()["cache_waits"] == 1
-            clock.advance(OVERLOAD_PATIENCE_S)
-            path.lengths([rel])  # timing out past the patience: the store alone
-            assert path.stats()["store_holds"] == 1 and path.holding()
-        finally:
-            os.kill(server.pid, signal.SIGCONT)
-    finally:
-        path.close()
+    with _stopped(root, caches, deployment, "metadata") as (path, clock, rel, known):
+        assert path.lengths([rel]) == {rel: known}  # timed out: the known length stands
+        assert (path.stats()["cache_waits"], path.stats()["store_holds"]) == (1, 0)
+        clock.advance(SLOW_RETRY_MIN_S / 2)
+        assert path.lengths([rel]) == {rel: known}  # not asked again so soon
+        assert path.stats()["cache_waits"] == 1
+        clock.advance(OVERLOAD_PATIENCE_S)
+        path.lengths([rel])  # timing out past the patience: the store alone
+        assert path.stats()["store_holds"] == 1 and path.holding()
