@@ -420,8 +420,9 @@ class CachedReadPath:
 
     def published_boundary(self, rel: str) -> Optional[int]:
         """A length of ``rel`` a writer published in the metadata cache (the cache length, else
-        the durable one; every published length is a block boundary, docs/format.md), by one
-        consistent read; None without a metadata cache, while it is down or held off, or when
+        the durable one), by one consistent read: a block boundary where a Producer or sink
+        published it (docs/format.md), not always in a copy, where the copy daemon may publish
+        the end of a torn append (:func:`latest_offset` asks only in source clusters); None without a metadata cache, while it is down or held off, or when
         it knows nothing of the file. Not a readable length: bytes a store holds past it are
         not counted (they may end in a torn block)."""
         self._check_process()
