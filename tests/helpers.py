@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import struct
@@ -392,31 +393,34 @@ class Env:
         return Consumer(self.roots[cluster], self.stream, data_cache=self.caches[cluster].data_endpoints,
                         metadata_cache=self.caches[cluster].metadata_endpoints, **kw)
 
-    def files(self, cluster: str) -> Dict[str, bytes]:
+    def files(self, cluster: str, stream: Optional[str] = None) -> Dict[str, bytes]:
+        """``{rel: bytes}`` of every file of ``stream`` (default: the main stream) in ``cluster``."""
+        stream = stream or self.stream
         store = DurableStore(self.roots[cluster])
         out = {}
         try:
-            shards = store.stream_shards(self.stream) or 0
+            shards = store.stream_shards(stream) or 0
             for shard in range(shards):
-                for f in store.list_files(self.stream, shard):
-                    rel = f"{shard_dir(self.stream, shard)}/{f}"
+                for f in store.list_files(stream, shard):
+                    rel = f"{shard_dir(stream, shard)}/{f}"
                     out[rel] = store.read(rel, 0, store.length(rel))
         finally:
             store.close()
         return out
 
-    def differences(self, cluster: str) -> Tuple[Dict[str, Tuple[int, int]], List[str]]:
+    def differences(self, cluster: str, stream: Optional[str] = None) -> Tuple[Dict[str, Tuple[int, int]], List[str]]:
         """Files of the source that ``cluster`` lacks or has shorter/different, and extra files there."""
-        src, dst = self.files(self.clusters[0]), self.files(cluster)
+        src, dst = self.files(self.clusters[0], stream), self.files(cluster, stream)
         diff = {k: (len(v), len(dst.get(k, b""))) for k, v in src.items() if dst.get(k) != v}
         return diff, sorted(set(dst) - set(src))
 
-    def wait_same(self, cluster: str, timeout: float = ARRIVE_S) -> None:
-        """Wait until every file of the source is byte-exact in ``cluster``."""
+    def wait_same(self, cluster: str, timeout: float = ARRIVE_S, stream: Optional[str] = None) -> None:
+        """Wait until every file of ``stream`` (default: the main stream) at the source is
+        byte-exact in ``cluster``."""
         deadline = time.monotonic() + timeout
         while True:
-            diff, extra = self.differences(cluster)
-            if not diff and not extra and self.files(self.clusters[0]):
+            diff, extra = self.differences(cluster, stream)
+            if not diff and not extra and self.files(self.clusters[0], stream):
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"{cluster} differs from the source after {timeout} s: {diff} extra={extra}\n"
@@ -911,8 +915,24 @@ def start_query(writer, attempts: int = START_ATTEMPTS):
             return query
         warnings.warn(f"start {attempt} of query {query.name!r}: Spark's Python planner did not "
                       f"connect back ({SPARK_WORKER_START_FAULT}); starting it again")
+        _forget_uncommitted_start(query)
         time.sleep(START_PAUSE_S * attempt)
     raise AssertionError("unreachable")
+
+
+def _forget_uncommitted_start(query) -> None:
+    """Remove the empty ``offsets`` and ``commits`` logs a query that failed before its first
+    batch left in its checkpoint: a sink that cannot recover (the memory sink outside complete
+    mode) refuses to start where an ``offsets`` directory exists, even an empty one."""
+    try:
+        root = query._jsq.streamingQuery().resolvedCheckpointRoot()
+    except Exception:  # noqa: BLE001 - not a StreamExecution (or gone): nothing to tidy
+        return
+    path = Path(root.split(":", 1)[1] if root.startswith("file:") else root)
+    for log_dir in ("offsets", "commits"):
+        d = path / log_dir
+        if d.is_dir() and not any(f for f in d.iterdir() if not f.name.startswith(".")):
+            shutil.rmtree(d)
 
 
 def read_acs(spark, root, stream, **opts):

@@ -1645,9 +1645,13 @@ def test_a_watched_reader_keeps_every_message_while_a_metadata_replica_dies_and_
                     d.restart("metadata", 0)
                 else:
                     os.kill(pid, signal.SIGCONT)
-            # Back: the third replica's stream confirms the file's keys again and pushes.
-            wait_until(lambda: all(stream.confirmed(k) for k in length_keys(c.store.uri(c._tailers[0].rel))),
-                       30, "the replica's stream to come back")
+            # Back: the third replica's stream confirms the file's keys again and pushes. Looked
+            # up afresh: a starved reader's poller may have let its streams go and made new ones.
+            def back():
+                now = poller._streams.get(endpoint)
+                return now is not None and all(now.confirmed(k) for k in length_keys(c.store.uri(c._tailers[0].rel)))
+
+            wait_until(back, 60, "the replica's stream to come back")
             pushed = poller.pushed
             seen = len(col.values)
             col.until(lambda: len(col.values) >= seen + 800, 30, "messages after the return")

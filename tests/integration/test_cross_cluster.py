@@ -202,17 +202,9 @@ def test_idle_unsealed_files_do_not_hold_worker_slots(make_env, caches):
     finally:
         for c in live:
             c.stop()
-    # The abandoned files reached C too (everything they hold), still unsealed.
-    a, c = DurableStore(env.roots["A"]), DurableStore(env.roots["C"])
-    try:
-        for shard in range(2):
-            files = a.list_files(abandoned, shard)
-            assert c.list_files(abandoned, shard) == files
-            rel = f"{shard_dir(abandoned, shard)}/{files[0]}"
-            assert c.read(rel, 0, c.length(rel)) == a.read(rel, 0, a.length(rel))
-    finally:
-        a.close()
-        c.close()
+    # The abandoned files reach C too, byte-exact (so still unsealed): their operations
+    # get slots as the stream's idle ones are parked, so they may arrive after the stream's.
+    env.wait_same("C", stream=abandoned)
 
 
 @pytest.fixture(scope="module")
