@@ -1645,13 +1645,15 @@ def test_a_watched_reader_keeps_every_message_while_a_metadata_replica_dies_and_
                     d.restart("metadata", 0)
                 else:
                     os.kill(pid, signal.SIGCONT)
-            # Back: the third replica's stream confirms the file's keys again and pushes. Looked
-            # up afresh: a starved reader's poller may have let its streams go and made new ones.
+            # Back: the third replica's stream confirms the file's keys again and pushes. The
+            # reader keeps reading meanwhile: a poller nobody asks for FORGET_AFTER_S (5 s; a
+            # restart on a loaded machine takes about that) drops its files and closes its
+            # streams, so the stream is looked up afresh.
             def back():
                 now = poller._streams.get(endpoint)
                 return now is not None and all(now.confirmed(k) for k in length_keys(c.store.uri(c._tailers[0].rel)))
 
-            wait_until(back, 60, "the replica's stream to come back")
+            col.until(back, 60, "the replica's stream to come back")
             pushed = poller.pushed
             seen = len(col.values)
             col.until(lambda: len(col.values) >= seen + 800, 30, "messages after the return")
