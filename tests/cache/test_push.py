@@ -1626,9 +1626,9 @@ def test_a_watched_reader_keeps_every_message_while_a_metadata_replica_dies_and_
             poller = c.path.poller
             col.until(lambda: len(col.values) >= 300, 30, "first messages")
             uri = c.store.uri(c._tailers[0].rel)
-            wait_until(lambda: poller._covered(uri), 20, "the file's lengths pushed by a majority")
+            col.until(lambda: poller._covered(uri), 20, "the file's lengths pushed by a majority")
             endpoint = d.endpoints("metadata")[0]
-            wait_until(lambda: endpoint in poller._streams, 20, "a stream to the replica")
+            col.until(lambda: endpoint in poller._streams, 20, "a stream to the replica")
             stream = poller._streams[endpoint]
             pid = d.server("metadata", 0).pid
             if how == "kill":
@@ -1657,7 +1657,7 @@ def test_a_watched_reader_keeps_every_message_while_a_metadata_replica_dies_and_
             pushed = poller.pushed
             seen = len(col.values)
             col.until(lambda: len(col.values) >= seen + 800, 30, "messages after the return")
-            wait_until(lambda: poller.pushed > pushed, 20, "lengths pushed after the return")
+            col.until(lambda: poller.pushed > pushed, 20, "lengths pushed after the return")
 
 
 def test_a_follow_request_with_files_and_offsets_that_disagree_is_refused_naming_both(dep):
