@@ -30,7 +30,10 @@ bytes our consumers read from the durable store (in all, and in the steady state
 same first 3 seconds, with the store holds of each), server CPU seconds per GB delivered (utime +
 stime of the cache servers, or of redis-server, from /proc), the consumers' own CPU seconds per
 GB (all consumer processes, from /proc), what the producer achieved, and
-our/Redis ratios; and it writes a PNG plot (``--plot``) of p99 and MB/s against N.
+our/Redis ratios; and it writes a PNG scale sheet (``--plot``): p99, delivered MB/s, server
+CPU per GB and consumer CPU per GB against N, one panel each.
+
+    .venv/bin/python benchmarks/fanout.py --consumers 8,32,64,96 --rate-mb 1 --columns caches,redis  # scale sheet
 
     .venv/bin/python benchmarks/fanout.py [--consumers 8,32,64] [--seconds 10] [--rate-mb 2]
     .venv/bin/python benchmarks/fanout.py --consumers 4 --seconds 3       # smoke run
@@ -130,6 +133,8 @@ MODES = ("steady", "spike")
 SPIKE_COLUMNS = ("caches", "durable", "redis")
 #: ``--producer`` (our columns): send_many + flush every FLUSH_EVERY_S, or send() per message.
 PRODUCERS = ("tuned", "default")
+#: How long a consumer may take to stop after the end before it is killed (seconds).
+STOP_WAIT_S = 60.0
 #: How often the ``default`` producer sends the messages that are due (seconds).
 SEND_EVERY_S = 0.001
 #: How often a consumer waiting for the spike's join looks at the board (seconds): the join is
@@ -678,11 +683,24 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
         for hog in hogs:
             hog.kill()
             hog.wait()
+        final_counts = [board.count(i) for i in range(n)]
         board.stop()
         results = []
+        stuck: List[int] = []
         for i, proc in enumerate(consumers):
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                # Past capacity a consumer may still be catching up: its figures are lost, what it
+                # lacks counts as missing (from the board).
+                proc.kill()
+                proc.wait()
+                stuck.append(i)
+                continue
             results.append(json.loads((work / f"c{i}.json").read_text()))
+        if stuck:
+            progress(f"{kind} N={n}: {len(stuck)} consumers had not stopped {STOP_WAIT_S:.0f} s after the end and "
+                     "were killed; their delays and store bytes are left out, what they lacked counts as missing")
     finally:
         for proc in consumers + hogs:
             if proc.poll() is None:
@@ -710,7 +728,8 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
         "mb_s": delivered / span / 1e6,
         "p50": percentile(samples, 50),
         "p99": percentile(samples, 99),
-        "missing": sum(max(0, sent - r["n"]) for r in results),
+        "missing": sum(max(0, sent - r["n"]) for r in results) + sum(max(0, sent - final_counts[i]) for i in stuck),
+        "stuck": len(stuck),
         "durable_bytes": sum(r["durable_bytes"] for r in results),
         "pushed_bytes": sum(r["pushed_bytes"] for r in results),
         "store_holds": sum(r.get("store_holds", 0) for r in results),
@@ -801,15 +820,20 @@ def plot(path: str, table: Dict[str, Dict[int, Dict[str, float]]]) -> Optional[s
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: pip install matplotlib (the bench extra)"
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for kind, points in table.items():
-        ns = sorted(points)
-        a.plot(ns, [points[n]["p99"] for n in ns], marker="o", label=kind)
-        b.plot(ns, [points[n]["mb_s"] for n in ns], marker="o", label=kind)
-    a.set(xlabel="consumers", ylabel="delay p99 (ms)", yscale="log", title="delay p99")
-    b.set(xlabel="consumers", ylabel="delivered MB/s", title="delivered MB/s")
-    a.legend()
-    b.legend()
+    # The scale sheet: how delay and cost grow with N, one panel each (durable has no servers).
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
+    panels = (("p99", "delay p99 (ms)", True), ("mb_s", "delivered MB/s", False),
+              ("cpu_per_gb", "server CPU s per GB delivered", False),
+              ("client_cpu_per_gb", "consumer CPU s per GB delivered", False))
+    for ax, (field, label, log_scale) in zip(axes.flat, panels):
+        for kind, points in table.items():
+            ns = [n for n in sorted(points) if field != "cpu_per_gb" or kind != "durable"]
+            if ns:
+                ax.plot(ns, [points[n][field] for n in ns], marker="o", label=kind)
+        ax.set(xlabel="consumers", ylabel=label, title=label)
+        if log_scale:
+            ax.set_yscale("log")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return None
