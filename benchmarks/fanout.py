@@ -33,9 +33,8 @@ GB (all consumer processes, from /proc), what the producer achieved, and
 our/Redis ratios; and it writes a PNG scale sheet (``--plot``): p99, delivered MB/s, server
 CPU per GB and consumer CPU per GB against N, one panel each.
 
-    .venv/bin/python benchmarks/fanout.py --consumers 8,32,64,96 --rate-mb 1 --columns caches,redis  # scale sheet
-
     .venv/bin/python benchmarks/fanout.py [--consumers 8,32,64] [--seconds 10] [--rate-mb 2]
+    .venv/bin/python benchmarks/fanout.py --consumers 8,32,64,96 --rate-mb 1 --columns caches,redis  # scale sheet
     .venv/bin/python benchmarks/fanout.py --consumers 4 --seconds 3       # smoke run
     .venv/bin/python benchmarks/fanout.py --consumers 32 --producer-acknowledge durable   # ack at the durable append
     .venv/bin/python benchmarks/fanout.py --consumers 64 --columns caches,redis --hog 1   # a busy machine
@@ -729,7 +728,6 @@ def run_point(args: argparse.Namespace, kind: str, n: int, servers: Dict[str, Li
         "p50": percentile(samples, 50),
         "p99": percentile(samples, 99),
         "missing": sum(max(0, sent - r["n"]) for r in results) + sum(max(0, sent - final_counts[i]) for i in stuck),
-        "stuck": len(stuck),
         "durable_bytes": sum(r["durable_bytes"] for r in results),
         "pushed_bytes": sum(r["pushed_bytes"] for r in results),
         "store_holds": sum(r.get("store_holds", 0) for r in results),

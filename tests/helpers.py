@@ -931,7 +931,7 @@ def _forget_uncommitted_start(query) -> None:
     path = Path(root.split(":", 1)[1] if root.startswith("file:") else root)
     for log_dir in ("offsets", "commits"):
         d = path / log_dir
-        if d.is_dir() and not any(f for f in d.iterdir() if not f.name.startswith(".")):
+        if d.is_dir() and not any(not f.name.startswith(".") for f in d.iterdir()):
             shutil.rmtree(d)
 
 

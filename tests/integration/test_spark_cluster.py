@@ -79,17 +79,9 @@ JOB = textwrap.dedent('''
               .option("shards", str(cfg["shards"])).options(**caches)
               .option("checkpointLocation", cfg["checkpoint"]).trigger(processingTime="200 milliseconds"))
     # Started again when Spark's Python planner did not connect back within its fixed 10 s (a
-    # loaded machine), as tests/helpers.py's start_query does.
-    for attempt in range(1, 5):
-        query = writer.start()
-        wait = time.time() + 120
-        while query.isActive and query.status.get("message") == "Initializing sources" and time.time() < wait:
-            time.sleep(0.05)
-        error = query.exception() if not query.isActive else None
-        if error is None or "Python worker failed to connect back" not in str(error) or attempt == 4:
-            break
-        print(f"start {attempt}: Spark's Python planner did not connect back; starting again", flush=True)
-        time.sleep(5 * attempt)
+    # loaded machine); the job runs from the checkout, so the suite's own helper is at hand.
+    from tests.helpers import start_query
+    query = start_query(writer)
     deadline = time.time() + cfg["timeout"]
     rows = 0
     while rows < cfg["expected"] and time.time() < deadline and query.exception() is None:
