@@ -887,7 +887,7 @@ START_ATTEMPTS = 4
 START_PAUSE_S = 5.0
 
 
-def start_query(writer, attempts: int = START_ATTEMPTS):
+def start_query(writer, attempts: int = START_ATTEMPTS, sleep: Callable[[float], None] = time.sleep):
     """``writer.start()``, started again if Spark's Python planner failed to connect back.
 
     Parameters
@@ -896,6 +896,8 @@ def start_query(writer, attempts: int = START_ATTEMPTS):
         The configured writer; ``start()`` is called on it once per attempt.
     attempts : int
         Starts at most.
+    sleep : callable
+        How to pause between attempts (the tests of this helper pass one that returns at once).
 
     Returns
     -------
@@ -916,7 +918,7 @@ def start_query(writer, attempts: int = START_ATTEMPTS):
         warnings.warn(f"start {attempt} of query {query.name!r}: Spark's Python planner did not "
                       f"connect back ({SPARK_WORKER_START_FAULT}); starting it again")
         _forget_uncommitted_start(query)
-        time.sleep(START_PAUSE_S * attempt)
+        sleep(START_PAUSE_S * attempt)
     raise AssertionError("unreachable")
 
 

@@ -12,6 +12,10 @@ import pytest
 from tests.helpers import SPARK_WORKER_START_FAULT, start_query
 
 
+def _no_pause(seconds: float) -> None:
+    """The pause between attempts, skipped: these tests check which query comes back."""
+
+
 class _Query:
     def __init__(self, active: bool, error: str = "", message: str = "Waiting for data to arrive"):
         self.isActive = active
@@ -38,7 +42,7 @@ def test_the_planner_start_fault_starts_the_query_again_with_a_warning():
     writer = _Writer(_Query(active=False, error=f"{SPARK_WORKER_START_FAULT}. Read timed out",
                             message="Initializing sources"), good)
     with pytest.warns(UserWarning, match="did not connect back"):
-        assert start_query(writer) is good
+        assert start_query(writer, sleep=_no_pause) is good
     assert writer.starts == 2
 
 
@@ -49,7 +53,7 @@ def test_the_planner_start_fault_starts_the_query_again_with_a_warning():
 ])
 def test_any_other_outcome_is_the_test_s_to_see(query):
     writer = _Writer(query, _Query(active=True))
-    assert start_query(writer) is query
+    assert start_query(writer, sleep=_no_pause) is query
     assert writer.starts == 1
 
 
@@ -57,5 +61,5 @@ def test_the_fault_every_time_returns_the_failed_query_after_the_last_attempt():
     failed = [_Query(active=False, error=SPARK_WORKER_START_FAULT) for _ in range(3)]
     writer = _Writer(*failed)
     with pytest.warns(UserWarning):
-        assert start_query(writer, attempts=3) is failed[-1]
+        assert start_query(writer, attempts=3, sleep=_no_pause) is failed[-1]
     assert writer.starts == 3

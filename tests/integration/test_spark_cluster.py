@@ -1,15 +1,17 @@
 """The connector on a real Spark standalone cluster, launched with ``spark-submit``.
 
-A Spark standalone master and two workers are started from the pyspark package itself
+A Spark standalone master and a worker are started from the pyspark package itself
 (``spark-class org.apache.spark.deploy.master.Master`` / ``...deploy.worker.Worker`` on
-loopback, one core each), so every executor is a JVM of its own, apart from the driver. Two
-acs clusters: A (cache servers as plain processes) and B, whose data- and metadata-cache
-servers and both copy daemons are launched with ``spark-submit jars-free/...`` against that
-master. A producer writes stream ``orders`` in A; the copy daemons tail-copy it to B; a
-streaming job submitted with ``spark-submit --master spark://...`` reads it in B with
-``format("acs")`` through B's caches (``minPartitions`` > shards, so tasks split shards) and
-writes it with the sink to stream ``echo`` in B. Every shard of ``echo`` must hold exactly the
-messages of the same shard of ``orders`` in A -- values, keys and timestamps, in order.
+loopback); the worker runs two one-core executors, so every executor is a JVM of its own,
+apart from the driver. Two acs clusters: A (cache servers as plain processes) and B, whose
+data-cache server and copy daemon are launched with ``spark-submit jars-free/...`` against that
+master (one launch of each launcher; B's metadata cache and A's copy daemon are the same
+programs run as plain processes). A producer writes stream ``orders`` in A; the copy daemons
+tail-copy it to B; a streaming job submitted with ``spark-submit --master spark://...`` reads it
+in B with ``format("acs")`` through B's caches (``minPartitions`` > shards, so tasks split
+shards) and writes it with the sink to stream ``echo`` in B. Every shard of ``echo`` must hold
+exactly the messages of the same shard of ``orders`` in A -- values, keys and timestamps, in
+order.
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ class Processes:
     def spark_submit(self, name: str, master: str, script: str, *args: str, stdout=None) -> subprocess.Popen:
         return self.start(name, [os.path.join(SPARK_HOME, "bin", "spark-submit"), "--master", master,
                                  "--conf", f"spark.pyspark.python={sys.executable}",
-                                 "--conf", "spark.executor.memory=512m", "--conf", "spark.ui.enabled=false",
+                                 "--conf", "spark.executor.memory=512m", "--conf", "spark.executor.cores=1",
+                                 "--conf", "spark.ui.enabled=false",
                                  script, *args], stdout=stdout)
 
     def banner(self, proc: subprocess.Popen, prefix: str) -> str:
@@ -175,7 +178,10 @@ def _alive_workers(ui_port: int) -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A standalone master and two workers on loopback: ``(master URL, Processes)``."""
+    """A standalone master and one two-core worker on loopback: ``(master URL, Processes)``.
+
+    One worker, not two: each JVM costs seconds of CPU to start on a 2-core machine, and two
+    one-core executors of one worker are two executor JVMs all the same."""
     tmp = tmp_path_factory.mktemp("spark-cluster")
     procs = Processes(tmp)
     port, ui = free_port(), free_port()
@@ -184,14 +190,13 @@ def cluster(tmp_path_factory):
         procs.start("master", [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                                "--port", str(port), "--webui-port", str(ui)])
         master = f"spark://127.0.0.1:{port}"
-        for i in range(2):
-            work = tmp / f"work-{i}"
-            work.mkdir()
-            procs.start(f"worker-{i}", [spark_class, "org.apache.spark.deploy.worker.Worker", master, "--host",
-                                        "127.0.0.1", "--cores", "1", "--memory", "768m", "--webui-port",
-                                        str(free_port()), "--work-dir", str(work)])
+        work = tmp / "work"
+        work.mkdir()
+        procs.start("worker", [spark_class, "org.apache.spark.deploy.worker.Worker", master, "--host",
+                               "127.0.0.1", "--cores", "2", "--memory", "1536m", "--webui-port",
+                               str(free_port()), "--work-dir", str(work)])
         deadline = time.monotonic() + START_S
-        while _alive_workers(ui) < 2:
+        while _alive_workers(ui) < 1:
             dead = [p.name for p in procs.procs if p.poll() is not None]
             assert not dead and time.monotonic() < deadline, (
                 f"standalone cluster did not come up ({dead or 'timeout'}):\n"
@@ -220,9 +225,10 @@ def test_round_trip_on_a_standalone_cluster(cluster, tmp_path):
     roots = {c: str(tmp_path / f"root-{c}") for c in "AB"}
     caches_a = LocalDeployment(tmp_path / "caches-A", data_replicas=1, metadata_replicas=1, capacity="64MiB").start()
     try:
-        # cluster B's cache servers and both clusters' copy daemons: spark-submit jars-free/... on
-        # the Spark cluster, all four at once (each is a JVM start; one after another they took
-        # most of this test's minutes on a loaded machine), on ports picked beforehand
+        # cluster B's cache servers and both clusters' copy daemons, all four at once on ports
+        # picked beforehand: B's data cache and copy daemon with spark-submit jars-free/... on
+        # the Spark cluster, the other two with the same launchers under plain Python (each
+        # spark-submit is a JVM start: seconds of CPU on a 2-core machine)
         endpoints = {role: f"127.0.0.1:{free_port()}" for role in ("data", "metadata")}
         topology = tmp_path / "topology.json"
         daemon_ports = {c: free_port() for c in "AB"}
@@ -236,17 +242,23 @@ def test_round_trip_on_a_standalone_cluster(cluster, tmp_path):
             "links": [{"from": "A", "to": "B", "cost": 1}],
             "streams": {"orders": {"source": "A", "destinations": ["B"]}},
         }))
+
+        def launch(name: str, submitted: bool, script: str, *args: str) -> subprocess.Popen:
+            if submitted:
+                return procs.spark_submit(name, master, script, *args, stdout=subprocess.PIPE)
+            return procs.start(name, [sys.executable, script, *args], stdout=subprocess.PIPE)
+
         launched = []
-        for role in ("data", "metadata"):
+        for role, submitted in (("data", True), ("metadata", False)):
             port = endpoints[role].rsplit(":", 1)[1]
-            launched.append((procs.spark_submit(
-                f"cache-B-{role}", master, "jars-free/cache_server.py", "--role", role, "--host", "127.0.0.1",
-                "--port", port, "--capacity", "64MiB", "--metrics-port", "-1", stdout=subprocess.PIPE),
+            launched.append((launch(
+                f"cache-B-{role}", submitted, "jars-free/cache_server.py", "--role", role, "--host", "127.0.0.1",
+                "--port", port, "--capacity", "64MiB", "--metrics-port", "-1"),
                 f"acs-cache-server role={role} listening on {endpoints[role]}"))
-        for c in "AB":
-            launched.append((procs.spark_submit(
-                f"copy-{c}", master, "jars-free/copy_daemon.py", "--topology", str(topology), "--cluster", c,
-                "--metrics-port", "-1", stdout=subprocess.PIPE), f"acs-copy-daemon cluster={c} listening on"))
+        for c, submitted in (("A", False), ("B", True)):
+            launched.append((launch(
+                f"copy-{c}", submitted, "jars-free/copy_daemon.py", "--topology", str(topology), "--cluster", c,
+                "--metrics-port", "-1"), f"acs-copy-daemon cluster={c} listening on"))
         for proc, banner in launched:
             procs.banner(proc, banner)
 
