@@ -415,6 +415,7 @@ class _HTTPServer(http.server.HTTPServer):
         # Before binding: a failed bind calls server_close.
         self._pool = ThreadPoolExecutor(max_workers=METRICS_THREADS, thread_name_prefix="acs-metrics-req")
         self.ssl_context = None
+        self.request_timeout = METRICS_REQUEST_TIMEOUT_S
         # _pending_lock guards _pending (connections submitted to the pool and not finished).
         self._pending_lock = threading.Lock()
         self._pending = 0
@@ -422,7 +423,7 @@ class _HTTPServer(http.server.HTTPServer):
 
     def get_request(self):
         sock, addr = super().get_request()
-        sock.settimeout(METRICS_REQUEST_TIMEOUT_S)
+        sock.settimeout(self.request_timeout)
         if self.ssl_context is not None:
             # The handshake runs on the pool thread (do_handshake_on_connect=False), never here.
             sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
@@ -481,6 +482,9 @@ class MetricsEndpoint:
         What the server is, for error messages and the thread's name (e.g. ``"acs-cache-metrics"``).
     security : SecuritySettings, optional
         With a token, both paths require it; with a certificate, HTTPS.
+    request_timeout : float
+        Socket timeout of one connection (seconds, default :data:`METRICS_REQUEST_TIMEOUT_S`):
+        an idle client is dropped after it.
 
     Raises
     ------
@@ -489,8 +493,10 @@ class MetricsEndpoint:
     """
 
     def __init__(self, registry: CollectorRegistry, health: HealthCheck, host: str, port: int,
-                 name: str = "acs-metrics", security: Optional["SecuritySettings"] = None) -> None:
+                 name: str = "acs-metrics", security: Optional["SecuritySettings"] = None,
+                 request_timeout: float = METRICS_REQUEST_TIMEOUT_S) -> None:
         self.registry = registry
+        self.request_timeout = request_timeout
         self.token = security.token if security is not None else None
         self.health = health
         self.name = name
@@ -502,6 +508,7 @@ class MetricsEndpoint:
             where = f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
             raise OSError(f"cannot bind the metrics port {where} ({name}): {exc}") from exc
         self._http.ssl_context = security.ssl_context() if security is not None else None
+        self._http.request_timeout = request_timeout
         self.host = bare
         self.port: int = self._http.server_address[1]
         self._thread: Optional[threading.Thread] = None
@@ -553,7 +560,7 @@ class MetricsEndpoint:
 
 def _handler(endpoint: MetricsEndpoint) -> type:
     class Handler(http.server.BaseHTTPRequestHandler):
-        timeout = METRICS_REQUEST_TIMEOUT_S
+        timeout = endpoint.request_timeout
 
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
             path = self.path.split("?", 1)[0]

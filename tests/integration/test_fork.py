@@ -47,12 +47,21 @@ def in_child(name, job):
         results[name] = list(q.get(timeout=5)) if not q.empty() else ["exit", p.exitcode]
 
 
+def read(consumer, n):
+    """The values ``consumer`` reads once it has ``n`` (at most 30 s), and what one more poll finds."""
+    values, deadline = [], time.monotonic() + 30
+    while len(values) < n and time.monotonic() < deadline:
+        values += [v.decode() for b in consumer.poll() for v in b.column("value").to_pylist()]
+        time.sleep(0.01)
+    return values + [v.decode() for b in consumer.poll() for v in b.column("value").to_pylist()]
+
+
 def round_trip(kw, stream):
     with Producer(root, stream, **kw) as p:
         p.send(b"hello")
         p.flush()
     with Consumer(root, stream, **kw) as c:
-        return [v.decode() for b in c.batches(timeout=3) for v in b.column("value").to_pylist()]
+        return read(c, 1)
 
 
 results["parent pid"] = os.getpid()
@@ -104,7 +113,7 @@ with LocalDeployment(os.path.join(base, "caches"), data_replicas=1, metadata_rep
     producer.send(b"one")
     producer.flush()
     consumer = Consumer(root, "s", **kw)
-    results["parent"] = [v.decode() for b in consumer.batches(timeout=1) for v in b.column("value").to_pylist()]
+    results["parent"] = read(consumer, 1)
     results["parent pid"] = os.getpid()
 
     in_child("new consumer", lambda: round_trip(kw, "t"))
@@ -117,7 +126,7 @@ with LocalDeployment(os.path.join(base, "caches"), data_replicas=1, metadata_rep
 
     producer.send(b"two")  # the parent goes on as before
     producer.flush()
-    results["parent after"] = [v.decode() for b in consumer.batches(timeout=1) for v in b.column("value").to_pylist()]
+    results["parent after"] = read(consumer, 1)
     producer.close()
     consumer.close()
 print(json.dumps(results))

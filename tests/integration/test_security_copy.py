@@ -263,7 +263,8 @@ def test_forged_heads_are_ignored(make_env):
 def test_an_operation_that_cannot_progress_gives_up_its_worker(make_env):
     """B's daemon is misconfigured (its topology names an empty folder as A's store), so it refuses
     every hello from A: A's operations give up after MAX_FRUITLESS_SESSIONS instead of holding
-    their workers forever, and are tried again later."""
+    their workers forever, and are tried again later. A's back-off between sessions is short
+    (its ``retry`` setting), so the sessions are used up in a second."""
     import json as _json
 
     env = make_env()
@@ -277,9 +278,9 @@ def test_an_operation_that_cannot_progress_gives_up_its_worker(make_env):
     saved, env.topology = env.topology, bad_topology
     env.start_daemon("B")
     env.topology = saved
-    a = env.start_daemon("A")
+    a = env.start_daemon("A", "--set", "retry=20ms")  # the last --set of a name wins
     deadline = time.monotonic() + 40
     while metric(a, "errors_total", cluster="A", kind="gave_up") < 1:
         assert time.monotonic() < deadline, env.logs()
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert env.files("B") == {}  # every hello was refused before it created anything

@@ -26,7 +26,7 @@ from pyspark_acs.format.names import shard_dir
 from pyspark_acs.storage.store import DurableStore
 
 from tests.helpers import (
-    ARRIVE_S, CHAIN, CLUSTERS, LOCK_HOLDER, ROOT, STAR, Background, Env, check_order, consume_all,
+    ARRIVE_S, CHAIN, CLUSTERS, LOCK_HOLDER, ROOT, STAR, Background, Collector, Env, check_order, consume_all,
     metric, produce, stop_process,
 )
 
@@ -393,7 +393,7 @@ def _deposed_file_with_late_block(env, caches, data_cache=False):
         if data is not None:
             data.close()
         store.close()
-    assert [v for v in _fresh(env.roots[src], env.stream)] == values
+    assert _fresh(env.roots[src], env.stream, len(values)) == values
     return deposed_file, values, seal_end
 
 
@@ -662,11 +662,15 @@ def _operations_to_b(env, a_io, files, channel, rel, storages, seal_end, options
             f"the file ends at {seal_end}\n{env.logs()}")
 
 
-def _fresh(root: str, stream: str) -> list:
+def _fresh(root: str, stream: str, count: int) -> list:
+    """The values a fresh Consumer of the store reads once it has ``count``, and what one more
+    poll finds."""
     from pyspark_acs.read.consumer import Consumer
 
     with Consumer(root, stream) as c:
-        return [r["value"] for b in c.batches(timeout=0.5) for r in b.to_pylist()]
+        got = Collector(c)
+        got.until(lambda: len(got.values) >= count, ARRIVE_S, f"{count} messages in {root}")
+        return got.values + [v for b in c.poll() for v in b.column("value").to_pylist()]
 
 
 def test_a_destination_file_locked_by_a_stopped_process_fails_the_copy_then_resumes(

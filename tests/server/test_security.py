@@ -26,6 +26,7 @@ from pyspark_acs.security import SecuritySettings, check_bind, resolve_security
 from pyspark_acs.server.cache.server import MAX_KEYS_PER_CALL, MAX_RESPONSE_BYTES
 from pyspark_acs.server.cache.store import Store
 from pyspark_acs.server.local.deploy import LocalDeployment, load_deployment
+from tests.helpers import Collector
 
 TIMEOUT = 120
 
@@ -123,7 +124,9 @@ def test_sources_with_different_tokens_in_one_process_keep_to_their_own(tmp_path
             assert plain.path.poller is not paths["a"].poller
             assert plain.path.poller.meta.client.security.token is None
             assert plain.path.feed is not None and plain.path.feed.client.security.token is None
-            got = [v for batch in plain.batches(timeout=2) for v in batch.column("value").to_pylist()]
+            read = Collector(plain)
+            read.until(lambda: len(read.values) >= n, 30, f"{n} messages")
+            got = read.values + [v for batch in plain.poll() for v in batch.column("value").to_pylist()]
             stats = plain.stats()
         finally:
             plain.close()
@@ -301,10 +304,11 @@ def test_metrics_endpoint_threads_are_bounded_and_idle_connections_time_out():
     import socket
     import threading
 
-    from pyspark_acs.server.metrics import METRICS_REQUEST_TIMEOUT_S, METRICS_THREADS, Metrics, MetricsEndpoint
+    from pyspark_acs.server.metrics import METRICS_THREADS, Metrics, MetricsEndpoint
 
+    request_timeout = 1.0  # shorter than the default: the test waits for it once
     ep = MetricsEndpoint(Metrics("acs_test_", {}).registry, lambda: (True, {}), "127.0.0.1", 0,
-                         security=SecuritySettings(token="m")).start()
+                         security=SecuritySettings(token="m"), request_timeout=request_timeout).start()
     try:
         def request_threads() -> int:
             # This endpoint's request threads only: other tests' background threads (pollers,
@@ -314,14 +318,19 @@ def test_metrics_endpoint_threads_are_bounded_and_idle_connections_time_out():
                        if t.name.startswith("acs-metrics-req") or "process_request" in t.name)
 
         before = request_threads()
-        idle = [socket.create_connection(("127.0.0.1", ep.port)) for _ in range(40)]
+        idle = []
+        for _ in range(40):
+            idle.append(socket.create_connection(("127.0.0.1", ep.port)))
+            # The server thread accepts meanwhile: a burst overflows the listen backlog (5) and
+            # the kernel's SYN retries (1 s, 2 s, ...) took seconds.
+            time.sleep(0.01)
         time.sleep(0.5)
         assert request_threads() - before <= METRICS_THREADS  # was one thread per connection
         # The server drops an idle connection after its timeout.
-        idle[0].settimeout(METRICS_REQUEST_TIMEOUT_S + 5)
+        idle[0].settimeout(request_timeout + 5)
         started = time.monotonic()
         assert idle[0].recv(1) == b""
-        assert time.monotonic() - started <= METRICS_REQUEST_TIMEOUT_S + 1
+        assert time.monotonic() - started <= request_timeout + 1
         for s in idle:
             s.close()
         deadline = time.monotonic() + 30

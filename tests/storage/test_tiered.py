@@ -32,14 +32,14 @@ from pyspark_acs.storage.tier_manifest import read_manifest
 from pyspark_acs.storage.tier_preread import PREREAD_MIN_BYTES, PrereadWindow
 from pyspark_acs.storage.tier_settings import configure_tier, stream_tier_settings
 from pyspark_acs.storage.tier_store import TierStore
-from tests.helpers import ROOT, Env, FakeClock, free_port, start_caches, start_query
+from tests.helpers import ROOT, Env, FakeClock, deployments, free_port, start_caches, start_query, wait_until
 
 BUCKET = "acs-tier"
 KEY, SECRET = "testing", "testing"
 WAIT_S = 30.0
-#: How long a check that nothing arrives watches (seconds): the daemons' copy polls run every
-#: 50 ms, so a copy that should not happen would show well within it.
-NOTHING_ARRIVES_S = 3.0
+#: How long a Consumer watches that nothing arrives while the copy daemons are down (seconds):
+#: no process can copy then, so dozens of its polls show it waits where it is.
+NOTHING_ARRIVES_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -671,21 +671,25 @@ def test_two_clusters_on_one_bucket_prefix_never_sweep_each_others_objects(tmp_p
 # -- copies across clusters -----------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def caches_ab(tmp_path_factory):
+    """Cache servers of clusters A and B, shared by the module's copy tests: each test's clusters
+    have roots of their own, so the keys of their files are their own."""
+    with deployments(tmp_path_factory.mktemp("caches-ab"), clusters=("A", "B")) as deps:
+        yield deps
+
+
 @pytest.fixture
-def clusters_ab(tmp_path):
+def clusters_ab(tmp_path, caches_ab):
     """Clusters A (the source) and B (the destination) of stream ``copied``, each with cache
     servers of its own and a running copy daemon; yields the harness Env."""
-
-    caches = start_caches(tmp_path / "caches", clusters=("A", "B"))
-    env = Env(tmp_path / "env", caches, [("A", "B", 1)], "copied", ("B",), clusters=("A", "B"))
+    env = Env(tmp_path / "env", caches_ab, [("A", "B", 1)], "copied", ("B",), clusters=("A", "B"))
     try:
         env.start_daemon("A")
         env.start_daemon("B")
         yield env
     finally:
         env.stop()
-        for d in caches.values():
-            d.stop()
 
 
 def send_copied(env, start: int, stop: int) -> None:
@@ -693,6 +697,20 @@ def send_copied(env, start: int, stop: int) -> None:
     with env.producer(shards=1, roll_bytes=4000, max_block_bytes=1024) as p:
         for i in range(start, stop):
             p.send(msg(i))
+
+
+def send_newer_file(env, start: int, stop: int) -> Dict[str, bytes]:
+    """Messages ``start`` .. ``stop`` in files newer than every file A holds, once each is in B
+    byte-exact; returns them. A file reaches B only once every older file of its shard exists
+    there or is known to (the scheduler's file order rule), so by then A's daemon has copied
+    each older file it was ever going to copy."""
+    before = set(file_bytes(env.roots["A"], env.stream))
+    send_copied(env, start, stop)
+    newer = {n: b for n, b in file_bytes(env.roots["A"], env.stream).items() if n not in before}
+    assert newer and min(newer) > max(before)
+    wait_until(lambda: all(file_bytes(env.roots["B"], env.stream).get(n) == b for n, b in newer.items()),
+               WAIT_S, f"the newer files in B\n{env.logs()}", interval=0.05)
+    return newer
 
 
 def test_copy_daemon_delivers_files_the_source_tiered_before_the_destination_copied_them(clusters_ab, s3):
@@ -1022,7 +1040,8 @@ def test_acs_up_runs_a_tier_mover_and_acs_down_stops_it(root, s3, subprocess_env
 def test_a_destination_that_tiered_its_copies_is_not_sent_them_again(clusters_ab, s3):
     """A destination's own mover tiered the copies and deleted their hot copies; when the
     source's daemon restarts it asks the destination which files it holds (Files), which
-    counts tiered files: none is copied into the destination's hot store again."""
+    counts tiered files: none is copied into the destination's hot store again (checked once
+    a file written after the restart is in B: the file order rule copies older files first)."""
     env = clusters_ab
     send_copied(env, 0, 100)
     env.wait_same("B")
@@ -1031,9 +1050,9 @@ def test_a_destination_that_tiered_its_copies_is_not_sent_them_again(clusters_ab
     assert run_pass(env.roots["B"]).hot_deleted == len(source) - 1
     env.kill_daemon("A")
     env.start_daemon("A")
-    time.sleep(3.0)  # ten listing intervals of the restarted daemon
-    assert hot_files(env.roots["B"], env.stream) == sorted(source)[-1:], env.logs()
-    assert read_all(env.roots["B"], env.stream, 100) == [msg(i) for i in range(100)]
+    newer = send_newer_file(env, 100, 110)
+    assert hot_files(env.roots["B"], env.stream) == sorted(source)[-1:] + sorted(newer), env.logs()
+    assert read_all(env.roots["B"], env.stream, 110) == [msg(i) for i in range(110)]
 
 
 def test_a_copy_writer_answers_a_hello_for_a_file_tiered_here_without_creating_it(root, s3, tmp_path):
@@ -1079,17 +1098,17 @@ def test_a_copy_writer_answers_a_hello_for_a_file_tiered_here_without_creating_i
 REVIEW_WAIT_S = 30.0
 
 
-def test_a_destination_whose_retention_deleted_old_files_is_not_sent_them_again(tmp_path, s3):
+def test_a_destination_whose_retention_deleted_old_files_is_not_sent_them_again(tmp_path, s3, caches_ab):
     """The destination keeps its stream a shorter time than the source (its own tier
     settings: secondary retention): its mover deletes old files from both tiers. When the
     source's daemon restarts it asks the destination which files it holds; the old files are
     no longer there, but the source still holds them (in its hot store or its secondary
     store, which the scheduler now lists): they must not be copied into the destination
     again (a resurrected history, copied once per restart, read again by readers from
-    earliest)."""
+    earliest). Checked once a file written after the restart is in B: the file order rule
+    copies older files first."""
 
-    caches = start_caches(tmp_path / "caches", clusters=("A", "B"))
-    env = Env(tmp_path / "env", caches, [("A", "B", 1)], "kept", ("B",), clusters=("A", "B"))
+    env = Env(tmp_path / "env", caches_ab, [("A", "B", 1)], "kept", ("B",), clusters=("A", "B"))
     try:
         env.start_daemon("A")
         env.start_daemon("B")
@@ -1111,13 +1130,11 @@ def test_a_destination_whose_retention_deleted_old_files_is_not_sent_them_again(
         assert list(read_manifest(DurableStore(env.roots["B"]), env.stream, 0)) == [newest]
         env.kill_daemon("A")
         env.start_daemon("A")
-        time.sleep(4.0)  # the restarted daemon surveys B and lists A's files many times
-        assert hot_files(env.roots["B"], env.stream) == [newest], \
+        newer = send_newer_file(env, 100, 110)
+        assert hot_files(env.roots["B"], env.stream) == [newest] + sorted(newer), \
             f"files the destination's retention deleted were copied there again\n{env.logs()}"
     finally:
         env.stop()
-        for d in caches.values():
-            d.stop()
 
 
 def test_a_hello_racing_the_destinations_mover_never_recreates_a_tiered_file(root, s3, tmp_path, monkeypatch):
