@@ -853,17 +853,28 @@ time.sleep(120)
 
 
 def process_stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    """Whether every thread of process ``pid`` is stopped (or gone). A SIGSTOP wakes one
+    thread, which stops the others once it runs: on a loaded machine the rest of the process
+    (a server's polling thread) runs on, and answers calls, for a while after kill returned."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # the thread exited meanwhile
+            continue
+    return bool(states) and all(state in "TtZX" for state in states)
 
 
-def stop_process(child: subprocess.Popen, timeout: float = 20.0) -> None:
-    """SIGSTOP the child process and wait until the kernel shows it stopped."""
-    child.send_signal(signal.SIGSTOP)
+def stop_process(child: Union[subprocess.Popen, int], timeout: float = 20.0) -> None:
+    """SIGSTOP the child process (a Popen, or a pid) and wait until the kernel shows every
+    thread of it stopped."""
+    pid = child if isinstance(child, int) else child.pid
+    os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
-    while not process_stopped(child.pid):
-        assert time.monotonic() < deadline, "the child producer never stopped"
-        time.sleep(0.01)
+    while not process_stopped(pid):
+        assert time.monotonic() < deadline, f"process {pid} never stopped"
+        time.sleep(0.005)
 
 
 

@@ -38,11 +38,11 @@ from pyspark_acs.errors import LeasePoisonedError, WriterConflictError
 from pyspark_acs.storage.store import DurableStore
 
 __all__ = [
-    "LOCK_WAIT_SECONDS",
     "LeaseRecord",
     "StoreLease",
     "WRITER_LEASE_S",
     "exclusive",
+    "lock_wait",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,14 @@ WRITER_LEASE_S = 10.0
 #: (an append, a lease read-decide-write) keep it for milliseconds; a holder that keeps it
 #: longer is stopped (SIGSTOP, a frozen VM) or hung, and must not block a take-over forever.
 LOCK_WAIT_SECONDS = 2.0
+
+
+def lock_wait(store: DurableStore) -> float:
+    """How long :func:`exclusive` waits on ``store`` by default: its ``lock_wait_s``, else
+    :data:`LOCK_WAIT_SECONDS`."""
+    wait = getattr(store, "lock_wait_s", None)
+    return LOCK_WAIT_SECONDS if wait is None else wait
+
 
 #: Polling interval bounds of a contended lock (seconds): flock has no timed wait.
 _LOCK_POLL_MIN_S, _LOCK_POLL_MAX_S = 0.001, 0.05
@@ -84,12 +92,13 @@ os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 @contextlib.contextmanager
-def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS, *, warn: bool = True) -> Iterator[bool]:
+def exclusive(store: DurableStore, rel: str, wait: Optional[float] = None, *, warn: bool = True) -> Iterator[bool]:
     """Hold an exclusive lock on the file ``rel`` of ``store`` (created if missing) while the
     block runs: ``flock`` on local files, which every process of the machine honours. On
     other filesystems ``pyarrow.fs`` has no lock: the block runs unlocked.
 
-    A holder that keeps the lock more than ``wait`` seconds -- a stopped or hung process,
+    A holder that keeps the lock more than ``wait`` seconds (default: the store's
+    :func:`lock_wait`) -- a stopped or hung process,
     which would otherwise block the writer taking its shard over forever -- is passed by:
     the block then runs unlocked, like on HDFS, with a warning. Yields whether the lock is
     held: the block decides whether going on unlocked is safe (an append is only when it is a
@@ -102,6 +111,7 @@ def exclusive(store: DurableStore, rel: str, wait: float = LOCK_WAIT_SECONDS, *,
         return
     import fcntl
 
+    wait = lock_wait(store) if wait is None else wait
     path = store.path(rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -316,13 +326,13 @@ class StoreLease:
 
     def _changed_since(self, current: Optional[LeaseRecord], read_at: float) -> bool:
         """Whether the record read as ``current`` (the read began at monotonic ``read_at``)
-        may have been replaced: when this read-decide-write took :data:`LOCK_WAIT_SECONDS` or
-        more (this process was stopped or hung inside it, lock held), another writer may have
-        passed the lock (:func:`exclusive`) and taken the expired lease meanwhile; writing over
-        its record would make both believe they hold it (the tier mover has no seal to fence
-        it). Read again then. (A stop inside the write itself is not seen: a few system calls
+        may have been replaced: when this read-decide-write took the store's lock wait
+        (:func:`lock_wait`, :data:`LOCK_WAIT_SECONDS` by default) or more (this process was
+        stopped or hung inside it, lock held), another writer may have passed the lock
+        (:func:`exclusive`) and taken the expired lease meanwhile; writing over its record would
+        make both believe they hold it (the tier mover has no seal to fence it). Read again then. (A stop inside the write itself is not seen: a few system calls
         instead of the whole block.)"""
-        return time.monotonic() - read_at >= LOCK_WAIT_SECONDS and self._read() != current
+        return time.monotonic() - read_at >= lock_wait(self.store) and self._read() != current
 
     def release(self) -> None:
         """Give the lease up if it is still ours."""

@@ -119,10 +119,16 @@ class DurableStore:
     stream_lock_wait_s : float
         How long a change of ``_stream.json`` waits for its lock (default
         :data:`STREAM_LOCK_WAIT_S`).
+    lock_wait_s : float, optional
+        How long an append or a lease change waits for a lock its holder keeps (stopped or
+        hung) before going on without it (default
+        :data:`~pyspark_acs.storage.leases.LOCK_WAIT_SECONDS`; tests pass less). Every process
+        of a store must use the same value: a lease change that took this long reads again.
+        Not carried to other processes (a pickled store has the default).
     """
 
     def __init__(self, root: str, filesystem: Optional[pafs.FileSystem] = None, *, create: bool = True,
-                 stream_lock_wait_s: float = STREAM_LOCK_WAIT_S) -> None:
+                 stream_lock_wait_s: float = STREAM_LOCK_WAIT_S, lock_wait_s: Optional[float] = None) -> None:
         if not isinstance(root, str) or not root.strip():
             raise AcsOptionError("root: the durable store root must be a non-empty URI or path", option="root")
         self.root = root
@@ -134,6 +140,7 @@ class DurableStore:
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self.create = create
         self.stream_lock_wait_s = stream_lock_wait_s
+        self.lock_wait_s = lock_wait_s  # None: LOCK_WAIT_SECONDS (leases.lock_wait)
         if not create:
             with _translate(f"stat {root}"):
                 kind = self.fs.get_file_info(self.base).type

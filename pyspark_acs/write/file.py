@@ -75,7 +75,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from pyspark_acs.errors import AppendConflictError, AppendLockBusyError, CacheError, CorruptFileError
 from pyspark_acs.format.block import HEADER_SIZE, RECOVERY_SEAL_SIZE, find_recovery_seal, parse_header
-from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS, exclusive
+from pyspark_acs.storage.leases import exclusive, lock_wait
 from pyspark_acs.storage.store import Appender, DurableStore
 
 __all__ = [
@@ -247,7 +247,7 @@ class DurableFile:
                 if not locked and not past_a_stopped_writer:
                     raise AppendLockBusyError(
                         f"{self.uri}: {_describe(start, end, messages)} not appended: another writer holds the "
-                        f"file's append lock for more than {LOCK_WAIT_SECONDS:.1f} s (stopped or hung inside "
+                        f"file's append lock for more than {lock_wait(self.store):.1f} s (stopped or hung inside "
                         f"its append, which lands once it resumes; identical bytes appended now would be "
                         f"read twice)", path=self.uri, start=start, end=end, actual_length=actual)
                 if actual != start:

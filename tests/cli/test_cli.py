@@ -300,14 +300,17 @@ def test_tail_wait_with_a_timeout_names_what_never_came(acs_inproc, root):
 # -- durations: one rule for every flag ----------------------------------------
 
 
-def test_tail_timeout_takes_a_unit_like_every_other_duration_flag(acs, tmp_path):
+def test_tail_timeout_takes_a_unit_like_every_other_duration_flag(acs_inproc, tmp_path):
     root = str(tmp_path / "store")
-    acs("produce", "--root", root, "--stream", "s", input=b"a\nb\n", check=0)
+    with Producer(root, "s") as p:
+        p.send(b"a")
+        p.send(b"b")
+    # In this process: the flag's parsing is what is tested, not a fresh interpreter's start.
     for timeout in ("300ms", "0.3s", "0.3"):  # a bare number stays seconds for a timeout
-        res = acs("tail", "--root", root, "--stream", "s", "--timeout", timeout, check=0)
-        assert res.stdout == b"a\nb\n", res.stderr
-    res = acs("tail", "--root", root, "--stream", "s", "--timeout", "soon", check=2)
-    assert "argument --timeout: 'soon' is not a duration" in res.stderr.decode()
+        code, out, err = acs_inproc("tail", "--root", root, "--stream", "s", "--timeout", timeout)
+        assert (code, out) == (0, b"a\nb\n"), err
+    code, _, err = acs_inproc("tail", "--root", root, "--stream", "s", "--timeout", "soon")
+    assert code == 2 and "argument --timeout: 'soon' is not a duration" in err, err
 
 
 def test_a_retention_without_a_unit_is_refused_naming_the_unit(acs, tmp_path):

@@ -414,7 +414,7 @@ import sys
 from pyspark_acs.errors import LeasePoisonedError
 from pyspark_acs.storage.leases import StoreLease
 from pyspark_acs.storage.store import DurableStore
-store = DurableStore(sys.argv[1])
+store = DurableStore(sys.argv[1], lock_wait_s=float(sys.argv[4]))
 lease = StoreLease(store, sys.argv[2], "mover-1", "tier mover of stream 's'", seconds=float(sys.argv[3]))
 lease.acquire()
 real_read_small = store.read_small
@@ -444,7 +444,8 @@ def test_a_holder_stopped_inside_its_renewal_does_not_take_back_a_lease_taken_pa
         root, python_exe, subprocess_env):
     """Review of 01be342: a lease holder stopped (SIGSTOP) inside its renewal, after reading
     its own record and before writing the renewed one, keeps the lock; its lease expires; a
-    second holder waits LOCK_WAIT_SECONDS, goes on unlocked and takes the expired lease. On
+    second holder waits LOCK_WAIT_SECONDS (the stores' lock wait: shortened here, the same in
+    both processes), goes on unlocked and takes the expired lease. On
     SIGCONT the first must not write its renewal over the second's record: the tier mover
     (its store lease is its only guard, no seal fences it) would then run two passes of one
     stream at once, each rewriting the shard's _tiered.json from what it read."""
@@ -453,11 +454,12 @@ def test_a_holder_stopped_inside_its_renewal_does_not_take_back_a_lease_taken_pa
 
     from pyspark_acs.server.tier.mover import TIER_LEASE_FILE
 
-    store = DurableStore(root)
+    lock_wait = 0.5  # every process of a store uses the same: the stopped one reads again after it
+    store = DurableStore(root, lock_wait_s=lock_wait)
     rel = f"s/{TIER_LEASE_FILE}"
-    seconds = 1.0
-    child = subprocess.Popen([python_exe, "-c", _STOPPED_IN_RENEW, root, rel, str(seconds)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, env=subprocess_env, text=True)
+    seconds = 0.3  # the stopped holder's lease, waited out in real time (it is in another process)
+    child = subprocess.Popen([python_exe, "-c", _STOPPED_IN_RENEW, root, rel, str(seconds), str(lock_wait)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=subprocess_env, text=True)
     try:
         assert child.stdout.readline().strip() == "STALLED"
         child.send_signal(signal.SIGSTOP)
@@ -465,7 +467,7 @@ def test_a_holder_stopped_inside_its_renewal_does_not_take_back_a_lease_taken_pa
         while time.time() <= expires:  # the stopped holder's lease runs out
             time.sleep(0.05)
         second = StoreLease(store, rel, "mover-2", "tier mover of stream 's'", seconds=30.0)
-        second.acquire()  # past the stopped holder's lock (LOCK_WAIT_SECONDS), the lease expired
+        second.acquire()  # past the stopped holder's lock (the lock wait), the lease expired
         child.send_signal(signal.SIGCONT)
         child.stdin.write("go\n")
         child.stdin.flush()

@@ -21,6 +21,7 @@ from pyspark_acs import Consumer, Producer, WriterConflictError
 from pyspark_acs.errors import StoreError
 from pyspark_acs.format.block import encode_seal
 from pyspark_acs.format.names import file_name, next_file_name, parse_file_name
+from pyspark_acs.read.consumer import TailTiming
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.file import scan_file
 from pyspark_acs.write.shard import STRAY_RETRY_S
@@ -34,8 +35,33 @@ def _lease_clock() -> FakeClock:
     return FakeClock(time.time())
 
 
-def _drain(consumer: Consumer, timeout: float) -> list:
-    return [v.decode() for b in consumer.batches(timeout=timeout) for v in b.column("value").to_pylist()]
+#: How long a drain waits for the messages it expects (only a failing test waits it out).
+WAIT_S = 30.0
+#: How long a reader must then stay without new messages: time to meet a message that should
+#: not be there (at most a listing back-off and a look for a later file, _TIMING, away).
+SETTLE_S = 0.5
+#: The readers' timing: a reader stuck at the end of an unsealed file looks for a later file
+#: after 0.1 s, not 1 s, so a settle meets what lies behind such a file.
+_TIMING = TailTiming(unfinished_check_s=(0.1, 0.4))
+
+
+def _reader(root: str) -> Consumer:
+    return Consumer(root, "s", start="earliest", timing=_TIMING)
+
+
+def _drain(consumer: Consumer, count: int = 0, settle: float = 0.0) -> list:
+    """The values ``consumer`` delivers next: until ``count`` of them came (AssertionError after
+    WAIT_S without a message), then until none came for ``settle`` seconds."""
+    got: list = []
+    if count > 0:
+        for b in consumer.batches(timeout=WAIT_S):
+            got += [v.decode() for v in b.column("value").to_pylist()]
+            if len(got) >= count:
+                break
+        assert len(got) >= count, f"expected {count} more messages, got {got} in {WAIT_S} s"
+    if settle > 0:
+        got += [v.decode() for b in consumer.batches(timeout=settle) for v in b.column("value").to_pylist()]
+    return got
 
 
 @pytest.mark.parametrize("variant", ["stall_before_naming", "stall_after_naming"])
@@ -64,7 +90,7 @@ def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
             return original(name, length, index)
 
         writer._open = slow_open
-    live = Consumer(root, "s", start="earliest")
+    live = _reader(root)
     deposed.send(b"d1")
     outcome = {}
 
@@ -84,12 +110,14 @@ def test_deposed_writer_never_starts_an_unfenced_file(root, variant):
     taken_over.set()
     successor.send(b"r1")
     successor.flush()
-    seen = _drain(live, 0.3)
+    # A look, not a wait for r1: the live reader may wait at an empty stray of the deposed
+    # writer (variant B) until the successor's next claim seals it.
+    seen = _drain(live, settle=0.3)
     flusher.join(10)
     successor.send(b"r2")
     successor.flush()
-    seen += _drain(live, 1.5)
-    fresh = _drain(Consumer(root, "s", start="earliest"), 1.5)
+    seen += _drain(live, 2 - len(seen), SETTLE_S)
+    fresh = _drain(_reader(root), 2, SETTLE_S)
     successor.close()
     with pytest.raises(WriterConflictError):
         deposed.close()
@@ -110,8 +138,8 @@ def test_lease_holder_moves_past_a_deposed_writers_later_file(root, monkeypatch)
     deposed.send(b"d0")
     deposed.flush()
     taken_over = stall_at_next_lease_check(deposed._shards[0].writer)  # past its lease
-    live = Consumer(root, "s", start="earliest")
-    seen = _drain(live, 0.5)
+    live = _reader(root)
+    seen = _drain(live, 1)
     clock.advance(1.2)  # the deposed writer's lease runs out
     successor = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r", lease_clock=clock)
     taken_over.set()
@@ -119,15 +147,15 @@ def test_lease_holder_moves_past_a_deposed_writers_later_file(root, monkeypatch)
     late = later_files_at_first_open(monkeypatch, writer, ["d"])  # before our claim
     successor.send(b"r1")
     successor.flush()  # failed before: the successor took the later file for a successor's
-    seen += _drain(live, 1.5)
+    seen += _drain(live, 2 - len(seen))
     files = writer.files()
     assert late and late[0] in files and files[-1] > late[0]
     for name in files:
         assert scan_file(writer.store, f"{writer.dir}/{name}").sealed or name == files[-1], name
     successor.send(b"r2")
     successor.flush()
-    seen += _drain(live, 1.5)
-    fresh = _drain(Consumer(root, "s", start="earliest"), 1.5)
+    seen += _drain(live, 3 - len(seen), SETTLE_S)
+    fresh = _drain(_reader(root), 3, SETTLE_S)
     successor.close()
     with pytest.raises(WriterConflictError):  # the deposed writer stops at its lease check
         deposed.close()
@@ -167,7 +195,7 @@ def test_a_later_file_that_cannot_be_sealed_strands_no_file(root, monkeypatch, l
     third.flush()
     third.close()
     assert [f for f in writer.files() if not scan_file(store, f"{writer.dir}/{f}").sealed] == []
-    assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["d0", "t1"]
+    assert _drain(_reader(root), 2, SETTLE_S) == ["d0", "t1"]
 
 
 def test_a_deposed_writers_file_named_before_ours_is_sealed_at_our_next_file(root):
@@ -190,7 +218,7 @@ def test_a_deposed_writers_file_named_before_ours_is_sealed_at_our_next_file(roo
     successor.send(b"r2")
     successor.flush()
     assert scan_file(writer.store, f"{writer.dir}/{stray}").sealed
-    assert _drain(Consumer(root, "s", start="earliest"), 1.5) == ["r1", "r2"]
+    assert _drain(_reader(root), 2, SETTLE_S) == ["r1", "r2"]
     successor.close()
 
 
@@ -203,8 +231,8 @@ def test_a_stray_before_our_file_is_sealed_by_the_next_writers_recovery(root):
     first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="r")
     first.send(b"r1")
     first.flush()
-    live = Consumer(root, "s", start="earliest")  # follows through the stray and the restart
-    seen = _drain(live, 0.5)
+    live = _reader(root)  # follows through the stray and the restart
+    seen = _drain(live, 1)
     writer = first._shards[0].writer
     created = parse_file_name(writer.files()[-1]).created - datetime.timedelta(microseconds=1)
     stray = file_name(created, "d")
@@ -216,8 +244,8 @@ def test_a_stray_before_our_file_is_sealed_by_the_next_writers_recovery(root):
     restarted.flush()
     restarted.close()
     assert scan_file(writer.store, f"{writer.dir}/{stray}").sealed
-    seen += _drain(live, 1.5)
-    fresh = _drain(Consumer(root, "s", start="earliest"), 1.5)
+    seen += _drain(live, 2 - len(seen), SETTLE_S)
+    fresh = _drain(_reader(root), 2, SETTLE_S)
     assert seen == fresh == ["r1", "r2"]
     live.close()
 
@@ -259,8 +287,8 @@ def test_a_stray_that_cannot_be_sealed_yet_does_not_stop_the_next_writer(root, m
     first.send(b"r1")
     first.flush()
     first.close()
-    live = Consumer(root, "s", start="earliest")  # follows through the refused stray
-    seen = _drain(live, 0.5)
+    live = _reader(root)  # follows through the refused stray
+    seen = _drain(live, 1)
     store = open_store(root)
     created = parse_file_name(store.list_files("s", 0)[-1]).created - datetime.timedelta(microseconds=1)
     stray = file_name(created, "d")
@@ -283,8 +311,8 @@ def test_a_stray_that_cannot_be_sealed_yet_does_not_stop_the_next_writer(root, m
         assert time.monotonic() < deadline, refused
         time.sleep(0.1)
     assert len(refused) == 2
-    seen += _drain(live, 1.5)
-    fresh = _drain(Consumer(root, "s", start="earliest"), 1.5)
+    seen += _drain(live, 2 - len(seen), SETTLE_S)
+    fresh = _drain(_reader(root), 2, SETTLE_S)
     assert seen == fresh == ["r1", "t1"]
     successor.close()
     live.close()
@@ -330,8 +358,8 @@ def test_a_file_sealed_unused_after_a_crashed_writers_file_does_not_hide_it(root
     first = Producer(root, "s", 1, lease_seconds=1.0, writer_id="w", lease_clock=clock)
     first.send(b"w0")
     first.flush()
-    live = Consumer(root, "s", start="earliest")  # waits at the end of w's file through the crash
-    seen = _drain(live, 0.5)
+    live = _reader(root)  # waits at the end of w's file through the crash
+    seen = _drain(live, 1)
     writer = first._shards[0].writer
     full = writer.file
     resumed = stall_at_next_lease_check(writer)  # w crashed (stalls here) with its file unsealed
@@ -346,7 +374,7 @@ def test_a_file_sealed_unused_after_a_crashed_writers_file_does_not_hide_it(root
     resumed.set()
     with contextlib.suppress(WriterConflictError):
         first.close()
-    seen += _drain(live, 1.5)
-    fresh = _drain(Consumer(root, "s", start="earliest"), 1.5)
+    seen += _drain(live, 2 - len(seen), SETTLE_S)
+    fresh = _drain(_reader(root), 2, SETTLE_S)
     assert seen == fresh == ["w0", "t1"]
     live.close()

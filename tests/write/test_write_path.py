@@ -36,6 +36,10 @@ from pyspark_acs.write.shard import ShardWriter
 from tests.helpers import LOCK_HOLDER, FakeClock, stop_process
 
 WAIT_S = 20.0
+#: The lock wait of the stores whose take-over passes a stopped writer's lock (DurableStore's
+#: lock_wait_s): shorter than LOCK_WAIT_SECONDS, so those tests do not wait out 2 s each; the
+#: stopped holder keeps its lock however long the wait is.
+LOCK_WAIT_S = 0.5
 
 
 class Follower:
@@ -372,10 +376,9 @@ p = Producer(sys.argv[1], "lockstall", lease_seconds=0.6)
 def test_takeover_of_a_producer_stopped_holding_its_append_lock(tmp_path, root, python_exe, subprocess_env):
     """A producer process stopped (SIGSTOP) in the middle of its append, holding the flock of
     its file, must not block the producer taking the shard over: the successor's recovery
-    seal waits LOCK_WAIT_SECONDS for the lock, then lands unlocked. On SIGCONT the stopped
-    append lands after the seal and is refused; readers never see it."""
-    from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS
-
+    seal waits its store's lock wait (LOCK_WAIT_SECONDS by default, LOCK_WAIT_S here) for the
+    lock, then lands unlocked. On SIGCONT the stopped append lands after the seal and is
+    refused; readers never see it."""
     child_log = tmp_path / "child.log"
     with open(child_log, "wb") as err_file:
         child = subprocess.Popen([python_exe, "-c", _LOCK_STALLING_CHILD, root], stdin=subprocess.PIPE,
@@ -394,14 +397,15 @@ def test_takeover_of_a_producer_stopped_holding_its_append_lock(tmp_path, root, 
         def take_over() -> None:
             while True:
                 try:
-                    made.append(Producer(root, "lockstall", lease_seconds=0.6))
+                    made.append(Producer(DurableStore(root, lock_wait_s=LOCK_WAIT_S), "lockstall",
+                                         lease_seconds=0.6))
                     return
                 except WriterConflictError:  # its lease has not expired yet
                     time.sleep(0.05)
 
         taker = threading.Thread(target=take_over, daemon=True)
         taker.start()
-        taker.join(LOCK_WAIT_SECONDS + WAIT_S)
+        taker.join(LOCK_WAIT_S + WAIT_S)
         assert made, "the take-over is blocked by the stopped producer's append lock"
         with made[0] as second:
             for i in range(10):
@@ -941,10 +945,11 @@ w.close(seal=False)
 
 def test_a_retry_that_passes_a_stopped_writers_append_lock_never_duplicates_its_identical_bytes(
         tmp_path, root, python_exe, subprocess_env):
-    """Review of 01be342 (the append lock waits LOCK_WAIT_SECONDS, then the block runs
-    unlocked). A writer (here the sink's commit: a batch continued from its intent, with
-    deterministic bytes; a copy operation appending the same source bytes is the same case)
-    is stopped inside its append after the file-length check, the lock held. Its successor
+    """Review of 01be342 (the append lock waits LOCK_WAIT_SECONDS -- the store's lock wait,
+    LOCK_WAIT_S here -- then the block runs unlocked). A writer (here the sink's commit: a
+    batch continued from its intent, with deterministic bytes; a copy operation appending the
+    same source bytes is the same case) is stopped inside its append after the file-length
+    check, the lock held. Its successor
     continues the same file with the same bytes (recover(resume=...)) once the lease is its
     own. No seal separates the two: if the successor appends unlocked, the stopped writer's
     append lands right after it on SIGCONT, its post-append check reads the successor's
@@ -958,7 +963,7 @@ def test_a_retry_that_passes_a_stopped_writers_append_lock_never_duplicates_its_
     from pyspark_acs.format.names import next_file_name
 
     stream, name = "resumed", next_file_name([], "sink")
-    store = DurableStore(root)
+    store = DurableStore(root, lock_wait_s=LOCK_WAIT_S)
     store.create_stream(stream, 1)
     first = encode_block([b"m-0"], first_index=0, timestamps=[1])
     second = encode_block([b"m-1"], first_index=1, timestamps=[2])
@@ -1039,10 +1044,9 @@ def test_an_append_past_a_lock_held_by_a_stopped_process_is_refused_and_appends_
     the copy writer answers FAILED on and the sink's commit fails with): it names the file, the
     bytes and the lock, and nothing lands; a recovery seal (past_a_stopped_writer) lands."""
 
-    from pyspark_acs.storage.leases import LOCK_WAIT_SECONDS
     from pyspark_acs.errors import AppendLockBusyError
 
-    store = DurableStore(root)
+    store = DurableStore(root, lock_wait_s=LOCK_WAIT_S)
     store.create_stream("busy", 1)
     rel = "busy/00000/20260101T000000000000Z-w.acs"
     block = encode_block([b"a", b"b"], None, [1, 2])
@@ -1056,7 +1060,7 @@ def test_an_append_past_a_lock_held_by_a_stopped_process_is_refused_and_appends_
         began = time.monotonic()
         with pytest.raises(AppendLockBusyError) as err:
             f.append(encode_block([b"c"], None, [3], first_index=2), messages=(2, 1))
-        assert time.monotonic() - began >= LOCK_WAIT_SECONDS * 0.9
+        assert time.monotonic() - began >= LOCK_WAIT_S * 0.9  # it waited the store's lock wait
         msg = str(err.value)
         assert rel in msg and "messages 2..2" in msg and "append lock" in msg, msg
         assert store.length(rel) == len(block)  # nothing appended
