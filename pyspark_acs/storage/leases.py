@@ -330,8 +330,9 @@ class StoreLease:
         (:func:`lock_wait`, :data:`LOCK_WAIT_SECONDS` by default) or more (this process was
         stopped or hung inside it, lock held), another writer may have passed the lock
         (:func:`exclusive`) and taken the expired lease meanwhile; writing over its record would
-        make both believe they hold it (the tier mover has no seal to fence it). Read again then. (A stop inside the write itself is not seen: a few system calls
-        instead of the whole block.)"""
+        make both believe they hold it (the tier mover has no seal to fence it). Read again
+        then. (A stop inside the write itself is not seen: a few system calls instead of the
+        whole block.)"""
         return time.monotonic() - read_at >= lock_wait(self.store) and self._read() != current
 
     def release(self) -> None:
