@@ -17,7 +17,7 @@ from typing import List
 
 import pytest
 
-from tests.helpers import Collector, Sender, assert_exact, free_port, msg, wait_until
+from tests.helpers import Collector, Sender, assert_exact, free_port, msg, stop_process, wait_until
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.read.cachepath import CachedReadPath
 from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkWriter, chunk_key
@@ -798,7 +798,7 @@ def test_a_burst_whose_cache_writes_stall_waits_at_the_bound_and_then_publishes_
             target=col.until, args=(lambda: len(col.values) >= len(values), 60, "every message"), daemon=True)
         following.start()  # the consumer follows the file from before the stall to its end
         for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
+            stop_process(pid)
         try:
             thread = threading.Thread(target=write, daemon=True)
             thread.start()

@@ -27,7 +27,7 @@ from pyspark_acs.server.local.deploy import LocalDeployment
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.write.producer import Producer
 
-from tests.helpers import Collector, FakeClock, Sender, assert_exact, msg, wait_until
+from tests.helpers import Collector, FakeClock, Sender, assert_exact, msg, stop_process, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -519,7 +519,7 @@ def test_reader_keeps_every_message_while_replicas_die_and_return(dep, root, rol
             if how == "kill":
                 dep.kill(r, index[r], signal.SIGKILL)
             else:
-                os.kill(dep.server(r, index[r]).pid, signal.SIGSTOP)
+                stop_process(dep.server(r, index[r]).pid)
         seen = len(col.values)
         try:
             col.until(lambda: len(col.values) >= seen + 1000, 30, "messages with a replica dead")
@@ -550,7 +550,7 @@ def test_a_stalled_data_replica_loses_its_followers_to_the_next_replica(dep, roo
         index = followed_replica(dep, c)
         stopped = dep.endpoints("data")[index]
         moves = feed.moves
-        os.kill(dep.server("data", index).pid, signal.SIGSTOP)
+        stop_process(dep.server("data", index).pid)
         try:
             col.until(lambda: feed.moves > moves, 30, "the file moving off the stalled replica")
             with feed._lock:  # the feed is the process's: other tests' files may be in it
@@ -582,7 +582,7 @@ def test_a_file_followed_on_a_replica_that_never_answers_moves_to_the_next(dep, 
                if pick_replica(feed.client.replicas_for(chunk_key(u, 0)), u) == stopped)
     piece = bytes(range(256)) * 16  # 4 KiB
     data = b""
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         writer = ChunkWriter(writer_client, uri)
         feed.follow(uri, 1, 0)
@@ -624,7 +624,7 @@ def test_a_reader_the_caches_fail_reads_the_store_alone_for_a_hold_then_returns(
             col.until(lambda: len(col.values) >= 500 and col.stat("pushed_bytes") > 0, 30, "first pushed messages")
             uri = p.store.uri(f"{shard_dir('held', 0)}/{p.current_files()[0]}")
             for pid in pids:
-                os.kill(pid, signal.SIGSTOP)
+                stop_process(pid)
             stopped = time.monotonic()
             try:
                 col.until(lambda: col.stat("store_holds") >= 1, 30, "a store hold")
@@ -677,7 +677,7 @@ def test_a_producer_acknowledging_at_the_durable_append_does_not_wait_on_stalled
         published.flush()
         col.until(lambda: len(col.values) == 1, 20, "the first message")
         for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
+            stop_process(pid)
         try:
             slowest = 0.0
             for n in range(1, 21):
@@ -1634,7 +1634,7 @@ def test_a_watched_reader_keeps_every_message_while_a_metadata_replica_dies_and_
             if how == "kill":
                 d.kill("metadata", 0, signal.SIGKILL)
             else:
-                os.kill(pid, signal.SIGSTOP)
+                stop_process(pid)
             seen = len(col.values)
             try:
                 if how == "kill":
@@ -1768,7 +1768,7 @@ def test_a_consumer_connects_to_its_caches_when_created(dep, root):
         assert c.poll() == []  # no file yet
     stopped = [dep.server("data", 2), dep.server("metadata", 2)]
     for server in stopped:
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
     try:
         began = time.monotonic()
         c = Consumer(root, "early", **endpoints(dep))

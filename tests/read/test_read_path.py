@@ -36,7 +36,7 @@ from pyspark_acs.read.cachepath import (OVERLOAD_PATIENCE_S, SLOW_RETRY_MIN_S, S
 from pyspark_acs.server.local.deploy import LocalDeployment
 from pyspark_acs.storage.store import DurableStore
 
-from tests.helpers import FakeClock, free_port
+from tests.helpers import FakeClock, free_port, stop_process
 
 WAIT_S = 20.0
 
@@ -677,7 +677,7 @@ def _stopped(root, caches, deployment, role: str):
     try:
         length = path.lengths([rel])[rel]
         assert length > 0
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         try:
             yield path, clock, rel, length
         finally:
