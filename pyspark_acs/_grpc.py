@@ -58,6 +58,20 @@ LEGACY_POLLING_GRPCIO = ((1, 85), (1, 86))
 
 
 def _grpcio_version() -> tuple:
+    # grpc/_grpcio_metadata.py, read without importing grpc (the core must not load before the
+    # variables are set) or importlib.metadata (25 ms in every process of this package).
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("grpc")
+        path = os.path.join(os.path.dirname(spec.origin), "_grpcio_metadata.py")
+        with open(path, encoding="utf-8") as f:
+            found = re.search(r"__version__\s*=\s*[\"']+(\d+)\.(\d+)", f.read())
+        if found:
+            return int(found.group(1)), int(found.group(2))
+    except (AttributeError, ImportError, OSError, TypeError, ValueError):
+        pass
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -808,6 +808,19 @@ def test_a_read_with_no_hedge_to_send_is_made_on_the_calling_thread(cluster):
             assert len(submitted) == 2 * pooled, hedge_after
 
 
+def test_the_grpcio_version_read_without_importing_grpc_is_the_installed_one(subprocess_env, python_exe):
+    """pyspark_acs reads grpcio's version from its metadata file before grpc is imported (and
+    without importlib.metadata): the same (major, minor) as the installed distribution's."""
+    from importlib.metadata import version
+
+    code = ("import sys; from pyspark_acs._grpc import _grpcio_version; "
+            "print(repr((_grpcio_version(), 'importlib.metadata' in sys.modules)))")
+    run = subprocess.run([python_exe, "-c", code], env=subprocess_env, capture_output=True, timeout=60)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    want = tuple(int(x) for x in version("grpcio").split(".")[:2])
+    assert run.stdout.decode().strip() == repr((want, False))
+
+
 EXPERIMENTS_CLIENT = """
 import os, sys
 from pyspark_acs._grpc import EXPERIMENTS_APPLIED, EXPERIMENTS_ENV
