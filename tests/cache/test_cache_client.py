@@ -428,7 +428,7 @@ def test_a_relaxed_read_that_fails_reports_what_each_replica_said(cluster):
         assert info.value.__cause__ is not None
     with CacheClient(cluster.data_endpoints, deadline=10.0) as c:
         c.put([(b"timed-out", b"v", 1)])  # connected while they answer, at a deadline load meets
-        c.deadline = 0.5
+        c.deadline = 0.5  # calls read it when they start (probes keep 10 s; none runs here)
         stopped = [cluster.server("data", i) for i in range(3)]
         for server in stopped:
             stop_process(server.pid)
@@ -808,17 +808,25 @@ def test_a_read_with_no_hedge_to_send_is_made_on_the_calling_thread(cluster):
             assert len(submitted) == 2 * pooled, hedge_after
 
 
-def test_the_grpcio_version_read_without_importing_grpc_is_the_installed_one(subprocess_env, python_exe):
+@pytest.mark.parametrize("metadata_file", [True, False], ids=["metadata-file", "fallback"])
+def test_the_grpcio_version_read_without_importing_grpc_is_the_installed_one(subprocess_env, python_exe,
+                                                                              tmp_path, metadata_file):
     """pyspark_acs reads grpcio's version from its metadata file before grpc is imported (and
-    without importlib.metadata): the same (major, minor) as the installed distribution's."""
+    without importlib.metadata): the same (major, minor) as the installed distribution's. A
+    grpc package without that file (here a shadowing one) falls back to importlib.metadata."""
     from importlib.metadata import version
 
+    env = dict(subprocess_env)
+    if not metadata_file:
+        (tmp_path / "grpc").mkdir()
+        (tmp_path / "grpc" / "__init__.py").write_text("")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     code = ("import sys; from pyspark_acs._grpc import _grpcio_version; "
             "print(repr((_grpcio_version(), 'importlib.metadata' in sys.modules)))")
-    run = subprocess.run([python_exe, "-c", code], env=subprocess_env, capture_output=True, timeout=60)
+    run = subprocess.run([python_exe, "-c", code], env=env, capture_output=True, timeout=60)
     assert run.returncode == 0, run.stderr.decode()[-2000:]
     want = tuple(int(x) for x in version("grpcio").split(".")[:2])
-    assert run.stdout.decode().strip() == repr((want, False))
+    assert run.stdout.decode().strip() == repr((want, not metadata_file))
 
 
 EXPERIMENTS_CLIENT = """
