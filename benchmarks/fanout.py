@@ -54,8 +54,8 @@ Producer's own batching cuts the blocks; ``close()`` flushes at the end). Redis 
 ``XADD`` pipeline every 10 ms either way, its normal use.
 
 ``--mode spike`` (default ``steady``: all of the above) measures N consumers joining a running
-stream at once. The N consumer processes start first with everything imported (pyspark_acs
-and grpc, or redis) but nothing connected, say ready and wait on the board (the shared
+stream at once. The N consumer processes start first with everything imported (pyspark_acs,
+grpc and the generated protobuf modules, or redis) but nothing connected, say ready and wait on the board (the shared
 memory map) for the join. The parent starts the producer, waits ``--join-after`` seconds
 (default 3: past the producer's start-up), stores the join time and sets the join; every
 consumer then creates ``Consumer(root, stream, start="latest", data_cache=...,
@@ -81,7 +81,9 @@ sends it). Per column and N it prints:
 - connect ms: from the join to that moment, p50 and max over the consumers (for Redis it
   includes waiting for the next pipeline, up to 10 ms).
 
-The grpc floor columns are skipped in a spike (no latest position, no sequences).
+``grpc3`` joins in our deployment's shape: each consumer connects to all six relays (a
+Consumer's connect: 3 data + 3 metadata replicas) and follows one from its next flush on; ready
+when the follow is up. ``grpc`` (one relay) is skipped in a spike.
 
 No assertion is timed here; an honest miss is printed as it is.
 """
@@ -128,8 +130,8 @@ SLOW_MS = 50.0
 COLUMNS = ("caches", "durable", "redis", "grpc", "grpc3")
 #: ``--mode``: consumers there from the start (steady), or all joining a running producer (spike).
 MODES = ("steady", "spike")
-#: The columns a spike runs: the grpc floor has no "latest" to join at nor sequences to count.
-SPIKE_COLUMNS = ("caches", "durable", "redis")
+#: The columns a spike runs (the one-relay grpc floor has no shape of ours to join in).
+SPIKE_COLUMNS = ("caches", "durable", "redis", "grpc3")
 #: ``--producer`` (our columns): send_many + flush every FLUSH_EVERY_S, or send() per message.
 PRODUCERS = ("tuned", "default")
 #: How long a consumer may take to stop after the end before it is killed (seconds).
@@ -148,11 +150,11 @@ JOIN_LATE_S = 60.0
 # -- child processes --------------------------------------------------------------------------
 
 
-def _floor_payload(count: int, now_us: int) -> bytes:
-    """``count`` messages for the grpc floor column: each starts with its send time as 8 bytes
-    (little-endian microseconds), read back vectorized."""
-    one = now_us.to_bytes(8, "little") + b"x" * (MESSAGE_BYTES - 8)
-    return one * count
+def _floor_payload(count: int, now_us: int, first: int = 0) -> bytes:
+    """``count`` messages for the grpc floor column: each starts with its send time and its
+    sequence (from ``first``), 8 bytes each (little-endian), read back vectorized."""
+    stamp, fill = now_us.to_bytes(8, "little"), b"x" * (MESSAGE_BYTES - 16)
+    return b"".join(stamp + (first + i).to_bytes(8, "little") + fill for i in range(count))
 
 
 def _payload(i: int, now_us: int) -> bytes:
@@ -214,6 +216,8 @@ class _Tally:
         #: In a spike: when the consumer could receive (Consumer() returned; Redis: the first
         #: XREAD from ``$`` that returned entries), µs; the sequences received, per batch.
         self.ready_us: Optional[int] = None
+        #: In a spike: when the first message sent after the join was received (µs).
+        self.first_us: Optional[int] = None
         self._seq_parts: List[Any] = []
         self.next_seq = 0
         self.last_at = 0.0
@@ -271,6 +275,8 @@ class _Tally:
             kept = sent_us[sent_us - self.first_sent_us >= WARMUP_S * 1e6]
         else:
             kept = sent_us[(sent_us >= self.window[0]) & (sent_us < self.window[1])]
+            if self.first_us is None and len(kept):
+                self.first_us = now_us
             if seqs is not None and len(seqs):
                 self._seq_parts.append(np.array(seqs, dtype=np.int64))  # a copy: not the batch's buffer
                 self.next_seq = max(self.next_seq, int(self._seq_parts[-1].max()) + 1)
@@ -399,8 +405,23 @@ def run_consumer(args: argparse.Namespace) -> int:
         import _grpc_floor
 
         relays = args.floor_endpoint.split(",")
+        import grpc._channel  # noqa: F401  (imported before the join, as ours)
+
+        if spike and not join():
+            return _write_result(args, tally, extra)
         ch = _grpc_floor.channel(relays[args.index % 3] if args.kind == "grpc3" else relays[0])
+        others: List[Any] = []
+        if spike:
+            # A join in our deployment's shape: connected to all six servers (as a Consumer's
+            # connect: 3 data + 3 metadata replicas), then following one. The floor's least.
+            from pyspark_acs._grpc import grpc
+
+            others = [_grpc_floor.channel(ep) for ep in relays if ep != relays[args.index % 3]]
+            for other in others:
+                grpc.channel_ready_future(other).result(timeout=30)
         pushed = _grpc_floor.follow(ch)
+        if spike:
+            tally.ready_us = time.time_ns() // 1000  # subscribed: every later flush comes
         done = threading.Event()
 
         def watch_stop() -> None:  # the push stream blocks: end it when the parent says so
@@ -410,18 +431,20 @@ def run_consumer(args: argparse.Namespace) -> int:
             pushed.cancel()
 
         threading.Thread(target=watch_stop, daemon=True).start()
-        print("ready", flush=True)
+        if not spike:
+            print("ready", flush=True)
         try:
             for message in pushed:
                 now_us = time.time_ns() // 1000
-                sent = np.frombuffer(message, dtype=np.int64).reshape(-1, MESSAGE_BYTES // 8)[:, 0]
-                tally.add_many(sent, now_us, len(message))
+                heads = np.frombuffer(message, dtype=np.int64).reshape(-1, MESSAGE_BYTES // 8)
+                tally.add_many(heads[:, 0], now_us, len(message), heads[:, 1] if spike else None)
                 tally.last_at = time.time()
                 tally.tick()
         except Exception:
             if not done.is_set():
                 raise
-        ch.close()
+        for c in [ch] + others:
+            c.close()
     else:
         from pyspark_acs import Consumer
 
@@ -434,6 +457,11 @@ def run_consumer(args: argparse.Namespace) -> int:
                 # Consumer's connect (channels to the six servers) is what the join measures.
                 import pyspark_acs.read.cachepath  # noqa: F401
                 from pyspark_acs._grpc import grpc  # noqa: F401
+                # The generated protobuf modules and the push streams too: what the first call
+                # imports (half a Consumer()'s CPU here when left to the join).
+                import grpc._channel  # noqa: F401
+                import pyspark_acs.cache.push  # noqa: F401
+                from pyspark_acs.cache.proto import acs_pb2_grpc  # noqa: F401
             if not join():
                 return _write_result(args, tally, extra)
             kw["start"] = "latest"
@@ -485,7 +513,8 @@ def _write_result(args: argparse.Namespace, tally: _Tally, extra: Dict[str, Any]
               "worst": tally.worst, "steady_durable_bytes": extra.get("steady_durable_bytes", 0),
               "steady_store_holds": extra.get("steady_store_holds", 0)}
     if tally.window is not None:
-        result.update(sample_seconds=seconds, largest=tally.largest, ready_us=tally.ready_us, runs=tally.runs)
+        result.update(sample_seconds=seconds, largest=tally.largest, ready_us=tally.ready_us, runs=tally.runs,
+                      first_us=tally.first_us)
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
@@ -538,10 +567,13 @@ def run_producer(args: argparse.Namespace) -> int:
         # grpc: one relay. grpc3: the flush to the three data relays, then a length to the three
         # metadata relays, each acknowledged by all three before the next step.
         steps = [pubs] if args.kind == "grpc" else [pubs[:3], pubs[3:]]
-        while time.monotonic() < end:
+        while producing():
             due = int((time.monotonic() - started) * rate)
             if due > sent:
-                payload = _floor_payload(due - sent, time.time_ns() // 1000)
+                now_us = time.time_ns() // 1000
+                payload = _floor_payload(due - sent, now_us, sent)
+                if spike:
+                    stamps.extend([now_us] * (due - sent))
                 t0 = time.monotonic()
                 for step, message in zip(steps, (payload, due.to_bytes(8, "little"))):
                     for pub in step:
@@ -753,7 +785,10 @@ def _spike_figures(results: List[Dict[str, Any]], stamps: "Any", join_us: int, d
             per_second.setdefault(sec, []).append(ms)
     missing = 0
     connect: List[float] = []
+    first_ms: List[float] = []  # from ready to the first message received
     for r in results:
+        if r["ready_us"] is not None and r.get("first_us") is not None:
+            first_ms.append((r["first_us"] - r["ready_us"]) / 1000.0)
         # A consumer that never could receive (Redis: no entries came) owed all after the join.
         ready = r["ready_us"] if r["ready_us"] is not None else join_us
         if r["ready_us"] is not None:
@@ -769,6 +804,8 @@ def _spike_figures(results: List[Dict[str, Any]], stamps: "Any", join_us: int, d
         "missing": missing,
         "connect_p50": percentile(connect, 50),
         "connect_max": max(connect) if connect else float("nan"),
+        "first_p50": percentile(first_ms, 50),
+        "first_max": max(first_ms) if first_ms else float("nan"),
         "durable_pct": 100.0 * sum(r["durable_bytes"] for r in results) / max(delivered, 1),
     }
 
@@ -884,7 +921,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.mode == "spike":
         skipped = [c for c in columns if c not in SPIKE_COLUMNS]
         if skipped:
-            notes.append(f"{','.join(skipped)} skipped in a spike: the grpc floor has no latest position to join at "
+            notes.append(f"{','.join(skipped)} skipped in a spike: the one-relay floor has no shape of ours to join in "
                          "nor sequences to count missing messages by")
         columns = [c for c in columns if c in SPIKE_COLUMNS]
     args.drain = 2 * args.seconds if args.drain is None else args.drain
@@ -943,7 +980,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if args.mode == "spike":
                     progress(f"{kind} N={n} per second since the join, p99 ms: "
                              + " ".join(f"{sec}:{ms:.1f}" for sec, ms in r["second_p99"].items())
-                             + f"; connect p50 {r['connect_p50']:.0f} ms, max {r['connect_max']:.0f} ms")
+                             + f"; connect p50 {r['connect_p50']:.0f} ms, max {r['connect_max']:.0f} ms"
+                             + f"; first message after it p50 {r['first_p50']:.0f} ms, max {r['first_max']:.0f} ms")
                 progress(f"{kind} N={n}: {r['mb_s']:.1f} MB/s, p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, "
                          f"missing {r['missing']}"
                          + (f", producer flush p50 {r['flush_p50']:.1f} ms p99 {r['flush_p99']:.1f} ms"

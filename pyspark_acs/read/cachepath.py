@@ -35,6 +35,7 @@ from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Sequenc
 from pyspark_acs import _fork
 from pyspark_acs.cache.client import CacheClient, client_for
 from pyspark_acs.cache.chunks import ChunkReader
+from pyspark_acs.cache.endpoints import parse_endpoints
 from pyspark_acs.cache.feed import ChunkFeed, holds_whole_files
 from pyspark_acs.errors import CacheError, CacheTimeoutError
 from pyspark_acs.cache.metadata import MetadataCache
@@ -217,23 +218,36 @@ class CachedReadPath:
         #: The process that made this path: the only one with its feed's and poller's threads.
         self._made = _fork.mark()
         self._own = []
-        self.data = client_for(data_cache, "data cache", self._own, token, security)
-        meta = client_for(metadata_cache, "metadata cache", self._own, token, security)
-        self.meta = MetadataCache(meta) if meta else None
-        # Readers given endpoint strings share the process's poller; a caller-made client
-        # (tests, the copy daemon's own poller) is read directly.
+        # Readers given endpoint strings share the process's poller and feed, and read through
+        # their clients: one channel per replica in the process, not one per client (a
+        # joining reader's connect is most of what it costs, and each channel is a connection
+        # every replica serves). A caller-made client (tests, the copy daemon's own poller) is
+        # read directly.
+        given = {"data": _endpoint_string(data_cache), "meta": _endpoint_string(metadata_cache)}
         self.poller: Optional[LengthPoller] = poller
-        if poller is None and meta is not None and shared_poller and not isinstance(metadata_cache, CacheClient):
-            self.poller = LengthPoller.shared(meta.endpoints, security=meta.security)
-        self.chunks = ChunkReader(self.data) if self.data else None
+        if poller is None and shared_poller and given["meta"]:
+            self.poller = LengthPoller.shared(given["meta"], token=token, security=security)
+            meta: Optional[CacheClient] = self.poller.meta.client
+        else:
+            meta = client_for(metadata_cache, "metadata cache", self._own, token, security)
+        self.meta = MetadataCache(meta) if meta else None
         # Bytes are pushed only where the replica a feed follows holds every chunk of a file
         # (no more data replicas than the replication factor). With more, a file's chunks are
         # spread over them; the feed stops at each chunk its replica lacks, and each reader
         # passing one would reopen the Follow call many times a second: such a deployment
         # reads by asking, its lengths still pushed.
         self.feed: Optional[ChunkFeed] = None
-        if push and self.data and holds_whole_files(self.data):
-            self.feed = feed if feed is not None else ChunkFeed.shared(self.data.endpoints, security=self.data.security)
+        if push and feed is None and given["data"]:
+            shared = ChunkFeed.shared(given["data"], token=token, security=security)
+            self.data: Optional[CacheClient] = shared.client
+            if holds_whole_files(self.data):
+                self.feed = shared
+        else:
+            self.data = client_for(data_cache, "data cache", self._own, token, security)
+            if push and self.data and holds_whole_files(self.data):
+                self.feed = feed if feed is not None else ChunkFeed.shared(self.data.endpoints,
+                                                                           security=self.data.security)
+        self.chunks = ChunkReader(self.data) if self.data else None
         # rel -> the readers of it this path follows in the feed (guarded by _lock)
         self._fed: Dict[str, Set[Hashable]] = {}
         self._closed = False  # set by close(): expect() follows nothing after it
@@ -780,3 +794,11 @@ class ReaderView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.path, name)
+
+
+def _endpoint_string(value: Any) -> Optional[Tuple[str, ...]]:
+    """The endpoints of a cache option given as endpoints (a string or a sequence of
+    ``host:port``), validated; None for no cache or a caller-made client."""
+    if value is None or value == "" or isinstance(value, CacheClient):
+        return None
+    return parse_endpoints(value)
