@@ -95,6 +95,7 @@ import json
 import mmap
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -179,6 +180,12 @@ def _seqs(values: "Any", offsets: "Any") -> "Any":
     return data[at].view("<i8").ravel()
 
 
+def _own_cpu() -> float:
+    """This process's CPU seconds (user + system, all threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _runs(seqs: "Any") -> List[List[int]]:
     """Sorted distinct sequences as ``[first, end)`` runs: what a consumer received, compact."""
     if not len(seqs):
@@ -218,6 +225,8 @@ class _Tally:
         self.ready_us: Optional[int] = None
         #: In a spike: when the first message sent after the join was received (µs).
         self.first_us: Optional[int] = None
+        #: This process's CPU seconds at the join, when it could receive and at the first message.
+        self.cpu_join = self.cpu_ready = self.cpu_first = float("nan")
         self._seq_parts: List[Any] = []
         self.next_seq = 0
         self.last_at = 0.0
@@ -233,6 +242,7 @@ class _Tally:
         """Count, from now on, the delays of the messages sent in ``[join, join + seconds)``,
         with their seconds counted from the join, and the sequences received."""
         self.window = (join_us, join_us + int(seconds * 1e6))
+        self.cpu_join = _own_cpu()
         self.first_sent_us = join_us  # the timeline's origin
 
     @property
@@ -277,6 +287,7 @@ class _Tally:
             kept = sent_us[(sent_us >= self.window[0]) & (sent_us < self.window[1])]
             if self.first_us is None and len(kept):
                 self.first_us = now_us
+                self.cpu_first = _own_cpu()
             if seqs is not None and len(seqs):
                 self._seq_parts.append(np.array(seqs, dtype=np.int64))  # a copy: not the batch's buffer
                 self.next_seq = max(self.next_seq, int(self._seq_parts[-1].max()) + 1)
@@ -422,6 +433,7 @@ def run_consumer(args: argparse.Namespace) -> int:
         pushed = _grpc_floor.follow(ch)
         if spike:
             tally.ready_us = time.time_ns() // 1000  # subscribed: every later flush comes
+            tally.cpu_ready = _own_cpu()
         done = threading.Event()
 
         def watch_stop() -> None:  # the push stream blocks: end it when the parent says so
@@ -468,6 +480,7 @@ def run_consumer(args: argparse.Namespace) -> int:
         with Consumer(args.root, args.stream, **kw) as c:
             if spike:
                 tally.ready_us = time.time_ns() // 1000
+                tally.cpu_ready = _own_cpu()
             else:
                 print("ready", flush=True)
             # The read path's counters when the steady state began (the first batch holding a
@@ -514,7 +527,8 @@ def _write_result(args: argparse.Namespace, tally: _Tally, extra: Dict[str, Any]
               "steady_store_holds": extra.get("steady_store_holds", 0)}
     if tally.window is not None:
         result.update(sample_seconds=seconds, largest=tally.largest, ready_us=tally.ready_us, runs=tally.runs,
-                      first_us=tally.first_us)
+                      first_us=tally.first_us, cpu_join=tally.cpu_join, cpu_ready=tally.cpu_ready,
+                      cpu_first=tally.cpu_first)
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
@@ -804,10 +818,18 @@ def _spike_figures(results: List[Dict[str, Any]], stamps: "Any", join_us: int, d
         "missing": missing,
         "connect_p50": percentile(connect, 50),
         "connect_max": max(connect) if connect else float("nan"),
+        "connect_cpu_ms": _cpu_p50(results, "cpu_join", "cpu_ready"),
+        "first_cpu_ms": _cpu_p50(results, "cpu_ready", "cpu_first"),
         "first_p50": percentile(first_ms, 50),
         "first_max": max(first_ms) if first_ms else float("nan"),
         "durable_pct": 100.0 * sum(r["durable_bytes"] for r in results) / max(delivered, 1),
     }
+
+
+def _cpu_p50(results: List[Dict[str, Any]], since: str, until: str) -> float:
+    """The consumers' median CPU ms between two of their marks (those that reached both)."""
+    spans = [1e3 * (r[until] - r[since]) for r in results if r.get(since) is not None and r.get(until) is not None]
+    return percentile([x for x in spans if x == x], 50)
 
 
 def settle_seconds(r: Dict[str, Any], limit: float, seconds: float) -> str:
@@ -981,7 +1003,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     progress(f"{kind} N={n} per second since the join, p99 ms: "
                              + " ".join(f"{sec}:{ms:.1f}" for sec, ms in r["second_p99"].items())
                              + f"; connect p50 {r['connect_p50']:.0f} ms, max {r['connect_max']:.0f} ms"
-                             + f"; first message after it p50 {r['first_p50']:.0f} ms, max {r['first_max']:.0f} ms")
+                             + f"; first message after it p50 {r['first_p50']:.0f} ms, max {r['first_max']:.0f} ms"
+                             + f"; consumer CPU p50 to connect {r['connect_cpu_ms']:.1f} ms, then to the first "
+                             f"message {r['first_cpu_ms']:.1f} ms")
                 progress(f"{kind} N={n}: {r['mb_s']:.1f} MB/s, p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, "
                          f"missing {r['missing']}"
                          + (f", producer flush p50 {r['flush_p50']:.1f} ms p99 {r['flush_p99']:.1f} ms"

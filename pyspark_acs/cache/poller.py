@@ -146,8 +146,13 @@ class LengthPoller:
         #: (``notify(fed=True)`` before :meth:`lengths` first saw it: a reader follows a file
         #: in the feed as soon as it moves to it); merged into that first read (guarded by _lock).
         self._early: Dict[str, int] = {}
-        # _lock guards _values, _asked, _followers, _error, _thread, _generation, _fed, _early
-        # and _waiting: the wake queues of the readers blocked in wait_for_change (see there).
+        #: uri -> when a consistent read outside the poller thread last brought its lengths (a
+        #: first sight, :meth:`seed`): the thread's next safety poll need not read them again
+        #: for half a safety period (guarded by _lock).
+        self._read_at: Dict[str, float] = {}
+        # _lock guards _values, _asked, _followers, _error, _thread, _generation, _fed, _early,
+        # _read_at and _waiting: the wake queues of the readers blocked in wait_for_change (see
+        # there).
         self._lock = threading.Lock()
         self._generation = 0
         self._waiting: Set["queue.SimpleQueue[None]"] = set()
@@ -221,6 +226,7 @@ class LengthPoller:
                     self._asked.pop(u, None)
                     self._values.pop(u, None)
                     self._fed_at.pop(u, None)
+                    self._read_at.pop(u, None)
 
     def followed(self, uri: str) -> bool:
         """Whether a reader follows ``uri`` explicitly."""
@@ -270,15 +276,34 @@ class LengthPoller:
             raise error
         if new:  # first sight of a file: do not make the reader wait for the next poll
             self._kick.set()
-            got = self.meta.lengths(new)
-            with self._lock:
-                for u, (c, d) in got.items():
-                    # Lengths only grow: merged with what a push or a poll brought meanwhile.
-                    old = self._values.get(u, (None, None))
-                    early = self._early.pop(u, None)
-                    self._values[u] = (_max_known(_max_known(old[0], c), early), _max_known(old[1], d))
+            self._take(self.meta.lengths(new))
         with self._lock:
             return {u: self._values.get(u, (None, None)) for u in uris}
+
+    def seed(self, uri: str, lengths: Lengths) -> None:
+        """``uri``'s lengths as a consistent read through this poller's client just returned
+        them (a reader joining at the published length): taken as the file's first poll, so
+        that the reader's first :meth:`lengths` and the thread's next safety poll do not read
+        them again. A join of many readers at once otherwise sent three consistent reads of
+        the same keys per reader to the metadata replicas they all wait on."""
+        now = self.clock()
+        with self._lock:
+            self._asked.setdefault(uri, now)
+        self._take({uri: lengths})
+        with self._lock:
+            self._ensure_thread()
+        self._kick.set()  # a round now: it watches the file if no feed covers it
+
+    def _take(self, got: Dict[str, Lengths]) -> None:
+        """Lengths a consistent read outside the poller thread brought (see :meth:`seed`)."""
+        now = self.clock()
+        with self._lock:
+            for u, (c, d) in got.items():
+                # Lengths only grow: merged with what a push or a poll brought meanwhile.
+                old = self._values.get(u, (None, None))
+                early = self._early.pop(u, None)
+                self._values[u] = (_max_known(_max_known(old[0], c), early), _max_known(old[1], d))
+                self._read_at[u] = now
 
     def change_token(self) -> int:
         """A token for :meth:`wait_for_change`: take it *before* looking at lengths, so a change
@@ -435,6 +460,13 @@ class LengthPoller:
         the durable length, which only a poll brings."""
         return self._fed_recently(uri, now) and self._covered(uri)
 
+    def _just_read(self, uri: str, now: float) -> bool:
+        """Whether a consistent read outside the thread brought ``uri``'s lengths within half a
+        safety period before ``now`` (:meth:`seed`, a first sight): as fresh as the safety poll."""
+        with self._lock:
+            at = self._read_at.get(uri)
+        return at is not None and now - at < PUSH_SAFETY_POLL_S * (1.0 - PUSH_SAFETY_JITTER)
+
     def _fed_recently(self, uri: str, now: float) -> bool:
         """Whether a feed of ``uri`` grew within :data:`~pyspark_acs.cache.feed.PUSH_GRACE_S`
         before ``now`` (and no reader follows it explicitly). Such a file is not polled every
@@ -490,6 +522,7 @@ class LengthPoller:
                     del self._asked[u]
                     self._values.pop(u, None)
                     self._fed_at.pop(u, None)
+                    self._read_at.pop(u, None)
                 uris = list(self._asked)
                 if not uris:
                     self._thread = None
@@ -506,7 +539,7 @@ class LengthPoller:
                     return
                 if started >= self._next_full_poll:
                     self._next_full_poll = started + safety_period()
-                    poll = [u for u in uris if not self._flowing(u, started)]
+                    poll = [u for u in uris if not self._flowing(u, started) and not self._just_read(u, started)]
                 else:
                     behind = [u for u in uris if not self._covered(u)]
                     poll = [u for u in behind if not self._fed_recently(u, started)]

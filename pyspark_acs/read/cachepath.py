@@ -450,6 +450,10 @@ class CachedReadPath:
         with self._lock:  # known from now on: reads below them go to the cache
             c0, d0 = self._published.get(rel, (None, None))
             self._published[rel] = (_max_known(c, c0), _max_known(d, d0))
+            if self.poller is not None:
+                self._polled.add(rel)
+        if self.poller is not None:
+            self.poller.seed(uri, (c, d))  # the reader's first lengths need no read of their own
         # The cache length when there is one: the bytes below it (the seal check's too) are
         # read from the cache, not the store; blocks durable past it are new to the reader.
         return c if c else d

@@ -254,3 +254,31 @@ def test_bytes_a_feed_pushed_before_a_files_first_lengths_are_kept():
         assert third not in poller._early
     finally:
         poller._client.close()
+
+
+def test_a_joining_readers_published_length_is_its_first_poll():
+    """A reader joining at the published length read it by a consistent read through the
+    poller's client: seeded, its first lengths() and the thread's next safety poll do not read
+    the same keys again (three consistent reads per joining reader became one; with many
+    joining at once, the metadata replicas they all wait on got three times the reads)."""
+    clock = FakeClock()
+    poller = LengthPoller(("127.0.0.1:1",), clock=clock)  # the metadata reads are stood in for below
+    uri = "file:///x/s/00000/f.acs"
+    reads = []
+    poller.meta.lengths = lambda uris: reads.append(list(uris)) or {u: (4096, 4096) for u in uris}
+    poller.cover(uri, lambda known: True)  # a live feed pushes its bytes: no Watch, safety polls only
+    try:
+        poller.seed(uri, (2048, 1024))
+        assert poller.lengths([uri]) == {uri: (2048, 1024)}
+        wait_until(lambda: poller.polls >= 1, 10, "the poller thread's first round")
+        assert reads == []  # neither the first lengths() nor the round read the seeded file
+        clock.advance(PUSH_SAFETY_POLL_S)  # half a safety period on, the safety poll reads it
+        poller._next_full_poll = 0.0
+        poller.wake()
+        wait_until(lambda: reads, 10, "the safety poll")
+        assert reads[-1] == [uri]
+        wait_until(lambda: poller.lengths([uri])[uri] == (4096, 4096), 10, "the polled lengths")
+        poller.seed(uri, (1, 1))  # lengths only grow
+        assert poller.lengths([uri])[uri] == (4096, 4096)
+    finally:
+        poller._client.close()
