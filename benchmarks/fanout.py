@@ -409,6 +409,7 @@ def run_consumer(args: argparse.Namespace) -> int:
                     nbytes += len(value)
                 if spike and tally.ready_us is None:
                     tally.ready_us = now_us  # where "$" put it is known from now on
+                    tally.cpu_ready = _own_cpu()
                 tally.add_many(np.array(sent, dtype=np.int64), now_us, nbytes, seqs)
                 tally.last_at = time.time()
             tally.tick()

@@ -253,7 +253,7 @@ class CachedReadPath:
         self._closed = False  # set by close(): expect() follows nothing after it
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval
-        # _lock guards _fed, _published, _polled, _recent, _delays, _durable_cache, _standing,
+        # _lock guards _fed, _published, _polled, _recent, _delays, _durable_cache, _standing, _cache_moved,
         # _meta_down_until, _hold, the _slow_* fields and _stats.
         self._lock = threading.Lock()
         self._published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
@@ -266,6 +266,9 @@ class CachedReadPath:
         self._durable_cache: Dict[str, Tuple[float, Optional[int]]] = {}
         # rel -> (published length, when it last moved or the store was last asked)
         self._standing: Dict[str, Tuple[int, float]] = {}
+        # rel -> (cache length, when a durable read past it last saw it move): Algorithm 1's
+        # late read holds the path to the store only when the cache stood still (see _read)
+        self._cache_moved: Dict[str, Tuple[int, float]] = {}
         self._meta_down_until = 0.0
         self._hold = StoreHold()
         # The caches' timeouts within OVERLOAD_PATIENCE_S: per cache ("data", "metadata"), when
@@ -606,9 +609,15 @@ class CachedReadPath:
                 chunks = self.chunks.read(uri, start, cache_end)
                 self._answered("data")
             except CacheError as exc:
-                if postpone and self._bends("data", exc, self.clock()):
-                    return b""  # wait for the loaded cache: read again at the next round
-                self._trip(f"data cache read failed: {exc}")
+                if self._bends("data", exc, self.clock()):
+                    if postpone:
+                        return b""  # wait for the loaded cache: read again at the next round
+                    # A read that must not wait (a joining reader's look for a seal, a durable
+                    # copy) takes these bytes from the store, and only these: a hold of every
+                    # read at the first expired deadline sent each of many readers joining a
+                    # loaded cache to the store for a second or more.
+                else:
+                    self._trip(f"data cache read failed: {exc}")
                 chunks = [(start, cache_end, None)]
             run_start = None
             for s, e, data in chunks + [(cache_end, cache_end, b"")]:
@@ -630,11 +639,19 @@ class CachedReadPath:
                     parts.append(data)
         if end > cache_end:
             delay = self._delay(rel)
+            now = self.clock()
             with self._lock:  # DelayedDurableReads is not thread-safe; readers may share a file
                 late = (self.chunks is not None and postpone
-                        and delay.should_read_durable(cache_len, durable_len or end, self.clock()))
+                        and delay.should_read_durable(cache_len, durable_len or end, now))
                 go_durable = self.chunks is None or not postpone or late
-            if late:
+                # Where the cache length last moved: a cache that still grows is catching up
+                # (loaded), one that stood for maxDelay is not getting the bytes (down, or the
+                # writer lost it).
+                moved = self._cache_moved.get(rel)
+                if moved is None or moved[0] != cache_len:
+                    moved = self._cache_moved[rel] = (cache_len, now)
+                stood = now - moved[1] >= self.max_delay
+            if late and stood:
                 self._trip(f"the data cache trails the store by more than {self.max_delay:g} s")
             if go_durable:
                 parts.append(self._durable(rel, cache_end, end))
@@ -731,6 +748,7 @@ class CachedReadPath:
             self._delays.pop(rel, None)
             self._durable_cache.pop(rel, None)
             self._standing.pop(rel, None)
+            self._cache_moved.pop(rel, None)
         if fed is not None:
             self._unfeed(rel, fed)
 
