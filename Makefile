@@ -38,9 +38,8 @@ demo: setup check-java
 
 # 2. Set up and run the tests: the whole suite, on TEST_WORKERS processes (pytest-xdist). The
 # tests mostly wait on servers and Spark, so five workers keep 2 cores busy (four left them idle
-# at times); tests tied
-# together (a module's servers, each of the two Spark sessions, the serial group) share a worker
-# (tests/conftest.py). TEST_WORKERS=0 runs the suite in this one process.
+# at times); tests tied together (a module's servers, each of the two Spark sessions, the serial
+# group) share a worker (tests/conftest.py). TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 5
 test: setup check-java
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

@@ -55,8 +55,8 @@ Producer's own batching cuts the blocks; ``close()`` flushes at the end). Redis 
 
 ``--mode spike`` (default ``steady``: all of the above) measures N consumers joining a running
 stream at once. The N consumer processes start first with everything imported (pyspark_acs,
-grpc and the generated protobuf modules, or redis) but nothing connected, say ready and wait on the board (the shared
-memory map) for the join. The parent starts the producer, waits ``--join-after`` seconds
+grpc and the generated protobuf modules, or redis) but nothing connected, say ready and wait
+on the board (the shared memory map) for the join. The parent starts the producer, waits ``--join-after`` seconds
 (default 3: past the producer's start-up), stores the join time and sets the join; every
 consumer then creates ``Consumer(root, stream, start="latest", data_cache=...,
 metadata_cache=...)`` at once, its connect included (Redis: ``XREAD`` from ``$`` until entries

@@ -272,7 +272,7 @@ def test_a_joining_readers_published_length_is_its_first_poll():
         assert poller.lengths([uri]) == {uri: (2048, 1024)}
         wait_until(lambda: poller.polls >= 1, 10, "the poller thread's first round")
         assert reads == []  # neither the first lengths() nor the round read the seeded file
-        clock.advance(PUSH_SAFETY_POLL_S)  # half a safety period on, the safety poll reads it
+        clock.advance(PUSH_SAFETY_POLL_S)  # past half a safety period: the next safety poll reads it
         poller._next_full_poll = 0.0
         poller.wake()
         wait_until(lambda: reads, 10, "the safety poll")

@@ -716,7 +716,6 @@ def test_a_reader_waits_for_a_metadata_cache_that_times_out_with_the_lengths_it_
         assert path.stats()["store_holds"] == 1 and path.holding()
 
 
-
 def test_a_read_that_may_not_wait_takes_its_bytes_from_the_store_without_a_hold(root, caches, deployment):
     """A joining reader's look for a seal (and a durable copy) reads with ``postpone=False``:
     when the data cache times out it gets just those bytes from the store -- it cannot wait --
