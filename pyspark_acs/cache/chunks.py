@@ -14,11 +14,12 @@ from __future__ import annotations
 import collections
 import hashlib
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from pyspark_acs.cache.client import CacheClient
-from pyspark_acs.errors import CacheError
+from pyspark_acs.errors import CacheError, CacheTimeoutError
 
 __all__ = [
     "CHUNK_SIZE",
@@ -32,6 +33,15 @@ __all__ = [
 
 #: Bytes per chunk: the paper's 4 KB (a chunk fits one packet of the cluster fabric).
 CHUNK_SIZE = 4096
+#: How long a writer puts chunks again that no replica took in time (every call timed out: a
+#: loaded cache, or a hung one) before it gives them up (readers then read those bytes from the
+#: store); later puts that time out in the same run are given up at once. A put given up at
+#: the first expired deadline left bytes only in the store, and every reader of a loaded cache
+#: read them there at once (64 readers joining on 2 cores: most of a store-read storm).
+PUT_PATIENCE_S = 3.0
+#: The wait before a timed-out put is sent again, doubling up to PUT_RETRY_MAX_S.
+PUT_RETRY_MIN_S = 0.05
+PUT_RETRY_MAX_S = 0.5
 
 
 #: Most chunks asked for in one Get (1 MiB): a reader catching up reads its range in pieces,
@@ -108,12 +118,19 @@ class ChunkWriter:
         Time to live of the chunks (default: the server's, 60 s).
     """
 
-    def __init__(self, client: CacheClient, uri: str, position: int = 0, prefix: bytes = b"", ttl: Optional[float] = None):
+    def __init__(self, client: CacheClient, uri: str, position: int = 0, prefix: bytes = b"", ttl: Optional[float] = None,
+                 *, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
         if len(prefix) != position % CHUNK_SIZE:
             raise ValueError(f"prefix must hold the {position % CHUNK_SIZE} bytes before position {position}")
         self.client = client
         self.uri = uri
         self.ttl = ttl
+        self.clock = clock
+        self._sleep = sleep
+        #: When the current run of timed-out puts began (None: the last put was taken).
+        self._slow_since: Optional[float] = None
+        #: Puts sent again after a timeout (all of this writer's).
+        self.retries = 0
         self._id = file_id(uri)
         # _lock serialises appends: it guards position and _tail.
         self._lock = threading.Lock()
@@ -124,6 +141,10 @@ class ChunkWriter:
         """Write ``data`` (the bytes at ``position``, any C-contiguous bytes-like object) to
         the cache; return the new position. The chunks are views of ``data`` until the put
         has encoded them: a caller must not change a mutable ``data`` during the call.
+
+        A put that times out on every replica (a loaded cache) is sent again, for up to
+        :data:`PUT_PATIENCE_S` from the first timeout of a run (chunk puts are idempotent: a
+        chunk's version is its length); a cache that refuses calls fails the put at once.
 
         Raises
         ------
@@ -152,8 +173,26 @@ class ChunkWriter:
             if items:
                 # No grace for the third replica: the writer's lengths and next flush wait on
                 # this put (CacheClient.put's ``grace``).
-                self.client.put(items, ttl=self.ttl, grace=False)
+                self._put(items)
             return end
+
+    def _put(self, items: List[Any]) -> None:
+        wait = PUT_RETRY_MIN_S
+        while True:
+            try:
+                self.client.put(items, ttl=self.ttl, grace=False)
+            except CacheTimeoutError:
+                now = self.clock()
+                if self._slow_since is None:
+                    self._slow_since = now
+                if now - self._slow_since >= PUT_PATIENCE_S:
+                    raise  # the run outlasted the patience: given up, as every later one until a put is taken
+                self.retries += 1
+                self._sleep(wait)
+                wait = min(PUT_RETRY_MAX_S, 2 * wait)
+                continue
+            self._slow_since = None
+            return
 
 
 # Threads that wait for the pieces of long reads (each piece's Get waits for its answer), one

@@ -232,7 +232,7 @@ class ChunkFeed:
                on_grow: Optional[Callable[[str, int], None]] = None) -> None:
         """Reader ``reader`` reads ``uri`` from ``position`` on: have its bytes pushed. A
         position outside what the buffer holds or will get next moves the file's cursor there,
-        unless another reader of the file is inside it (a reader joining far behind, e.g. a
+        unless another reader of the file reads at or past it (a reader joining far behind, e.g. a
         copy to a destination added late, must not make the replica push the file again and
         the readers at the tail wait for that: it reads from the cache until it reaches the
         buffer, as a slow follower does; :meth:`consumed` moves the cursor on when every
@@ -257,8 +257,11 @@ class ChunkFeed:
             f.readers[reader] = f.reached[reader] = position
             if on_grow is not None:
                 f.listeners[reader] = on_grow
-            inside = any(f.base <= at <= f.end for r, at in f.readers.items() if r != reader)
-            if not (f.base <= position <= f.end) and not inside:
+            # Another reader reads at or past the buffer: by its position, or by where its last
+            # read went (a reader that read past the feed by asking stands at that read's start,
+            # below the base of the feed followed on from the read's end).
+            ahead = any(max(at, f.reached.get(r, at)) >= f.base for r, at in f.readers.items() if r != reader)
+            if not (f.base <= position <= f.end) and not ahead:
                 f.restart(position)
                 self._stream(f.endpoint).follow(file_id(uri), position)
             else:

@@ -944,3 +944,34 @@ def test_a_producer_whose_shadow_thread_fails_reports_it_and_closes_every_shard(
         again.send(msg(0, b"n"), shard=0)
         again.send(msg(0, b"n"), shard=1)
         again.flush(timeout=30)
+
+
+def test_a_producer_waits_out_data_replicas_that_stop_answering_for_a_moment(dep, root):
+    """Every data replica stopped (SIGSTOP: puts only time out, as on a loaded cache) for less
+    than the put patience: the Producer's chunk put is sent again until they answer, nothing is
+    given up (no cache error), and readers get the bytes from the cache, not the store."""
+    from pyspark_acs.cache.chunks import PUT_PATIENCE_S
+
+    stopped_s = 1.0
+    assert stopped_s < PUT_PATIENCE_S / 2
+    pids = [dep.server("data", i).pid for i in range(3)]
+    with Producer(root, "waits", shards=1, data_cache=dep.data_endpoints,
+                  metadata_cache=dep.metadata_endpoints) as p:
+        p.send(b"before")
+        p.flush(timeout=30)
+        for pid in pids:
+            stop_process(pid)
+        resumer = threading.Timer(stopped_s, lambda: [os.kill(pid, signal.SIGCONT) for pid in pids])
+        resumer.start()
+        try:
+            p.send(b"during")
+            p.flush(timeout=30)
+        finally:
+            resumer.join()
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        assert p.stats()["cache_errors"] == 0, p.stats()
+    with Consumer(root, "waits", data_cache=dep.data_endpoints, metadata_cache=dep.metadata_endpoints) as c:
+        got = [v for b in c.batches(timeout=2) for v in b.column("value").to_pylist()]
+        assert got == [b"before", b"during"]
+        assert c.stats()["durable_bytes"] == 0, c.stats()

@@ -235,3 +235,21 @@ def test_a_reader_waits_for_the_push_for_the_grace_time_only():
     assert not f.waiting(uri, 1500)
     stream.live.clear()
     assert not f.waiting(uri, 1500)
+
+
+def test_a_reader_joining_behind_a_lead_that_read_past_the_feed_does_not_pull_it_back():
+    """A lead reader that read past the feed by asking (its replica was slow to push, as on a
+    loaded machine) has the file followed on from the end of its read, while its position is
+    the start of that read, below the feed's new base. A reader joining at byte 0 then found
+    no other reader "inside" the buffer and moved the cursor back to 0: the replica pushed the
+    whole file again for the next append (tests/cache/test_push.py's late destination, which
+    failed so under load). The lead's read reaches the buffer: the newcomer reads from the
+    cache until it gets there, and nothing already pushed is pushed again."""
+    uri, length = "file:///late-destination", 1536 * 1024
+    f, stream, fid = _feed_following(uri, "lead")
+    f.consumed(uri, "lead", 0, length)  # one read of the whole file, from the cache
+    assert stream.cursors[fid] == length  # followed on from where the read ended
+    f.follow(uri, "late", 0)
+    assert stream.cursors[fid] == length, "a reader joining behind moved the push back"
+    stream.push(f, fid, 278)  # the next append comes by push, for the lead
+    assert f.read(uri, length, length + 278) == b"x" * 278
