@@ -253,7 +253,7 @@ class CachedReadPath:
         self._closed = False  # set by close(): expect() follows nothing after it
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval
-        # _lock guards _fed, _published, _polled, _recent, _delays, _durable_cache, _standing,
+        # _lock guards _fed, _published, _polled, _recent, _delays, _durable_cache, _standing, _cache_moved,
         # _meta_down_until, _hold, the _slow_* fields and _stats.
         self._lock = threading.Lock()
         self._published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
@@ -266,6 +266,9 @@ class CachedReadPath:
         self._durable_cache: Dict[str, Tuple[float, Optional[int]]] = {}
         # rel -> (published length, when it last moved or the store was last asked)
         self._standing: Dict[str, Tuple[int, float]] = {}
+        # rel -> (cache length, when a durable read past it last saw it move): Algorithm 1's
+        # late read holds the path to the store only when the cache stood still (see _read)
+        self._cache_moved: Dict[str, Tuple[int, float]] = {}
         self._meta_down_until = 0.0
         self._hold = StoreHold()
         # The caches' timeouts within OVERLOAD_PATIENCE_S: per cache ("data", "metadata"), when
@@ -636,11 +639,19 @@ class CachedReadPath:
                     parts.append(data)
         if end > cache_end:
             delay = self._delay(rel)
+            now = self.clock()
             with self._lock:  # DelayedDurableReads is not thread-safe; readers may share a file
                 late = (self.chunks is not None and postpone
-                        and delay.should_read_durable(cache_len, durable_len or end, self.clock()))
+                        and delay.should_read_durable(cache_len, durable_len or end, now))
                 go_durable = self.chunks is None or not postpone or late
-            if late:
+                # Where the cache length last moved: a cache that still grows is catching up
+                # (loaded), one that stood for maxDelay is not getting the bytes (down, or the
+                # writer lost it).
+                moved = self._cache_moved.get(rel)
+                if moved is None or moved[0] != cache_len:
+                    moved = self._cache_moved[rel] = (cache_len, now)
+                stood = now - moved[1] >= self.max_delay
+            if late and stood:
                 self._trip(f"the data cache trails the store by more than {self.max_delay:g} s")
             if go_durable:
                 parts.append(self._durable(rel, cache_end, end))
@@ -737,6 +748,7 @@ class CachedReadPath:
             self._delays.pop(rel, None)
             self._durable_cache.pop(rel, None)
             self._standing.pop(rel, None)
+            self._cache_moved.pop(rel, None)
         if fed is not None:
             self._unfeed(rel, fed)
 

@@ -716,6 +716,39 @@ def test_a_reader_waits_for_a_metadata_cache_that_times_out_with_the_lengths_it_
         assert path.stats()["store_holds"] == 1 and path.holding()
 
 
+@pytest.mark.parametrize("cache_moves", [True, False])
+def test_a_cache_that_trails_but_grows_is_read_around_not_held(root, caches, cache_moves):
+    """Algorithm 1: bytes the store holds past the cache length for more than maxDelay are read
+    from the store. While the cache length still moves, the cache is loaded, not lost: only that
+    tail comes from the store and the reader stays on the caches (a hold of every read, taken by
+    each of many readers of a loaded cache at once, was most of a store-read storm). A cache
+    length that stood still for maxDelay holds the reader to the store, as before."""
+    with Producer(root, f"trail{cache_moves}", shards=1) as p:  # durable only: the "cache" is set below
+        p.send(b"a" * 100)
+        p.flush(timeout=WAIT_S)
+        rel = f"{shard_dir(f'trail{cache_moves}', 0)}/{p.current_files()[0]}"
+        first = DurableStore(root).lengths([rel])[rel]
+        p.send(b"b" * 100)
+        p.flush(timeout=WAIT_S)
+        end = DurableStore(root).lengths([rel])[rel]
+    clock = FakeClock()
+    path = CachedReadPath(DurableStore(root), shared_poller=False, clock=clock, **caches)
+    try:
+        path._published[rel] = (first, end)  # the cache trails the store by the second block
+        assert path.read(rel, first, end) == b""  # postponed: the cache may catch up
+        clock.advance(path.max_delay + 0.01)
+        start = first
+        if cache_moves:
+            start = first + 1  # the cache length moved meanwhile (a byte: what the read asks for)
+            path._published[rel] = (start, end)
+        got = path.read(rel, start, end)
+        assert len(got) == end - start  # the late tail, from the store
+        assert path.holding() is (not cache_moves)
+        assert path.stats()["store_holds"] == (0 if cache_moves else 1)
+    finally:
+        path.close()
+
+
 def test_a_read_that_may_not_wait_takes_its_bytes_from_the_store_without_a_hold(root, caches, deployment):
     """A joining reader's look for a seal (and a durable copy) reads with ``postpone=False``:
     when the data cache times out it gets just those bytes from the store -- it cannot wait --
