@@ -100,6 +100,7 @@ class DelayedDurableReads:
     def __init__(self, max_delay: float = DEFAULT_MAX_DELAY_S) -> None:
         self.max_delay = max_delay
         self._history: Deque[Tuple[float, int]] = collections.deque()  # (time, durable size)
+        self._cache_moved: Optional[Tuple[int, float]] = None  # (cache size, when it was first seen)
 
     def should_read_durable(self, cache_size: int, durable_size: int, now: Optional[float] = None) -> bool:
         """Whether a read past the cache length should go to the durable store now.
@@ -116,6 +117,8 @@ class DelayedDurableReads:
             A ``time.monotonic()`` timestamp; defaults to the current time.
         """
         now = time.monotonic() if now is None else now
+        if self._cache_moved is None or self._cache_moved[0] != cache_size:
+            self._cache_moved = (cache_size, now)
         self._history.append((now, durable_size))
         while self._history and self._history[0][1] <= cache_size:
             self._history.popleft()  # positions the cache has caught up with
@@ -125,6 +128,12 @@ class DelayedDurableReads:
             self._history.clear()
             return True  # the cache is late: go to the store
         return False  # the cache may catch up soon
+
+    def cache_stood(self, now: float) -> bool:
+        """Whether the cache size given to :meth:`should_read_durable` stood still for
+        ``max_delay`` up to ``now``: a cache that still grows is catching up (loaded), one that
+        stood is not getting the bytes (down, or the writer lost them)."""
+        return self._cache_moved is not None and now - self._cache_moved[1] >= self.max_delay
 
 
 class StoreHold:
@@ -253,7 +262,7 @@ class CachedReadPath:
         self._closed = False  # set by close(): expect() follows nothing after it
         self.max_delay = max_delay
         self.durable_poll_interval = durable_poll_interval
-        # _lock guards _fed, _published, _polled, _recent, _delays, _durable_cache, _standing, _cache_moved,
+        # _lock guards _fed, _published, _polled, _recent, _delays, _durable_cache, _standing,
         # _meta_down_until, _hold, the _slow_* fields and _stats.
         self._lock = threading.Lock()
         self._published: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
@@ -266,9 +275,6 @@ class CachedReadPath:
         self._durable_cache: Dict[str, Tuple[float, Optional[int]]] = {}
         # rel -> (published length, when it last moved or the store was last asked)
         self._standing: Dict[str, Tuple[int, float]] = {}
-        # rel -> (cache length, when a durable read past it last saw it move): Algorithm 1's
-        # late read holds the path to the store only when the cache stood still (see _read)
-        self._cache_moved: Dict[str, Tuple[int, float]] = {}
         self._meta_down_until = 0.0
         self._hold = StoreHold()
         # The caches' timeouts within OVERLOAD_PATIENCE_S: per cache ("data", "metadata"), when
@@ -644,14 +650,9 @@ class CachedReadPath:
                 late = (self.chunks is not None and postpone
                         and delay.should_read_durable(cache_len, durable_len or end, now))
                 go_durable = self.chunks is None or not postpone or late
-                # Where the cache length last moved: a cache that still grows is catching up
-                # (loaded), one that stood for maxDelay is not getting the bytes (down, or the
-                # writer lost it).
-                moved = self._cache_moved.get(rel)
-                if moved is None or moved[0] != cache_len:
-                    moved = self._cache_moved[rel] = (cache_len, now)
-                stood = now - moved[1] >= self.max_delay
-            if late and stood:
+                # A late read holds the path to the store only when the cache stood still.
+                stood = late and delay.cache_stood(now)
+            if stood:
                 self._trip(f"the data cache trails the store by more than {self.max_delay:g} s")
             if go_durable:
                 parts.append(self._durable(rel, cache_end, end))
@@ -748,7 +749,6 @@ class CachedReadPath:
             self._delays.pop(rel, None)
             self._durable_cache.pop(rel, None)
             self._standing.pop(rel, None)
-            self._cache_moved.pop(rel, None)
         if fed is not None:
             self._unfeed(rel, fed)
 
