@@ -58,6 +58,9 @@ FEED_MAX_BYTES = 8 * 1024 * 1024
 #: grow (seconds), before it asks the cache for them: a replica that lacks a chunk stops its
 #: run there and never pushes past it.
 PUSH_GRACE_S = 0.2
+#: How long :meth:`ChunkFeed.wait_read` waits for pushed bytes after the replica answered the
+#: subscription (seconds): a replica pushes what it holds right after its answer.
+ANSWERED_GRACE_S = 0.05
 #: How long a file's stream may leave its subscription unanswered (seconds) while the file's
 #: readers read past the feed by asking, before the file moves to its next replica, as a
 #: broken stream's files do. A replica answers a new or changed subscription at once with an
@@ -200,8 +203,10 @@ class ChunkFeed:
         # Decided once: then every chunk of a followed file is on its replica (_placed is true
         # without a per-call key hash and ring lookup on the readers' hot path).
         self._whole_files = holds_whole_files(self.client)
-        # _lock guards _files, _by_fid and _streams.
+        # _lock guards _files, _by_fid and _streams; _grew (on it) wakes wait_read's callers
+        # whenever a buffer grows.
         self._lock = threading.Lock()
+        self._grew = threading.Condition(self._lock)
         self._files: Dict[str, _File] = {}
         self._by_fid: Dict[bytes, _File] = {}
         self._streams: Dict[str, "FollowStream"] = {}
@@ -276,6 +281,34 @@ class ChunkFeed:
             got = f.take(start, end)
             self.served += len(got)
             return got
+
+    def wait_read(self, uri: str, start: int, end: int, timeout: float) -> bytes:
+        """The bytes ``[start, end)`` once the buffer holds all of them, waiting at most
+        ``timeout`` seconds for their push; ``b""`` when they do not come in that time or are
+        not on their way (the file is not followed from ``start`` or before, its push is
+        paused, or its replica is not placed on the chunk the buffer ends in), or when the
+        replica answered the subscription and pushed nothing within :data:`ANSWERED_GRACE_S`
+        (it does not hold them: a file idle past the data cache's time to live)."""
+        deadline = time.monotonic() + timeout
+        answered: Optional[float] = None  # since when the replica has answered the subscription
+        with self._lock:
+            while True:
+                f = self._files.get(uri)
+                if f is None or f.base > start or f.paused:
+                    return b""
+                if f.end >= end:
+                    got = f.take(start, end)
+                    self.served += len(got)
+                    return got
+                now = time.monotonic()
+                if now >= deadline or not self._placed(f):
+                    return b""
+                stream = self._streams.get(f.endpoint)
+                if stream is not None and stream.live.is_set() and stream.asked_at is None:
+                    answered = answered if answered is not None else now
+                    if now - answered >= ANSWERED_GRACE_S:
+                        return b""
+                self._grew.wait(min(deadline - now, ANSWERED_GRACE_S))
 
     def waiting(self, uri: str, position: int, now: Optional[float] = None) -> bool:
         """Whether a reader at ``position`` (where the buffer ends) should wait for the feed to
@@ -409,6 +442,7 @@ class ChunkFeed:
             if not f.append(start, data):
                 return  # a gap (the cursor moved past it) or bytes the buffer already has
             f.short_since = None  # it grows: readers waiting at its end wait on
+            self._grew.notify_all()
             if f.end - f.base > self.max_bytes:
                 self._overflow(f, fid)
             uri, end, listeners = f.uri, f.end, list(f.listeners.values())

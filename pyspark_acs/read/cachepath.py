@@ -83,6 +83,11 @@ OVERLOAD_PATIENCE_S = 3.0
 #: long, doubling up to :data:`SLOW_RETRY_MAX_S`: a reader waiting on a loaded cache asks it less.
 SLOW_RETRY_MIN_S = 0.1
 SLOW_RETRY_MAX_S = 1.0
+#: How long a reader that looks at a few bytes once (a joining reader's look for a seal) waits
+#: for the feed to push them before it asks the data cache: the file is followed from there,
+#: so the push brings them with the first messages, where a Get under load costs a round trip
+#: (hundreds of ms on a starved machine) and a replica's read of its own.
+JOIN_PUSH_WAIT_S = 1.0
 #: Each hold is drawn within +-25 % of its length, so the readers of overloaded caches, which
 #: fail together, do not all come back to them at the same moment.
 STORE_HOLD_JITTER = 0.25
@@ -291,14 +296,16 @@ class CachedReadPath:
 
     def connect(self) -> None:
         """Set up now what the first read would: gRPC imported, channels to every replica of
-        both caches open (the clients this path reads through: its own, the shared poller's
-        and feed's). A tailing reader calls it when it starts, so that work is not charged to
-        its first messages -- nor, when many reader processes start together, done by all of
-        them at the moment the first file appears. Replicas that do not answer are left to
-        the calls (see :meth:`CacheClient.connect`)."""
-        clients = [self.data, self.meta.client if self.meta is not None else None,
-                   self.poller.meta.client if self.poller is not None else None,
-                   self.feed.client if self.feed is not None else None]
+        the caches this path asks open (the clients it reads through: the shared poller's,
+        and its data client unless a feed pushes its bytes). A tailing reader calls it when
+        it starts, so that work is not charged to its first messages -- nor, when many reader
+        processes start together, done by all of them at the moment the first file appears.
+        Replicas that do not answer are left to the calls (see :meth:`CacheClient.connect`)."""
+        # A pushing path reads bytes from its feed, whose stream opens the one channel it
+        # follows on when it follows a file: the data cache's other channels and their Health
+        # calls would be a third of a joining reader's CPU, for Gets it seldom makes.
+        clients = [self.data if self.feed is None else None, self.meta.client if self.meta is not None else None,
+                   self.poller.meta.client if self.poller is not None else None]
         unique = list({id(c): c for c in clients if c is not None}.values())
         errors: List[BaseException] = []
 
@@ -452,6 +459,11 @@ class CachedReadPath:
         if self.meta is None or self.holding() or self.clock() < self._meta_down_until:
             return None
         uri = self.store.uri(rel)
+        if self.feed is not None:
+            # A pushing reader follows the file next (its look for a seal): covered first, the
+            # poller's round that the seed below starts opens no Watch calls on three replicas
+            # that would go idle moments later.
+            self._cover(rel, uri, self.feed)
         try:
             c, d = self.meta.lengths([uri])[uri]
         except CacheError:
@@ -533,6 +545,25 @@ class CachedReadPath:
         feed.consumed(uri, rid, start, start + len(got))  # it reads on from its last complete block
         return got
 
+    def read_pushed(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` read once, without postponing (as ``read(postpone=False)``),
+        but taken from the feed's push when it brings them within :data:`JOIN_PUSH_WAIT_S`:
+        the file is followed from ``start`` (if this path does not follow it yet), and the
+        bytes come with the replica's first push instead of by a request of their own."""
+        self._check_process()
+        feed = self.feed
+        if feed is None or end <= start or self.holding():
+            return self.read(rel, start, end, postpone=False)
+        uri = self.store.uri(rel)
+        rid = self._follow(feed, rel, uri, None, start)
+        got = feed.wait_read(uri, start, end, JOIN_PUSH_WAIT_S)
+        if len(got) < end - start:
+            return self.read(rel, start, end, postpone=False)
+        with self._lock:
+            self._stats["pushed_bytes"] += len(got)
+        feed.consumed(uri, rid, start, end)
+        return got
+
     def expect(self, rel: str, position: int, *, reader: Optional[Hashable] = None) -> None:
         """This path's reader (a Consumer's tailer) moved to ``rel`` at ``position`` and reads
         on from there: follow the file in the feed now, before its first length is known,
@@ -556,11 +587,8 @@ class CachedReadPath:
         cover the file in the poller when it is the path's first reader of it. Returns the
         reader's id in the feed."""
         rid = id(self) if reader is None else reader
+        readers = self._cover(rel, uri, feed)
         with self._lock:
-            readers = self._fed.get(rel)
-            first = readers is None
-            if first:
-                readers = self._fed[rel] = set()
             new = rid not in readers
             readers.add(rid)
         if new:
@@ -568,9 +596,19 @@ class CachedReadPath:
             # in the data cache, i.e. mirrored after their durable append was verified (the
             # write path's order), so a reader may take them before the length is published.
             feed.follow(uri, rid, start, self._grown if self.poller is not None else None)
-            if first and self.poller is not None:
-                self.poller.cover(uri, lambda known: feed.live(uri, known))
         return rid
+
+    def _cover(self, rel: str, uri: str, feed: ChunkFeed) -> Set[Hashable]:
+        """The readers of ``rel`` this path follows in the feed; the first call per file tells
+        the poller that the feed covers it (:meth:`LengthPoller.cover`, undone by :meth:`forget`)."""
+        with self._lock:
+            readers = self._fed.get(rel)
+            first = readers is None
+            if first:
+                readers = self._fed[rel] = set()
+        if first and self.poller is not None:
+            self.poller.cover(uri, lambda known: feed.live(uri, known))
+        return readers
 
     def for_reader(self, reader: Hashable) -> "ReaderView":
         """This path as one of several readers sharing it sees it (the copy daemon's

@@ -593,7 +593,12 @@ def _may_end_with_seal(path: ReadPath, rel: str, at: int) -> bool:
     if at < HEADER_SIZE:
         return False
     begin = max(0, at - RECOVERY_SEAL_SIZE)
-    tail = _read_now(path, rel, begin, at)
+    # A reader that follows the file by push takes these bytes from the replica's first push
+    # (the file is followed from here): under load, a request of their own cost a round trip.
+    pushed = getattr(path, "read_pushed", None)
+    tail = pushed(rel, begin, at) if pushed is not None else path.read(rel, begin, at, postpone=False)
+    if len(tail) < at - begin:
+        tail += path.store.read(rel, begin + len(tail), at)
     if len(tail) < at - begin:
         return True  # the bytes are not readable: let the walk decide
     return _seal_size_in(tail, begin, at) is not None

@@ -117,6 +117,7 @@ class _FakeStream:
     def __init__(self) -> None:
         self.cursors: dict = {}
         self.asked_at = None
+        self.live = threading.Event()  # up and answered: set by the test
 
     def follow(self, fid: bytes, offset: int) -> None:
         self.cursors[fid] = offset
@@ -142,6 +143,7 @@ def _feed_following(uri: str, *readers: str, replicas=("r1",), clock=time.monoto
 
     f = object.__new__(feed.ChunkFeed)
     f._whole_files, f._lock = True, threading.Lock()
+    f._grew = threading.Condition(f._lock)
     f._files, f._by_fid, f.received, f.served, f.moves, f._warned = {}, {}, 0, 0, 0, {}
     f.max_bytes, f.clock = feed.FEED_MAX_BYTES, clock
 
@@ -154,6 +156,32 @@ def _feed_following(uri: str, *readers: str, replicas=("r1",), clock=time.monoto
     for reader in readers:
         f.follow(uri, reader, 0)
     return f, f._streams[f._files[uri].endpoint], file_id(uri)
+
+
+def test_wait_read_returns_the_bytes_once_their_push_comes_and_nothing_it_does_not_bring():
+    """A joining reader's look at a few bytes waits for the feed's push (ChunkFeed.wait_read)
+    instead of asking the cache; it gives up at once on bytes the feed will not bring (below
+    its base) and after its timeout on bytes that do not come."""
+    uri = "file:///joining"
+    f, stream, fid = _feed_following(uri, "A")
+    pusher = threading.Timer(0.05, lambda: stream.push(f, fid, RUN))
+    pusher.start()
+    t0 = time.monotonic()
+    assert f.wait_read(uri, RUN - 56, RUN, timeout=5.0) == b"x" * 56  # came with the push
+    assert time.monotonic() - t0 < 5.0
+    pusher.join()
+    f._files[uri].drop_to(1024)
+    t0 = time.monotonic()
+    assert f.wait_read(uri, 0, 56, timeout=5.0) == b""  # below the base: never pushed again
+    assert time.monotonic() - t0 < 1.0
+    assert f.wait_read(uri, RUN, RUN + 56, timeout=0.05) == b""  # not pushed within the timeout
+    assert f.wait_read("file:///not-followed", 0, 56, timeout=5.0) == b""
+    # The replica answered the subscription and pushed nothing (it does not hold the bytes: a
+    # file idle past the data cache's time to live): given up after the grace, not the timeout.
+    stream.live.set()
+    t0 = time.monotonic()
+    assert f.wait_read(uri, RUN, RUN + 56, timeout=5.0) == b""
+    assert time.monotonic() - t0 < 1.0
 
 
 def test_a_paused_push_resumes_when_one_of_its_readers_reaches_the_head():

@@ -12,15 +12,17 @@ from where it joined on arrives once and in order.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import urllib.request
 
 import pytest
 
-from pyspark_acs import Producer
+from pyspark_acs import Consumer, Producer
 from pyspark_acs.storage.store import DurableStore
 
 from tests.helpers import deployments, wait_until
@@ -73,7 +75,52 @@ _CHILD = textwrap.dedent(
 def caches(tmp_path_factory):
     with deployments(tmp_path_factory.mktemp("caches"), clusters=("A",), replicas=3, capacity="256MiB") as deps:
         dep = deps["A"]
+        _SERVERS[:] = [dep]
         yield {"data_cache": dep.data_endpoints, "metadata_cache": dep.metadata_endpoints}
+
+
+#: The deployment of the module's caches (for their /metrics).
+_SERVERS: list = []
+_CALLS = re.compile(r'^acs_cache_request_seconds_count\{[^}]*method="(\w+)"[^}]*\} (\S+)$', re.M)
+
+
+def _calls(role: str) -> dict:
+    """Requests the ``role`` servers handled so far, by method (from their /metrics)."""
+    counts: dict = {}
+    for server in _SERVERS[0].servers[role]:
+        text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+        for method, value in _CALLS.findall(text):
+            counts[method] = counts.get(method, 0.0) + float(value)
+    return counts
+
+
+def test_a_join_at_latest_asks_the_data_cache_nothing_and_watches_nothing(root, caches):
+    """A reader joining a running stream at latest, through a feed, takes its look for a seal
+    from the feed's first push (no Get), covers the file before its first poll round (no Watch
+    calls that go idle at once) and opens no data-cache channel beyond the one the feed follows
+    on: each of these was a round trip or a connection per reader that sixty-four readers
+    joining at once paid on a starved machine."""
+    DurableStore(root).create_stream("g", 1)
+    with Producer(root, "g", shards=1, **caches) as p:
+        for i in range(50):
+            p.send_many([b"%d " % (i * 20 + k) + VALUE for k in range(20)])
+            p.flush(timeout=30)
+        data0, meta0 = _calls("data"), _calls("metadata")
+        with Consumer(root, "g", start="latest", **caches) as c:
+            p.send(b"after")
+            p.flush(timeout=30)
+            got = [v for b in c.batches(timeout=10) for v in b.column("value").to_pylist()]
+            wait_until(lambda: got.extend(v for b in c.poll() for v in b.column("value").to_pylist())
+                       or b"after" in got, timeout=30, what="the message sent after the join")
+            assert got == [b"after"]  # latest: nothing from before the join
+            assert c.stats()["durable_bytes"] == 0
+            feed = c.path.feed
+            assert sum(rep.channel is not None for rep in feed.client._replicas.values()) == 1
+            assert not c.path.poller._streams  # no Watch stream: the feed covers the file
+        data1, meta1 = _calls("data"), _calls("metadata")
+    assert data1.get("Get", 0) == data0.get("Get", 0), (data0, data1)
+    assert data1.get("Health", 0) == data0.get("Health", 0), (data0, data1)
+    assert meta1.get("Watch", 0) == meta0.get("Watch", 0), (meta0, meta1)
 
 
 def test_sixteen_consumers_join_a_running_stream_at_once(root, caches, subprocess_env):
