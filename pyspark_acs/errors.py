@@ -24,7 +24,8 @@ that already catch ``ValueError``, ``OSError``, ``ConnectionError`` or
     │       ├── AppendConflictError          an append landed after foreign bytes (a successor's seal)
     │       │   └── AppendLockBusyError      the file's append lock stayed held: nothing appended
     │       ├── LaterFileError               a file created under a given name was sealed unused
-    │       └── LeasePoisonedError           our lease was poisoned by a newer writer: stop
+    │       ├── LeasePoisonedError           our lease was poisoned by a newer writer: stop
+    │       └── StaleEpochError              a copy from before the stream's promotion: refused
     ├── DataLossError                        bytes a reader needed are gone; says which
     ├── AcsTimeoutError (TimeoutError)       flush/close did not finish in the time given
     ├── TopologyError (ValueError)           bad copy-daemon topology file
@@ -59,6 +60,7 @@ __all__ = [
     "LeaseError",
     "LeasePoisonedError",
     "RootNotFoundError",
+    "StaleEpochError",
     "StoreError",
     "StoreFileNotFoundError",
     "TierUploadError",
@@ -237,6 +239,17 @@ class LeasePoisonedError(WriterConflictError):
 
     A :class:`WriterConflictError`: however a deposed writer finds out (its lease check, or
     the seal fence at its next append), ``except WriterConflictError`` catches it.
+    """
+
+
+class StaleEpochError(WriterConflictError):
+    """A copy of a stream from before its promotion (``acs promote``), or into a cluster that
+    holds bytes past the promotion's cut: refused, so two histories never mix.
+
+    The stream's ``_stream.json`` counts its promotions (``epoch``); every copy names the epoch
+    of the cluster it comes from. A copy from an older epoch comes from a daemon that runs a
+    topology from before the promotion (a cluster that was lost and came back), and the message
+    names both epochs and the stream's source since.
     """
 
 

@@ -112,17 +112,18 @@ def free_port() -> int:
 # Waiting
 
 
-def wait_until(predicate: Callable[[], object], timeout: float = 5.0, what: str = "the condition",
-               interval: float = 0.02):
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0,
+               what: Union[str, Callable[[], str]] = "the condition", interval: float = 0.02):
     """Poll ``predicate`` every ``interval`` s until it returns something true, and return that;
-    AssertionError naming ``what`` after ``timeout`` s."""
+    AssertionError naming ``what`` after ``timeout`` s (a callable: called then, so the message
+    can say where things stood)."""
     deadline = time.monotonic() + timeout
     while True:
         got = predicate()
         if got:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
         time.sleep(interval)
 
 
@@ -585,8 +586,13 @@ class LiveConsumer:
 
 def source_history(env: Env) -> Dict[int, List[bytes]]:
     """The one true history: what a fresh reader of the source cluster reads (after quiescence)."""
+    return read_history(env.roots[env.clusters[0]], env.stream)
+
+
+def read_history(root: str, stream: str) -> Dict[int, List[bytes]]:
+    """Every message value a fresh store-only reader of ``root`` reads now, per shard."""
     out: Dict[int, List[bytes]] = {}
-    c = Consumer(env.roots[env.clusters[0]], env.stream)
+    c = Consumer(str(root), stream)
     try:
         while True:
             got = c.poll()
@@ -884,8 +890,9 @@ def stop_process(child: Union[subprocess.Popen, int], timeout: float = 20.0) -> 
 #: The message of Spark's ``SparkException`` when a Python worker did not connect back in time.
 SPARK_WORKER_START_FAULT = "Python worker failed to connect back"
 
-#: Status message of a query whose sources are not initialized yet (StreamExecution).
-_INITIALIZING = "Initializing sources"
+#: Status messages of a query whose sources are not initialized yet (StreamExecution): the first
+#: is what ``start()`` returns with, before the query's thread has begun.
+_INITIALIZING = ("Initializing StreamExecution", "Initializing sources")
 
 #: How long a query may take to initialize its sources before the start counts as done (s).
 START_WAIT_S = 120.0
@@ -918,7 +925,7 @@ def start_query(writer, attempts: int = START_ATTEMPTS, sleep: Callable[[float],
     for attempt in range(1, attempts + 1):
         query = writer.start()
         deadline = time.monotonic() + START_WAIT_S
-        while (query.isActive and query.status.get("message") == _INITIALIZING
+        while (query.isActive and query.status.get("message") in _INITIALIZING
                and time.monotonic() < deadline):
             time.sleep(0.05)
         if query.isActive or attempt == attempts:

@@ -23,7 +23,7 @@ EXPECTED_TOP_LEVEL = [
     "CacheError", "CacheTimeoutError", "CacheUnavailableError", "ChecksumMismatchError", "ClosedError",
     "Consumer", "CorruptFileError", "DataLossError", "DefaultSource", "DeploymentError", "ForkError",
     "InvalidNameError", "LaterFileError", "LeaseError", "LeasePoisonedError", "Producer", "RootNotFoundError",
-    "StoreError", "StoreFileNotFoundError", "TierUploadError", "TopologyError", "TruncatedBlockError",
+    "StaleEpochError", "StoreError", "StoreFileNotFoundError", "TierUploadError", "TopologyError", "TruncatedBlockError",
     "WriterConflictError", "__version__", "register",
 ]
 

@@ -1,9 +1,10 @@
-"""``acs tree`` and ``acs copy-status``: the copy tree and per-hop copy state of a stream.
+"""``acs tree``, ``acs copy-status`` and ``acs promote``: the copy tree, per-hop copy state and source of a stream.
 
 Registered with :func:`pyspark_acs.cli.main.register_command` when ``acs`` starts::
 
     acs tree --topology topology.json [--stream orders] [--unhealthy B]
     acs copy-status --topology topology.json --stream orders [--json]
+    acs promote orders --to B --topology topology.json [--timeout 60] [--json]
 """
 
 from __future__ import annotations
@@ -94,6 +95,29 @@ def _copy_status_table(stream: str, rows):
     return Group(table, *warnings, *errors)
 
 
+def cmd_promote(args: argparse.Namespace) -> int:
+    """Make a destination the source of a stream (pyspark_acs.server.copy.promote), printing
+    each step; exit 1 when a copy daemon that answers did not take the new topology in time."""
+    from pyspark_acs.errors import AcsTimeoutError
+    from pyspark_acs.server.copy.promote import promote
+
+    def say(line: str) -> None:
+        print(f"acs promote: {line}", file=sys.stderr, flush=True)
+
+    try:
+        report = promote(args.topology, args.stream, args.to, timeout=args.timeout, progress=say)
+    except AcsTimeoutError as exc:
+        print(f"acs promote: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        cut = ", ".join(f"shard {s}: {f} at byte {n}" for s, (f, n) in sorted(report.cut.items())) or "no files yet"
+        print(f"{report.source} is the source of {report.stream} (epoch {report.epoch}, after {report.previous}); "
+              f"cut: {cut}")
+    return 0
+
+
 def _n(value) -> str:
     return "-" if value is None else str(value)
 
@@ -118,5 +142,20 @@ def _add_copy_status(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_copy_status)
 
 
+def _add_promote(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("promote", help="make a destination the source of a stream (the source is lost, or a move)",
+                       description="Bring cluster TO to the longest copy of the stream any reachable cluster holds, "
+                                   "seal it there, record the cut, make TO the source in the topology file and wait "
+                                   "until every reachable copy daemon runs it. Safe to run again.")
+    p.add_argument("stream", help="stream name")
+    p.add_argument("--to", required=True, metavar="CLUSTER", help="the destination cluster to make the source")
+    p.add_argument("--topology", required=True, metavar="FILE.json", help="the topology file the copy daemons read")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long to wait for the copy daemons to run the new topology (default 60)")
+    p.add_argument("--json", action="store_true", help="print what was done as JSON")
+    p.set_defaults(func=cmd_promote)
+
+
 register_command("tree", _add_tree)
+register_command("promote", _add_promote)
 register_command("copy-status", _add_copy_status)

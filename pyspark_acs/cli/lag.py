@@ -21,7 +21,7 @@ from pyspark_acs.cli.watch import add_watch_flags, rich_table, text_table, watch
 
 __all__: list = []
 
-_HEAD = ["source", "stream", "shard", "committed", "end", "bytes_behind", "messages_behind"]
+_HEAD = ["source", "stream", "shard", "committed", "end", "bytes_behind", "messages_behind", "copy_behind"]
 
 
 def _offset_text(off: Dict[str, Any]) -> str:
@@ -34,8 +34,11 @@ def lag_report(checkpoint: str, root: str, *, stream: Optional[str] = None, data
 
     ``{"checkpoint", "root", "committed_batch", "running_batch", "basis": "committed" |
     "running", "shards": [{"source", "stream", "shard", "committed", "end", "bytes_behind",
-    "messages_behind"}], "bytes_behind", "messages_behind"}``. With no batch committed yet the
-    offsets of the running batch are the basis (where the query will be once it commits).
+    "messages_behind", "copy_behind_bytes", "waiting"}], "bytes_behind", "messages_behind"}``:
+    ``copy_behind_bytes`` is how much of the committed offset's file this cluster's copy still
+    lacks (a checkpoint moved to a destination that is behind it; ``waiting`` says why). With
+    no batch committed yet the offsets of the running batch are the basis (where the query will
+    be once it commits).
     """
     from pyspark_acs.cache.endpoints import DATA_CACHE_ENV, METADATA_CACHE_ENV, cache_endpoints
     from pyspark_acs.read.lag import checkpoint_lag, read_checkpoint
@@ -76,12 +79,17 @@ def _summary(report: Dict[str, Any]) -> str:
         f"batch {committed} committed" if committed is not None else "no batch committed yet (counting from the running batch's end)")
     if report["running_batch"] is not None and committed is not None:
         text += f", batch {report['running_batch']} running"
-    return text + f"; behind: {report['bytes_behind']} bytes, {report['messages_behind']} messages"
+    text += f"; behind: {report['bytes_behind']} bytes, {report['messages_behind']} messages"
+    copy = sum(r["copy_behind_bytes"] for r in report["shards"])
+    if copy:
+        text += f"; this cluster's copy is {copy} bytes short of the checkpoint (a query here waits for it)"
+    return text
 
 
 def _cells(report: Dict[str, Any]) -> List[List[str]]:
     return [[str(r["source"]), r["stream"], str(r["shard"]), _offset_text(r["committed"]), _offset_text(r["end"]),
-             str(r["bytes_behind"]), str(r["messages_behind"])] for r in report["shards"]]
+             str(r["bytes_behind"]), str(r["messages_behind"]), str(r["copy_behind_bytes"])]
+            for r in report["shards"]]
 
 
 def cmd_lag(args: argparse.Namespace) -> int:

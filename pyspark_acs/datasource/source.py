@@ -191,7 +191,13 @@ def _read_range(opts: SourceOptions, partition: AcsPartition, path: ReadPath) ->
                 break
             now = time.monotonic()
             waited_since = waited_since or now
-            if now - waited_since > opts.read_timeout:
+            if tailer.copy_wait is not None:
+                # This cluster's copy has not brought the range yet (a batch planned in another
+                # cluster, run again here): its bytes come with the copy, as for a Consumer; the
+                # tailer says so after TailTiming.stuck_warn_after_s. readTimeout is for bytes
+                # published here that do not become readable.
+                waited_since = now
+            elif now - waited_since > opts.read_timeout:
                 raise DataLossError(
                     f"stream {partition.stream!r} shard {partition.shard}: bytes from {tailer.offset.file} "
                     f"byte {tailer.offset.length} up to {end.file} byte {end.length} were published but are "

@@ -33,8 +33,8 @@ from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
 from pyspark_acs.options import bytes_parser, duration_parser, nearest_name, option, parse_bool, parse_options
 from pyspark_acs.read.batches import CONSUMER_BATCH_BYTES, coalesce_runs
-from pyspark_acs.read.positions import (ends_with_seal, latest_offset, read_blocks, seal_behind, skip_void,
-                                        unfinished_file)
+from pyspark_acs.read.positions import (Missing, MissingRules, ends_with_seal, latest_offset, read_blocks,
+                                        seal_behind, skip_void, unfinished_file)
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import DEFAULT_READ_POLICY, parse_read_policy, retention_gap
@@ -166,6 +166,10 @@ class ShardTailer:
         self._unfinished: Optional[Tuple[Tuple[str, int], float, float]] = None
         self._wait_why: Optional[str] = None  # why the finality rule said to wait there
         self._loss_logged: Optional[Offset] = None  # the lost position already logged
+        # ((file, position, local length), its rule, since when, warned) while the position is
+        # past the local end of its file (_data_loss); the rule comes from _rules.
+        self._missing: Optional[Tuple[Tuple[str, int, Optional[int]], Missing, float, bool]] = None
+        self._rules = MissingRules(clock)
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
         #: Position before each batch of the last step's result: where its block starts, with
@@ -185,6 +189,14 @@ class ShardTailer:
     def offset(self) -> Offset:
         """The position: the file followed and the bytes of it consumed."""
         return Offset(self.file, self.length, self._position)
+
+    @property
+    def copy_wait(self) -> Optional[str]:
+        """Why this tailer waits at its position (the copy has not brought its bytes yet:
+        :func:`~pyspark_acs.read.positions.missing_at`), or None when it does not."""
+        if self._missing is None or self._missing[0][:2] != (self.file, self.length):
+            return None
+        return self._missing[1].wait
 
     @property
     def next_listing(self) -> Optional[float]:
@@ -248,10 +260,12 @@ class ShardTailer:
                 # lagging metadata): only the durable store's own length proves a loss.
                 durable = self.path.durable_length(self.rel)
                 if durable is not None and durable >= self.length:
+                    self._missing = None
                     return out
                 if not self._data_loss(durable):
                     return out
                 continue
+            self._missing = None  # the bytes at the position are here (copy_wait says so)
             limit = length
             if end is not None and self.file == end.file:
                 limit = min(limit, end.length)
@@ -446,22 +460,27 @@ class ShardTailer:
         return True
 
     def _data_loss(self, length: Optional[int]) -> bool:
-        """Handle a missing or shortened file. Returns True if the tailer moved on."""
-        what = "is gone from the store" if length is None else f"is only {length} bytes long"
-        lost_end = -1 if length is None else length
-        msg = (
-            f"data loss in stream {self.stream!r} shard {self.shard}: file {self.file} {what}, but the position "
-            f"is at byte {self.length}"
-        )
+        """Handle a file that this cluster holds shorter than the position, or not at all
+        (the rule: :func:`~pyspark_acs.read.positions.missing_at`): wait for a copy still
+        coming, else the loss. Returns True if the tailer moved on."""
+        key = (self.file, self.length, length)
+        now = self.clock()
+        missing, _ = self._rules.get(self.path, self.stream, self.shard, self.file, self.length, length)
+        if self._missing is None or self._missing[0] != key:
+            self._missing = (key, missing, now, False)
+        else:
+            self._missing = (key, missing) + self._missing[2:]
+        _, _, since, warned = self._missing
+        if missing.wait:
+            if not warned and now - since >= self.timing.stuck_warn_after_s:
+                self._missing = (key, missing, since, True)  # once per position and length
+                log.warning("stream %r shard %d: the position is at byte %d of file %s, but %s; waiting for "
+                            "the copy (%.0f s so far)", self.stream, self.shard, self.length, self.file,
+                            missing.wait, self.timing.stuck_warn_after_s)
+            return False
         if self.fail_on_data_loss:
-            raise DataLossError(
-                msg + _SKIP_HINT,
-                stream=self.stream,
-                shard=self.shard,
-                file=self.file,
-                start=0 if length is None else length,
-                end=self.length if length is not None else lost_end,
-            )
+            raise missing.error(_SKIP_HINT)
+        msg = missing.error().args[0]
         files = self.store.list_files(self.stream, self.shard)
         later = [f for f in files if f > self.file]
         # failOnDataLoss=false: the file lost its end (its seal with it), so nothing more will be

@@ -61,7 +61,9 @@ class CheckpointOffsets(NamedTuple):
 
 
 class ShardLag(NamedTuple):
-    """One shard's distance from a committed offset to the readable end of the shard."""
+    """One shard's distance from a committed offset to the readable end of the shard, and in a
+    cluster whose copy has not reached the offset yet (a checkpoint moved here), how far that
+    copy is behind it."""
 
     stream: str
     shard: int
@@ -69,12 +71,18 @@ class ShardLag(NamedTuple):
     end: Offset
     bytes_behind: int
     messages_behind: int
+    #: Bytes of the committed offset's file this cluster's copy still lacks (the whole offset
+    #: when the file is not here yet); 0 when the copy holds it.
+    copy_behind_bytes: int = 0
+    #: Why a reader here waits at the offset (:func:`~pyspark_acs.read.positions.missing_at`).
+    waiting: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-able dict (offsets in their JSON form)."""
         return {
             "stream": self.stream, "shard": self.shard, "committed": self.committed.to_json(),
             "end": self.end.to_json(), "bytes_behind": self.bytes_behind, "messages_behind": self.messages_behind,
+            "copy_behind_bytes": self.copy_behind_bytes, "waiting": self.waiting,
         }
 
 
@@ -162,6 +170,10 @@ def shard_lag(path: ReadPath, stream: str, shard: int, committed: Offset,
     """
     boundaries = boundaries or BoundaryCache()
     extent = shard_extent(path, stream, shard, committed)
+    found = extent.missing_start(boundaries, path, committed)
+    if found is not None and found[0].wait:  # a loss is raised by latest() below
+        return ShardLag(stream, shard, committed, committed, 0, 0, committed.length - (found[0].durable or 0),
+                        found[0].wait)
     end = extent.latest(boundaries, path, committed,
                         hint=" (a query reading the shard fails there too, unless it reads with failOnDataLoss=false)")
     behind_bytes = behind_rows = 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -28,6 +29,7 @@ from pyspark_acs.format.block import (HEADER_SIZE, RECOVERY_SEAL_SIZE, BlockHead
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.format.offsets import Offset
 from pyspark_acs.read.readpath import ReadPath
+from pyspark_acs.storage.tier import retention_floor
 
 __all__ = [
     "BoundaryCache",
@@ -260,6 +262,10 @@ class BoundaryCache:
         self._lock = threading.Lock()  # guards _known and _with_messages
         self._known: "OrderedDict[str, Tuple[int, bool]]" = OrderedDict()
         self._with_messages: Dict[str, Tuple[int, int]] = {}  # rel -> [start, end) walked past a message
+        #: :func:`missing_at`'s answers for starts past what this cluster holds of their file: the
+        #: planner asks at every trigger, and a loss proven by a walk from byte 0 is not walked
+        #: again, nor logged again.
+        self.missing = MissingRules()
 
     def boundary(self, path: ReadPath, rel: str, length: int, start: int = 0) -> Tuple[int, bool]:
         """The last block boundary at or below ``length`` in ``rel`` walking from ``start`` (a
@@ -320,6 +326,21 @@ class ShardExtent:
         at = start
         names = [name for name, _ in self.files]
         skip_to = ""  # after a damaged file: the later file readers go on with
+        found = self.missing_start(boundaries, path, start)
+        if found is not None:
+            missing, new = found
+            if missing.wait:
+                return start
+            if fail_on_data_loss:
+                raise missing.error(hint)
+            later = [name for name in names if name > start.file]
+            if new:
+                log.warning("%s; continuing from file %s", missing.error().args[0],
+                            later[0] if later else "(none yet)")
+            if not later:
+                return start
+            skip_to = later[0]
+            start = Offset(later[0], 0)
         for name, length in self.files:
             if name < start.file or name < skip_to:
                 continue
@@ -337,6 +358,18 @@ class ShardExtent:
             log.warning("%s; continuing from file %s", found.error().args[0], found.later)
             skip_to = found.later
         return at
+
+    def missing_start(self, boundaries: BoundaryCache, path: ReadPath,
+                      start: Offset) -> Optional[Tuple["Missing", bool]]:
+        """:func:`missing_at` for a ``start`` past what this cluster reads of its file (through
+        ``boundaries.missing``: with whether it was worked out just now), or None when the
+        bytes before it are here (a cache that lags while the store holds them included)."""
+        if not start.file or dict(self.files).get(start.file, -1) >= start.length:
+            return None
+        durable = path.durable_length(f"{shard_dir(self.stream, self.shard)}/{start.file}")
+        if durable is not None and durable >= start.length:
+            return None
+        return boundaries.missing.get(path, self.stream, self.shard, start.file, start.length, durable)
 
     def ranges(self, start: Offset, end: Offset) -> Iterator[Tuple[str, str, int, int]]:
         """``(file, rel, begin, stop)`` of each file's bytes between two offsets, oldest first:
@@ -487,6 +520,119 @@ def unfinished_file(path: ReadPath, stream: str, shard: int, name: str, at: int,
         if blocks or sealed:
             return None  # readable blocks (or the seal) are there: the reader goes on
     return Unfinished(stream, shard, name, at, durable, after, None)
+
+
+#: How long an answer of :func:`missing_at` stands while the file's local length does (seconds):
+#: the stream may stop being a copy meanwhile (its ``copied_from`` removed at a failover).
+MISSING_RECHECK_S = 1.0
+
+
+class Missing(NamedTuple):
+    """A position past the end of its file as this cluster holds it (:func:`missing_at`)."""
+
+    stream: str
+    shard: int
+    #: The position's file (base name) and byte.
+    file: str
+    at: int
+    #: The file's length in this cluster's durable store (None: no such file here).
+    durable: Optional[int]
+    #: Why the reader waits instead (None: the bytes are lost): this cluster keeps a copy of
+    #: the stream and the copy has not brought them yet.
+    wait: Optional[str]
+    #: What makes it a loss (None while waiting).
+    why: Optional[str] = None
+
+    def error(self, hint: str = "") -> DataLossError:
+        """The data loss: bytes ``[durable, at)`` of the file (all of it when it is gone)."""
+        what = "is gone from the store" if self.durable is None else f"is only {self.durable} bytes long"
+        return DataLossError(
+            f"data loss in stream {self.stream!r} shard {self.shard}: file {self.file} {what}, but the position "
+            f"is at byte {self.at}{': ' + self.why if self.why else ''}{hint}",
+            stream=self.stream, shard=self.shard, file=self.file,
+            start=0 if self.durable is None else self.durable, end=self.at if self.durable is not None else -1,
+        )
+
+
+class MissingRules:
+    """:func:`missing_at`'s answers, each kept per (file, position, local length) for
+    :data:`MISSING_RECHECK_S`: a reader that waits at such a position asks at every round, and
+    the answer changes only with the length or the stream's metadata (its ``copied_from``
+    removed at a failover), which the recheck catches. Thread-safe.
+
+    Parameters
+    ----------
+    clock : callable
+        Monotonic seconds (``time.monotonic``) the recheck is measured on.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()  # guards _known
+        self._known: "OrderedDict[Tuple[str, str, int, int, Optional[int]], Tuple[Missing, float]]" = OrderedDict()
+
+    def get(self, path: ReadPath, stream: str, shard: int, name: str, at: int,
+            durable: Optional[int]) -> Tuple[Missing, bool]:
+        """The answer, and whether it was worked out just now (not kept from before)."""
+        key = (stream, name, shard, at, durable)
+        now = self.clock()
+        with self._lock:
+            known = self._known.get(key)
+        if known is not None and now - known[1] < MISSING_RECHECK_S:
+            return known[0], False
+        found = missing_at(path, stream, shard, name, at, durable)
+        with self._lock:
+            self._known[key] = (found, now)
+            self._known.move_to_end(key)
+            while len(self._known) > MAX_KNOWN_FILES:
+                self._known.popitem(last=False)
+        return found, True
+
+
+def missing_at(path: ReadPath, stream: str, shard: int, name: str, at: int, durable: Optional[int]) -> Missing:
+    """The rule for a position (``name``, byte ``at``) past what this cluster's durable store
+    holds of its file (``durable`` < ``at``, or None: no such file), the same for every reader.
+
+    An offset is ``(file, bytes)`` and files are byte-identical in every cluster, so a position
+    taken in one cluster names the same message in every other; what differs is how far each
+    cluster holds it:
+
+    - in the stream's **source cluster** (``_stream.json`` without ``copied_from``) the file
+      was written here: shorter than a position taken on it, or gone, it lost those bytes;
+    - in a **destination** (``copied_from``) the copy may simply not have brought them yet (a
+      reader moved here from a cluster whose copy is ahead): it waits, unless the bytes can no
+      longer come: retention deleted the file (the shard's retention floor), or a later file
+      of the shard is here (a destination creates a shard's files in order, so the copy of
+      this one was removed), or the local copy ends in its seal before ``at`` (the position
+      lies past the file's end in this history: a reader arriving from another one).
+    """
+    meta = path.store.stream_meta(stream) or {}
+    source = meta.get("copied_from")
+    base = Missing(stream, shard, name, at, durable, None)
+    if not source:
+        return base._replace(why="in the stream's source cluster a file never shrinks, so those bytes were removed")
+    rel = f"{shard_dir(stream, shard)}/{name}"
+    if durable is None:
+        floor = retention_floor(path.store, stream, shard)
+        if floor is not None and floor >= name:
+            return base._replace(why=f"retention deleted the files up to {floor}")
+        later = [f for f in path.store.list_files(stream, shard) if f > name]
+        # The length again after the listing: the copy may have created the file, then the
+        # later one, since the caller read it (a later file proves the removal only of a file
+        # still missing after the listing that shows it).
+        if later and path.durable_length(rel) is None:
+            return base._replace(why=f"this cluster holds the later file {later[0]}, and a copy creates a shard's "
+                                     f"files in order, so {name} was removed here")
+        if later:
+            return base._replace(wait=f"this cluster keeps a copy of the stream from {source}, whose copy of "
+                                      f"{name} has just begun")
+        return base._replace(wait=f"this cluster keeps a copy of the stream from {source} and has no copy of "
+                                  f"{name} yet")
+    if _may_end_with_seal(path, rel, durable) and ends_with_seal(path, rel, durable):
+        return base._replace(why=f"its copy here ends in its seal at byte {durable}: bytes [{durable}, {at}) are "
+                                 f"no part of this cluster's history (a position taken in another one)")
+    return base._replace(wait=f"this cluster keeps a copy of the stream from {source}, and its copy of {name} "
+                              f"holds {durable} bytes so far")
 
 
 def _holds_message(path: ReadPath, rel: str, begin: int, stop: int) -> bool:

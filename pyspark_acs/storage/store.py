@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from pyspark_acs.errors import AcsOptionError, RootNotFoundError, StoreError, StoreFileNotFoundError
+from pyspark_acs.errors import AcsOptionError, RootNotFoundError, StaleEpochError, StoreError, StoreFileNotFoundError
 from pyspark_acs.format.names import FILE_SUFFIX, shard_dir, validate_stream
 
 __all__ = [
@@ -291,6 +291,21 @@ class DurableStore:
                 f"topology's 'source'), never in a copy", option="stream"
             )
 
+    def _refuse_own(self, stream: str, meta: Dict[str, Any], copied_from: str) -> None:
+        """Refuse to make ``stream`` a copy from ``copied_from`` when it is this cluster's own
+        history: no ``copied_from``, and a file in a shard (a Producer or sink wrote it here).
+        Marked a copy, its own files would mix with the source's, and a cluster made the
+        source (promoted) would silently become a copy again under a stale copy daemon."""
+        if not any(self.list_files(stream, shard) for shard in range(meta["shards"])):
+            return
+        raise AcsOptionError(
+            f"stream: {stream!r} in {self.root} holds files written in this cluster (its _stream.json has no "
+            f"copied_from), so a copy of it from cluster {copied_from!r} is refused: two histories would mix. "
+            f"A Producer or sink wrote here before the copy daemon created the stream, or this cluster is the "
+            f"stream's source and the copy tree is wrong: write the stream only in its source cluster (the "
+            f"topology's 'source') and remove this cluster's {stream!r}, or fix the topology", option="stream"
+        )
+
     def stream_meta(self, stream: str) -> Optional[Dict[str, Any]]:
         """The stream's metadata file as a dict (``shards``; ``copied_from``: for a copy, the
         cluster it was copied from; ``tier``: :mod:`pyspark_acs.storage.tier_settings`' settings), or
@@ -313,13 +328,28 @@ class DurableStore:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def create_stream(self, stream: str, shards: int, *, copied_from: Optional[str] = None) -> int:
+    def create_stream(self, stream: str, shards: int, *, copied_from: Optional[str] = None, epoch: int = 0,
+                      promotions: Sequence[Dict[str, Any]] = (), cluster: Optional[str] = None,
+                      on_adopt: Optional[Callable[[Dict[str, Any]], None]] = None) -> int:
         """Create ``stream`` with ``shards`` shards, or check that an existing one matches.
 
         ``copied_from``: the stream is a copy the copy daemon keeps, copied from that cluster
         (its writer passes it). A writer of messages (Producer, sink: no ``copied_from``) is refused a
         stream that is a copy: its take-over would seal the files being copied, and its own
         files would mix with the source's history.
+
+        ``epoch`` and ``promotions`` (copies only): the parent cluster's promotion count and
+        records (:mod:`pyspark_acs.server.copy.promote`). The epoch rule lives here:
+
+        - a copy from an older epoch than this cluster's is refused (:class:`StaleEpochError`:
+          its daemon has not seen the promotion);
+        - a newer epoch is adopted, records with it, once ``on_adopt(existing)`` passes (it
+          raises when this cluster holds bytes past the cut:
+          :func:`pyspark_acs.server.copy.promote.check_adoptable`); a stream that is this
+          cluster's own history is refused as a copy (:meth:`_refuse_own`) unless this
+          cluster (``cluster``) is the source the promotion deposed;
+        - at the same epoch the copy must carry the same promotion (its ``id``); its record
+          is taken only when it moves on from ``fenced`` to ``cut``.
 
         Callers that race to create one stream (producers of several shard counts starting at
         once) are decided by :meth:`update_stream_meta`'s lock: the first one's count stands and
@@ -332,6 +362,8 @@ class DurableStore:
         AcsOptionError
             When the shard count disagrees (option ``shards``), or a writer of messages asks
             for a copy (option ``stream``).
+        StaleEpochError
+            A copy from an older epoch or another promotion, or one this cluster cannot adopt.
         """
 
         def change(existing: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -341,6 +373,8 @@ class DurableStore:
                 meta: Dict[str, Any] = {"shards": shards, "format": 1}
                 if copied_from is not None:
                     meta["copied_from"] = copied_from
+                    if epoch:
+                        meta.update(epoch=epoch, promotions=list(promotions))
                 return meta
             if existing["shards"] != shards:
                 raise AcsOptionError(
@@ -349,9 +383,39 @@ class DurableStore:
                 )
             if copied_from is None:
                 self._refuse_copy(stream, existing)
-            elif existing.get("copied_from") != copied_from:
-                # A copy made before streams said so, or whose parent changed (the copy tree was
-                # rebuilt): say so now.
+                return None
+            here = int(existing.get("epoch") or 0)
+            ours = list(existing.get("promotions") or [])
+            theirs = list(promotions)
+            if epoch < here:
+                last = ours[-1] if ours else {}
+                raise StaleEpochError(
+                    f"stream {stream!r} in {self.root} was promoted (epoch {here}: source {last.get('source')!r}"
+                    f" since {last.get('at', '?')}); a copy from cluster {copied_from!r} at epoch {epoch} is "
+                    f"refused: that cluster's copy daemon runs a topology from before the promotion, or has not "
+                    f"been fenced yet while it is under way. Give it the current topology file (its stream's "
+                    f"source is {last.get('source')!r})")
+            if epoch > here:
+                deposed = cluster is not None and any(r.get("previous") == cluster for r in theirs[len(ours):])
+                if not existing.get("copied_from") and not deposed:
+                    self._refuse_own(stream, existing, copied_from)
+                if on_adopt is not None:
+                    on_adopt(existing)
+                return dict(existing, copied_from=copied_from, epoch=epoch, promotions=theirs)
+            if existing.get("copied_from") != copied_from and not existing.get("copied_from"):
+                self._refuse_own(stream, existing, copied_from)  # this cluster is the source
+            if epoch:
+                mine, yours = ours[-1] if ours else {}, theirs[-1] if theirs else {}
+                if mine.get("id") != yours.get("id"):
+                    raise StaleEpochError(
+                        f"stream {stream!r} in {self.root}: a copy from cluster {copied_from!r} carries another "
+                        f"promotion at epoch {epoch} (to {yours.get('source')!r}) than this cluster's (to "
+                        f"{mine.get('source')!r}); two promotions ran at once: run acs promote again for one of them")
+                if mine.get("state") == "fenced" and yours.get("state") == "cut":
+                    return dict(existing, copied_from=copied_from, promotions=ours[:-1] + [yours])
+            if existing.get("copied_from") != copied_from:
+                # A copy whose parent changed (the copy tree was rebuilt), or a stream a writer
+                # created here and wrote nothing to: say so now.
                 return dict(existing, copied_from=copied_from)
             return None
 

@@ -887,7 +887,12 @@ def test_many_followers_of_a_file_get_its_exact_bytes_from_one_message_per_put(d
 def test_slow_reader_holds_up_nobody_and_grows_no_server_memory(dep):
     """One follower stops reading (its callback blocks); 48 MiB go through a data cache of
     64 MiB. The other follower gets every byte as it lands, and the server's memory grows by
-    no more than what it stores: a stream owes marks and a cursor, never queued bytes."""
+    no more than what it stores: a stream owes marks and a cursor, never queued bytes.
+
+    The writer stays within 8 MiB of the fast follower: 48 MiB of 4 KiB chunks are charged
+    ~54 MiB, so GC evicts the file's head while it is written, and a bare FollowStream that
+    fell behind that far (a starved test process) would wait at the evicted chunk for ever
+    (a reader asks the cache for it; this stream does not)."""
     uri = f"file:///slow/{time.time_ns()}.acs"
     fid = file_id(uri)
     client = CacheClient(dep.data_endpoints, name="data cache")
@@ -912,8 +917,13 @@ def test_slow_reader_holds_up_nobody_and_grows_no_server_memory(dep):
             s.follow(fid, 0)
         writer = ChunkWriter(CacheClient(dep.data_endpoints), uri)
         piece = bytes(range(256)) * 1024  # 256 KiB
+        lead = 8 * 1024 * 1024
         for i in range(192):  # 48 MiB
             writer.append(piece)
+            written = (i + 1) * len(piece)
+            wait_until(lambda: len(fast) >= written - lead, 60,
+                       lambda: f"the fast follower within {lead} B of {written} B (it has {len(fast)} B; "
+                               f"{client.stats()[endpoint]['evicted_total']} entries evicted)")
         wait_until(lambda: len(fast) == 192 * len(piece), 60, "the fast follower's bytes")
         after = client.stats()[endpoint]["rss_bytes"]
         stored = client.stats()[endpoint]["used_bytes"]

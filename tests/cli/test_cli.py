@@ -463,3 +463,40 @@ def test_acs_up_and_acs_cache_server_share_flag_names_and_defaults(acs, python_e
     assert "--data-ttl" not in up  # its former name still works, but is not shown
     down = " ".join(acs("down", "--help", check=0).stdout.decode().split())
     assert "Stop every server of the local deployment" in down
+
+
+def test_tail_moved_to_a_lagging_copy_waits_instead_of_reporting_loss(acs, root, tmp_path):
+    """`acs tail --offsets-out o.json` in the source, then `--from @o.json` against a destination
+    whose copy holds half of the offset's file (docs/copy.md, "Moving a reader"): it prints
+    nothing and exits 0 at its --timeout (it used to exit 1 with a DataLossError for bytes still
+    coming); once the copy is whole it prints exactly the messages after the offset."""
+    import shutil
+
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.storage.store import DurableStore
+
+    offsets = tmp_path / "o.json"
+    with Producer(root, "mv", roll_bytes=2000) as p:
+        for i in range(3000):
+            p.send(b"%d" % i)
+            if i % 100 == 99:
+                p.flush()  # blocks of 100, files of a few blocks
+    t = acs("tail", "--root", root, "--stream", "mv", "--max-messages", "1000", "--offsets-out", str(offsets),
+            check=0)
+    assert _lines(t.stdout) == [str(i) for i in range(1000)]
+    at = json.loads(offsets.read_text())["mv"]["0"]
+    assert at["length"] > 0
+    dest = str(tmp_path / "C")
+    DurableStore(dest).create_stream("mv", 1, copied_from="A")
+    src, dst = os.path.join(root, shard_dir("mv", 0)), os.path.join(dest, shard_dir("mv", 0))
+    files = DurableStore(root).list_files("mv", 0)
+    for name in files[:files.index(at["file"])]:
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    with open(os.path.join(src, at["file"]), "rb") as f_in, open(os.path.join(dst, at["file"]), "wb") as f_out:
+        f_out.write(f_in.read()[: at["length"] // 2])
+    t = acs("tail", "--root", dest, "--stream", "mv", "--timeout", "1", "--from", "@" + str(offsets), check=None)
+    assert (t.returncode, t.stdout) == (0, b""), t.stderr
+    for name in files[files.index(at["file"]):]:
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    t = acs("tail", "--root", dest, "--stream", "mv", "--timeout", "1", "--from", "@" + str(offsets), check=0)
+    assert _lines(t.stdout) == [str(i) for i in range(1000, 3000)]

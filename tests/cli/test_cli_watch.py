@@ -257,3 +257,44 @@ def test_produce_progress_bar(root, tmp_path, env):
     # A pipe gets no bar unless asked for.
     out = run(env, "produce", "--root", root, "--stream", "bulk", stdin=b"a\nb\n")
     assert out.returncode == 0 and "messages/s" not in out.stderr.decode()
+
+
+def test_lag_of_a_checkpoint_against_a_copy_that_is_behind_it(tmp_path, root, env):
+    """A checkpoint taken against the source, asked of a destination whose copy holds half of
+    the committed offset's file (docs/copy.md, "Moving a reader"): `acs lag` says how many bytes
+    the copy lacks and that a query there waits; nothing is behind the checkpoint there yet."""
+    import shutil
+
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.storage.store import DurableStore
+
+    with Producer(root, "cp", shards=1, roll_bytes=1000) as p:
+        for i in range(20):
+            p.send(b"m%d-" % i + b"x" * 100)
+            p.flush()  # a block per message, files of a few blocks
+    store = DurableStore(root)
+    files = store.list_files("cp", 0)
+    last = files[-2]  # the committed offset: inside a sealed file that is not the newest
+    from pyspark_acs.format.block import scan_blocks
+
+    data = open(os.path.join(root, shard_dir("cp", 0), last), "rb").read()
+    at = [start for start, _ in scan_blocks(data, final=True)][-2]  # the last message block
+    assert at > 200
+    _hand_checkpoint(tmp_path / "ck", {"cp": {"0": {"file": last, "length": at}}})
+    dest = str(tmp_path / "C")
+    DurableStore(dest).create_stream("cp", 1, copied_from="A")
+    src, dst = os.path.join(root, shard_dir("cp", 0)), os.path.join(dest, shard_dir("cp", 0))
+    for name in files[:-2]:
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    with open(os.path.join(src, last), "rb") as f_in, open(os.path.join(dst, last), "wb") as f_out:
+        f_out.write(f_in.read()[:200])
+    rep = lag_json(env, str(tmp_path / "ck"), dest)
+    (row,) = rep["shards"]
+    assert row["copy_behind_bytes"] == at - 200 and "holds 200 bytes so far" in row["waiting"], row
+    assert (row["bytes_behind"], row["messages_behind"]) == (0, 0)
+    out = run(env, "lag", "--checkpoint", str(tmp_path / "ck"), "--root", dest)
+    assert out.returncode == 0 and b"copy is %d bytes short" % (at - 200) in out.stdout, out
+    for name in files[-2:]:
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    (row,) = lag_json(env, str(tmp_path / "ck"), dest)["shards"]
+    assert row["copy_behind_bytes"] == 0 and row["messages_behind"] > 0, row

@@ -46,6 +46,36 @@ def test_the_planner_start_fault_starts_the_query_again_with_a_warning():
     assert writer.starts == 2
 
 
+class _Starting:
+    """A query that reads as Spark's does right after ``start()`` (its thread not yet begun) for
+    the first ``reads`` looks at its status, then as failed with the planner fault."""
+
+    name = "q"
+
+    def __init__(self, reads: int):
+        self._reads = reads
+
+    @property
+    def isActive(self):
+        return self._reads >= 0
+
+    @property
+    def status(self):
+        self._reads -= 1
+        return {"message": "Initializing StreamExecution" if self.isActive else "Initializing sources"}
+
+    def exception(self):
+        return None if self.isActive else RuntimeError(SPARK_WORKER_START_FAULT)
+
+
+def test_a_query_not_yet_past_its_first_status_is_waited_for_before_it_counts_as_started():
+    good = _Query(active=True)
+    writer = _Writer(_Starting(reads=3), good)
+    with pytest.warns(UserWarning, match="did not connect back"):
+        assert start_query(writer, sleep=_no_pause) is good
+    assert writer.starts == 2
+
+
 @pytest.mark.parametrize("query", [
     _Query(active=False, error="AcsOptionError: option 'maxRowsPerTrigger' must be a positive integer"),
     _Query(active=False),  # an AvailableNow query that already finished

@@ -142,8 +142,11 @@ def test_ending_options_are_refused_on_streams_with_the_reason(spark, root, name
     Producer(root, "ends", shards=1).close()
     df = (spark.readStream.format("acs").option("root", root).option("stream", "ends")
           .option(name, value).load())
+    # Started through start_query: a start whose Python planner did not connect back (a
+    # loaded machine) is started again instead of being taken for the refusal.
+    query = start_query(df.writeStream.format("memory").queryName(f"ends_{name}"))
     with pytest.raises(Exception) as err:
-        df.writeStream.format("memory").queryName(f"ends_{name}").start().awaitTermination(60)
+        query.awaitTermination(60)
     text = str(err.value)
     assert name in text and "batch reads only" in text and "availableNow" in text
 
@@ -495,3 +498,67 @@ def test_the_readmes_batch_write_runs_as_written(tmp_path, subprocess_env):
         assert run.returncode == 0, run.stderr[-3000:]
         assert run.stdout.split()[-1] == "2", run.stdout
         assert (tmp_path / "acs-data" / "greetings").is_dir()
+
+
+def test_a_query_restarted_from_its_checkpoint_against_a_lagging_copy_waits_for_it(spark, tmp_path):
+    """A query's checkpoint moves to another cluster (docs/copy.md, "Moving a reader"): run
+    against A, then restarted from the same checkpoint against C, a destination whose copy
+    holds less than the checkpoint's offsets. The query does not fail (no DataLossError for
+    bytes still coming) and plans nothing until the copy comes; then it delivers exactly the
+    messages after the checkpoint, in order."""
+    import shutil
+
+    from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.storage.store import DurableStore
+
+    a, c = str(tmp_path / "A"), str(tmp_path / "C")
+    with Producer(a, "mv", shards=1, roll_bytes=600, max_block_bytes=1024) as p:
+        for i in range(20):
+            p.send(b"m%03d" % i)
+            p.flush()
+    ck = str(tmp_path / "ck")
+
+    got = {"moved_a": [], "moved_c": []}
+
+    def run(root, trigger, name):
+        def record(df, batch_id):  # the memory sink cannot restart from a checkpoint
+            got[name].extend(r.v for r in df.orderBy("file", "position").collect())
+
+        return start_query(spark.readStream.format("acs").option("root", root).option("stream", "mv")
+                           .option("startingOffsets", "earliest").load()
+                           .selectExpr("CAST(value AS STRING) v", "file", "position")
+                           .writeStream.foreachBatch(record)
+                           .option("checkpointLocation", ck).trigger(**trigger))
+
+    q = run(a, {"availableNow": True}, "moved_a")
+    q.awaitTermination(120)
+    assert q.exception() is None
+    assert got["moved_a"] == ["m%03d" % i for i in range(20)]
+    at_checkpoint = DurableStore(a).list_files("mv", 0)  # the last one holds the checkpoint's offset
+    with Producer(a, "mv", shards=1, roll_bytes=600, max_block_bytes=1024) as p:
+        for i in range(20, 30):
+            p.send(b"m%03d" % i)
+            p.flush()
+    files = DurableStore(a).list_files("mv", 0)
+    DurableStore(c).create_stream("mv", 1, copied_from="A")
+    src, dst = os.path.join(a, shard_dir("mv", 0)), os.path.join(c, shard_dir("mv", 0))
+    for name in at_checkpoint[:-1]:  # C's copy is behind the checkpoint: half of its file
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    last = at_checkpoint[-1]
+    with open(os.path.join(src, last), "rb") as f_in, open(os.path.join(dst, last), "wb") as f_out:
+        f_out.write(f_in.read()[: os.path.getsize(os.path.join(src, last)) // 2])
+    q = run(c, {"processingTime": "100 milliseconds"}, "moved_c")
+    try:
+        time.sleep(3.0)
+        assert q.exception() is None and q.isActive
+        assert got["moved_c"] == []
+        for name in files[len(at_checkpoint) - 1:]:
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+        deadline = time.monotonic() + 120
+        while len(got["moved_c"]) < 10 and time.monotonic() < deadline:
+            assert q.exception() is None
+            time.sleep(0.2)
+        time.sleep(1.0)  # nothing more arrives
+    finally:
+        q.stop()
+    assert got["moved_c"] == ["m%03d" % i for i in range(20, 30)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import signal
 import threading
 import time
 from typing import Dict, List, Optional
@@ -26,9 +27,10 @@ from pyspark_acs.format.block import encode_block, encode_seal
 from pyspark_acs.format.names import file_name, new_writer_id, shard_dir
 from pyspark_acs.errors import StoreFileNotFoundError
 from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.write.producer import Producer
 
 from tests.helpers import (
-    CHAIN, Env, LiveConsumer, check_histories, deployments, metric, source_history,
+    CHAIN, Env, LiveConsumer, check_histories, deployments, metric, source_history, wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -372,3 +374,153 @@ def test_restarted_daemons_ask_children_what_they_have(make_env, caches):
             w.stop(check=False)
         for c in live:
             c.stop()
+
+
+def _read_until(consumer, got: Dict[int, List[bytes]], done, timeout: float = QUIET_S) -> None:
+    """Poll ``consumer`` into ``got`` (values per shard), at least once, until ``done(got)``
+    or the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        batches = consumer.poll()
+        for batch in batches:
+            for shard, value in zip(batch.column("shard").to_pylist(), batch.column("value").to_pylist()):
+                got.setdefault(shard, []).append(value)
+        if done(got):
+            return
+        assert time.monotonic() < deadline, f"{sum(len(v) for v in got.values())} messages by the timeout"
+        if not batches:
+            time.sleep(0.01)
+
+
+def _behind(env: Env, cluster: str, offsets: dict) -> bool:
+    """Whether ``cluster``'s readers lack some shard's bytes before ``offsets``: in neither its
+    durable store nor its caches yet. The published cache length is read by a consistent
+    read of the metadata cache, not through a read path, which answers with the durable
+    length alone while it holds the cache off (a stale "behind")."""
+    store = DurableStore(env.roots[cluster])
+    meta = CacheClient(env.caches[cluster].metadata_endpoints)
+    try:
+        for shard, at in offsets[env.stream].items():
+            rel = f"{shard_dir(env.stream, int(shard))}/{at['file']}"
+            cache, durable = MetadataCache(meta).lengths([store.uri(rel)])[store.uri(rel)]
+            if max(cache or 0, durable or 0, store.lengths([rel]).get(rel) or 0) < at["length"]:
+                return True
+        return False
+    finally:
+        meta.close()
+        store.close()
+
+
+def test_readers_move_between_clusters_at_the_same_offsets(make_env, caches):
+    """A position is valid in every cluster: chain A -> B -> C, consumers following in
+    every cluster; a producer writes in A throughout. One reader reads half the stream in B and
+    moves to C with B's offsets while C is behind (C's daemon, which copies into C, stopped with
+    SIGSTOP, so the position's bytes are in neither C's store nor its caches yet); another reads in C and moves to B,
+    which is ahead. Each gets every message exactly once, in order per shard; the one in C
+    waits for the copy instead of reporting loss."""
+    env = make_env(caches)
+    for c in ("A", "B", "C"):
+        env.start_daemon(c)
+    live = [LiveConsumer(env, c) for c in ("A", "B", "C")]
+    acknowledged: List[bytes] = []
+    stop = threading.Event()
+    errors: List[BaseException] = []
+    relay = env.daemons["C"][0]  # copies into C (from B)
+    stopped = False
+
+    def produce(p) -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                value = f"m{i:06d}-".encode() + b"v" * 200
+                p.send(value, key=str(i % 5).encode())
+                acknowledged.append(value)
+                i += 1
+                if i % 20 == 0:
+                    p.flush(timeout=30)
+                    time.sleep(0.01)
+            p.flush(timeout=30)
+        except BaseException as exc:  # raised in the test
+            errors.append(exc)
+
+    try:
+        with env.producer(roll_bytes=40_000, max_block_bytes=8192) as p:
+            writer = threading.Thread(target=produce, args=(p,), daemon=True)
+            writer.start()
+            wait_until(lambda: DurableStore(env.roots["C"]).stream_shards(env.stream) is not None, timeout=30,
+                       what="the stream in C")
+            to_c: Dict[int, List[bytes]] = {}
+            to_b: Dict[int, List[bytes]] = {}
+            in_b = env.consumer("B", start="earliest")
+            in_c = env.consumer("C", start="earliest")
+            _read_until(in_b, to_c, lambda got: sum(map(len, got.values())) >= 1500)
+            _read_until(in_c, to_b, lambda got: sum(map(len, got.values())) >= 500)
+            relay.send_signal(signal.SIGSTOP)  # C gets nothing more
+            stopped = True
+            offsets_b = in_b.offsets()
+            wait_until(lambda: _read_until(in_b, to_c, lambda got: True) or _behind(env, "C", in_b.offsets()),
+                       timeout=30, what="C behind B")
+            offsets_b = in_b.offsets()
+            in_b.close()
+            assert _behind(env, "C", offsets_b)
+            offsets_c = in_c.offsets()
+            in_c.close()
+            moved_to_c = env.consumer("C", start=offsets_b)  # waits for the copy: no DataLossError
+            moved_to_b = env.consumer("B", start=offsets_c)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 1.5:
+                _read_until(moved_to_c, to_c, lambda got: True)
+                _read_until(moved_to_b, to_b, lambda got: True)
+                time.sleep(0.05)
+            relay.send_signal(signal.SIGCONT)
+            stopped = False
+            time.sleep(1.0)
+            stop.set()
+            writer.join(60)
+            assert not errors, errors
+        history = source_history(env)
+        total = sum(map(len, history.values()))
+        for reader, got in ((moved_to_c, to_c), (moved_to_b, to_b)):
+            _read_until(reader, got, lambda g: sum(map(len, g.values())) >= total, timeout=90)
+            reader.close()
+            for shard in history:
+                assert got.get(shard, []) == history[shard], f"shard {shard}: not every message once, in order"
+        assert set(acknowledged) <= {v for vs in history.values() for v in vs}
+        wait_quiet(env, live, acknowledged)
+    finally:
+        if stopped:
+            relay.send_signal(signal.SIGCONT)
+        stop.set()
+        for c in live:
+            c.stop()
+
+
+def test_a_destination_with_its_own_history_is_never_made_a_copy(make_env, caches):
+    """A Producer wrote the stream in B before B's copy daemon created it there (B a second
+    source): the copy into B is refused, loudly and by name, instead of marking B's stream a
+    copy and mixing its files with A's (which also keeps a promoted source from becoming a copy
+    again under a stale daemon). B's own files stay as they were, its consumers read them."""
+    env = make_env(caches, dests=("B",))
+    with Producer(env.roots["B"], env.stream, shards=2) as p:
+        p.send(b"written in B")
+    own = env.files("B")
+    with env.producer() as p:
+        for i in range(50):
+            p.send(b"from A %d" % i)
+    daemon_b = env.start_daemon("B")
+    env.start_daemon("A")
+    log_b = env.tmp / "daemon-B-0.log"
+    wait_until(lambda: b"holds files written in this cluster" in log_b.read_bytes(), timeout=60,
+               what="B's daemon refusing the copy")
+    time.sleep(1.0)
+    assert env.files("B") == own, "B's files changed"
+    meta = DurableStore(env.roots["B"]).stream_meta(env.stream)
+    assert "copied_from" not in meta
+    text = log_b.read_text()
+    assert text.count("holds files written in this cluster") == 1, text[-2000:]
+    assert metric(daemon_b, "errors_total", kind="writer_open") >= 1
+    from pyspark_acs.read.consumer import Consumer
+
+    with Consumer(env.roots["B"], env.stream) as c:  # written without caches: read from the store
+        got = [v for b in c.batches(timeout=1.0) for v in b.column("value").to_pylist()]
+    assert got == [b"written in B"]

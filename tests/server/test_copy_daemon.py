@@ -135,7 +135,7 @@ def test_cache_copy_after_complete_durable_copy_publishes_cache_length(make_env)
         rel = f"{shard_dir(env.stream, 0)}/{name}"
         data = encode_block([b"x" * 100] * 50, first_index=0) + encode_seal(50)
         assert len(data) % CHUNK_SIZE  # ends inside a chunk
-        io.store.create_stream(env.stream, 1)
+        io.store.create_stream(env.stream, 1, copied_from="A")  # a copy, as the daemon makes it
         appender = io.store.open_appender(rel)
         appender.write(data)  # the durable copy is complete
         appender.close()

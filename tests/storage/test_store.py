@@ -122,13 +122,21 @@ def test_a_copy_is_refused_to_producers_and_sinks_naming_where_to_write(root):
     with pytest.raises(AcsOptionError, match="copied from cluster 'A'"):
         store.writer_shards("copied")  # the sink's check of an existing stream
     assert store.create_stream("own", 1) == 1 and store.writer_shards("own") == 1  # this cluster's own
-    # A copy made before copies said so (or created by a writer first) is marked at the copy
-    # daemon's next check, and a rebuilt tree's new parent replaces the old one.
+    # A stream a writer created here and wrote nothing to is marked at the copy daemon's next
+    # check, and a rebuilt tree's new parent replaces the old one.
     assert store.create_stream("own", 1, copied_from="A") == 1
     with pytest.raises(AcsOptionError, match="copied from cluster 'A'"):
         store.create_stream("own", 1)
     store.create_stream("own", 1, copied_from="B")
     assert store.stream_meta("own")["copied_from"] == "B"
+    # A stream with this cluster's own files is never made a copy: two histories would mix
+    # (a Producer that wrote before the copy daemon created the stream, or a promoted source
+    # under a stale daemon).
+    with Producer(root, "mine", 1) as p:
+        p.send(b"written here")
+    with pytest.raises(AcsOptionError, match="holds files written in this cluster.*from cluster 'A' is refused") as err:
+        store.create_stream("mine", 1, copied_from="A")
+    assert err.value.option == "stream" and "copied_from" not in store.stream_meta("mine")
 
 
 def _race(root: str, jobs, rounds: int):

@@ -25,6 +25,7 @@ the source's head, so a backlog is copied durable to durable and never floods th
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import secrets
@@ -346,10 +347,18 @@ class CopyOperation:
             shards=self.shards, operation=self.operation, source_cluster=self.io.name, **fields,
         )
 
+    def _epoch(self) -> Dict[str, object]:
+        """The hello's epoch fields: this cluster's promotion count of the stream and its
+        records (``_stream.json``), which the child checks and adopts (storage/store.py
+        create_stream)."""
+        meta = self.io.store.stream_meta(self.key.stream) or {}
+        epoch = int(meta.get("epoch") or 0)
+        return {"epoch": epoch, "promotions_json": json.dumps(meta.get("promotions") or [])} if epoch else {}
+
     def _session(self) -> None:
         session = _Session(self.stub_for(self.key.child), self._wake)
         try:
-            session.send(self._request(hello=True))
+            session.send(self._request(hello=True, **self._epoch()))
             ack = session.next_ack(ACK_TIMEOUT_S + 3 * self.options.lease_seconds)
             self._check(ack)
             self.acked = ack.length

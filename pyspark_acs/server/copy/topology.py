@@ -25,6 +25,8 @@ starts with the file name and the place in the file (``links[2].to``,
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import math
@@ -47,6 +49,7 @@ __all__ = [
     "check_writable",
     "load_topology",
     "set_cluster",
+    "write_topology",
 ]
 
 #: Most hops from the source cluster to any destination (the paper's "maximum of 4 hops").
@@ -190,6 +193,9 @@ class Topology:
     max_fanout: int = DEFAULT_MAX_FANOUT
     origin: str = "<topology>"
     security: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: SHA-256 (hex) of the file's bytes (:func:`load_topology`; empty for parsed data): what
+    #: a copy daemon's Health reports, so ``acs promote`` can tell it runs the file it wrote.
+    sha256: str = ""
 
     def cluster(self, name: str) -> Cluster:
         """Return cluster ``name``; raise :class:`TopologyError` naming the known ones."""
@@ -267,7 +273,8 @@ def load_topology(path: Union[str, Path]) -> Topology:
     if suffix not in (".json", ".toml"):
         raise TopologyError(f"{path}: unknown topology file type {path.suffix!r}; use a .json or .toml file")
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyError(f"{path}: cannot read topology file: {exc}") from exc
     if suffix == ".json":
@@ -283,7 +290,7 @@ def load_topology(path: Union[str, Path]) -> Topology:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise TopologyError(f"{path}: not valid TOML: {exc}") from exc
-    return parse_topology(data, source=str(path))
+    return dataclasses.replace(parse_topology(data, source=str(path)), sha256=hashlib.sha256(raw).hexdigest())
 
 
 class _DuplicateKey(Exception):
@@ -690,8 +697,22 @@ def set_cluster(path: Union[str, Path], name: str, cluster: Mapping[str, Any],
                 break
         else:
             entries.append({"from": name, "to": other, "cost": cost})
-    topology = parse_topology(data, source=str(path))
+    return write_topology(path, data)
+
+
+def write_topology(path: Union[str, Path], data: Mapping[str, Any]) -> Topology:
+    """Validate ``data`` and replace the JSON topology file ``path`` with it atomically
+    (``acs up``'s :func:`set_cluster`, ``acs promote``); returns what the daemons will load.
+
+    Raises
+    ------
+    TopologyError
+        When ``data`` is not a valid topology (the file is left as it was).
+    """
+    path = Path(path)
+    parse_topology(data, source=str(path))
+    raw = (json.dumps(data, indent=2) + "\n").encode("utf-8")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.write_bytes(raw)
     os.replace(tmp, path)
-    return topology
+    return load_topology(path)

@@ -59,17 +59,18 @@ What a writer accepts (the ``Copy`` RPC is the way into a cluster's store; docs/
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from pyspark_acs._grpc import grpc
 from cachetools import LRUCache
 
 from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkReader
-from pyspark_acs.errors import (AcsError, CacheError, CorruptFileError, LeasePoisonedError, StoreError,
-                                TruncatedBlockError, WriterConflictError)
+from pyspark_acs.errors import (AcsError, AcsOptionError, CacheError, CorruptFileError, LeasePoisonedError,
+                                StaleEpochError, StoreError, TruncatedBlockError, WriterConflictError)
 from pyspark_acs.format.block import HEADER_SIZE, check_body, find_recovery_seal, parse_header
 from pyspark_acs.cache.metadata import MetadataLease
 from pyspark_acs.format.names import parse_file_name, shard_dir, validate_shard, validate_stream
@@ -101,6 +102,9 @@ COPY_STREAMS_RESERVE = 8
 #: A ``Copy`` stream that sends no hello within this many seconds is cancelled (an idle
 #: stream would hold a server thread for nothing).
 HELLO_TIMEOUT_S = 10.0
+#: How long a stream's promotion count read here stands before it is read again (seconds):
+#: an operation from before a promotion is poisoned within this long of its fence.
+EPOCH_RECHECK_S = 0.25
 
 
 def validate_delta(prefix: bytes, data: bytes, *, base: int, path: str = "",
@@ -196,6 +200,13 @@ class _OpWriter:
         self.shards = hello.shards
         self.operation = hello.operation or "unknown"
         self.source = hello.source_cluster or "?"
+        #: The stream's promotion count in the source cluster when the operation began, and its
+        #: promotion records: a promotion here since poisons the operation (:meth:`superseded`).
+        self.epoch = int(hello.epoch)
+        try:
+            self.promotions = json.loads(hello.promotions_json) if hello.promotions_json else []
+        except ValueError as exc:
+            raise AcsOptionError(f"promotions_json: not JSON: {exc}", option="promotions_json") from exc
         self.target = (self.rel, self.storage)
         self.lease: Optional[MetadataLease] = None
         self.generation = 0
@@ -280,10 +291,27 @@ class _OpWriter:
             # check and the per-process generation keep a second writer from clobbering.
             log.warning("%s: metadata cache unavailable for the lease, writing without it: %s", self.what(), exc)
 
+    def promoted_since(self) -> bool:
+        """Whether the stream's epoch here is newer than this operation's, read afresh: asked
+        right before bytes are written, after the checks that may wait on the source's store,
+        so no delta begun before an ``acs promote`` fence lands after its settle wait."""
+        return self.s.stream_epoch(self.stream, fresh=True) > self.epoch
+
+    def refuse_stale(self) -> None:
+        """Refuse an operation from an older epoch than the stream's here before it takes the
+        lease (which would poison a current operation) or moves the retention floor."""
+        here = self.s.stream_epoch(self.stream, fresh=True)
+        if here > self.epoch:
+            self.s.metrics.inc("errors_total", kind="stale_epoch")
+            raise StaleEpochError(f"{self.what()}: a copy from cluster {self.source!r} at epoch {self.epoch}; the "
+                                  f"stream is at epoch {here} here (promoted since): refused")
+
     def superseded(self) -> bool:
         """True when a newer operation took this target over (here or in another process)."""
         if self.s.generations.current(self.target) != self.generation:
             return True
+        if self.s.stream_epoch(self.stream) > self.epoch:
+            return True  # promoted since this operation began (storage/store.py create_stream)
         if self.lease is not None and self.lease.due():
             try:
                 self.lease.check()
@@ -296,7 +324,7 @@ class _OpWriter:
     def prepare_destination(self) -> None:
         """Make the stream findable in this cluster: _stream.json and the shard head."""
         if self.shards > 0:
-            self.s.ensure_stream(self.stream, self.shards, self.source)
+            self.s.ensure_stream(self.stream, self.shards, self.source, self.epoch, self.promotions)
         try:
             self.io.meta.set_head(self.shard_uri, self.file)
         except CacheError as exc:
@@ -343,6 +371,7 @@ class _DurableWriter(_OpWriter):
         log.debug("%s: %s not published, metadata cache unavailable: %s", self.what(), what, exc)
 
     def open(self) -> copy_pb2.CopyAck:
+        self.refuse_stale()
         self.vouch()
         self.take_lease()
         held = self._tiered_here()
@@ -421,6 +450,8 @@ class _DurableWriter(_OpWriter):
         refused = self._check_delta(req)
         if refused is not None:
             return self.refuse(refused)
+        if self.promoted_since():
+            return _ack(copy_pb2.POISONED, self.position, "the stream was promoted since this operation began")
         # The delta must land exactly at the file's end: checked and appended under the
         # file's append lock, verified after, then the durable length is published
         # (FileWriter.append).
@@ -531,6 +562,7 @@ class _CacheWriter(_OpWriter):
                            ttl=self.s.options.chunk_ttl)
 
     def open(self) -> copy_pb2.CopyAck:
+        self.refuse_stale()
         self.vouch()
         self.take_lease()
         self.prepare_destination()
@@ -595,6 +627,8 @@ class _CacheWriter(_OpWriter):
         refused = self._check_delta(req) if req.data or req.jump else None
         if refused is not None:
             return self.refuse(refused)  # before the mirror moves: nothing written, nothing published
+        if self.promoted_since():
+            return _ack(copy_pb2.POISONED, self.position, "the stream was promoted since this operation began")
         if req.jump:
             self.mirror = self._mirror(req.start)
             self.position = req.start
@@ -649,9 +683,13 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         self.generations = _Generations()
         self._reading = reading
         self._on_published = on_published
-        # _lock guards _streams (streams whose _stream.json exists here), _writing and _sealed_files.
+        # _lock guards _streams (streams whose _stream.json exists here), _refused (streams this
+        # cluster's own history keeps from being copies: said once), _writing and _sealed_files.
         self._lock = threading.Lock()
-        self._streams: Dict[str, int] = {}
+        self._streams: Dict[str, Tuple[tuple, float]] = {}
+        #: stream -> (epoch, monotonic time read): :meth:`stream_epoch`.
+        self._epochs: Dict[str, Tuple[int, float]] = {}
+        self._refused: Set[str] = set()
         #: Files found sealed here, with their length (a sealed file never changes).
         self._sealed_files: LRUCache = LRUCache(maxsize=SEALED_FILES_REMEMBERED)
         #: This cluster's files in either tier (its own tier mover may have moved sealed files
@@ -662,6 +700,8 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         self._writing = 0
         self._streams_open = 0
         self.serving = True
+        #: The topology file this daemon runs (:attr:`Topology.sha256`), for Health.
+        self.topology_sha256 = ""
 
     def published(self, rel: str, cache_length: Optional[int] = None, durable_length: Optional[int] = None,
                   data: Optional[Tuple[int, bytes]] = None) -> None:
@@ -673,12 +713,50 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
             except Exception:  # a wake-up only: never fail a write for it
                 log.exception("on_published hook failed for %s", rel)
 
-    def ensure_stream(self, stream: str, shards: int, source: str) -> None:
+    def stream_epoch(self, stream: str, fresh: bool = False) -> int:
+        """The stream's promotion count here (``_stream.json`` ``epoch``), read again at most
+        every :data:`EPOCH_RECHECK_S`: an operation begun at an older epoch is poisoned within
+        that long of an ``acs promote`` (which waits longer before it measures the prefixes)."""
+        now = time.monotonic()
+        with self._lock:
+            known = self._epochs.get(stream)
+        if known is not None and not fresh and now - known[1] < EPOCH_RECHECK_S:
+            return known[0]
+        try:
+            meta = self.io.store.stream_meta(stream) or {}
+        except AcsError as exc:
+            log.debug("%s: stream %s: epoch not read again: %s", self.io.name, stream, exc)
+            return known[0] if known is not None else 0
+        epoch = int(meta.get("epoch") or 0)
+        with self._lock:
+            self._epochs[stream] = (epoch, now)
+        return epoch
+
+    def _adoptable(self, stream: str, source: str, promotions: Sequence[dict]) -> Callable[[dict], None]:
+        """The check before this cluster takes a newer epoch from ``source``: it holds no byte
+        past the promotion's cut (:func:`pyspark_acs.server.copy.promote.check_adoptable`,
+        against the parent's store when this daemon can read it)."""
+        from pyspark_acs.server.copy.promote import check_adoptable
+
+        def check(existing: dict) -> None:
+            parent = None
+            if self.source_store is not None:
+                try:
+                    parent = tiered_store(self.source_store(source))
+                except AcsError as exc:
+                    log.debug("%s: %s's store not readable for the cut check: %s", self.io.name, source, exc)
+            check_adoptable(self.files, parent, stream, int(existing["shards"]), (list(promotions) or [{}])[-1])
+
+        return check
+
+    def ensure_stream(self, stream: str, shards: int, source: str, epoch: int = 0,
+                      promotions: Sequence[dict] = ()) -> None:
         """Create ``stream`` with ``shards`` shards in this cluster's store, or check that it matches.
 
         ``source`` (the cluster it is copied from) goes into a stream created here, so that a
-        Producer or sink is refused it. Remembered per servicer: a stream already checked with
-        this shard count is not asked again.
+        Producer or sink is refused it; ``epoch`` and ``promotions`` are the source cluster's
+        (the epoch rule: :meth:`DurableStore.create_stream`). Remembered per servicer for
+        :data:`EPOCH_RECHECK_S`: a stream just checked with these values is not asked again.
 
         Raises
         ------
@@ -687,12 +765,31 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         StoreError
             If the store fails.
         """
+        checked = (shards, source, epoch, json.dumps(list(promotions)))
         with self._lock:
-            if self._streams.get(stream) == shards:
+            known = self._streams.get(stream)
+            if known is not None and known[0] == checked and time.monotonic() - known[1] < EPOCH_RECHECK_S:
                 return
-        self.io.store.create_stream(stream, shards, copied_from=source)
+        try:
+            self.io.store.create_stream(stream, shards, copied_from=source, epoch=epoch, promotions=promotions,
+                                        cluster=self.io.name, on_adopt=self._adoptable(stream, source, promotions))
+        except StaleEpochError as exc:
+            self.metrics.inc("errors_total", kind="stale_epoch")
+            with self._lock:
+                first = stream not in self._refused
+                self._refused.add(stream)
+            (log.error if first else log.debug)("%s: %s", self.io.name, exc)
+            raise
+        except AcsOptionError as exc:
+            with self._lock:
+                first = stream not in self._refused
+                self._refused.add(stream)
+            if first:  # each operation is refused again; the log says it once per stream
+                log.error("%s: %s", self.io.name, exc)
+            raise
         with self._lock:
-            self._streams[stream] = shards
+            self._streams[stream] = (checked, time.monotonic())
+            self._refused.discard(stream)
 
     def Copy(self, request_iterator: Iterator[copy_pb2.CopyRequest], context: grpc.ServicerContext):  # noqa: N802
         """Serve one copy operation: a hello, then deltas, each answered with one acknowledgement.
@@ -748,7 +845,8 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
             try:
                 ack = writer.open()
             except WriterConflictError as exc:
-                self.metrics.inc("errors_total", kind="lease_conflict")
+                if not isinstance(exc, StaleEpochError):  # counted as stale_epoch where it is refused
+                    self.metrics.inc("errors_total", kind="lease_conflict")
                 yield _ack(copy_pb2.FAILED, 0, str(exc))
                 return
             except AcsError as exc:
@@ -815,10 +913,12 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
     def Health(self, request: copy_pb2.HealthRequest, context: grpc.ServicerContext) -> copy_pb2.HealthResponse:  # noqa: N802
         """Whether this daemon serves (False once stopping), its cluster, and its running operations.
 
-        ``reading`` and ``writing`` count the operations it reads (as a parent) and writes now.
+        ``reading`` and ``writing`` count the operations it reads (as a parent) and writes now;
+        ``topology_sha256`` names the topology file it runs.
         """
         with self._lock:
             writing = self._writing
         return copy_pb2.HealthResponse(
-            serving=self.serving, cluster=self.io.name, reading=int(self._reading()), writing=writing
+            serving=self.serving, cluster=self.io.name, reading=int(self._reading()), writing=writing,
+            topology_sha256=self.topology_sha256,
         )

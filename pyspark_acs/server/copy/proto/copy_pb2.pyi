@@ -26,7 +26,7 @@ POISONED: AckStatus
 FAILED: AckStatus
 
 class CopyRequest(_message.Message):
-    __slots__ = ("stream", "shard", "file", "storage", "start", "data", "hello", "shards", "operation", "source_cluster", "jump", "last_timestamp_us", "sealed")
+    __slots__ = ("stream", "shard", "file", "storage", "start", "data", "hello", "shards", "operation", "source_cluster", "jump", "last_timestamp_us", "sealed", "epoch", "promotions_json")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class CopyRequest(_message.Message):
     JUMP_FIELD_NUMBER: _ClassVar[int]
     LAST_TIMESTAMP_US_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     stream: str
     shard: int
     file: str
@@ -53,7 +55,9 @@ class CopyRequest(_message.Message):
     jump: bool
     last_timestamp_us: int
     sealed: bool
-    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., file: _Optional[str] = ..., storage: _Optional[_Union[Storage, str]] = ..., start: _Optional[int] = ..., data: _Optional[bytes] = ..., hello: _Optional[bool] = ..., shards: _Optional[int] = ..., operation: _Optional[str] = ..., source_cluster: _Optional[str] = ..., jump: _Optional[bool] = ..., last_timestamp_us: _Optional[int] = ..., sealed: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    promotions_json: str
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., file: _Optional[str] = ..., storage: _Optional[_Union[Storage, str]] = ..., start: _Optional[int] = ..., data: _Optional[bytes] = ..., hello: _Optional[bool] = ..., shards: _Optional[int] = ..., operation: _Optional[str] = ..., source_cluster: _Optional[str] = ..., jump: _Optional[bool] = ..., last_timestamp_us: _Optional[int] = ..., sealed: _Optional[bool] = ..., epoch: _Optional[int] = ..., promotions_json: _Optional[str] = ...) -> None: ...
 
 class CopyAck(_message.Message):
     __slots__ = ("status", "length", "message", "durable_length")
@@ -72,16 +76,18 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "cluster", "reading", "writing")
+    __slots__ = ("serving", "cluster", "reading", "writing", "topology_sha256")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     READING_FIELD_NUMBER: _ClassVar[int]
     WRITING_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_SHA256_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     cluster: str
     reading: int
     writing: int
-    def __init__(self, serving: _Optional[bool] = ..., cluster: _Optional[str] = ..., reading: _Optional[int] = ..., writing: _Optional[int] = ...) -> None: ...
+    topology_sha256: str
+    def __init__(self, serving: _Optional[bool] = ..., cluster: _Optional[str] = ..., reading: _Optional[int] = ..., writing: _Optional[int] = ..., topology_sha256: _Optional[str] = ...) -> None: ...
 
 class FilesRequest(_message.Message):
     __slots__ = ("stream", "shard")

@@ -1,0 +1,122 @@
+"""Losing the source cluster and promoting a destination (``acs promote``), against real
+processes: cache servers per cluster, copy daemons started as users start them, a producer in
+its own process, consumers already following in B and C before the fault.
+
+The invariant (tests/helpers.py ``check_histories``): each consumer's sequence per shard is a
+prefix of the one history (what a fresh reader of the new source reads after quiescence),
+every acknowledged message is in it, and after quiescence every consumer has all of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import List
+
+import pytest
+
+from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.write.producer import Producer
+
+from tests.helpers import (
+    ROOT, LiveConsumer, ProducerProcess, check_histories, metric, msg, read_history, wait_until,
+)
+from tests.integration.test_cross_cluster import make_env  # noqa: F401 (the fixture: clusters of one test)
+
+pytestmark = pytest.mark.slow
+
+QUIET_S = 60.0
+
+
+def _quiet(root: str, stream: str, live: List[LiveConsumer], acknowledged, timeout: float = QUIET_S):
+    deadline = time.monotonic() + timeout
+    while True:
+        history = read_history(root, stream)
+        try:
+            check_histories(history, live, acknowledged)
+            return history
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_source_lost_promote_b_the_producer_resumes_there_and_readers_keep_following(make_env, caches):
+    """Chain A -> B -> C; consumers follow in B and C; a producer process in A acknowledges
+    messages, which reach B and C. Every process of A is SIGKILLed (its producer, its copy
+    daemon) and its store is gone. ``acs promote`` (the command, as a user runs it) makes B the
+    source; a Producer in B writes on. Every acknowledged message reaches both consumers once,
+    in order per shard. Then A's daemon comes back with the topology from before: its copies
+    are refused in B and C (the fence), and a producer writing in A again reaches nobody."""
+    env = make_env(caches)
+    old_topology = env.tmp / "topology-before.json"
+    shutil.copy(env.topology, old_topology)
+    for c in "ABC":
+        env.start_daemon(c)
+    live = [LiveConsumer(env, c) for c in "BC"]
+    acknowledged: List[bytes] = []
+    pa = ProducerProcess(env, "a")
+    try:
+        for _ in range(6):
+            assert pa.send(50, size=600), pa.errors
+        acknowledged += pa.acknowledged
+        env.wait_same("B")
+        env.wait_same("C")
+        # A is lost: every process of it killed mid-file (its newest files stay unsealed), then its store.
+        pa.kill()
+        env.kill_daemon("A")
+        lost = env.roots["A"] + ".lost"
+        os.rename(env.roots["A"], lost)
+        seen_in_c = live[1].count()
+
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "pyspark_acs.cli", "promote", env.stream, "--to", "B",
+                               "--topology", str(env.topology), "--timeout", "30", "--json"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=90)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        promoted = time.monotonic()
+        assert report["source"] == "B" and report["epoch"] == 1
+        assert report["daemons"]["B"] == report["daemons"]["C"] == "runs the new topology"
+        assert "not reachable" in report["daemons"]["A"] and "A" in report["unreachable"]
+        assert "acs promote: fenced epoch 1 in B, C" in done.stderr
+
+        with Producer(env.roots["B"], env.stream, data_cache=caches["B"].data_endpoints,
+                      metadata_cache=caches["B"].metadata_endpoints, shards=2, roll_bytes=20_000) as pb:
+            for i in range(300):
+                pb.send(msg(i, b"b"), key=str(i % 5).encode())
+                if i % 50 == 49:
+                    pb.flush(timeout=30)
+                    acknowledged += [msg(j, b"b") for j in range(i - 49, i + 1)]
+            first_new = wait_until(lambda: live[1].count() > seen_in_c and time.monotonic(), 60,
+                                   "a message written in B after the promotion, delivered in C")
+        history = _quiet(env.roots["B"], env.stream, live, acknowledged)
+        assert sum(map(len, history.values())) == len(acknowledged)
+        print(f"promote took {promoted - started:.2f} s; first new message in C {first_new - promoted:.2f} s after it")
+        meta_c = DurableStore(env.roots["C"]).stream_meta(env.stream)
+        assert meta_c["epoch"] == 1 and meta_c["promotions"][-1]["state"] == "cut"
+
+        # A comes back with the old topology and writes on: the fence holds.
+        os.rename(lost, env.roots["A"])
+        env.start_daemon("A", "--topology", str(old_topology))
+        pa2 = ProducerProcess(env, "stale")
+        try:
+            assert pa2.send(50, size=600), pa2.errors
+            wait_until(lambda: metric(env.daemons["B"][0], "errors_total", kind="stale_epoch")
+                       + metric(env.daemons["C"][0], "errors_total", kind="stale_epoch"), 90,
+                       "a copy from A refused for its epoch")
+            time.sleep(1.0)
+        finally:
+            pa2.kill()
+        final = _quiet(env.roots["B"], env.stream, live, acknowledged)
+        assert final == history, "a copy from the old source reached the new history"
+        for c in "BC":
+            assert not any(v.startswith(b"stale-") for vs in read_history(env.roots[c], env.stream).values() for v in vs)
+    finally:
+        pa.kill()
+        for c in live:
+            c.stop()
