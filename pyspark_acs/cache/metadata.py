@@ -33,6 +33,7 @@ __all__ = [
     "LENGTH_TTL_S",
     "MetadataCache",
     "MetadataLease",
+    "head_key",
     "length_keys",
     "parse_length_key",
 ]
@@ -71,11 +72,16 @@ def lease_version(current: Optional[Entry]) -> int:
     return max((current.version + 1) if current is not None else 1, time.time_ns() // 1000)
 
 
+def head_key(shard_uri: str) -> bytes:
+    """The metadata key of the shard's head (its newest file's name)."""
+    return b"h:" + shard_uri.encode()
+
+
 def _head_item(shard_uri: str, file_name: str) -> Tuple[bytes, bytes, int]:
     """The put item recording ``file_name`` as the shard's head: versioned by the file's
     creation time (µs), so the head never moves backwards."""
     created = parse_file_name(file_name).created
-    return (b"h:" + shard_uri.encode(), file_name.encode(), int(created.timestamp() * 1_000_000))
+    return (head_key(shard_uri), file_name.encode(), int(created.timestamp() * 1_000_000))
 
 
 class MetadataCache:
@@ -134,7 +140,7 @@ class MetadataCache:
 
     def heads(self, shard_uris: Sequence[str]) -> Dict[str, Optional[str]]:
         """``{shard uri: head file name or None}`` in one consistent read."""
-        entries = self.client.get([b"h:" + u.encode() for u in shard_uris], consistent=True) if shard_uris else []
+        entries = self.client.get([head_key(u) for u in shard_uris], consistent=True) if shard_uris else []
         return {u: (e.value.decode() if e else None) for u, e in zip(shard_uris, entries)}
 
     def lease(self, uri: str, writer: str, what: str, seconds: float = WRITER_LEASE_S) -> "MetadataLease":

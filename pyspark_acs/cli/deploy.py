@@ -266,9 +266,12 @@ def status_report(
     """What ``acs status`` prints, as a JSON-able dict.
 
     ``{"streams": [{"stream", "shards": [{"shard", "head", "files": [{"file", "durable",
-    "published_cache", "published_durable", "behind"}]}]}], "servers": [{"role", "endpoint",
-    "healthy", ...stats}]}``. ``behind`` is the durable length minus the published cache
-    length (``None`` when the metadata cache does not know the file or is not given).
+    "published_cache", "published_durable", "behind"}], "quarantined": [...]}]}], "servers":
+    [{"role", "endpoint", "healthy", ...stats}]}``. ``behind`` is the durable length minus the
+    published cache length (``None`` when the metadata cache does not know the file or is not
+    given). ``quarantined``: the shard's ranges past a promotion's cut that this cluster moved
+    aside when it took the new history (``file``, ``start``, ``end``, ``epoch``, ``source``,
+    ``moved_to`` as a URI; docs/copy.md, "Quarantine").
     """
     from pyspark_acs.cache.metadata import MetadataCache
     from pyspark_acs.format.names import shard_dir
@@ -294,6 +297,7 @@ def status_report(
             if shards is None:
                 raise AcsOptionError(f"stream: no stream {name!r} in {store.root}", option="stream")
             entry: Dict[str, Any] = {"stream": name, "shards": [], "tier": tier_summary(store, name)}
+            moved = (store.stream_meta(name) or {}).get("quarantined") or []
             for shard in range(shards):
                 folder = shard_dir(name, shard)
                 files = store.list_files(name, shard)
@@ -320,7 +324,9 @@ def status_report(
                         "published_durable": pd,
                         "behind": (d - pc) if (d is not None and pc is not None) else None,
                     })
-                entry["shards"].append({"shard": shard, "head": head, "files": rows})
+                quarantined = [{k: e.get(k) for k in ("file", "start", "end", "epoch", "source")}
+                               | {"moved_to": store.uri(e["moved_to"])} for e in moved if int(e["shard"]) == shard]
+                entry["shards"].append({"shard": shard, "head": head, "files": rows, "quarantined": quarantined})
             report["streams"].append(entry)
         for role, client in (("data", data), ("metadata", meta_client)):
             if client is None:
@@ -365,6 +371,9 @@ def _print_status(report: Dict[str, Any]) -> None:
                     f"published_cache={_fmt(row['published_cache'])}  "
                     f"published_durable={_fmt(row['published_durable'])}  behind={_fmt(row['behind'])}"
                 )
+            for q in sh.get("quarantined") or ():
+                print(f"    quarantined: {q['file']} bytes [{q['start']}, {q['end']}) past the cut of promotion "
+                      f"epoch {q['epoch']} (new source {q['source']}), moved to {q['moved_to']}")
     if report["servers"]:
         print("cache servers")
         for s in report["servers"]:

@@ -20,7 +20,7 @@ import itertools
 import logging
 import math
 import time
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import pyarrow as pa
 
@@ -33,8 +33,8 @@ from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
 from pyspark_acs.options import bytes_parser, duration_parser, nearest_name, option, parse_bool, parse_options
 from pyspark_acs.read.batches import CONSUMER_BATCH_BYTES, coalesce_runs
-from pyspark_acs.read.positions import (Missing, MissingRules, ends_with_seal, latest_offset, read_blocks,
-                                        seal_behind, skip_void, unfinished_file)
+from pyspark_acs.read.positions import (Missing, MissingRules, ends_with_seal, latest_offset, quarantined_at,
+                                        read_blocks, seal_behind, skip_void, unfinished_file)
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import DEFAULT_READ_POLICY, parse_read_policy, retention_gap
@@ -170,6 +170,8 @@ class ShardTailer:
         # past the local end of its file (_data_loss); the rule comes from _rules.
         self._missing: Optional[Tuple[Tuple[str, int, Optional[int]], Missing, float, bool]] = None
         self._rules = MissingRules(clock)
+        #: (epoch, shard, file) of quarantine records whose file this tailer read anew (_quarantined).
+        self._reread: Set[Tuple[object, int, object]] = set()
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
         #: Position before each batch of the last step's result: where its block starts, with
@@ -414,6 +416,8 @@ class ShardTailer:
         if now < due:
             return False
         self._unfinished = (key, now + wait, min(most, 2 * wait))
+        if self._quarantined():
+            return self._data_loss(self.path.durable_length(self.rel))
         # The listing before the lengths (unfinished_file reads them): see its docstring.
         found = unfinished_file(self.path, self.stream, self.shard, self.file, self.length,
                                 self.store.list_files(self.stream, self.shard))
@@ -428,6 +432,24 @@ class ShardTailer:
         log.warning("%s; continuing from file %s", found.error().args[0], found.later)
         self.seek(Offset(found.later, 0))
         return True
+
+    def _quarantined(self) -> bool:
+        """Whether the position lies in a range this cluster quarantined when it took a
+        promotion's new history (:func:`~pyspark_acs.read.positions.quarantined_at`): lengths
+        this process learnt before may still show the old file, so a reader waiting at its end
+        looks here too. A reader at or before the range's start reads the file anew from the
+        store (its open handle and read state are the old file's) and goes on there."""
+        meta = self.store.stream_meta(self.stream)
+        if quarantined_at(meta, self.shard, self.file, self.length) is not None:
+            return True
+        for entry in (meta or {}).get("quarantined") or ():
+            key = (entry.get("epoch"), int(entry.get("shard", -1)), entry.get("file"))
+            if key[1:] == (self.shard, self.file) and key not in self._reread:
+                self._reread.add(key)
+                self.store.forget(self.rel)
+                if hasattr(self.path, "forget"):
+                    self.path.forget(self.rel)
+        return False
 
     def _warn_stuck(self, limit: int) -> None:
         now = self.clock()

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from pyspark_acs.errors import CorruptFileError, DataLossError
 from pyspark_acs.format.block import (HEADER_SIZE, RECOVERY_SEAL_SIZE, BlockHeader, find_recovery_seal,
@@ -527,6 +527,32 @@ def unfinished_file(path: ReadPath, stream: str, shard: int, name: str, at: int,
 MISSING_RECHECK_S = 1.0
 
 
+def quarantined_at(meta: Optional[Dict[str, Any]], shard: int, name: str, at: int) -> Optional[Dict[str, Any]]:
+    """The quarantine record (``_stream.json``'s ``quarantined``:
+    :mod:`pyspark_acs.server.copy.quarantine`) of file ``name`` of ``shard`` that the position
+    (``name``, byte ``at``) lies in: past the byte where the new history leaves the file
+    (``start``), or anywhere in a file the new history does not hold (``kept`` false). None:
+    the position is not in a quarantined range (a position at or before ``start`` of a file the
+    new history holds reads on there once the copy brings the file again)."""
+    for entry in (meta or {}).get("quarantined") or ():
+        if int(entry.get("shard", -1)) == shard and entry.get("file") == name:
+            if at > int(entry["start"]) or not entry.get("kept", True):
+                return entry
+    return None
+
+
+def quarantine_error(stream: str, entry: Dict[str, Any], at: int, uri: str, hint: str = "") -> DataLossError:
+    """The data loss of a reader positioned at byte ``at`` inside the quarantined range ``entry``."""
+    return DataLossError(
+        f"data loss in stream {stream!r} shard {entry['shard']}: the position is at byte {at} of file "
+        f"{entry['file']}, but bytes [{entry['start']}, {entry['end']}) of it are a history that did not happen: "
+        f"this cluster wrote or copied them after the cut of promotion epoch {entry.get('epoch')} (new source "
+        f"{entry.get('source')!r}) and moved them aside to {uri} when it took the new history; the messages "
+        f"read from them were never part of the stream's history{hint}",
+        stream=stream, shard=int(entry["shard"]), file=entry["file"], start=int(entry["start"]), end=int(entry["end"]),
+    )
+
+
 class Missing(NamedTuple):
     """A position past the end of its file as this cluster holds it (:func:`missing_at`)."""
 
@@ -542,9 +568,15 @@ class Missing(NamedTuple):
     wait: Optional[str]
     #: What makes it a loss (None while waiting).
     why: Optional[str] = None
+    #: The quarantine record the position lies in (:func:`quarantined_at`) and the URI of the
+    #: file it was moved to: the loss is then that record's range.
+    quarantine: Optional[Tuple[Dict[str, Any], str]] = None
 
     def error(self, hint: str = "") -> DataLossError:
-        """The data loss: bytes ``[durable, at)`` of the file (all of it when it is gone)."""
+        """The data loss: bytes ``[durable, at)`` of the file (all of it when it is gone), or the
+        quarantined range the position lies in."""
+        if self.quarantine is not None:
+            return quarantine_error(self.stream, self.quarantine[0], self.at, self.quarantine[1], hint)
         what = "is gone from the store" if self.durable is None else f"is only {self.durable} bytes long"
         return DataLossError(
             f"data loss in stream {self.stream!r} shard {self.shard}: file {self.file} {what}, but the position "
@@ -609,6 +641,15 @@ def missing_at(path: ReadPath, stream: str, shard: int, name: str, at: int, dura
     meta = path.store.stream_meta(stream) or {}
     source = meta.get("copied_from")
     base = Missing(stream, shard, name, at, durable, None)
+    entry = quarantined_at(meta, shard, name, at)
+    if entry is not None:
+        return base._replace(why="quarantined", quarantine=(entry, path.store.uri(entry["moved_to"])))
+    moved = next((e for e in meta.get("quarantined") or () if int(e.get("shard", -1)) == shard
+                  and e.get("file") == name), None)
+    if moved is not None and (durable or 0) < at:
+        return base._replace(wait=f"this cluster moved its {name} aside (bytes past the cut of promotion epoch "
+                                  f"{moved.get('epoch')}) and the copy from {source} brings the new history's "
+                                  f"{name} from byte 0")
     if not source:
         return base._replace(why="in the stream's source cluster a file never shrinks, so those bytes were removed")
     rel = f"{shard_dir(stream, shard)}/{name}"

@@ -172,6 +172,10 @@ COPY_METRICS: Dict[str, MetricSpec] = {
         "a cache trailing the store past maxDelay, an unreadable metadata cache) and it read from the store "
         "alone for a hold."),
     "tree_rebuilds_total": MetricSpec("counter", "Copy-tree rebuilds after health or topology changes."),
+    "quarantined_bytes": MetricSpec(
+        "gauge", "Bytes of this cluster's files past a promotion's cut, moved aside into the shard's "
+        "_quarantine folder when this cluster took the new history (docs/copy.md, \"Quarantine\").",
+        ("stream", "shard")),
     "files_surveyed_total": MetricSpec(
         "counter", "Files a child reported holding when this daemon started feeding it (Files RPC), "
         "by state: complete (sealed there, no operation needed) or present (exists, copy goes on).", ("state",)),

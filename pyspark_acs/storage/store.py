@@ -330,7 +330,7 @@ class DurableStore:
 
     def create_stream(self, stream: str, shards: int, *, copied_from: Optional[str] = None, epoch: int = 0,
                       promotions: Sequence[Dict[str, Any]] = (), cluster: Optional[str] = None,
-                      on_adopt: Optional[Callable[[Dict[str, Any]], None]] = None) -> int:
+                      on_adopt: Optional[Callable[[Dict[str, Any]], Optional[Dict[str, Any]]]] = None) -> int:
         """Create ``stream`` with ``shards`` shards, or check that an existing one matches.
 
         ``copied_from``: the stream is a copy the copy daemon keeps, copied from that cluster
@@ -344,8 +344,8 @@ class DurableStore:
         - a copy from an older epoch than this cluster's is refused (:class:`StaleEpochError`:
           its daemon has not seen the promotion);
         - a newer epoch is adopted, records with it, once ``on_adopt(existing)`` passes (it
-          raises when this cluster holds bytes past the cut:
-          :func:`pyspark_acs.server.copy.promote.check_adoptable`); a stream that is this
+          moves this cluster's bytes past the cut aside and returns keys to add, or raises:
+          :mod:`pyspark_acs.server.copy.quarantine`); a stream that is this
           cluster's own history is refused as a copy (:meth:`_refuse_own`) unless this
           cluster (``cluster``) is the source the promotion deposed;
         - at the same epoch the copy must carry the same promotion (its ``id``); its record
@@ -399,9 +399,8 @@ class DurableStore:
                 deposed = cluster is not None and any(r.get("previous") == cluster for r in theirs[len(ours):])
                 if not existing.get("copied_from") and not deposed:
                     self._refuse_own(stream, existing, copied_from)
-                if on_adopt is not None:
-                    on_adopt(existing)
-                return dict(existing, copied_from=copied_from, epoch=epoch, promotions=theirs)
+                extra = on_adopt(existing) if on_adopt is not None else None
+                return dict(existing, copied_from=copied_from, epoch=epoch, promotions=theirs, **(extra or {}))
             if existing.get("copied_from") != copied_from and not existing.get("copied_from"):
                 self._refuse_own(stream, existing, copied_from)  # this cluster is the source
             if epoch:
@@ -420,8 +419,9 @@ class DurableStore:
             return None
 
         # The common case, an existing stream that matches, needs no write and so no lock.
+        # A newer epoch always writes, and its on_adopt moves files: only under the lock.
         existing = self.stream_meta(stream)
-        if existing is not None and change(existing) is None:
+        if existing is not None and epoch <= int(existing.get("epoch") or 0) and change(existing) is None:
             return existing["shards"]
         return self.update_stream_meta(stream, change)["shards"]
 
@@ -486,6 +486,25 @@ class DurableStore:
                 self.fs.delete_file(self.path(rel))
         except StoreFileNotFoundError:
             pass
+        self.forget(rel)
+
+    def move(self, rel: str, to: str) -> None:
+        """Move the file ``rel`` to ``to`` (its folder created; a file there is replaced).
+
+        Raises
+        ------
+        StoreFileNotFoundError
+            There is no file ``rel`` (naming it).
+        """
+        with _translate(f"move {self.uri(rel)} to {self.uri(to)}"):
+            if "/" in to:
+                self.fs.create_dir(self.path(to.rsplit("/", 1)[0]), recursive=True)
+            self.fs.move(self.path(rel), self.path(to))
+        self.forget(rel)
+
+    def forget(self, rel: str) -> None:
+        """Drop this store's open read handle of ``rel``: the next read opens the file again
+        (a file replaced at its path, as a quarantine does, is then read anew)."""
         with self._files_lock:
             self._files.pop(self.path(rel), None)  # closes when unreferenced (see _input_file)
 

@@ -25,8 +25,8 @@ import time
 import zlib
 from typing import Any, Callable, List, NamedTuple, Optional, Set, Tuple
 
-from pyspark_acs.errors import (AppendConflictError, CacheError, LaterFileError, LeaseError, StoreError,
-                                StoreFileNotFoundError, WriterConflictError)
+from pyspark_acs.errors import (AppendConflictError, CacheError, LaterFileError, LeaseError, StaleEpochError,
+                                StoreError, StoreFileNotFoundError, WriterConflictError)
 from pyspark_acs.format.block import HEADER_SIZE, encode_seal
 from pyspark_acs.format.names import next_file_name, shard_dir
 from pyspark_acs.storage.leases import WRITER_LEASE_S, StoreLease
@@ -369,7 +369,20 @@ class ShardWriter:
         return self._claim(self._start_file(name or self.new_file_name()), may_rename=not named)
 
     def _start_file(self, name: str) -> str:
-        """Create and open the new file ``name`` (empty; a claim makes it this writer's)."""
+        """Create and open the new file ``name`` (empty; a claim makes it this writer's).
+
+        Raises
+        ------
+        StaleEpochError
+            The stream became a copy since this writer started (a promotion made another
+            cluster its source, and this cluster took the new history): no file of this
+            writer's may start in it, or its messages would be read as the copy's."""
+        meta = self.store.stream_meta(self.stream) or {}
+        if meta.get("copied_from"):
+            raise StaleEpochError(
+                f"stream {self.stream!r} in {self.store.root} is a copy of cluster {meta['copied_from']!r} now "
+                f"(promotion epoch {meta.get('epoch', 0)}): this writer ({self.writer_id}) was deposed and starts "
+                f"no new file in shard {self.shard}; write the stream in its source cluster")
         self._open(name, 0, 0)
         self.files_opened += 1
         return name

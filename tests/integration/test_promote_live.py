@@ -51,7 +51,10 @@ def test_source_lost_promote_b_the_producer_resumes_there_and_readers_keep_follo
     daemon) and its store is gone. ``acs promote`` (the command, as a user runs it) makes B the
     source; a Producer in B writes on. Every acknowledged message reaches both consumers once,
     in order per shard. Then A's daemon comes back with the topology from before: its copies
-    are refused in B and C (the fence), and a producer writing in A again reaches nobody."""
+    are refused in B and C (the fence), and a producer writing in A again reaches nobody but a
+    consumer in A. Last, A's daemon runs the new topology: A quarantines what it wrote past the
+    cut (``acs status`` and a metric name it), that consumer gets the DataLossError naming it,
+    and A holds the new history."""
     env = make_env(caches)
     old_topology = env.tmp / "topology-before.json"
     shutil.copy(env.topology, old_topology)
@@ -100,8 +103,10 @@ def test_source_lost_promote_b_the_producer_resumes_there_and_readers_keep_follo
         meta_c = DurableStore(env.roots["C"]).stream_meta(env.stream)
         assert meta_c["epoch"] == 1 and meta_c["promotions"][-1]["state"] == "cut"
 
-        # A comes back with the old topology and writes on: the fence holds.
+        # A comes back with the old topology and writes on (a consumer there reads it): the fence holds.
         os.rename(lost, env.roots["A"])
+        live_a = LiveConsumer(env, "A")
+        live.append(live_a)
         env.start_daemon("A", "--topology", str(old_topology))
         pa2 = ProducerProcess(env, "stale")
         try:
@@ -112,10 +117,36 @@ def test_source_lost_promote_b_the_producer_resumes_there_and_readers_keep_follo
             time.sleep(1.0)
         finally:
             pa2.kill()
-        final = _quiet(env.roots["B"], env.stream, live, acknowledged)
+        wait_until(lambda: any(v.startswith(b"stale-") for vs in live_a.snapshot().values() for v in vs), 60,
+                   "A's consumer reading what A wrote after the cut")
+        final = _quiet(env.roots["B"], env.stream, live[:2], acknowledged)
         assert final == history, "a copy from the old source reached the new history"
         for c in "BC":
             assert not any(v.startswith(b"stale-") for vs in read_history(env.roots[c], env.stream).values() for v in vs)
+
+        # A's daemon runs the new topology: A is B's destination. Its bytes past the cut are
+        # quarantined and reported; its consumer that read them is told which; A takes the new history.
+        # (B's daemon copies into A whatever A's daemon runs: a copy is taken by its epoch, so
+        # the quarantine may come first.)
+        env.kill_daemon("A")
+        env.start_daemon("A")
+        meta_a = wait_until(lambda: (DurableStore(env.roots["A"]).stream_meta(env.stream) or {}).get("quarantined")
+                            and DurableStore(env.roots["A"]).stream_meta(env.stream), 90, "A's quarantine")
+        assert meta_a["epoch"] == 1 and meta_a["copied_from"] == "B"
+        moved = sum(e["end"] - e["start"] for e in meta_a["quarantined"])
+        wait_until(lambda: metric(env.daemons["A"][0], "quarantined_bytes") == moved, 30, "A's quarantined_bytes")
+        status = subprocess.run([sys.executable, "-m", "pyspark_acs.cli", "status", "--root", env.roots["A"],
+                                 "--json", "--data-cache", "none", "--metadata-cache", "none"],
+                                capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert status.returncode == 0, status.stderr
+        shown = [q for st in json.loads(status.stdout)["streams"] for sh in st["shards"] for q in sh["quarantined"]]
+        assert sorted(q["file"] for q in shown) == sorted(e["file"] for e in meta_a["quarantined"])
+        wait_until(lambda: live_a.errors, 60, "A's consumer's DataLossError")
+        assert "DataLossError" in live_a.errors[0], live_a.errors
+        assert "a history that did not happen" in live_a.errors[0], live_a.errors
+        assert any(f"file {e['file']}" in live_a.errors[0] for e in meta_a["quarantined"]), live_a.errors
+        wait_until(lambda: read_history(env.roots["A"], env.stream) == final, 60, "A holding the new history")
+        assert not any(v.startswith(b"stale-") for vs in read_history(env.roots["A"], env.stream).values() for v in vs)
     finally:
         pa.kill()
         for c in live:

@@ -14,7 +14,7 @@ from typing import Dict, List
 
 import pytest
 
-from pyspark_acs.errors import AcsError, AcsOptionError, StaleEpochError, TopologyError
+from pyspark_acs.errors import AcsError, AcsOptionError, StaleEpochError, StoreError, TopologyError
 from pyspark_acs.format.block import encode_block, encode_seal
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.read.consumer import Consumer
@@ -235,38 +235,171 @@ def test_a_copy_from_before_the_promotion_is_refused_and_a_newer_epoch_adopted(s
         c.create_stream(STREAM, 1)
 
 
-def test_a_cluster_holding_bytes_past_the_cut_refuses_the_new_epoch_naming_them(site):
-    """A cluster unreachable at the promotion (here: A, which went on writing) learns the new
-    epoch from its parent's hello; its bytes past the cut are named, never mixed: against the
-    parent's files when its store is readable, by the cut's lengths when not."""
-    from pyspark_acs.server.copy.promote import check_adoptable
-    from pyspark_acs.storage.tier import tiered_store
+def _servicer(site, cluster: str):
+    """The copy servicer of ``cluster``'s daemon (its caches at ports nothing listens on)."""
+    from pyspark_acs.server.copy.cluster import ClusterIO
+    from pyspark_acs.server.copy.metrics import CopyMetrics
+    from pyspark_acs.server.copy.options import CopyDaemonOptions
+    from pyspark_acs.server.copy.topology import load_topology
+    from pyspark_acs.server.copy.writer import CopyServicer
 
-    with lost(site["roots"]["A"]):
+    io = ClusterIO(load_topology(str(site["topology"])).cluster(cluster), cache_deadline=0.2)
+    return CopyServicer(io, CopyDaemonOptions(), CopyMetrics(cluster),
+                        source_store=lambda c: DurableStore(str(site["roots"][c])))
+
+
+def _adopt(site, cluster: str, parent: str = "B") -> None:
+    """``cluster``'s daemon takes the new epoch from ``parent``'s hello (as a Copy or Files call does)."""
+    meta = _meta(site["roots"][parent])
+    servicer = _servicer(site, cluster)
+    try:
+        servicer.ensure_stream(STREAM, 1, parent, meta["epoch"], meta["promotions"])
+    finally:
+        servicer.io.close()
+
+
+def _copy(site, cluster: str, parent: str = "B") -> None:
+    """The copy from ``parent`` brought ``cluster`` up to date (file by file, appending what it lacks)."""
+    src, dst = site["roots"][parent] / shard_dir(STREAM, 0), site["roots"][cluster] / shard_dir(STREAM, 0)
+    for f in sorted(src.glob("*.acs")):
+        have = (dst / f.name).read_bytes() if (dst / f.name).exists() else b""
+        data = f.read_bytes()
+        assert data.startswith(have), f"{cluster}'s {f.name} is no prefix of {parent}'s"
+        with open(dst / f.name, "ab") as out:
+            out.write(data[len(have):])
+
+
+def _consumer_at(root: Path, file: str, length: int) -> Consumer:
+    return Consumer(str(root), STREAM, start={STREAM: {"0": {"file": file, "length": length}}}, poll_interval=0.01)
+
+
+def _poll_until_error(c: Consumer, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    got = []
+    while time.monotonic() < deadline:
+        for b in c.poll():
+            got += b.column("value").to_pylist()
+        time.sleep(0.01)
+    return got
+
+
+def test_a_returning_source_quarantines_its_bytes_past_the_cut_and_takes_the_new_history(site):
+    """A, unreachable at the promotion, wrote on: FILE2 past the cut, and a later FILE3. Back
+    as a destination, its daemon takes the new epoch: both move into the shard's quarantine
+    with a record (file, range), the stream's metadata names them, and the copy brings B's
+    FILE2 from byte 0. A reader that had read A's tail gets a DataLossError naming the range;
+    one at or before the cut reads on into the new history; a fresh reader reads B's history."""
+    from pyspark_acs.errors import DataLossError
+
+    roots, two = site["roots"], site["history"][FILE2]
+    with lost(roots["A"]):
         promote(str(site["topology"]), STREAM, "B", settle=0)
-    records = _meta(site["roots"]["B"])["promotions"]
-    a = DurableStore(str(site["roots"]["A"]))
-    b = DurableStore(str(site["roots"]["B"]))
-    # A is its own history (no copied_from) and not named as the deposed source: refused as such.
+    file3 = "20261203T101500000000Z-000000000000000d.acs"
+    (roots["A"] / shard_dir(STREAM, 0) / file3).write_bytes(encode_block([msg(90)], first_index=0))
+    records = _meta(roots["B"])["promotions"]
+    cut = records[-1]["cut"]["0"]
+    seven = cut["length"] - len(encode_seal(7))
+    assert cut["file"] == FILE2 and records[-1]["sealed"]["0"][FILE2] == [seven, cut["length"]]
+    a = DurableStore(str(roots["A"]))
+    # A is its own history and not named as the deposed source: refused as such, nothing moved.
     with pytest.raises(AcsOptionError, match="holds files written in this cluster"):
         a.create_stream(STREAM, 1, copied_from="B", epoch=1, promotions=records)
-    cut = records[-1]["cut"]["0"]["length"]
-    whole = len(site["history"][FILE2])
-    seven = cut - len(encode_seal(7))
-    for parent, match in ((tiered_store(b), rf"{FILE2} bytes \[{seven}, {whole}\) \(the new history has other"),
-                          (None, rf"{FILE2} bytes \[{cut}, {whole}\)")):
-        def adopt(existing, parent=parent):
-            check_adoptable(tiered_store(a), parent, STREAM, existing["shards"], records[-1])
-        # As the deposed source (the writer names its cluster), the check decides.
-        with pytest.raises(StaleEpochError, match=match):
-            a.create_stream(STREAM, 1, copied_from="B", epoch=1, promotions=records, cluster="A", on_adopt=adopt)
-    assert "epoch" not in _meta(site["roots"]["A"])
+    # Readers of A's old history, already past the cut and at it.
+    past = _consumer_at(roots["A"], FILE2, len(two))
+    at_cut = _consumer_at(roots["A"], FILE2, _block_end(two, 5))
+    assert [v for b in at_cut.poll() for v in b.column("value").to_pylist()] == [msg(15), msg(16), msg(17),
+                                                                                 msg(18), msg(19)]
+    at_cut.close()
+    at_cut = _consumer_at(roots["A"], FILE2, seven)
+
+    _adopt(site, "A")
+    meta = _meta(roots["A"])
+    assert meta["epoch"] == 1 and meta["copied_from"] == "B"
+    folder = f"{shard_dir(STREAM, 0)}/_quarantine/epoch-1"
+    entries = {e["file"]: (e["start"], e["end"], e["kept"], e["moved_to"]) for e in meta["quarantined"]}
+    assert entries == {FILE2: (seven, len(two), True, f"{folder}/{FILE2}"),
+                       file3: (0, len(encode_block([msg(90)], first_index=0)), False, f"{folder}/{file3}")}
+    assert (roots["A"] / folder / FILE2).read_bytes() == two
+    assert json.loads((roots["A"] / folder / "record.json").read_text())["files"] == sorted(
+        meta["quarantined"], key=lambda e: e["file"])
+    assert a.list_files(STREAM, 0) == [FILE1]  # nothing quarantined is listed, copied on or served
+
+    with pytest.raises(DataLossError, match=rf"byte {len(two)} of file {FILE2}, but bytes \[{seven}, "
+                                            rf"{len(two)}\) of it are a history that did not happen") as err:
+        _poll_until_error(past)
+    assert (err.value.file, err.value.start, err.value.end) == (FILE2, seven, len(two))
+    assert "_quarantine/epoch-1" in str(err.value)
+    past.close()
+    with pytest.raises(DataLossError, match=rf"file {file3}, but bytes \[0, "):
+        _poll_until_error(_consumer_at(roots["A"], file3, 0), timeout=3)
+    # At the cut, FILE2 still missing here: the reader waits for the copy, then reads on.
+    assert _poll_until_error(at_cut, timeout=0.5) == []
+    _copy(site, "A")
+    assert _read_all(roots["A"]) == _read_all(roots["B"]) == [msg(i) for i in range(17)]
+    with Producer(str(roots["B"]), STREAM, shards=1) as pb:  # the new history goes on in B
+        pb.send(msg(300))
+        pb.flush(timeout=10)
+    _copy(site, "A")
+    got: List[bytes] = []
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        got += [v for b in at_cut.poll() for v in b.column("value").to_pylist()]
+        time.sleep(0.01)
+    assert got == [msg(300)]  # nothing of A's old tail: B's seal, then B's next file
+    at_cut.close()
+    # Run again (the daemon's next hello): the same state.
+    before = _meta(roots["A"])
+    _adopt(site, "A")
+    assert _meta(roots["A"]) == before
 
 
-def test_a_file_the_promotion_sealed_before_the_cut_file_is_checked_too(site):
+def test_a_quarantine_stopped_between_its_moves_ends_in_the_same_state(site, monkeypatch):
+    """The record is written before any file moves: a daemon killed after the first move and
+    started again moves the rest and keeps the first one's range."""
+    roots = site["roots"]
+    with lost(roots["A"]):
+        promote(str(site["topology"]), STREAM, "B", settle=0)
+    file3 = "20261203T101500000000Z-000000000000000d.acs"
+    (roots["A"] / shard_dir(STREAM, 0) / file3).write_bytes(encode_block([msg(90)], first_index=0))
+    real = DurableStore.move
+    moves = []
+
+    def once(self, rel, to):
+        if moves:
+            raise StoreError(f"killed before moving {rel}")
+        moves.append(rel)
+        real(self, rel, to)
+
+    monkeypatch.setattr(DurableStore, "move", once)
+    with pytest.raises(StoreError, match="killed before moving"):
+        _adopt(site, "A")
+    assert "epoch" not in _meta(roots["A"]) and len(moves) == 1
+    monkeypatch.setattr(DurableStore, "move", real)
+    _adopt(site, "A")
+    meta = _meta(roots["A"])
+    assert sorted(e["file"] for e in meta["quarantined"]) == [FILE2, file3]
+    assert DurableStore(str(roots["A"])).list_files(STREAM, 0) == [FILE1]
+
+
+def test_a_file_sealed_where_the_promotion_sealed_it_is_not_quarantined(site):
+    """A wrote nothing past the cut and sealed FILE2 there (its successor's seal): the same
+    bytes as the new history's, so A adopts without moving anything, and a destination
+    behind the cut (it holds less) keeps its files too."""
+    roots = site["roots"]
+    with lost(roots["A"]):
+        promote(str(site["topology"]), STREAM, "B", settle=0)
+    rel = roots["A"] / shard_dir(STREAM, 0) / FILE2
+    rel.write_bytes((roots["B"] / shard_dir(STREAM, 0) / FILE2).read_bytes())
+    _adopt(site, "A")
+    meta = _meta(roots["A"])
+    assert meta["epoch"] == 1 and not meta.get("quarantined")
+    assert _read_all(roots["A"]) == _read_all(roots["B"])
+
+
+def test_a_file_the_promotion_sealed_before_the_cut_file_is_quarantined_too(site):
     """Review finding: B's older file was unsealed and behind (copies run side by side), and
-    the promotion sealed it short; a cluster that held it whole must not adopt silently."""
-    from pyspark_acs.server.copy.promote import check_adoptable
+    the promotion sealed it short; a cluster that held it whole quarantines it from there."""
+    from pyspark_acs.server.copy.quarantine import PastCut, past_cut
     from pyspark_acs.storage.tier import tiered_store
 
     one = site["history"][FILE1]
@@ -278,11 +411,16 @@ def test_a_file_the_promotion_sealed_before_the_cut_file_is_checked_too(site):
     with lost(site["roots"]["A"], down):
         report = promote(str(site["topology"]), STREAM, "B", settle=0)
     assert (0, FILE1, short + len(encode_seal(7))) in report.sealed
-    records = _meta(site["roots"]["B"])["promotions"]
-    assert records[-1]["sealed_through"] == {"0": ""}
-    with pytest.raises(StaleEpochError, match=rf"{FILE1} bytes \[{short}, {len(one)}\)"):
-        check_adoptable(tiered_store(DurableStore(str(down))), tiered_store(DurableStore(str(site["roots"]["B"]))),
-                        STREAM, 1, records[-1])
+    record = _meta(site["roots"]["B"])["promotions"][-1]
+    assert record["sealed_through"] == {"0": ""}
+    c = tiered_store(DurableStore(str(down)))
+    two = site["history"][FILE2]
+    four, seven = _block_end(two, 4), _block_end(two, 7)
+    assert past_cut(c, STREAM, 1, record) == [PastCut(0, FILE1, short, len(one), True),
+                                              PastCut(0, FILE2, four, seven, True)]
+    # A record from before the sealed map: the cut file's length alone decides.
+    old = {k: v for k, v in record.items() if k != "sealed"}
+    assert past_cut(c, STREAM, 1, old) == [PastCut(0, FILE2, four + len(encode_seal(4)), seven, True)]
 
 
 def test_at_one_epoch_only_the_same_promotion_passes_and_the_source_is_never_made_a_copy(site):
@@ -487,3 +625,75 @@ def test_a_delta_begun_before_the_fence_does_not_land_after_it(site):
         io.close()
     c_len = DurableStore(str(roots["C"])).length(f"{shard_dir(STREAM, 0)}/{FILE2}")
     assert c_len == seven < report.cut[0][1]
+
+
+def test_a_producer_still_running_in_a_returning_source_is_deposed(site):
+    """A producer in A (unreachable at the promotion) writes on; when A takes the new history
+    its files past the cut are moved away under it: its next flush is not acknowledged (the
+    file it appends to is gone from its path), a new file of its is refused, and a new
+    Producer in A is refused the copy."""
+    from pyspark_acs.errors import WriterConflictError
+
+    roots = site["roots"]
+    with lost(roots["A"]):
+        promote(str(site["topology"]), STREAM, "B", settle=0)
+    p = Producer(str(roots["A"]), STREAM, shards=1)
+    try:
+        p.send(msg(500))
+        p.flush(timeout=10)  # acknowledged in A alone: past the cut
+        _adopt(site, "A")
+        moved = {e["file"] for e in _meta(roots["A"])["quarantined"]}
+        assert FILE2 in moved and len(moved) == 2
+        p.send(msg(501))
+        with pytest.raises((WriterConflictError, StoreError)):
+            p.flush(timeout=10)
+    finally:
+        with contextlib.suppress(AcsError):
+            p.close(timeout=10)
+    with pytest.raises(AcsOptionError, match="is a copy"):
+        Producer(str(roots["A"]), STREAM, shards=1)
+    _copy(site, "A")
+    assert _read_all(roots["A"]) == _read_all(roots["B"])
+
+
+def test_a_new_file_of_a_deposed_writer_is_refused(site):
+    """The writer's file-creation check: once the stream here is a copy, no writer starts a
+    file in it (its messages would be read as the copy's)."""
+    from pyspark_acs.write.shard import ShardWriter
+
+    roots = site["roots"]
+    with lost(roots["A"]):
+        promote(str(site["topology"]), STREAM, "B", settle=0)
+    w = ShardWriter(DurableStore(str(roots["A"])), STREAM, 0, "stale_writer")
+    _adopt(site, "A")
+    with pytest.raises(StaleEpochError, match=r"is a copy of cluster 'B' now \(promotion epoch 1\).*stale_writer"):
+        w.open_new()
+    assert DurableStore(str(roots["A"])).list_files(STREAM, 0) == [FILE1]
+
+
+def test_a_stale_source_daemon_does_not_copy_a_stream_that_is_a_copy_here(site):
+    """A's daemon still runs the topology that names A the source, but A took the new history:
+    its copy operations stop before their hello instead of forking B's tree."""
+    import types
+
+    from pyspark_acs.server.copy.cluster import DURABLE, ClusterIO, OpKey
+    from pyspark_acs.server.copy.metrics import CopyMetrics
+    from pyspark_acs.server.copy.options import CopyDaemonOptions
+    from pyspark_acs.server.copy.reader import CopyOperation
+    from pyspark_acs.server.copy.topology import load_topology
+
+    roots = site["roots"]
+    with lost(roots["A"]):
+        promote(str(site["topology"]), STREAM, "B", settle=0)
+    _adopt(site, "A")
+    io = ClusterIO(load_topology(str(site["topology"])).cluster("A"), cache_deadline=0.2)
+    metrics = CopyMetrics("A")
+    try:
+        poller = types.SimpleNamespace(path=types.SimpleNamespace(for_reader=lambda op: None))
+        op = CopyOperation(OpKey(STREAM, 0, FILE1, DURABLE, "C"), 1, io, poller, lambda c: None,
+                           CopyDaemonOptions(), metrics, "a-op", is_source=True)
+        with pytest.raises(StaleEpochError, match="names A its source, but A keeps a copy of it from 'B'"):
+            op._session()
+        assert metrics.get("errors_total", kind="stale_topology") == 1
+    finally:
+        io.close()

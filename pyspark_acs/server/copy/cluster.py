@@ -85,6 +85,14 @@ class ClusterIO:
         """The URI of a shard's folder (the key of its head and copy-delay records)."""
         return self.store.uri(shard_dir(stream, shard))
 
+    def epoch_fields(self, stream: str) -> dict:
+        """The stream's promotion count here and its records (``_stream.json``), as the fields
+        ``epoch`` and ``promotions_json`` of a copy hello or ``Files`` call, which the child
+        checks and adopts (storage/store.py ``create_stream``); empty before any promotion."""
+        meta = self.store.stream_meta(stream) or {}
+        epoch = int(meta.get("epoch") or 0)
+        return {"epoch": epoch, "promotions_json": json.dumps(meta.get("promotions") or [])} if epoch else {}
+
     def close(self) -> None:
         """Close both cache clients and the store's open files."""
         self.data.close()

@@ -143,6 +143,8 @@ class CopyDaemon:
         self.health.set_topology(topology)
         self.scheduler.topology_listeners.append(self.health.set_topology)
         self.servicer.topology_sha256 = topology.sha256
+        for stream in topology.streams:  # what this cluster holds quarantined, from the first scrape on
+            self.servicer.note_quarantine(stream)
         self.scheduler.topology_listeners.append(lambda t: setattr(self.servicer, "topology_sha256", t.sha256))
         self._server: Optional[grpc.Server] = None
         self._http: Optional[MetricsEndpoint] = None

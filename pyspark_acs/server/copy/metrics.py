@@ -13,6 +13,8 @@ daemon's own). The daemon serves them with :class:`pyspark_acs.server.metrics.Me
 - ``delivery_delay_seconds{storage}`` histogram of those delays, one observation per delta
 - ``errors_total{kind}`` errors by kind (restart, poisoned, failed, connect, ...)
 - ``tree_rebuilds_total`` copy-tree rebuilds after health or topology changes
+- ``quarantined_bytes{stream,shard}`` bytes past a promotion's cut moved into the shard's
+  quarantine when this cluster took the new history
 - ``files_surveyed_total{state}`` files a child reported holding when this daemon started
   feeding it: ``complete`` (sealed there: no operation runs) or ``present``
 """

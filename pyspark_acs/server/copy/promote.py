@@ -32,8 +32,9 @@ same state):
 
 A cluster that is unreachable throughout (A, or a destination that was down) keeps its epoch:
 its daemon's copies are refused everywhere fenced, and when it comes back as a destination it
-adopts the new epoch from its parent, unless it holds bytes past the cut, which it then
-refuses to mix with the new history (:class:`~pyspark_acs.errors.StaleEpochError` naming them).
+adopts the new epoch from its parent, moving its bytes past the cut aside first
+(:mod:`~pyspark_acs.server.copy.quarantine`); the record names, per shard, where the old
+history's bytes end in each of B's files after ``sealed_through`` (``sealed``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from pyspark_acs.errors import AcsError, AcsTimeoutError, RootNotFoundError, StaleEpochError, StoreError, TopologyError
+from pyspark_acs.errors import AcsError, AcsTimeoutError, RootNotFoundError, StoreError, TopologyError
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.server.copy.cluster import ClusterIO
 from pyspark_acs.server.copy.topology import Topology, load_topology, write_topology
@@ -55,7 +56,6 @@ from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import tiered_store
 
 __all__ = [
-    "check_adoptable",
     "promote",
 ]
 
@@ -84,6 +84,10 @@ class PromotionReport:
     copied: List[Tuple[int, str, str, int, int]] = field(default_factory=list)
     #: (shard, file, length after the seal) of every file promotion sealed.
     sealed: List[Tuple[int, str, int]] = field(default_factory=list)
+    #: Per shard: {file: [where its messages end, its length]} of B's files after the record's
+    #: ``sealed_through`` (recorded with the cut as ``sealed``: a returning cluster's bytes
+    #: past them are quarantined, :mod:`~pyspark_acs.server.copy.quarantine`).
+    prefixes: Dict[int, Dict[str, List[int]]] = field(default_factory=dict)
     #: Clusters whose store could not be read, and why.
     unreachable: Dict[str, str] = field(default_factory=dict)
     #: Per cluster with a copy daemon: "runs the new topology" or why it was not waited for.
@@ -216,13 +220,16 @@ def promote(topology_path: str, stream: str, to: str, *, timeout: float = 60.0,
                     _seal_all(stores[previous], stream, shard, None, report, say, who=previous)
             for shard in range(shards):
                 _bring(stream, shard, to, stores[to], paths, io, report, say)
+                report.prefixes[shard] = _prefixes(stores[to], stream, shard,
+                                                   record["sealed_through"].get(str(shard), ""))
         finally:
             io.close()
             for path in paths.values():
                 path.close()
         record = dict(record, state="cut",
                       cut={str(s): ({"file": f, "length": n} if f else {"file": None, "length": 0})
-                           for s, (f, n) in report.cut.items()})
+                           for s, (f, n) in report.cut.items()},
+                      sealed={str(s): files for s, files in sorted(report.prefixes.items())})
     else:
         report.cut = {int(s): (c["file"] or "", int(c["length"])) for s, c in (record.get("cut") or {}).items()}
         say(f"epoch {epoch}: the cut is recorded already; stores left as they are")
@@ -249,7 +256,7 @@ def _sealed_through(store: DurableStore, stream: str, shards: int) -> Dict[str, 
     """Per shard, the newest file of ``store`` before which (and with which) every file was
     sealed before the promotion ("" when its first file is not): histories can only part
     after it, so a returning cluster's files are compared from the next one on
-    (:func:`check_adoptable`). Taken at the fence, before promotion seals anything."""
+    (:func:`~pyspark_acs.server.copy.quarantine.past_cut`). Taken at the fence, before promotion seals anything."""
     from pyspark_acs.write.file import scan_file
 
     view = tiered_store(store)
@@ -266,74 +273,6 @@ def _sealed_through(store: DurableStore, stream: str, shards: int) -> Dict[str, 
             through = name
         out[str(shard)] = through
     return out
-
-
-def check_adoptable(local: Any, parent: Any, stream: str, shards: int, record: Dict[str, Any]) -> None:
-    """Refuse a newer epoch while this cluster holds bytes past its promotion's cut: a file,
-    from the first one the promotion sealed or cut on, that the new parent does not hold,
-    holds less of, or holds other bytes of. They are the old source's writes after the
-    promotion, a history that did not happen; copied on, they would reach readers.
-
-    ``local`` and ``parent`` are store views (``list_files``, ``lengths``, ``read``, ``uri``;
-    tiered files included). Without ``parent`` (its store not readable from here) the lengths
-    the record names decide.
-
-    Raises
-    ------
-    StaleEpochError
-        Naming every such file and byte range (the first six).
-    """
-    found: List[str] = []
-    cut = record.get("cut") or {}
-    through = record.get("sealed_through") or {}
-    for shard in range(shards):
-        folder = shard_dir(stream, shard)
-        names = local.list_files(stream, shard)
-        if not names:
-            continue
-        at = cut.get(str(shard)) or {}
-        marks = {at["file"]: int(at["length"])} if at.get("file") else {}
-        after = through.get(str(shard), "")  # files up to it were sealed everywhere alike
-        rels = [f"{folder}/{n}" for n in names if n > after]
-        lengths = local.lengths(rels) if rels else {}
-        for rel in rels:
-            name, have = rel.rsplit("/", 1)[1], lengths.get(rel) or 0
-            if not have:
-                continue
-            if parent is None:  # the cut's length alone: files between `after` and it are not checked
-                if name in marks and have > marks[name]:
-                    found.append(f"{local.uri(rel)} bytes [{marks[name]}, {have})")
-                elif name not in marks and (not at.get("file") or name > at["file"]):
-                    found.append(f"{local.uri(rel)} bytes [0, {have})")
-                continue
-            theirs = parent.lengths([rel]).get(rel)
-            differ = _first_difference(local, parent, rel, min(have, theirs or 0))
-            if differ is not None:  # named from the block it is in
-                from pyspark_acs.write.file import scan_file
-
-                differ = scan_file(local, rel, length=differ).end
-            if differ is not None:
-                found.append(f"{local.uri(rel)} bytes [{differ}, {have}) (the new history has other bytes there)")
-            elif theirs is None or have > theirs:
-                found.append(f"{local.uri(rel)} bytes [{theirs or 0}, {have})")
-    if found:
-        raise StaleEpochError(
-            f"stream {stream!r}: this cluster holds bytes past the cut of its promotion (epoch "
-            f"{record.get('epoch')}, source {record.get('source')!r}): {', '.join(found[:6])}"
-            f"{' ...' if len(found) > 6 else ''}. They are the old source's history after the cut; this "
-            f"cluster takes the new history only once they are moved out of the stream's folder")
-
-
-def _first_difference(a: Any, b: Any, rel: str, length: int, window: int = 1 << 20) -> Optional[int]:
-    """The first byte of ``rel`` below ``length`` where the two views differ (None: same)."""
-    at = 0
-    while at < length:
-        end = min(length, at + window)
-        x, y = a.read(rel, at, end), b.read(rel, at, end)
-        if x != y:
-            return at + next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-        at = end
-    return None
 
 
 def _open_stores(topology: Topology, names: List[str], stream: str) -> Tuple[Dict[str, DurableStore], Dict[str, str]]:
@@ -470,16 +409,34 @@ def _path(store: DurableStore, cluster: Any, security: Any) -> _View:
     return _View(store, path)
 
 
+def _prefixes(store: DurableStore, stream: str, shard: int, through: str) -> Dict[str, List[int]]:
+    """``{file: [where its messages end, its length]}`` of B's files after ``through`` (each
+    sealed by now): where the old history's bytes end in the new one, for a returning
+    cluster's check (:func:`~pyspark_acs.server.copy.quarantine.past_cut`). Read from the
+    files, not from what this run sealed, so a promotion run again records the same."""
+    from pyspark_acs.write.file import scan_file
+
+    view = tiered_store(store)
+    folder = shard_dir(stream, shard)
+    names = [n for n in view.list_files(stream, shard) if n > through]
+    lengths = view.lengths([f"{folder}/{n}" for n in names]) if names else {}
+    out: Dict[str, List[int]] = {}
+    for name in names:
+        tail = scan_file(view, f"{folder}/{name}", length=lengths.get(f"{folder}/{name}") or 0)
+        out[name] = [tail.end, tail.length]
+    return out
+
+
 def _seal_all(store: DurableStore, stream: str, shard: int, io: Optional[ClusterIO], report: Optional[PromotionReport],
-              say: Callable[[str], None], who: str) -> List[Tuple[str, int]]:
+              say: Callable[[str], None], who: str) -> List[Tuple[str, int, int]]:
     """Seal every unsealed file of the shard in ``store`` where its valid bytes end, as a
-    take-over does; returns (file, length after) of those sealed."""
+    take-over does; returns (file, length after, where its valid bytes end) of those sealed."""
     from pyspark_acs.write.file import scan_file
     from pyspark_acs.write.shard import ShardWriter
 
     folder = shard_dir(stream, shard)
     names = store.list_files(stream, shard)  # unsealed files are never tiered
-    done: List[Tuple[str, int]] = []
+    done: List[Tuple[str, int, int]] = []
     if not names:
         return done
     sealer = ShardWriter(store, stream, shard, f"promote-{who}", data=io.data if io else None,
@@ -488,11 +445,12 @@ def _seal_all(store: DurableStore, stream: str, shard: int, io: Optional[Cluster
     lengths = store.lengths([f"{folder}/{n}" for n in names])
     for name in names:
         rel = f"{folder}/{name}"
-        if scan_file(store, rel, length=lengths.get(rel) or 0).sealed:
+        tail = scan_file(store, rel, length=lengths.get(rel) or 0)
+        if tail.sealed:
             continue
         sealer.seal_file(name)
         after = store.lengths([rel]).get(rel) or 0
-        done.append((name, after))
+        done.append((name, after, tail.end))
         say(f"{who}: shard {shard}: {name}: sealed at byte {after}")
     return done
 
@@ -557,7 +515,7 @@ def _bring(stream: str, shard: int, to: str, store: DurableStore, views: Dict[st
             writer.close()
         report.copied.append((shard, name, cluster, have, length))
         say(f"shard {shard}: {name}: bytes [{have}, {length}) copied from {cluster}")
-    for name, after in _seal_all(store, stream, shard, io, None, say, who=to):
+    for name, after, _ in _seal_all(store, stream, shard, io, None, say, who=to):
         report.sealed.append((shard, name, after))
     names = mine_view.list_files(stream, shard)
     if not names:

@@ -25,7 +25,6 @@ the source's head, so a backlog is copied durable to durable and never floods th
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import secrets
@@ -37,7 +36,7 @@ from pyspark_acs._grpc import grpc
 
 from pyspark_acs.cache.chunks import CHUNK_SIZE
 from pyspark_acs.cache.poller import LengthPoller
-from pyspark_acs.errors import AcsError
+from pyspark_acs.errors import AcsError, StaleEpochError
 from pyspark_acs.read.cachepath import CachedReadPath
 from pyspark_acs.read.positions import read_blocks, skip_void, walk_blocks
 from pyspark_acs.read.readpath import RateLimiter, open_read_path
@@ -347,18 +346,20 @@ class CopyOperation:
             shards=self.shards, operation=self.operation, source_cluster=self.io.name, **fields,
         )
 
-    def _epoch(self) -> Dict[str, object]:
-        """The hello's epoch fields: this cluster's promotion count of the stream and its
-        records (``_stream.json``), which the child checks and adopts (storage/store.py
-        create_stream)."""
-        meta = self.io.store.stream_meta(self.key.stream) or {}
-        epoch = int(meta.get("epoch") or 0)
-        return {"epoch": epoch, "promotions_json": json.dumps(meta.get("promotions") or [])} if epoch else {}
-
     def _session(self) -> None:
+        if self.is_source:
+            meta = self.io.store.stream_meta(self.key.stream) or {}
+            if meta.get("copied_from"):
+                # This daemon's topology names its cluster the source, but a promotion made the
+                # stream here a copy: copied on from here, the new history would fork its tree.
+                self.metrics.inc("errors_total", kind="stale_topology")
+                raise StaleEpochError(
+                    f"stream {self.key.stream!r}: this daemon's topology names {self.io.name} its source, but "
+                    f"{self.io.name} keeps a copy of it from {meta['copied_from']!r} (promotion epoch "
+                    f"{meta.get('epoch', 0)}); not copied from here: give the daemon the current topology file")
         session = _Session(self.stub_for(self.key.child), self._wake)
         try:
-            session.send(self._request(hello=True, **self._epoch()))
+            session.send(self._request(hello=True, **self.io.epoch_fields(self.key.stream)))
             ack = session.next_ack(ACK_TIMEOUT_S + 3 * self.options.lease_seconds)
             self._check(ack)
             self.acked = ack.length

@@ -440,7 +440,9 @@ class CopyScheduler:
                             continue
                     try:
                         reply = self.stub_for(child).Files(
-                            copy_pb2.FilesRequest(stream=stream, shard=shard), timeout=SURVEY_TIMEOUT_S)
+                            copy_pb2.FilesRequest(stream=stream, shard=shard, source_cluster=self.io.name,
+                                                  shards=self._shards.get(stream, 0),
+                                                  **self.io.epoch_fields(stream)), timeout=SURVEY_TIMEOUT_S)
                     except grpc.RpcError as exc:
                         if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older daemon: learn file by file
                             with self._lock:

@@ -59,7 +59,7 @@ def copy_status(topology: Topology, stream: str) -> List[Dict[str, Any]]:
         when unknown), ``problems`` (what of the cluster could not be reached or read, one
         sentence each naming it and the fix; empty when all is well: see :func:`problems`),
         ``warnings`` (what is down without hiding anything shown: a minority of the metadata
-        cache's replicas).
+        cache's replicas; ranges the cluster quarantined when it took a promotion's new history).
 
     Raises
     ------
@@ -89,6 +89,13 @@ def copy_status(topology: Topology, stream: str) -> List[Dict[str, Any]]:
                 f"(a Producer, `acs produce` or the sink creates it), or the topology's source for it is wrong")
         known_source = source_shards is not None
         shards = source_shards or spec.shards or 0
+        for c in tree.clusters:
+            store = stores[c]
+            moved = ((store.stream_meta(stream) or {}).get("quarantined") or []) if store is not None else []
+            for e in moved:
+                warned[c].append(f"shard {e['shard']}: {e['file']} bytes [{e['start']}, {e['end']}) are past the "
+                                 f"cut of promotion epoch {e.get('epoch')} (new source {e.get('source')}): "
+                                 f"quarantined in {store.uri(e['moved_to'])}, never copied on or served")
         for shard in range(shards):
             sdir = shard_dir(stream, shard)
             src_files = source_store.list_files(stream, shard) if known_source else []

@@ -730,24 +730,77 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         epoch = int(meta.get("epoch") or 0)
         with self._lock:
             self._epochs[stream] = (epoch, now)
+        self.note_quarantine(stream, meta)
         return epoch
 
-    def _adoptable(self, stream: str, source: str, promotions: Sequence[dict]) -> Callable[[dict], None]:
-        """The check before this cluster takes a newer epoch from ``source``: it holds no byte
-        past the promotion's cut (:func:`pyspark_acs.server.copy.promote.check_adoptable`,
-        against the parent's store when this daemon can read it)."""
-        from pyspark_acs.server.copy.promote import check_adoptable
+    def note_quarantine(self, stream: str, meta: Optional[dict] = None) -> None:
+        """Set ``quarantined_bytes`` of the stream's shards from its ``_stream.json`` (read when
+        not given): the metric shows what this cluster holds quarantined, whichever process
+        moved it (the daemon reads every stream's metadata when it starts)."""
+        if meta is None:
+            try:
+                meta = self.io.store.stream_meta(stream) or {}
+            except AcsError as exc:
+                log.debug("%s: stream %s: quarantine not read: %s", self.io.name, stream, exc)
+                return
+        by_shard: Dict[int, int] = {}
+        for e in meta.get("quarantined") or ():
+            by_shard[int(e["shard"])] = by_shard.get(int(e["shard"]), 0) + int(e["end"]) - int(e["start"])
+        for shard, total in by_shard.items():
+            self.metrics.set("quarantined_bytes", total, stream=stream, shard=shard)
 
-        def check(existing: dict) -> None:
-            parent = None
-            if self.source_store is not None:
-                try:
-                    parent = tiered_store(self.source_store(source))
-                except AcsError as exc:
-                    log.debug("%s: %s's store not readable for the cut check: %s", self.io.name, source, exc)
-            check_adoptable(self.files, parent, stream, int(existing["shards"]), (list(promotions) or [{}])[-1])
+    def _adoptable(self, stream: str, source: str,
+                   promotions: Sequence[dict]) -> Callable[[dict], Optional[Dict[str, object]]]:
+        """The step before this cluster takes a newer epoch from ``source``: its bytes past the
+        promotion's cut move into each shard's quarantine (:mod:`pyspark_acs.server.copy.quarantine`),
+        their chunks and lengths leave this cluster's caches, and the records go into
+        ``_stream.json`` (``quarantined``) with the epoch. Runs under the stream's lock."""
+        from pyspark_acs.server.copy.quarantine import describe, move_past_cut, past_cut
 
-        return check
+        def adopt(existing: dict) -> Optional[Dict[str, object]]:
+            record = (list(promotions) or [{}])[-1]
+            found = past_cut(self.files, stream, int(existing["shards"]), record)
+            moved = move_past_cut(self.io.store, stream, found, record)
+            if not moved:
+                return None
+            with self._lock:
+                for entry in moved:
+                    self._sealed_files.pop(f"{shard_dir(stream, int(entry['shard']))}/{entry['file']}", None)
+            self._purge_caches(stream, moved)
+            kept = [e for e in existing.get("quarantined") or [] if e.get("epoch") != record.get("epoch")]
+            self.note_quarantine(stream, {"quarantined": kept + moved})
+            log.error("%s: stream %s: bytes past the cut of promotion epoch %s (new source %s) are a history that "
+                      "did not happen; moved aside, never copied on or served: %s. Readers positioned in them get "
+                      "a DataLossError naming them; the new history is copied here from byte 0 of each such file",
+                      self.io.name, stream, record.get("epoch"), record.get("source"),
+                      describe(moved, self.io.store.uri))
+            return {"quarantined": kept + moved}
+
+        return adopt
+
+    def _purge_caches(self, stream: str, moved: Sequence[dict]) -> None:
+        """Drop this cluster's cached chunks, lengths and shard heads of the quarantined files:
+        lengths only grow in the cache (versioned by length) and chunks are keyed by file, so
+        the new history's shorter copy of a file would otherwise be read with the old bytes.
+        A cache that does not answer is logged (its entries expire with their time to live)."""
+        from pyspark_acs.cache.chunks import chunk_keys, chunk_range
+        from pyspark_acs.cache.metadata import head_key, length_keys
+
+        chunks: List[bytes] = []
+        meta: List[bytes] = []
+        for entry in moved:
+            uri = self.io.uri(f"{shard_dir(stream, int(entry['shard']))}/{entry['file']}")
+            chunks += chunk_keys(uri, chunk_range(0, int(entry["end"]) + CHUNK_SIZE))
+            meta += list(length_keys(uri))
+        for shard in sorted({int(e["shard"]) for e in moved}):
+            meta.append(head_key(self.io.shard_uri(stream, shard)))
+        for client, keys in ((self.io.data, chunks), (self.io.meta_client, meta)):
+            try:
+                client.delete(keys)
+            except CacheError as exc:
+                log.warning("%s: stream %s: quarantined files' entries not removed from %s (they expire with "
+                            "their time to live; until then a reader there may be told a file is longer than it "
+                            "is): %s", self.io.name, stream, client.name, exc)
 
     def ensure_stream(self, stream: str, shards: int, source: str, epoch: int = 0,
                       promotions: Sequence[dict] = ()) -> None:
@@ -886,6 +939,17 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
             shard = validate_shard(request.shard)
         except (AcsError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad Files request: {exc}")
+        if request.epoch and request.source_cluster and request.shards and self.stream_epoch(stream) < request.epoch:
+            # Take the parent's newer epoch first (quarantining bytes past its cut), so the
+            # files listed are the new history's: a file listed sealed here is never copied.
+            try:
+                promotions = json.loads(request.promotions_json or "[]")
+                if self.io.store.stream_meta(stream) is not None:
+                    self.ensure_stream(stream, request.shards, request.source_cluster, request.epoch, promotions)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad Files request: promotions_json: {exc}")
+            except AcsError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         try:
             names = self.files.list_files(stream, shard)
             rels = [f"{shard_dir(stream, shard)}/{name}" for name in names]

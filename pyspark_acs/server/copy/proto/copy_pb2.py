@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(pyspark_acs/server/copy/proto/copy.proto\x12\x10pyspark_acs.copy\"\xae\x02\n\x0b\x43opyRequest\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\x12*\n\x07storage\x18\x04 \x01(\x0e\x32\x19.pyspark_acs.copy.Storage\x12\r\n\x05start\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05hello\x18\x07 \x01(\x08\x12\x0e\n\x06shards\x18\x08 \x01(\x05\x12\x11\n\toperation\x18\t \x01(\t\x12\x16\n\x0esource_cluster\x18\n \x01(\t\x12\x0c\n\x04jump\x18\x0b \x01(\x08\x12\x19\n\x11last_timestamp_us\x18\x0c \x01(\x03\x12\x0e\n\x06sealed\x18\r \x01(\x08\x12\r\n\x05\x65poch\x18\x0e \x01(\x04\x12\x17\n\x0fpromotions_json\x18\x0f \x01(\t\"o\n\x07\x43opyAck\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.pyspark_acs.copy.AckStatus\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0e\x64urable_length\x18\x04 \x01(\x04\"\x0f\n\rHealthRequest\"m\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x0f\n\x07reading\x18\x03 \x01(\x05\x12\x0f\n\x07writing\x18\x04 \x01(\x05\x12\x17\n\x0ftopology_sha256\x18\x05 \x01(\t\"-\n\x0c\x46ilesRequest\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\"A\n\tFileState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x64urable_length\x18\x02 \x01(\x04\x12\x0e\n\x06sealed\x18\x03 \x01(\x08\";\n\rFilesResponse\x12*\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x1b.pyspark_acs.copy.FileState*!\n\x07Storage\x12\x0b\n\x07\x44URABLE\x10\x00\x12\t\n\x05\x43\x41\x43HE\x10\x01*:\n\tAckStatus\x12\x06\n\x02OK\x10\x00\x12\x0b\n\x07RESTART\x10\x01\x12\x0c\n\x08POISONED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x32\xe3\x01\n\x04\x43opy\x12\x44\n\x04\x43opy\x12\x1d.pyspark_acs.copy.CopyRequest\x1a\x19.pyspark_acs.copy.CopyAck(\x01\x30\x01\x12K\n\x06Health\x12\x1f.pyspark_acs.copy.HealthRequest\x1a .pyspark_acs.copy.HealthResponse\x12H\n\x05\x46iles\x12\x1e.pyspark_acs.copy.FilesRequest\x1a\x1f.pyspark_acs.copy.FilesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(pyspark_acs/server/copy/proto/copy.proto\x12\x10pyspark_acs.copy\"\xae\x02\n\x0b\x43opyRequest\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\x12*\n\x07storage\x18\x04 \x01(\x0e\x32\x19.pyspark_acs.copy.Storage\x12\r\n\x05start\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05hello\x18\x07 \x01(\x08\x12\x0e\n\x06shards\x18\x08 \x01(\x05\x12\x11\n\toperation\x18\t \x01(\t\x12\x16\n\x0esource_cluster\x18\n \x01(\t\x12\x0c\n\x04jump\x18\x0b \x01(\x08\x12\x19\n\x11last_timestamp_us\x18\x0c \x01(\x03\x12\x0e\n\x06sealed\x18\r \x01(\x08\x12\r\n\x05\x65poch\x18\x0e \x01(\x04\x12\x17\n\x0fpromotions_json\x18\x0f \x01(\t\"o\n\x07\x43opyAck\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.pyspark_acs.copy.AckStatus\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0e\x64urable_length\x18\x04 \x01(\x04\"\x0f\n\rHealthRequest\"m\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x0f\n\x07reading\x18\x03 \x01(\x05\x12\x0f\n\x07writing\x18\x04 \x01(\x05\x12\x17\n\x0ftopology_sha256\x18\x05 \x01(\t\"}\n\x0c\x46ilesRequest\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x16\n\x0esource_cluster\x18\x03 \x01(\t\x12\x0e\n\x06shards\x18\x04 \x01(\x05\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x17\n\x0fpromotions_json\x18\x06 \x01(\t\"A\n\tFileState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x64urable_length\x18\x02 \x01(\x04\x12\x0e\n\x06sealed\x18\x03 \x01(\x08\";\n\rFilesResponse\x12*\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x1b.pyspark_acs.copy.FileState*!\n\x07Storage\x12\x0b\n\x07\x44URABLE\x10\x00\x12\t\n\x05\x43\x41\x43HE\x10\x01*:\n\tAckStatus\x12\x06\n\x02OK\x10\x00\x12\x0b\n\x07RESTART\x10\x01\x12\x0c\n\x08POISONED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x32\xe3\x01\n\x04\x43opy\x12\x44\n\x04\x43opy\x12\x1d.pyspark_acs.copy.CopyRequest\x1a\x19.pyspark_acs.copy.CopyAck(\x01\x30\x01\x12K\n\x06Health\x12\x1f.pyspark_acs.copy.HealthRequest\x1a .pyspark_acs.copy.HealthResponse\x12H\n\x05\x46iles\x12\x1e.pyspark_acs.copy.FilesRequest\x1a\x1f.pyspark_acs.copy.FilesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pyspark_acs.server.copy.proto.copy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STORAGE']._serialized_start=783
-  _globals['_STORAGE']._serialized_end=816
-  _globals['_ACKSTATUS']._serialized_start=818
-  _globals['_ACKSTATUS']._serialized_end=876
+  _globals['_STORAGE']._serialized_start=863
+  _globals['_STORAGE']._serialized_end=896
+  _globals['_ACKSTATUS']._serialized_start=898
+  _globals['_ACKSTATUS']._serialized_end=956
   _globals['_COPYREQUEST']._serialized_start=63
   _globals['_COPYREQUEST']._serialized_end=365
   _globals['_COPYACK']._serialized_start=367
@@ -44,11 +44,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHRESPONSE']._serialized_start=497
   _globals['_HEALTHRESPONSE']._serialized_end=606
   _globals['_FILESREQUEST']._serialized_start=608
-  _globals['_FILESREQUEST']._serialized_end=653
-  _globals['_FILESTATE']._serialized_start=655
-  _globals['_FILESTATE']._serialized_end=720
-  _globals['_FILESRESPONSE']._serialized_start=722
-  _globals['_FILESRESPONSE']._serialized_end=781
-  _globals['_COPY']._serialized_start=879
-  _globals['_COPY']._serialized_end=1106
+  _globals['_FILESREQUEST']._serialized_end=733
+  _globals['_FILESTATE']._serialized_start=735
+  _globals['_FILESTATE']._serialized_end=800
+  _globals['_FILESRESPONSE']._serialized_start=802
+  _globals['_FILESRESPONSE']._serialized_end=861
+  _globals['_COPY']._serialized_start=959
+  _globals['_COPY']._serialized_end=1186
 # @@protoc_insertion_point(module_scope)

@@ -90,12 +90,20 @@ class HealthResponse(_message.Message):
     def __init__(self, serving: _Optional[bool] = ..., cluster: _Optional[str] = ..., reading: _Optional[int] = ..., writing: _Optional[int] = ..., topology_sha256: _Optional[str] = ...) -> None: ...
 
 class FilesRequest(_message.Message):
-    __slots__ = ("stream", "shard")
+    __slots__ = ("stream", "shard", "source_cluster", "shards", "epoch", "promotions_json")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     stream: str
     shard: int
-    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ...) -> None: ...
+    source_cluster: str
+    shards: int
+    epoch: int
+    promotions_json: str
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., source_cluster: _Optional[str] = ..., shards: _Optional[int] = ..., epoch: _Optional[int] = ..., promotions_json: _Optional[str] = ...) -> None: ...
 
 class FileState(_message.Message):
     __slots__ = ("name", "durable_length", "sealed")
