@@ -13,15 +13,23 @@ Keys (all in the metadata cache of one cluster):
   (:func:`lease_version`): consistent reads keep the highest version, so a replica that
   missed a swap can never make an old record win a read.
 
+- ``b"lk:" + cluster + b"|" + file URI`` -> how far ``cluster`` (a destination) holds the
+  source cluster's file durably, as a length (version = the length): the copy daemons confirm
+  there, in the stream's source cluster, what each destination acknowledged
+  (``acknowledge="clusters:K"``, :mod:`pyspark_acs.write.confirm`).
+- ``b"lx:" + stream URI`` -> the stream's destinations (JSON list of cluster names), put by the
+  source cluster's copy daemon from its topology; version = the put's time in µs.
+
 A new writer *poisons* the lease of the old one; the old writer sees the poison at its next
 check and stops; a writer that died without releasing is superseded after a short delay.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.cache.fanout import Entry
@@ -70,6 +78,16 @@ def lease_version(current: Optional[Entry]) -> int:
     """The version of a lease record replacing ``current``: above it, and at least the wall
     clock in µs (so a record written after the entry expired still outranks stale copies)."""
     return max((current.version + 1) if current is not None else 1, time.time_ns() // 1000)
+
+
+def confirm_key(uri: str, cluster: str) -> bytes:
+    """The metadata key of how far ``cluster`` holds the (source cluster's) file ``uri`` durably."""
+    return b"lk:" + cluster.encode() + b"|" + uri.encode()
+
+
+def destinations_key(stream_uri: str) -> bytes:
+    """The metadata key of the stream's destination clusters (the source's daemon puts it)."""
+    return b"lx:" + stream_uri.encode()
 
 
 def head_key(shard_uri: str) -> bytes:
@@ -131,6 +149,41 @@ class MetadataCache:
             c, d = entries[2 * i], entries[2 * i + 1]
             out[u] = (c.version if c else None, d.version if d else None)
         return out
+
+    # -- confirmations from other clusters -------------------------------------------------
+
+    def confirm_many(self, items: Sequence[Tuple[str, str, int]]) -> None:
+        """Record ``(file uri, cluster, durable length)`` confirmations (majority write; a
+        length never goes backwards)."""
+        if items:
+            self.client.put([(confirm_key(u, c), _len_value(n), n) for u, c, n in items], ttl=LENGTH_TTL_S,
+                            grace=False)
+
+    def confirmations(self, uris: Sequence[str], clusters: Sequence[str]) -> Dict[str, Dict[str, int]]:
+        """``{uri: {cluster: durable length}}`` of the clusters that confirmed any of ``uris``
+        (one consistent read)."""
+        pairs = [(u, c) for u in uris for c in clusters]
+        entries = self.client.get([confirm_key(u, c) for u, c in pairs], consistent=True) if pairs else []
+        out: Dict[str, Dict[str, int]] = {u: {} for u in uris}
+        for (u, c), e in zip(pairs, entries):
+            if e is not None:
+                out[u][c] = e.version
+        return out
+
+    def set_destinations(self, stream_uri: str, clusters: Sequence[str]) -> None:
+        """Record the stream's destination clusters (newest put wins)."""
+        self.client.put([(destinations_key(stream_uri), json.dumps(sorted(clusters)).encode(),
+                          time.time_ns() // 1000)], ttl=LENGTH_TTL_S)
+
+    def destinations(self, stream_uri: str) -> Optional[List[str]]:
+        """The stream's destination clusters as the source's copy daemon put them (None: never)."""
+        entry = self.client.get([destinations_key(stream_uri)], consistent=True)[0]
+        if entry is None:
+            return None
+        try:
+            return [str(c) for c in json.loads(entry.value)]
+        except (ValueError, TypeError):
+            return None
 
     # -- shard heads -----------------------------------------------------------------------
 

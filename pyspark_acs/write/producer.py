@@ -33,6 +33,7 @@ from pyspark_acs.storage.leases import WRITER_LEASE_S
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.errors import AppendConflictError
 from pyspark_acs.write.batching import Batching
+from pyspark_acs.write.confirm import CLUSTERS_PREFIX, clusters_needed, wait_confirmed
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES, DEFAULT_ROLL_SECONDS, ShardWriter, shard_for_key
 
 __all__ = [
@@ -124,14 +125,15 @@ def _timestamp_us(timestamp: Any) -> int:
 
 
 def _acknowledge(value: Any, name: str) -> str:
+    if isinstance(value, str) and value.startswith(CLUSTERS_PREFIX):
+        clusters_needed(value, name)
+        return value
     if value not in ACKNOWLEDGE_MODES:
         raise AcsOptionError(
-            f"{name}: {value!r} is not allowed; use one of {', '.join(map(repr, ACKNOWLEDGE_MODES))}", option=name
+            f"{name}: {value!r} is not allowed; use one of {', '.join(map(repr, ACKNOWLEDGE_MODES))} or "
+            f"'clusters:K' (durable in K clusters: the source and K-1 destinations)", option=name
         )
     return value
-
-
-_acknowledge.acs_choices = ACKNOWLEDGE_MODES  # type: ignore[attr-defined] # the flag lists them
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,9 @@ class ProducerOptions:
     lease_seconds: float = option("lease_seconds", WRITER_LEASE_S, parse=duration_parser(0.1),
                                   doc="shard lease; a crashed producer's shards are free after it")
     acknowledge: str = option("acknowledge", DEFAULT_ACKNOWLEDGE, parse=_acknowledge,
-                              doc="when a message counts as acknowledged: published or durable")
+                              metavar="{published,durable,clusters:K}",
+                              doc="when a message counts as acknowledged: published, durable, or durable in "
+                                  "K clusters (clusters:K; needs the metadata cache)")
 
     @classmethod
     def from_values(cls, **values: Any) -> "ProducerOptions":
@@ -190,6 +194,11 @@ class _Shard:
         # lengths still with the file's shadow thread; acknowledged at the round's last block
         # of the shard, which settles them first. Writer thread only.
         self.unsettled = 0
+        # acknowledge="clusters:K": (messages written so far, file, its length after them) per
+        # block, dropped once confirmed in K clusters (lock). A flush waits on the files and
+        # lengths up to the first mark covering its messages.
+        self.written = 0  # (lock)
+        self.marks: List[Tuple[int, str, int]] = []  # (lock)
         self.writer = writer  # writer thread (and the constructor before it starts)
 
 
@@ -216,8 +225,13 @@ class Producer:
         ``send`` blocks while this many bytes are buffered (default 64 MiB).
     lease_seconds : float
         Shard lease duration; a crashed producer's shards are free after it (default 10 s).
-    acknowledge : {"published", "durable"}
+    acknowledge : {"published", "durable", "clusters:K"}
         When a message counts as acknowledged, i.e. when ``flush()`` returns for it. With
+        ``"clusters:K"``, once it is published here and durable in K clusters: this one (the
+        stream's source) and K-1 of its destinations, as the copy daemons confirm in this
+        cluster's metadata cache (needed: refused without ``metadata_cache``); a message
+        acknowledged so survives the loss of this cluster (docs/copy.md, "Acknowledgements
+        that survive a cluster"). With
         ``"published"`` (default), that is once it is durable, verified against the seals, and
         its file's lengths are published to the caches. With ``"durable"``, it is once it is
         durable and verified; its chunks and lengths follow on the file's shadow thread, in
@@ -339,6 +353,14 @@ class Producer:
             from pyspark_acs.cache.metadata import MetadataCache
 
             self._meta = MetadataCache(meta_client)
+        #: The clusters a flush waits for (acknowledge="clusters:K"; 1: this one alone).
+        self._clusters = clusters_needed(self.options.acknowledge)
+        if self._clusters > 1 and self._meta is None:
+            for c in self._own_clients:
+                c.close()
+            raise AcsOptionError(
+                f"acknowledge: {self.options.acknowledge!r} needs the metadata cache (metadata_cache=... or "
+                f"${METADATA_CACHE_ENV}): the copy daemons confirm there what other clusters hold", option="acknowledge")
         self._shards = [
             _Shard(i, ShardWriter(
                 self.store, self.stream, i, self.writer_id, data=self._data, meta=self._meta,
@@ -537,6 +559,32 @@ class Producer:
                 self._flushing -= 1
             if self._error is not None:
                 raise self._error
+            if self._clusters > 1:
+                needed, covered = self._needed(targets)
+        if self._clusters > 1 and needed:
+            wait_confirmed(self._meta, self.store.uri(self.stream), needed, self._clusters, deadline=deadline,
+                           what=f"flush of stream {self.stream!r}")
+            with self._cond:
+                for sh, upto in covered:
+                    sh.marks = [m for m in sh.marks if m[0] > upto]
+
+    def _needed(self, targets: List[Tuple["_Shard", int]]) -> "tuple[Dict[str, int], List[tuple]]":
+        """``({file uri: length}, [(shard, messages covered)])``: what K clusters must hold for
+        the messages of ``targets`` (each shard's marks up to the first covering its target).
+        Caller holds _lock."""
+        needed: Dict[str, int] = {}
+        covered = []
+        for sh, target in targets:
+            upto = 0
+            for count, rel, end in sh.marks:
+                if upto >= target:
+                    break
+                uri = self.store.uri(rel)
+                needed[uri] = max(needed.get(uri, 0), end)
+                upto = count
+            if upto:
+                covered.append((sh, upto))
+        return needed, covered
 
     def wake(self) -> None:
         """Have the writer thread look at its batching rule again now: a block waiting to fill
@@ -715,10 +763,13 @@ class Producer:
                 # More of this shard's round follows: its cache writes may overlap the next block.
                 # Acknowledged when durable: every block's cache writes go to the shadow thread.
                 more_follows = budgets[i] > 0 or durable_ack
-                self._write_block(sh, values, keys, stamps, headers, more_follows=more_follows)
+                rel, end = self._write_block(sh, values, keys, stamps, headers, more_follows=more_follows)
                 written += take
                 with self._cond:
                     self._stats["messages"] += take
+                    if self._clusters > 1:
+                        sh.written += take
+                        sh.marks.append((sh.written, rel, end))
                     if durable_ack:
                         sh.acknowledged += take
                     elif more_follows:
@@ -758,9 +809,10 @@ class Producer:
         return limit, total
 
     def _write_block(self, sh: _Shard, values: list, keys: list, stamps: list, headers: list, *,
-                     more_follows: bool = False) -> None:
+                     more_follows: bool = False) -> Tuple[str, int]:
         """Write one block through the shard writer (verified against seals before it counts);
         ``more_follows``: the shard's next block comes right after it (:meth:`ShardWriter.append`).
+        Returns the file it went to (relative to the root) and the file's length after it.
 
         Cache failures never fail the producer (the durable store has the bytes and readers
         fall back to it); they are logged and counted in ``stats()["cache_errors"]``.
@@ -774,13 +826,15 @@ class Producer:
         block = encode_block(values, keys if any_key else None, stamps, first_index=writer.next_index,
                              headers=headers if any_headers else None)
         clock = self._batching.clock
+        rel = f"{writer.dir}/{writer.file}"
         started = clock()
-        writer.append(block, len(values), more_follows=more_follows)
+        end = writer.append(block, len(values), more_follows=more_follows)
         latency = clock() - started
         with self._lock:
             self._batching.record(latency, len(block))
             self._stats["blocks"] += 1
             self._stats["bytes"] += len(block)
+        return rel, end
 
     def _cache_error(self, what: str, exc: Exception) -> None:
         with self._lock:

@@ -191,7 +191,7 @@ def test_unknown_option_exits_2(acs, acs_inproc, root):
          "argument --tier-read-policy: 'disk' is not allowed; use one of: NOT_IN_DISK"),
         (("produce", "--root", root, "--stream", "s", "--shards", "0"), "argument --shards: 0 is out of range"),
         (("produce", "--root", root, "--stream", "s", "--roll-bytes", "big"), "argument --roll-bytes: 'big' is not a byte size"),
-        (("produce", "--root", root, "--stream", "s", "--acknowledge", "fast"), "argument --acknowledge: invalid choice"),
+        (("produce", "--root", root, "--stream", "s", "--acknowledge", "fast"), "argument --acknowledge: 'fast' is not allowed; use one of 'published', 'durable' or 'clusters:K'"),
     ]:
         code, _, err = acs_inproc(*args)
         assert code == 2 and text in err, (args, err)

@@ -44,6 +44,7 @@ from pyspark_acs._grpc import grpc
 from pyspark_acs.errors import AcsError, AcsOptionError, TopologyError
 from pyspark_acs.options import add_option_flags, options_from_flags, parse_options
 from pyspark_acs.server.copy.cluster import ClusterIO
+from pyspark_acs.server.copy.confirm import Confirmer
 from pyspark_acs.server.copy.health import HealthMonitor
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
@@ -128,9 +129,10 @@ class CopyDaemon:
         self._channels: Dict[str, grpc.Channel] = {}
         #: Durable stores of other clusters by root (they vouch for what their copies send).
         self._stores: Dict[str, DurableStore] = {}
+        self.confirmer = Confirmer(self.cluster, lambda: self.scheduler.topology, self.store_of, self.security)
         self.scheduler = CopyScheduler(
             self.cluster, self.topology_path, topology, self.io, self.options, self.metrics,
-            self.stub_for, self.operation_prefix,
+            self.stub_for, self.operation_prefix, confirmer=self.confirmer,
         )
         # Lengths this daemon's writers publish wake its own readers of the next hop at once.
         self.servicer = CopyServicer(self.io, self.options, self.metrics, reading=self.scheduler.running,
@@ -223,6 +225,7 @@ class CopyDaemon:
                 raise
             self._http.start()
         self.health.start()
+        self.confirmer.start()
         self.scheduler.start()
         return self
 
@@ -240,6 +243,7 @@ class CopyDaemon:
         self.servicer.serving = False
         self.health.stop()
         self.scheduler.stop()
+        self.confirmer.stop()
         if self._server is not None:
             self._server.stop(COPY_STOP_GRACE_S).wait(COPY_STOP_GRACE_S + 1)
             self._server = None

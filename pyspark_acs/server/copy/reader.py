@@ -239,6 +239,9 @@ class CopyOperation:
         ``stub_for(cluster name) -> CopyStub`` of the child's daemon.
     is_source : bool
         This cluster is the stream's source.
+    confirm : callable, optional
+        ``confirm(stream, rel, child, length)`` with every durable length the child
+        acknowledged (:meth:`~pyspark_acs.server.copy.confirm.Confirmer.confirm`).
     options : CopyDaemonOptions
     metrics : CopyMetrics
     operation_prefix : str
@@ -256,9 +259,11 @@ class CopyOperation:
         metrics: CopyMetrics,
         operation_prefix: str,
         is_source: bool = False,
+        confirm: Optional[Callable[[str, str, str, int], None]] = None,
     ) -> None:
         self.key = key
         self.is_source = is_source
+        self._confirm = confirm if key.storage == DURABLE else None
         self.shards = shards
         self.io = io
         self.poller = poller
@@ -292,6 +297,9 @@ class CopyOperation:
         self.opened = threading.Event()
         #: The destination length last acknowledged (the scheduler parks caught-up idle operations).
         self.acked = 0
+        #: The source store's size of the file when last looked at (a durable operation looks
+        #: when the cache is ahead of every durable length it knows).
+        self._stat_len = 0
 
     def stop(self) -> None:
         """Ask the operation to stop; :meth:`run` returns soon after. Thread-safe; does not wait."""
@@ -363,6 +371,8 @@ class CopyOperation:
             ack = session.next_ack(ACK_TIMEOUT_S + 3 * self.options.lease_seconds)
             self._check(ack)
             self.acked = ack.length
+            if self._confirm is not None:
+                self._confirm(self.key.stream, self.rel, self.key.child, ack.length)
             self.opened.set()
             self._copy(session, ack.length)
         finally:
@@ -393,6 +403,8 @@ class CopyOperation:
             raise ConnectionError(f"restart at {ack.length}: {ack.message}")
         inflight.popleft()
         self._boundaries.add(ack.length)
+        if self._confirm is not None:
+            self._confirm(self.key.stream, self.rel, self.key.child, ack.length)
         return ack.length
 
     def _copy(self, session: _Session, position: int) -> None:
@@ -419,6 +431,13 @@ class CopyOperation:
                     break
                 acked = self.acked = self._take_ack(ack, inflight)
             cache_len, durable_len = self._source_lengths()
+            if self.key.storage == DURABLE and cache_len > max(durable_len, self._stat_len):
+                # The feed pushed bytes the published durable length does not cover yet (a
+                # pushed file is not watched): the store's own size says whether they are
+                # durable, at once instead of when the length has stood still.
+                self._stat_len = self.path.durable_length(self.rel) or 0
+            if self.key.storage == DURABLE:
+                durable_len = max(durable_len, self._stat_len)
             source_len = durable_len if self.key.storage == DURABLE else max(cache_len, durable_len)
             self.metrics.set("lag_bytes", max(0, source_len - acked), stream=self.key.stream, shard=self.key.shard,
                              target=self.key.child, storage=self.key.storage)

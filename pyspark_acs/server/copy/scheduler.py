@@ -42,7 +42,7 @@ import os
 import threading
 import time
 import zlib
-from typing import Callable, Dict, FrozenSet, List, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from pyspark_acs._grpc import grpc
 
@@ -104,8 +104,13 @@ class CopyScheduler:
     """
 
     def __init__(self, cluster: str, topology_path: str, topology: Topology, io: ClusterIO,
-                 options: CopyDaemonOptions, metrics: CopyMetrics, stub_for: Callable, operation_prefix: str) -> None:
+                 options: CopyDaemonOptions, metrics: CopyMetrics, stub_for: Callable, operation_prefix: str,
+                 confirmer: Optional[Any] = None) -> None:
         self.cluster = cluster
+        #: Passes the children's durable acknowledgements to each stream's source, and, where
+        #: this cluster is the source, puts the stream's destinations there
+        #: (:class:`~pyspark_acs.server.copy.confirm.Confirmer`; None: neither).
+        self.confirmer = confirmer
         self.topology_path = topology_path
         self.io = io
         self.options = options
@@ -264,6 +269,7 @@ class CopyScheduler:
                 if listing:
                     last_listing = now
                     self._reload_topology()
+                    self._announce(now)
                 self._reap()
                 self._discover(listing)
             except AcsError as exc:
@@ -272,6 +278,16 @@ class CopyScheduler:
                 log.exception("copy scheduling round failed unexpectedly")
             self._wake.wait(self.options.poll_interval)
             self._wake.clear()
+
+    def _announce(self, now: float) -> None:
+        """Where this cluster is a stream's source, put the stream's destinations (the
+        topology's) into its metadata cache for ``acknowledge="clusters:K"`` writers."""
+        if self.confirmer is None:
+            return
+        topology = self.topology
+        for stream, spec in topology.streams.items():
+            if spec.source == self.cluster:
+                self.confirmer.announce(stream, [d for d in spec.destinations if d != self.cluster], now)
 
     def _reap(self) -> None:
         with self._lock:
@@ -531,6 +547,7 @@ class CopyScheduler:
                 op = CopyOperation(
                     key, self._shards[key.stream], self.io, self.poller, self.stub_for,
                     self.options, self.metrics, self.operation_prefix, is_source=tree.source == self.cluster,
+                    confirm=self.confirmer.confirm if self.confirmer is not None else None,
                 )
                 thread = threading.Thread(target=op.run, name=f"acs-copy-{key.storage}-{key.child}", daemon=True)
                 self._ops[key] = (op, thread)

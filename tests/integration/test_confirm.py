@@ -1,0 +1,93 @@
+"""``acknowledge="clusters:K"`` against real copy daemons: a flush returns once the bytes are
+durable in K clusters (the source and K-1 destinations, as the daemons confirm in the source's
+metadata cache), times out naming the destinations that did not confirm, and is refused
+without a metadata cache."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from pyspark_acs.errors import AcsOptionError, AcsTimeoutError
+from pyspark_acs.format.names import shard_dir
+from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.write.producer import Producer
+
+from tests.helpers import msg
+from tests.integration.test_cross_cluster import make_env  # noqa: F401 (the fixture: clusters of one test)
+
+pytestmark = pytest.mark.slow
+
+
+def _durable(env, cluster: str, rels) -> dict:
+    store = DurableStore(env.roots[cluster])
+    try:
+        return store.lengths(list(rels))
+    finally:
+        store.close()
+
+
+def test_clusters_k_flush_returns_once_k_clusters_hold_the_bytes(make_env, caches):
+    """Chain A -> B -> C. clusters:2 and clusters:3 flushes return with the bytes durable in
+    that many clusters (C's confirmation comes from B's daemon, straight to A's cache). With
+    C's daemon stopped, clusters:2 still returns (B holds them) and clusters:3 times out,
+    naming C and how far it confirmed; resumed, C confirms and the flush returns."""
+    env = make_env(caches)
+    for c in "ABC":
+        env.start_daemon(c)
+    kw = dict(data_cache=caches["A"].data_endpoints, metadata_cache=caches["A"].metadata_endpoints, shards=1)
+    with Producer(env.roots["A"], env.stream, acknowledge="clusters:3", **kw) as p3:
+        for i in range(20):
+            p3.send(msg(i))
+            p3.flush(timeout=60)
+            rel = f"{shard_dir(env.stream, 0)}/{p3._shards[0].writer.file}"
+            end = p3._shards[0].writer.position
+            held = _durable(env, "B", [rel]), _durable(env, "C", [rel])
+            assert all((h.get(rel) or 0) >= end for h in held), (i, end, held)
+    with Producer(env.roots["A"], env.stream, acknowledge="clusters:2", **kw) as p2:
+        p2.send(msg(100))
+        p2.flush(timeout=60)
+        for proc in env.daemons["C"]:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(5):
+                p2.send(msg(101 + i))
+                p2.flush(timeout=60)  # B alone confirms
+        finally:
+            for proc in env.daemons["C"]:
+                proc.send_signal(signal.SIGCONT)
+    with Producer(env.roots["A"], env.stream, acknowledge="clusters:3", **kw) as p3:
+        for proc in env.daemons["C"]:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            p3.send(msg(200))
+            started = time.monotonic()
+            with pytest.raises(AcsTimeoutError, match=r"clusters:3.*not confirmed in time: B confirmed everything. C confirmed .*not at all"):
+                p3.flush(timeout=2)
+            assert time.monotonic() - started < 10
+        finally:
+            for proc in env.daemons["C"]:
+                proc.send_signal(signal.SIGCONT)
+        p3.flush(timeout=60)  # C caught up
+
+
+def test_clusters_k_needs_a_metadata_cache_and_a_valid_k(tmp_path):
+    with pytest.raises(AcsOptionError, match=r"acknowledge: 'clusters:2' needs the metadata cache"):
+        Producer(str(tmp_path / "root"), "s", acknowledge="clusters:2")
+    with pytest.raises(AcsOptionError, match=r"K in 'clusters:K' is a whole number from 1 to 64"):
+        Producer(str(tmp_path / "root"), "s", acknowledge="clusters:two")
+    with pytest.raises(AcsOptionError, match=r"'clusters:K'"):
+        Producer(str(tmp_path / "root"), "s", acknowledge="all")
+
+
+def test_clusters_k_without_a_source_daemon_says_so(tmp_path, caches):
+    """No copy daemon in the source cluster put the stream's destinations: the flush's
+    timeout says what to run."""
+    with Producer(str(tmp_path / "root"), "lonely", shards=1, acknowledge="clusters:2",
+                  data_cache=caches["A"].data_endpoints, metadata_cache=caches["A"].metadata_endpoints) as p:
+        p.send(b"x")
+        with pytest.raises(AcsTimeoutError, match="no copy daemon of this cluster has put the stream's destinations"):
+            p.flush(timeout=0.5)
+        p._clusters = 1  # let close() end without the daemons
