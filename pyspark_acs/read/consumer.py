@@ -33,8 +33,9 @@ from pyspark_acs.format.names import shard_dir, validate_shard, validate_stream
 from pyspark_acs.format.offsets import Offset, OffsetMap, format_offsets, parse_offsets
 from pyspark_acs.options import bytes_parser, duration_parser, nearest_name, option, parse_bool, parse_options
 from pyspark_acs.read.batches import CONSUMER_BATCH_BYTES, coalesce_runs
-from pyspark_acs.read.positions import (Missing, MissingRules, ends_with_seal, latest_offset, quarantined_at,
-                                        read_blocks, seal_behind, skip_void, unfinished_file)
+from pyspark_acs.read.positions import (QUARANTINE_CHECK_S, Missing, MissingRules, ends_with_seal, latest_offset,
+                                        quarantine_entries, quarantined_at, read_blocks, seal_behind, skip_void,
+                                        unfinished_file)
 from pyspark_acs.read.readpath import RateLimiter, ReadPath, open_read_path
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.storage.tier import DEFAULT_READ_POLICY, parse_read_policy, retention_gap
@@ -170,8 +171,11 @@ class ShardTailer:
         # past the local end of its file (_data_loss); the rule comes from _rules.
         self._missing: Optional[Tuple[Tuple[str, int, Optional[int]], Missing, float, bool]] = None
         self._rules = MissingRules(clock)
-        #: (epoch, shard, file) of quarantine records whose file this tailer read anew (_quarantined).
-        self._reread: Set[Tuple[object, int, object]] = set()
+        #: Quarantine records (epoch, file) whose moved file this tailer read anew, when it looks
+        #: at the record next, and how far it reads its file meanwhile (_look_at_quarantine).
+        self._reread: Set[Tuple[object, object]] = set()
+        self._quarantine_due = 0.0
+        self._stop_at: Optional[int] = None
         #: Position after each batch of the last step's result (same length as that result).
         self.batch_ends: List[Offset] = []
         #: Position before each batch of the last step's result: where its block starts, with
@@ -221,6 +225,7 @@ class ShardTailer:
         if self.file and offset.file != self.file and hasattr(self.path, "forget"):
             self.path.forget(self.rel)  # drop per-file read state of the file we leave
         self.file, self.length, self._position = offset
+        self._stop_at, self._quarantine_due = None, 0.0  # the new file's quarantine state: looked at next
         self.sealed = False
         self._check_behind = after_seal  # a position saved right after a seal is at a finished file's end
         self._void_checked = None
@@ -254,6 +259,8 @@ class ShardTailer:
                     return out
                 self.seek(Offset(files[0], 0))
                 known = False
+            if self._look_at_quarantine():
+                continue
             if not known:
                 length = self.path.lengths([self.rel])[self.rel]
             known = False
@@ -268,7 +275,7 @@ class ShardTailer:
                     return out
                 continue
             self._missing = None  # the bytes at the position are here (copy_wait says so)
-            limit = length
+            limit = length if self._stop_at is None else min(length, max(self.length, self._stop_at))
             if end is not None and self.file == end.file:
                 limit = min(limit, end.length)
             # Nothing is read past a seal: bytes after it are a deposed writer's, never
@@ -416,8 +423,6 @@ class ShardTailer:
         if now < due:
             return False
         self._unfinished = (key, now + wait, min(most, 2 * wait))
-        if self._quarantined():
-            return self._data_loss(self.path.durable_length(self.rel))
         # The listing before the lengths (unfinished_file reads them): see its docstring.
         found = unfinished_file(self.path, self.stream, self.shard, self.file, self.length,
                                 self.store.list_files(self.stream, self.shard))
@@ -433,18 +438,31 @@ class ShardTailer:
         self.seek(Offset(found.later, 0))
         return True
 
-    def _quarantined(self) -> bool:
-        """Whether the position lies in a range this cluster quarantined when it took a
-        promotion's new history (:func:`~pyspark_acs.read.positions.quarantined_at`): lengths
-        this process learnt before may still show the old file, so a reader waiting at its end
-        looks here too. A reader at or before the range's start reads the file anew from the
-        store (its open handle and read state are the old file's) and goes on there."""
+    def _look_at_quarantine(self) -> bool:
+        """Every :data:`~pyspark_acs.read.positions.QUARANTINE_CHECK_S`, look at the stream's
+        quarantine record (a cluster that took a promotion's new history moves its bytes past
+        the cut aside, :mod:`pyspark_acs.server.copy.quarantine`). A position inside a range is
+        the loss (:meth:`_data_loss` names it; returns True if the tailer moved on); before a
+        range's start the tailer reads no further than it (``_stop_at``) until the file has
+        moved, and then reads it anew (its open handle and read state are the old file's)."""
+        now = self.clock()
+        if now < self._quarantine_due or not self.file:
+            return False
+        self._quarantine_due = now + QUARANTINE_CHECK_S
         meta = self.store.stream_meta(self.stream)
-        if quarantined_at(meta, self.shard, self.file, self.length) is not None:
-            return True
-        for entry in (meta or {}).get("quarantined") or ():
-            key = (entry.get("epoch"), int(entry.get("shard", -1)), entry.get("file"))
-            if key[1:] == (self.shard, self.file) and key not in self._reread:
+        found = quarantined_at(meta, self.shard, self.file, self.length)
+        if found is not None:
+            return self._data_loss(self.path.durable_length(self.rel))
+        self._stop_at = None
+        moved = {(e.get("epoch"), e.get("file")): e for e in (meta or {}).get("quarantined") or ()
+                 if int(e.get("shard", -1)) == self.shard}
+        for entry in quarantine_entries(meta):
+            if int(entry.get("shard", -1)) != self.shard or entry.get("file") != self.file:
+                continue
+            key = (entry.get("epoch"), entry.get("file"))
+            if key not in moved:
+                self._stop_at = int(entry["start"])  # not moved yet: the old file's bytes follow
+            elif key not in self._reread:
                 self._reread.add(key)
                 self.store.forget(self.rel)
                 if hasattr(self.path, "forget"):
@@ -493,6 +511,12 @@ class ShardTailer:
         else:
             self._missing = (key, missing) + self._missing[2:]
         _, _, since, warned = self._missing
+        if missing.skip_to is not None:
+            log.info("stream %r shard %d: file %s is no part of this cluster's history since a promotion (moved "
+                     "aside) and nothing of it was read; going on with %s", self.stream, self.shard, self.file,
+                     missing.skip_to)
+            self.seek(Offset(missing.skip_to, 0))
+            return True
         if missing.wait:
             if not warned and now - since >= self.timing.stuck_warn_after_s:
                 self._missing = (key, missing, since, True)  # once per position and length

@@ -527,28 +527,54 @@ def unfinished_file(path: ReadPath, stream: str, shard: int, name: str, at: int,
 MISSING_RECHECK_S = 1.0
 
 
-def quarantined_at(meta: Optional[Dict[str, Any]], shard: int, name: str, at: int) -> Optional[Dict[str, Any]]:
-    """The quarantine record (``_stream.json``'s ``quarantined``:
-    :mod:`pyspark_acs.server.copy.quarantine`) of file ``name`` of ``shard`` that the position
-    (``name``, byte ``at``) lies in: past the byte where the new history leaves the file
-    (``start``), or anywhere in a file the new history does not hold (``kept`` false). None:
-    the position is not in a quarantined range (a position at or before ``start`` of a file the
-    new history holds reads on there once the copy brings the file again)."""
-    for entry in (meta or {}).get("quarantined") or ():
-        if int(entry.get("shard", -1)) == shard and entry.get("file") == name:
-            if at > int(entry["start"]) or not entry.get("kept", True):
-                return entry
+#: How often a tailer looks at its stream's quarantine record (seconds): the copy daemon waits
+#: four times this long between recording the ranges and moving the files.
+QUARANTINE_CHECK_S = 0.5
+
+
+def quarantine_entries(meta: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Every quarantine entry of the stream's metadata: those moved (``quarantined``) and those
+    of a quarantine under way (``quarantine``'s ``files``; :mod:`pyspark_acs.server.copy.quarantine`)."""
+    meta = meta or {}
+    return list(meta.get("quarantined") or ()) + list((meta.get("quarantine") or {}).get("files") or ())
+
+
+def quarantined_at(meta: Optional[Dict[str, Any]], shard: int, name: str, at: int,
+                   holds: Optional[Callable[[Dict[str, Any]], bool]] = None) -> Optional[Tuple[Dict[str, Any], bool]]:
+    """Whether the position (``name``, byte ``at``) lies in a quarantined range: ``(entry,
+    True)`` when it does (past the byte where the new history leaves the file, ``start``, or
+    inside a file the new history lacks, ``kept`` false), naming the range that makes it a loss;
+    ``(entry, False)`` when it is at byte 0 of a file the new history lacks and the reader
+    passed no quarantined message before it (it read the new history alone: it goes on with the
+    new history's next file; ``holds(entry)`` says whether a range holds a message, default: any
+    byte); None when it is not (a position at or before ``start`` of a kept file reads on there
+    once the copy brings the file again)."""
+    mine = [e for e in quarantine_entries(meta) if int(e.get("shard", -1)) == shard]
+    for entry in mine:
+        if entry.get("file") != name:
+            continue
+        if entry.get("kept", True):
+            return (entry, True) if at > int(entry["start"]) else None
+        if at > 0:
+            return entry, True
+        # At byte 0: a range passed before it (files are read in order) is what was read past the cut.
+        passed = [e for e in mine if e.get("file", "") < name and int(e["end"]) > int(e["start"])
+                  and (holds is None or holds(e))]
+        return (max(passed, key=lambda e: e["file"]), True) if passed else (entry, False)
     return None
 
 
-def quarantine_error(stream: str, entry: Dict[str, Any], at: int, uri: str, hint: str = "") -> DataLossError:
-    """The data loss of a reader positioned at byte ``at`` inside the quarantined range ``entry``."""
+def quarantine_error(stream: str, entry: Dict[str, Any], name: str, at: int, uri: str,
+                     hint: str = "") -> DataLossError:
+    """The data loss of a reader positioned at byte ``at`` of file ``name``, inside (or past)
+    the quarantined range ``entry``."""
+    where = "of it" if entry["file"] == name else f"of file {entry['file']}, which the reader passed to get there,"
     return DataLossError(
-        f"data loss in stream {stream!r} shard {entry['shard']}: the position is at byte {at} of file "
-        f"{entry['file']}, but bytes [{entry['start']}, {entry['end']}) of it are a history that did not happen: "
-        f"this cluster wrote or copied them after the cut of promotion epoch {entry.get('epoch')} (new source "
-        f"{entry.get('source')!r}) and moved them aside to {uri} when it took the new history; the messages "
-        f"read from them were never part of the stream's history{hint}",
+        f"data loss in stream {stream!r} shard {entry['shard']}: the position is at byte {at} of file {name}, but "
+        f"bytes [{entry['start']}, {entry['end']}) {where} are a history that did not happen: this cluster wrote "
+        f"or copied them after the cut of promotion epoch {entry.get('epoch')} (new source {entry.get('source')!r}) "
+        f"and moved them aside to {uri} when it took the new history; the messages read from them were never part "
+        f"of the stream's history{hint}",
         stream=stream, shard=int(entry["shard"]), file=entry["file"], start=int(entry["start"]), end=int(entry["end"]),
     )
 
@@ -571,12 +597,15 @@ class Missing(NamedTuple):
     #: The quarantine record the position lies in (:func:`quarantined_at`) and the URI of the
     #: file it was moved to: the loss is then that record's range.
     quarantine: Optional[Tuple[Dict[str, Any], str]] = None
+    #: The file to go on with (the position is at byte 0 of a file the new history lacks, and
+    #: the reader read nothing past the cut: the new history's next file).
+    skip_to: Optional[str] = None
 
     def error(self, hint: str = "") -> DataLossError:
         """The data loss: bytes ``[durable, at)`` of the file (all of it when it is gone), or the
         quarantined range the position lies in."""
         if self.quarantine is not None:
-            return quarantine_error(self.stream, self.quarantine[0], self.at, self.quarantine[1], hint)
+            return quarantine_error(self.stream, self.quarantine[0], self.file, self.at, self.quarantine[1], hint)
         what = "is gone from the store" if self.durable is None else f"is only {self.durable} bytes long"
         return DataLossError(
             f"data loss in stream {self.stream!r} shard {self.shard}: file {self.file} {what}, but the position "
@@ -641,10 +670,25 @@ def missing_at(path: ReadPath, stream: str, shard: int, name: str, at: int, dura
     meta = path.store.stream_meta(stream) or {}
     source = meta.get("copied_from")
     base = Missing(stream, shard, name, at, durable, None)
-    entry = quarantined_at(meta, shard, name, at)
-    if entry is not None:
+    from pyspark_acs.read.readpath import DurableReadPath
+
+    moved_files = DurableReadPath(path.store)
+    found = quarantined_at(meta, shard, name, at, lambda e: _holds_message(moved_files, e["moved_to"],
+                                                                           int(e["start"]), int(e["end"])))
+    if found is not None and found[1]:
+        entry = found[0]
         return base._replace(why="quarantined", quarantine=(entry, path.store.uri(entry["moved_to"])))
-    moved = next((e for e in meta.get("quarantined") or () if int(e.get("shard", -1)) == shard
+    if found is not None:
+        listing = path.store.list_files(stream, shard)
+        before = [f for f in listing if f < name]
+        after = [f for f in listing if f > before[-1]] if before else listing
+        after = [f for f in after if f != name]
+        if after:
+            return base._replace(skip_to=after[0])
+        return base._replace(wait=f"this cluster moved its {name} aside (the new history of promotion epoch "
+                                  f"{found[0].get('epoch')} has no such file) and the copy from {source} has not "
+                                  f"brought the new history's next file yet")
+    moved = next((e for e in quarantine_entries(meta) if int(e.get("shard", -1)) == shard
                   and e.get("file") == name), None)
     if moved is not None and (durable or 0) < at:
         return base._replace(wait=f"this cluster moved its {name} aside (bytes past the cut of promotion epoch "

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
-from pyspark_acs.errors import LeasePoisonedError, WriterConflictError
+from pyspark_acs.errors import LeasePoisonedError, StoreFileNotFoundError, WriterConflictError
 from pyspark_acs.storage.store import DurableStore
 
 __all__ = [
@@ -92,8 +92,10 @@ os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 @contextlib.contextmanager
-def exclusive(store: DurableStore, rel: str, wait: Optional[float] = None, *, warn: bool = True) -> Iterator[bool]:
-    """Hold an exclusive lock on the file ``rel`` of ``store`` (created if missing) while the
+def exclusive(store: DurableStore, rel: str, wait: Optional[float] = None, *, warn: bool = True,
+              create: bool = True) -> Iterator[bool]:
+    """Hold an exclusive lock on the file ``rel`` of ``store`` (created if missing, unless
+    ``create`` is false: then a missing file raises :class:`StoreFileNotFoundError`) while the
     block runs: ``flock`` on local files, which every process of the machine honours. On
     other filesystems ``pyarrow.fs`` has no lock: the block runs unlocked.
 
@@ -114,7 +116,11 @@ def exclusive(store: DurableStore, rel: str, wait: Optional[float] = None, *, wa
     wait = lock_wait(store) if wait is None else wait
     path = store.path(rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_RDONLY | (os.O_CREAT if create else 0) | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError as exc:
+        raise StoreFileNotFoundError(f"{store.uri(rel)}: gone from the store (moved aside or deleted); not "
+                                     f"locked") from exc
     with _held_lock:
         _held.add(fd)
     try:

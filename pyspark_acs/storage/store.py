@@ -344,7 +344,7 @@ class DurableStore:
         - a copy from an older epoch than this cluster's is refused (:class:`StaleEpochError`:
           its daemon has not seen the promotion);
         - a newer epoch is adopted, records with it, once ``on_adopt(existing)`` passes (it
-          moves this cluster's bytes past the cut aside and returns keys to add, or raises:
+          returns keys to set, None to remove, or raises: the copy daemon's quarantine,
           :mod:`pyspark_acs.server.copy.quarantine`); a stream that is this
           cluster's own history is refused as a copy (:meth:`_refuse_own`) unless this
           cluster (``cluster``) is the source the promotion deposed;
@@ -399,8 +399,9 @@ class DurableStore:
                 deposed = cluster is not None and any(r.get("previous") == cluster for r in theirs[len(ours):])
                 if not existing.get("copied_from") and not deposed:
                     self._refuse_own(stream, existing, copied_from)
-                extra = on_adopt(existing) if on_adopt is not None else None
-                return dict(existing, copied_from=copied_from, epoch=epoch, promotions=theirs, **(extra or {}))
+                new = dict(existing, copied_from=copied_from, epoch=epoch, promotions=theirs)
+                new.update((on_adopt(existing) if on_adopt is not None else None) or {})
+                return {k: v for k, v in new.items() if v is not None}  # a key given as None goes
             if existing.get("copied_from") != copied_from and not existing.get("copied_from"):
                 self._refuse_own(stream, existing, copied_from)  # this cluster is the source
             if epoch:

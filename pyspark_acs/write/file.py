@@ -184,8 +184,9 @@ def append_lock(store: DurableStore, rel: str) -> "contextlib.AbstractContextMan
     """The append lock of ``rel``: ``flock`` on the file itself where the filesystem is local
     (:func:`~pyspark_acs.storage.leases.exclusive`), nothing elsewhere (``pyarrow.fs`` has no
     lock; HDFS itself allows one appender per file). Yields whether it is held (False on a
-    local file: its holder kept it past ``LOCK_WAIT_SECONDS``)."""
-    return exclusive(store, rel)
+    local file: its holder kept it past ``LOCK_WAIT_SECONDS``). A file gone from its path (a
+    quarantine moved it aside) is not created again: StoreFileNotFoundError, nothing appended."""
+    return exclusive(store, rel, create=False)
 
 
 def _describe(start: int, end: int, messages: Optional[Tuple[int, int]]) -> str:

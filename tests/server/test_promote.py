@@ -248,10 +248,11 @@ def _servicer(site, cluster: str):
                         source_store=lambda c: DurableStore(str(site["roots"][c])))
 
 
-def _adopt(site, cluster: str, parent: str = "B") -> None:
+def _adopt(site, cluster: str, parent: str = "B", settle: float = 0.0) -> None:
     """``cluster``'s daemon takes the new epoch from ``parent``'s hello (as a Copy or Files call does)."""
     meta = _meta(site["roots"][parent])
     servicer = _servicer(site, cluster)
+    servicer.quarantine_settle = settle
     try:
         servicer.ensure_stream(STREAM, 1, parent, meta["epoch"], meta["promotions"])
     finally:
@@ -317,20 +318,23 @@ def test_a_returning_source_quarantines_its_bytes_past_the_cut_and_takes_the_new
     assert meta["epoch"] == 1 and meta["copied_from"] == "B"
     folder = f"{shard_dir(STREAM, 0)}/_quarantine/epoch-1"
     entries = {e["file"]: (e["start"], e["end"], e["kept"], e["moved_to"]) for e in meta["quarantined"]}
-    assert entries == {FILE2: (seven, len(two), True, f"{folder}/{FILE2}"),
-                       file3: (0, len(encode_block([msg(90)], first_index=0)), False, f"{folder}/{file3}")}
-    assert (roots["A"] / folder / FILE2).read_bytes() == two
+    seal = len(encode_seal(0))  # the quarantine sealed A's open files first (its writers' fence)
+    assert entries == {FILE2: (seven, len(two) + seal, True, f"{folder}/{FILE2}"),
+                       file3: (0, len(encode_block([msg(90)], first_index=0)) + seal, False, f"{folder}/{file3}")}
+    assert (roots["A"] / folder / FILE2).read_bytes()[:len(two)] == two
     assert json.loads((roots["A"] / folder / "record.json").read_text())["files"] == sorted(
         meta["quarantined"], key=lambda e: e["file"])
     assert a.list_files(STREAM, 0) == [FILE1]  # nothing quarantined is listed, copied on or served
 
     with pytest.raises(DataLossError, match=rf"byte {len(two)} of file {FILE2}, but bytes \[{seven}, "
-                                            rf"{len(two)}\) of it are a history that did not happen") as err:
+                                            rf"{len(two) + seal}\) of it are a history that did not happen") as err:
         _poll_until_error(past)
-    assert (err.value.file, err.value.start, err.value.end) == (FILE2, seven, len(two))
+    assert (err.value.file, err.value.start, err.value.end) == (FILE2, seven, len(two) + seal)
     assert "_quarantine/epoch-1" in str(err.value)
     past.close()
-    with pytest.raises(DataLossError, match=rf"file {file3}, but bytes \[0, "):
+    # At byte 0 of A's later file: it passed FILE2's range to get there.
+    with pytest.raises(DataLossError, match=rf"byte 0 of file {file3}, but bytes \[{seven}, .* of file {FILE2}, "
+                                            rf"which the reader passed to get there"):
         _poll_until_error(_consumer_at(roots["A"], file3, 0), timeout=3)
     # At the cut, FILE2 still missing here: the reader waits for the copy, then reads on.
     assert _poll_until_error(at_cut, timeout=0.5) == []

@@ -57,6 +57,7 @@ from pyspark_acs.storage.tier import tiered_store
 
 __all__ = [
     "promote",
+    "seal_open_files",
 ]
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ def promote(topology_path: str, stream: str, to: str, *, timeout: float = 60.0,
         try:
             if previous in stores:
                 for shard in range(shards):  # a planned move: A's writers are fenced first
-                    _seal_all(stores[previous], stream, shard, None, report, say, who=previous)
+                    seal_open_files(stores[previous], stream, shard, None, report, say, who=previous)
             for shard in range(shards):
                 _bring(stream, shard, to, stores[to], paths, io, report, say)
                 report.prefixes[shard] = _prefixes(stores[to], stream, shard,
@@ -427,7 +428,7 @@ def _prefixes(store: DurableStore, stream: str, shard: int, through: str) -> Dic
     return out
 
 
-def _seal_all(store: DurableStore, stream: str, shard: int, io: Optional[ClusterIO], report: Optional[PromotionReport],
+def seal_open_files(store: DurableStore, stream: str, shard: int, io: Optional[ClusterIO], report: Optional[PromotionReport],
               say: Callable[[str], None], who: str) -> List[Tuple[str, int, int]]:
     """Seal every unsealed file of the shard in ``store`` where its valid bytes end, as a
     take-over does; returns (file, length after, where its valid bytes end) of those sealed."""
@@ -515,7 +516,7 @@ def _bring(stream: str, shard: int, to: str, store: DurableStore, views: Dict[st
             writer.close()
         report.copied.append((shard, name, cluster, have, length))
         say(f"shard {shard}: {name}: bytes [{have}, {length}) copied from {cluster}")
-    for name, after, _ in _seal_all(store, stream, shard, io, None, say, who=to):
+    for name, after, _ in seal_open_files(store, stream, shard, io, None, say, who=to):
         report.sealed.append((shard, name, after))
     names = mine_view.list_files(stream, shard)
     if not names:

@@ -4,26 +4,31 @@ A promotion (:mod:`pyspark_acs.server.copy.promote`) makes a destination B the s
 stream; a cluster unreachable then (the old source A, which may have gone on writing, or a
 destination that was down) still holds its old history. Past the promotion's cut those bytes
 are a history that did not happen: copied on or served, they would reach readers as a second
-history. The store is append-only, so nothing is cut out of a file; instead, when the
-cluster's copy daemon takes the new epoch from its parent's hello
-(:meth:`~pyspark_acs.storage.store.DurableStore.create_stream`'s ``on_adopt``):
+history. The store is append-only, so nothing is cut out of a file; instead, before the
+cluster's copy daemon takes the new epoch from its parent (``CopyServicer._quarantine``, the
+order is the rule):
 
-1. :func:`past_cut` finds, per shard, every file holding bytes the new history does not: from
-   the byte where its messages end in the new history (the cut record's ``sealed`` map), or
-   all of it for a file the new history lacks;
-2. :func:`move_past_cut` writes the shard's record (``_quarantine/epoch-<E>/record.json``)
-   and then moves those files into that folder, where no listing of the shard sees them;
-3. the stream's ``_stream.json`` gets the records (``quarantined``) together with the new
-   epoch, so readers name the range (:func:`~pyspark_acs.read.positions.quarantined_at`);
-4. the copy brings the new history's version of each moved file it holds from byte 0.
+1. **Fence**: ``_stream.json`` gets ``quarantine`` (the epoch, when): from then on no writer
+   starts a file there, and the cluster's own open files are sealed where they end (a writer
+   still appending fails its next append, as at a take-over);
+2. :func:`past_cuts` finds, per shard and for every promotion this cluster missed, each file
+   holding bytes the new history does not: from the byte where its messages end in the new
+   history (each record's ``sealed`` map), or all of it for a file the new history lacks;
+3. the ranges go into ``quarantine`` (``files``), and the daemon waits ``QUARANTINE_SETTLE_S``:
+   readers in the cluster look at the record at least that often
+   (:data:`~pyspark_acs.read.positions.QUARANTINE_CHECK_S`), stop at each range's start and
+   report a position inside one (:func:`~pyspark_acs.read.positions.quarantined_at`);
+4. :func:`move_past_cut` writes each shard's ``_quarantine/epoch-<E>/record.json`` and moves the
+   files into that folder, where no listing of the shard sees them; their cache entries go;
+5. the epoch is taken, the records kept as ``quarantined``; the copy brings the new history's
+   version of each kept file from byte 0.
 
-Run again after a stop between the steps, it ends in the same state: the record is written
-before any file moves and is read back, so a file moved before the stop keeps its range.
+Run again after a stop between the steps, it ends in the same state: the ranges are in
+``_stream.json`` before any file moves, and a moved file keeps its range.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -34,8 +39,9 @@ from pyspark_acs.format.names import shard_dir
 
 __all__ = [
     "describe",
+    "entries",
     "move_past_cut",
-    "past_cut",
+    "past_cuts",
 ]
 
 log = logging.getLogger(__name__)
@@ -96,12 +102,12 @@ def past_cut(local: Any, stream: str, shards: int, record: Dict[str, Any]) -> Li
             if theirs is None:  # an older record: the cut's length alone
                 if name == at.get("file") and have > int(at["length"]):
                     found.append(PastCut(shard, name, int(at["length"]), have, True))
-                elif at.get("file") and name > at["file"] and have:
+                elif at.get("file") and name > at["file"]:
                     found.append(PastCut(shard, name, 0, have, False))
                 continue
             if name not in theirs:
-                if have:
-                    found.append(PastCut(shard, name, 0, have, False))
+                # Empty too: a deposed writer's new file, which it would go on appending to.
+                found.append(PastCut(shard, name, 0, have, False))
                 continue
             prefix, length = (int(v) for v in theirs[name])
             if have <= prefix:
@@ -113,71 +119,62 @@ def past_cut(local: Any, stream: str, shards: int, record: Dict[str, Any]) -> Li
     return found
 
 
-def _read_record(store: Any, rel: str) -> List[Dict[str, Any]]:
-    raw = store.read_small(rel)
-    if raw is None:
-        return []
-    try:
-        return list(json.loads(raw)["files"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise StaleEpochError(f"{store.uri(rel)}: malformed quarantine record ({exc}); move it aside and let the copy "
-                              f"daemon quarantine the shard again") from exc
+def past_cuts(local: Any, stream: str, shards: int, records: List[Dict[str, Any]]) -> List[PastCut]:
+    """:func:`past_cut` of every promotion record in ``records`` (those a returning cluster
+    missed, oldest first), merged per file: the range from the smallest start, kept only if
+    every record that names the file keeps it."""
+    merged: Dict[tuple, PastCut] = {}
+    for record in records:
+        for p in past_cut(local, stream, shards, record):
+            key = (p.shard, p.file)
+            old = merged.get(key)
+            if old is None:
+                merged[key] = p
+            else:
+                merged[key] = PastCut(p.shard, p.file, min(old.start, p.start), max(old.end, p.end),
+                                      old.kept and p.kept)
+    return [merged[k] for k in sorted(merged)]
 
 
-def move_past_cut(store: Any, stream: str, found: List[PastCut], record: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Move the files of ``found`` into their shard's quarantine folder of the promotion
-    ``record``'s epoch, each shard's record written first; returns every entry of the
-    shards' records (those of an earlier, stopped run included), as ``_stream.json``'s
-    ``quarantined`` keeps them: ``shard``, ``file``, ``start``, ``end``, ``kept``, ``epoch``,
-    ``source`` (the promotion's new source), ``moved_to`` (relative to the root), ``at``.
+def entries(found: List[PastCut], stream: str, record: Dict[str, Any], when: str) -> List[Dict[str, Any]]:
+    """The quarantine entries of ``found`` for the newest missed promotion ``record``, as
+    ``_stream.json`` keeps them: ``shard``, ``file``, ``start``, ``end``, ``kept``, ``epoch``,
+    ``source`` (the new source), ``moved_to`` (relative to the root), ``at``."""
+    epoch = int(record.get("epoch") or 0)
+    return [dict(asdict(p), epoch=epoch, source=record.get("source"),
+                 moved_to=f"{quarantine_dir(stream, p.shard, epoch)}/{p.file}", at=when) for p in found]
+
+
+def move_past_cut(store: Any, stream: str, moving: List[Dict[str, Any]]) -> None:
+    """Move the files of the quarantine entries ``moving`` (:func:`entries`) into their
+    ``moved_to``, each shard's ``record.json`` (beside them) written first. A file moved
+    before (a run that stopped) is left; one the store no longer holds hot is refused.
 
     Raises
     ------
     StaleEpochError
         A file past the cut is tiered (sealed and moved to the object store): it cannot be
-        moved aside here (naming it).
+        moved aside here (naming it). Checked for every shard before anything moves.
     """
-    epoch = int(record.get("epoch") or 0)
-    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    by_shard: Dict[int, List[PastCut]] = {}
-    for p in found:
-        by_shard.setdefault(p.shard, []).append(p)
-    shards = sorted(set(by_shard) | _shards_with_records(store, stream, epoch))
-    out: List[Dict[str, Any]] = []
-    for shard in shards:
-        folder = quarantine_dir(stream, shard, epoch)
-        rel = f"{folder}/{RECORD_FILE}"
-        entries = {e["file"]: e for e in _read_record(store, rel)}
-        for p in by_shard.get(shard, []):
-            if p.file in entries:
-                continue  # moved by a run that stopped; its range stands
-            src = f"{shard_dir(stream, shard)}/{p.file}"
-            if store.lengths([src]).get(src) is None:
-                raise StaleEpochError(
-                    f"stream {stream!r}: {store.uri(src)} holds bytes [{p.start}, {p.end}) past the cut of its "
-                    f"promotion (epoch {epoch}, source {record.get('source')!r}), but it is tiered to the object "
-                    f"store and cannot be moved aside; remove it from the stream's tier and folder by hand")
-            entries[p.file] = dict(asdict(p), epoch=epoch, source=record.get("source"), moved_to=f"{folder}/{p.file}",
-                                   at=when)
-        if not entries:
-            continue
+    todo = []
+    for entry in moving:
+        src = f"{shard_dir(stream, int(entry['shard']))}/{entry['file']}"
+        if store.exists(entry["moved_to"]):
+            continue  # moved by a run that stopped
+        if store.lengths([src]).get(src) is None:
+            raise StaleEpochError(
+                f"stream {stream!r}: {store.uri(src)} holds bytes [{entry['start']}, {entry['end']}) past the cut of "
+                f"promotion epoch {entry['epoch']} (source {entry['source']!r}), but it is not in the hot store "
+                f"(tiered to the object store) and cannot be moved aside; remove it from the stream's tier and "
+                f"folder by hand")
+        todo.append((src, entry))
+    for shard in sorted({int(e["shard"]) for e in moving}):
+        mine = sorted((e for e in moving if int(e["shard"]) == shard), key=lambda e: e["file"])
+        folder = mine[0]["moved_to"].rsplit("/", 1)[0]
         store.make_dirs(folder)
-        store.write_small(rel, json.dumps({"files": sorted(entries.values(), key=lambda e: e["file"])}).encode())
-        for entry in sorted(entries.values(), key=lambda e: e["file"]):
-            src = f"{shard_dir(stream, shard)}/{entry['file']}"
-            if store.exists(src) and not store.exists(entry["moved_to"]):
-                store.move(src, entry["moved_to"])
-            out.append(entry)
-    return out
-
-
-def _shards_with_records(store: Any, stream: str, epoch: int) -> set:
-    """Shards of ``stream`` whose quarantine folder of ``epoch`` holds a record already."""
-    out = set()
-    for name in store.list_dir(stream):
-        if name.isdigit() and store.exists(f"{quarantine_dir(stream, int(name), epoch)}/{RECORD_FILE}"):
-            out.add(int(name))
-    return out
+        store.write_small(f"{folder}/{RECORD_FILE}", json.dumps({"files": mine}).encode())
+    for src, entry in todo:
+        store.move(src, entry["moved_to"])
 
 
 def describe(entries: List[Dict[str, Any]], uri: Any) -> str:

@@ -131,6 +131,8 @@ class CopyScheduler:
         #: just before its durable operation creates it).
         self._rejected_heads: Dict[Tuple[str, int], Tuple[str, float]] = {}
         self._shards: Dict[str, int] = {}
+        #: The stream's promotion epoch here when last listed (:meth:`_note_epoch`).
+        self._epochs: Dict[str, int] = {}
         self._ops: Dict[OpKey, Tuple[CopyOperation, threading.Thread]] = {}
         self._done: Set[OpKey] = set()
         self._yielded: Dict[OpKey, float] = {}
@@ -279,6 +281,24 @@ class CopyScheduler:
             self._wake.wait(self.options.poll_interval)
             self._wake.clear()
 
+    def _note_epoch(self, stream: str, epoch: int) -> None:
+        """A promotion changed the stream's epoch here: what this scheduler learnt of its
+        children's files before (surveys, completed and yielded operations, creations, retention
+        floors) may be stale -- a child that took the new history moved files aside -- so it
+        is learnt again."""
+        with self._lock:
+            before = self._epochs.get(stream)
+            self._epochs[stream] = epoch
+            if before is None or before == epoch:
+                return
+            self._surveyed = {k for k in self._surveyed if k[0] != stream}
+            self._floors = {k: v for k, v in self._floors.items() if k[0] != stream}
+            self._done = {k for k in self._done if k.stream != stream}
+            self._yielded = {k: v for k, v in self._yielded.items() if k.stream != stream}
+            self._created = {k for k in self._created if k[0] != stream}
+        log.info("stream %s: epoch %d here now (was %d): its children's files are surveyed again", stream, epoch,
+                 before)
+
     def _announce(self, now: float) -> None:
         """Where this cluster is a stream's source, put the stream's destinations (the
         topology's) into its metadata cache for ``acknowledge="clusters:K"`` writers."""
@@ -318,10 +338,11 @@ class CopyScheduler:
         for stream in sorted(feeding):
             shards = self._shards.get(stream)
             if shards is None or listing:
-                shards = self.poller.store.stream_shards(stream)
-                if shards is None:
+                meta = self.poller.store.stream_meta(stream)
+                if meta is None:
                     continue  # no producer has created the stream here yet
-                self._shards[stream] = shards
+                shards = self._shards[stream] = int(meta["shards"])
+                self._note_epoch(stream, int(meta.get("epoch") or 0))
             for shard in range(shards):
                 if listing:
                     self._rejected_heads.pop((stream, shard), None)

@@ -74,7 +74,7 @@ from pyspark_acs.errors import (AcsError, AcsOptionError, CacheError, CorruptFil
 from pyspark_acs.format.block import HEADER_SIZE, check_body, find_recovery_seal, parse_header
 from pyspark_acs.cache.metadata import MetadataLease
 from pyspark_acs.format.names import parse_file_name, shard_dir, validate_shard, validate_stream
-from pyspark_acs.read.positions import ends_with_seal, walk_blocks
+from pyspark_acs.read.positions import QUARANTINE_CHECK_S, ends_with_seal, quarantine_entries, walk_blocks
 from pyspark_acs.read.readpath import DurableReadPath
 from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, publish_delay
 from pyspark_acs.server.copy.metrics import CopyMetrics
@@ -105,6 +105,10 @@ HELLO_TIMEOUT_S = 10.0
 #: How long a stream's promotion count read here stands before it is read again (seconds):
 #: an operation from before a promotion is poisoned within this long of its fence.
 EPOCH_RECHECK_S = 0.25
+#: How long a quarantine waits between recording its ranges and moving the files (seconds):
+#: four times the readers' look at the record (``read/positions.py`` QUARANTINE_CHECK_S), so a
+#: reader before a range stops at its start instead of reading on through bytes it buffered.
+QUARANTINE_SETTLE_S = 4 * QUARANTINE_CHECK_S
 
 
 def validate_delta(prefix: bytes, data: bytes, *, base: int, path: str = "",
@@ -690,6 +694,10 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         #: stream -> (epoch, monotonic time read): :meth:`stream_epoch`.
         self._epochs: Dict[str, Tuple[int, float]] = {}
         self._refused: Set[str] = set()
+        #: One quarantine per stream at a time (:meth:`_quarantine`), and its wait between
+        #: recording the ranges and moving the files.
+        self._quarantine_locks: Dict[str, threading.Lock] = {}
+        self.quarantine_settle = QUARANTINE_SETTLE_S
         #: Files found sealed here, with their length (a sealed file never changes).
         self._sealed_files: LRUCache = LRUCache(maxsize=SEALED_FILES_REMEMBERED)
         #: This cluster's files in either tier (its own tier mover may have moved sealed files
@@ -749,32 +757,77 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         for shard, total in by_shard.items():
             self.metrics.set("quarantined_bytes", total, stream=stream, shard=shard)
 
-    def _adoptable(self, stream: str, source: str,
-                   promotions: Sequence[dict]) -> Callable[[dict], Optional[Dict[str, object]]]:
-        """The step before this cluster takes a newer epoch from ``source``: its bytes past the
-        promotion's cut move into each shard's quarantine (:mod:`pyspark_acs.server.copy.quarantine`),
-        their chunks and lengths leave this cluster's caches, and the records go into
-        ``_stream.json`` (``quarantined``) with the epoch. Runs under the stream's lock."""
-        from pyspark_acs.server.copy.quarantine import describe, move_past_cut, past_cut
+    def _quarantine(self, stream: str, epoch: int, promotions: Sequence[dict]) -> Optional[List[dict]]:
+        """Before this cluster takes the newer ``epoch`` from its parent: move its bytes past
+        the cut of every promotion it missed aside, in the order of
+        :mod:`pyspark_acs.server.copy.quarantine` (fence, seal its own open files, find,
+        record, let readers see the record, move, purge the caches). Returns the entries the
+        adoption records (None: nothing to quarantine, or this cluster is refused anyway).
+        One per stream at a time; a run that stopped is taken up where it was."""
+        from pyspark_acs.server.copy.promote import seal_open_files
+        from pyspark_acs.server.copy.quarantine import describe, entries, move_past_cut, past_cuts
 
-        def adopt(existing: dict) -> Optional[Dict[str, object]]:
-            record = (list(promotions) or [{}])[-1]
-            found = past_cut(self.files, stream, int(existing["shards"]), record)
-            moved = move_past_cut(self.io.store, stream, found, record)
-            if not moved:
+        with self._lock:
+            lock = self._quarantine_locks.setdefault(stream, threading.Lock())
+        with lock:
+            store = self.io.store
+            meta = store.stream_meta(stream)
+            here = int((meta or {}).get("epoch") or 0)
+            if meta is None or here >= epoch:
                 return None
+            missed = [r for r in promotions if int(r.get("epoch") or 0) > here]
+            own = not meta.get("copied_from")
+            if own and not any(r.get("previous") == self.io.name for r in missed):
+                return None  # this cluster's own history, not the deposed source: refused as such
+            shards = int(meta["shards"])
+            pending = meta.get("quarantine") or {}
+            if int(pending.get("epoch") or 0) != epoch or "files" not in pending:
+                when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                # 1. Fence: no writer starts a file here from now on (ShardWriter._start_file).
+                store.update_stream_meta(stream, lambda m: dict(m, quarantine={"epoch": epoch, "at": when}))
+                if own:  # this cluster's writers: sealed out, as at a take-over
+                    for shard in range(shards):
+                        seal_open_files(store, stream, shard, self.io, None, lambda line: log.info("%s", line),
+                                        who=f"quarantine_{self.io.name}")
+                # 2-3. Find, record; then readers stop at each range's start.
+                found = past_cuts(self.files, stream, shards, missed)
+                moving = entries(found, stream, missed[-1], when)
+                store.update_stream_meta(stream, lambda m: dict(
+                    m, quarantine={"epoch": epoch, "at": when, "files": moving, "since": time.time()}))
+                pending = {"files": moving, "since": time.time()}
+            moving = list(pending["files"])
+            if not moving:
+                return []
+            left = self.quarantine_settle - (time.time() - float(pending.get("since") or 0))
+            if left > 0:
+                time.sleep(min(left, self.quarantine_settle))
+            # 4. Move, then drop the moved files' cache entries.
+            move_past_cut(store, stream, moving)
             with self._lock:
-                for entry in moved:
+                for entry in moving:
                     self._sealed_files.pop(f"{shard_dir(stream, int(entry['shard']))}/{entry['file']}", None)
-            self._purge_caches(stream, moved)
-            kept = [e for e in existing.get("quarantined") or [] if e.get("epoch") != record.get("epoch")]
-            self.note_quarantine(stream, {"quarantined": kept + moved})
+            self._purge_caches(stream, moving)
             log.error("%s: stream %s: bytes past the cut of promotion epoch %s (new source %s) are a history that "
                       "did not happen; moved aside, never copied on or served: %s. Readers positioned in them get "
                       "a DataLossError naming them; the new history is copied here from byte 0 of each such file",
-                      self.io.name, stream, record.get("epoch"), record.get("source"),
-                      describe(moved, self.io.store.uri))
-            return {"quarantined": kept + moved}
+                      self.io.name, stream, epoch, moving[-1].get("source"), describe(moving, store.uri))
+            return moving
+
+    def _adoptable(self, stream: str, moved: Optional[List[dict]]) -> Callable[[dict], Optional[Dict[str, object]]]:
+        """The keys the adoption of a newer epoch writes besides it: the quarantine's entries
+        kept as ``quarantined`` (with those of earlier epochs), the fence removed."""
+
+        def adopt(existing: dict) -> Optional[Dict[str, object]]:
+            if moved is None and "quarantine" not in existing:
+                return None
+            done = moved or []
+            epochs = {e.get("epoch") for e in done}
+            kept = [e for e in existing.get("quarantined") or [] if e.get("epoch") not in epochs]
+            out: Dict[str, object] = {"quarantine": None}
+            if kept or done:
+                out["quarantined"] = kept + done
+            self.note_quarantine(stream, {"quarantined": kept + done})
+            return out
 
         return adopt
 
@@ -824,8 +877,9 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
             if known is not None and known[0] == checked and time.monotonic() - known[1] < EPOCH_RECHECK_S:
                 return
         try:
+            moved = self._quarantine(stream, epoch, promotions) if epoch else None
             self.io.store.create_stream(stream, shards, copied_from=source, epoch=epoch, promotions=promotions,
-                                        cluster=self.io.name, on_adopt=self._adoptable(stream, source, promotions))
+                                        cluster=self.io.name, on_adopt=self._adoptable(stream, moved))
         except StaleEpochError as exc:
             self.metrics.inc("errors_total", kind="stale_epoch")
             with self._lock:
@@ -960,6 +1014,15 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
                 if length is None:
                     continue  # deleted since the listing
                 files.append(copy_pb2.FileState(name=name, durable_length=length, sealed=self._sealed(rel, length)))
+            # A kept file a quarantine moved aside is the new history's, to be copied again from
+            # byte 0: listed as present and empty, so the parent copies it (it is neither done
+            # here nor below a retention floor).
+            listed = set(names)
+            for entry in quarantine_entries(self.io.store.stream_meta(stream)):
+                if (int(entry.get("shard", -1)) == shard and entry.get("kept") and entry["file"] not in listed):
+                    listed.add(entry["file"])
+                    files.append(copy_pb2.FileState(name=entry["file"], durable_length=0, sealed=False))
+            files.sort(key=lambda f: f.name)
         except AcsError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot list {self.io.shard_uri(stream, shard)}: {exc}")
         return copy_pb2.FilesResponse(files=files)
