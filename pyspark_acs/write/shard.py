@@ -374,16 +374,23 @@ class ShardWriter:
         Raises
         ------
         StaleEpochError
-            The stream became a copy since this writer started (a promotion made another
-            cluster its source, and this cluster took the new history): no file of this
-            writer's may start in it, or its messages would be read as the copy's."""
-        meta = self.store.stream_meta(self.stream) or {}
-        if meta.get("copied_from"):
-            raise StaleEpochError(
-                f"stream {self.stream!r} in {self.store.root} is a copy of cluster {meta['copied_from']!r} now "
-                f"(promotion epoch {meta.get('epoch', 0)}): this writer ({self.writer_id}) was deposed and starts "
-                f"no new file in shard {self.shard}; write the stream in its source cluster")
+            The stream became a copy since this writer started, or is being quarantined (a
+            promotion made another cluster its source, and this cluster takes the new
+            history): no file of this writer's may start in it, or its messages would be read
+            as the copy's. Looked at after the file exists (and the file removed then): a
+            quarantine lists the shard after its fence, so either it sees the file or the
+            writer sees the fence."""
         self._open(name, 0, 0)
+        meta = self.store.stream_meta(self.stream) or {}
+        if meta.get("copied_from") or meta.get("quarantine"):
+            self._close_writer()
+            self.store.delete(f"{self.dir}/{name}")
+            source = meta.get("copied_from") or "another cluster"
+            raise StaleEpochError(
+                f"stream {self.stream!r} in {self.store.root} is a copy of {source!r} now (promotion epoch "
+                f"{meta.get('epoch') or (meta.get('quarantine') or {}).get('epoch', 0)}): this writer "
+                f"({self.writer_id}) was deposed and starts no new file in shard {self.shard}; write the stream in "
+                f"its source cluster")
         self.files_opened += 1
         return name
 
