@@ -33,6 +33,7 @@ from pyspark_acs.errors import AcsError, CacheError, LaterFileError
 from pyspark_acs.format.block import HEADER_SIZE, encode_seal, rebase_blocks, scan_blocks
 from pyspark_acs.format.names import next_file_name, shard_dir
 from pyspark_acs.storage.store import DurableStore, open_store
+from pyspark_acs.write.confirm import clusters_needed, wait_confirmed
 from pyspark_acs.write.shard import OpenFile, ShardWriter
 
 __all__ = [
@@ -176,12 +177,30 @@ class SinkCommitter:
                 # (a metadata-cache write and a store file per shard) is not on the path of a
                 # reader waiting for the batch.
                 self._close_writers(writers, pool)
+        self._wait_clusters(store, intent)
         new_state = SinkState(batch_id if batch_id is not None else last, shards_state, time.time())
         store.write_small(f"{self.dir}/{STATE_FILE}", json.dumps(new_state.to_json()).encode())
         store.delete(self._intent_rel)
         for rel in intent.staging_dirs:
             self._delete_dir(store, rel)
         self._sweep(store)
+
+    def _wait_clusters(self, store: DurableStore, intent: Intent) -> None:
+        """``acknowledge="clusters:K"``: before the batch counts as committed, wait until K-1
+        destinations hold every file it appended to, as long as it is now (the copy daemons'
+        confirmations, :func:`~pyspark_acs.write.confirm.wait_confirmed`). A timeout fails the
+        commit with the intent in place: the retry appends nothing and waits again."""
+        k = clusters_needed(self.opts.acknowledge)
+        if k <= 1:
+            return
+        _, meta = self._cache_clients()
+        rels = sorted({f"{shard_dir(self.opts.stream, s)}/{seg.file}" for s, segs in intent.shards.items()
+                       for seg in segs})
+        lengths = store.lengths(rels) if rels else {}
+        needed = {store.uri(r): n for r, n in lengths.items() if n}
+        wait_confirmed(meta, store.uri(self.opts.stream), needed, k,
+                       deadline=time.monotonic() + self.opts.ack_timeout,
+                       what=f"acs sink {self.sink_id}: batch {intent.batch} of stream {self.opts.stream!r}")
 
     def _finish_older_intents(self, store: DurableStore, batch_id: int) -> None:
         """Complete any batch before ``batch_id`` that began appending to this stream and never

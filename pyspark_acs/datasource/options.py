@@ -222,6 +222,18 @@ class SourceOptions(_Secured):
     )
 
 
+def _sink_acknowledge(value: Any, name: str) -> str:
+    from pyspark_acs.write.confirm import CLUSTERS_PREFIX, clusters_needed
+
+    if isinstance(value, str) and value.startswith(CLUSTERS_PREFIX):
+        clusters_needed(value, name)
+        return value
+    if value != "published":
+        raise AcsOptionError(f"{name}: {value!r} is not allowed; use 'published' or 'clusters:K' (durable in K "
+                             f"clusters: the source and K-1 destinations)", option=name)
+    return value
+
+
 @dataclass(frozen=True)
 class SinkOptions(_Secured):
     """Options of ``df.writeStream.format("acs")`` and ``df.write.format("acs")``."""
@@ -252,6 +264,16 @@ class SinkOptions(_Secured):
     )
     roll_bytes: int = option(
         "rollBytes", DEFAULT_ROLL_BYTES, parse=bytes_parser(1), doc="A new file starts at this size."
+    )
+    acknowledge: str = option(
+        "acknowledge", "published", parse=_sink_acknowledge, metavar="{published,clusters:K}",
+        doc="When a batch's commit returns: published (durable and published here), or clusters:K (also "
+            "durable in K-1 destinations, as the copy daemons confirm; needs metadataCache).",
+    )
+    ack_timeout: float = option(
+        "ackTimeout", 60.0, parse=duration_parser(0.001),
+        doc="How long a commit with acknowledge=clusters:K waits for the destinations (the batch fails after it "
+            "and its retry waits again; nothing is appended twice).",
     )
     sink_id: Optional[str] = option(
         "sinkId", None, parse=parse_str, shown="the query's checkpointLocation",

@@ -163,6 +163,9 @@ def _sink_id(opts: SinkOptions) -> str:
 def _prepare(opts: SinkOptions) -> Dict[str, int]:
     """Create the stream of option ``stream`` or check its shard count: ``{stream: shards}``
     (empty without the option: every row names its stream)."""
+    if opts.acknowledge != "published" and not opts.metadata_cache:
+        raise AcsOptionError(f"acknowledge: {opts.acknowledge!r} needs the metadata cache (option metadataCache): the "
+                             f"copy daemons confirm there what other clusters hold", option="acknowledge")
     if opts.stream is None:
         return {}
     store = open_store(opts.root)

@@ -91,3 +91,49 @@ def test_clusters_k_without_a_source_daemon_says_so(tmp_path, caches):
         with pytest.raises(AcsTimeoutError, match="no copy daemon of this cluster has put the stream's destinations"):
             p.flush(timeout=0.5)
         p._clusters = 1  # let close() end without the daemons
+
+
+def test_a_sink_commit_with_clusters_k_returns_once_k_clusters_hold_the_batch(make_env, caches):
+    """The Spark sink's driver commit (AcsStreamWriter, without Spark's engine) with
+    acknowledge=clusters:2: the commit returns with the batch durable in B; with B's and C's
+    daemons stopped it fails after ackTimeout naming them, the batch is not committed, and
+    its retry appends nothing twice and returns once they confirm."""
+    import pyarrow as pa
+    from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
+
+    from pyspark_acs.datasource.options import parse_sink_options
+    from pyspark_acs.datasource.sink import AcsStreamWriter
+
+    env = make_env(caches)
+    for c in "ABC":
+        env.start_daemon(c)
+    schema = StructType([StructField("shard", IntegerType()), StructField("value", BinaryType())])
+    opts = {"root": env.roots["A"], "stream": env.stream, "shards": "1", "checkpointLocation": "/ck/clusters",
+            "metadataCache": caches["A"].metadata_endpoints, "dataCache": caches["A"].data_endpoints,
+            "acknowledge": "clusters:2", "ackTimeout": "2s"}
+    w = AcsStreamWriter(parse_sink_options(opts), schema)
+
+    def rows(*values):
+        return iter([pa.RecordBatch.from_arrays([pa.array([0] * len(values), pa.int32()),
+                                                 pa.array(list(values), pa.binary())], names=["shard", "value"])])
+
+    w.commit([w.write(rows(b"b0-0", b"b0-1"))], 0)
+    rel = f"{shard_dir(env.stream, 0)}/" + DurableStore(env.roots["A"]).list_files(env.stream, 0)[-1]
+    assert _durable(env, "B", [rel])[rel] == _durable(env, "A", [rel])[rel]
+    for c in "BC":
+        for proc in env.daemons[c]:
+            proc.send_signal(signal.SIGSTOP)
+    try:
+        staged = [w.write(rows(b"b1-0"))]
+        with pytest.raises(AcsTimeoutError, match=r"batch 1 .*clusters:2.*not confirmed in time"):
+            w.commit(staged, 1)
+    finally:
+        for c in "BC":
+            for proc in env.daemons[c]:
+                proc.send_signal(signal.SIGCONT)
+    w.commit([w.write(rows(b"b1-again"))], 1)  # Spark's retry of batch 1: completes its intent
+    from tests.helpers import read_history
+
+    assert read_history(env.roots["A"], env.stream)[0] == [b"b0-0", b"b0-1", b"b1-0"]
+    with pytest.raises(AcsOptionError, match="acknowledge: 'clusters:2' needs the metadata cache"):
+        AcsStreamWriter(parse_sink_options({k: v for k, v in opts.items() if k != "metadataCache"}), schema)
