@@ -642,7 +642,8 @@ from pyspark_acs.write.producer import Producer
 cfg = json.loads(sys.argv[1])
 p = Producer(cfg["root"], cfg["stream"], shards=cfg["shards"], data_cache=cfg["data_cache"],
              metadata_cache=cfg["metadata_cache"], roll_bytes=cfg["roll_bytes"],
-             lease_seconds=cfg["lease_seconds"], max_batch_delay=0.001, max_block_bytes=cfg["max_block_bytes"])
+             lease_seconds=cfg["lease_seconds"], max_batch_delay=0.001, max_block_bytes=cfg["max_block_bytes"],
+             acknowledge=cfg["acknowledge"])
 print("ready", flush=True)
 for line in sys.stdin:
     cmd = line.split()
@@ -651,7 +652,7 @@ for line in sys.stdin:
         try:
             for i in range(first, first + n):
                 p.send(("%s-%06d-" % (tag, i)).encode() + b"p" * ((i * 7919) % size), key=str(i % 5).encode())
-            p.flush(timeout=60)
+            p.flush(timeout=cfg["flush_timeout"])
             print("ack %d %d" % (first, first + n), flush=True)
         except Exception as exc:
             print(("err %s: %s" % (type(exc).__name__, exc)).replace("\n", " "), flush=True)
@@ -679,7 +680,8 @@ class ProducerProcess:
     """
 
     def __init__(self, env: Env, tag: str, roll_bytes: int = 20_000, lease_seconds: float = 1.5,
-                 max_block_bytes: int = 8192, shards: int = 2) -> None:
+                 max_block_bytes: int = 8192, shards: int = 2, acknowledge: str = "published",
+                 flush_timeout: float = 60.0) -> None:
         import queue
 
         self.tag = tag
@@ -690,7 +692,8 @@ class ProducerProcess:
         src = env.clusters[0]
         cfg = {"root": env.roots[src], "stream": env.stream, "shards": shards,
                "data_cache": env.caches[src].data_endpoints, "metadata_cache": env.caches[src].metadata_endpoints,
-               "roll_bytes": roll_bytes, "lease_seconds": lease_seconds, "max_block_bytes": max_block_bytes}
+               "roll_bytes": roll_bytes, "lease_seconds": lease_seconds, "max_block_bytes": max_block_bytes,
+               "acknowledge": acknowledge, "flush_timeout": flush_timeout}
         environ = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log_path = env.tmp / f"producer-{tag}.log"
         log = open(self.log_path, "ab")

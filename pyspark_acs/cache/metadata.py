@@ -41,6 +41,7 @@ __all__ = [
     "LENGTH_TTL_S",
     "MetadataCache",
     "MetadataLease",
+    "confirm_key",
     "head_key",
     "length_keys",
     "parse_length_key",

@@ -554,7 +554,9 @@ def quarantined_at(meta: Optional[Dict[str, Any]], shard: int, name: str, at: in
         if entry.get("file") != name:
             continue
         if entry.get("kept", True):
-            return (entry, True) if at > int(entry["start"]) else None
+            # The new history's end of the file (after its seal) is a position of the new file.
+            lost = at > int(entry["start"]) and at != int(entry.get("new_end") or -1)
+            return (entry, True) if lost else None
         if at > 0:
             return entry, True
         # At byte 0: a range passed before it (files are read in order) is what was read past the cut.

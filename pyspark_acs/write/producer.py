@@ -33,7 +33,7 @@ from pyspark_acs.storage.leases import WRITER_LEASE_S
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.errors import AppendConflictError
 from pyspark_acs.write.batching import Batching
-from pyspark_acs.write.confirm import CLUSTERS_PREFIX, clusters_needed, wait_confirmed
+from pyspark_acs.write.confirm import CLUSTERS_PREFIX, ConfirmWatch, clusters_needed, wait_confirmed
 from pyspark_acs.write.shard import DEFAULT_ROLL_BYTES, DEFAULT_ROLL_SECONDS, ShardWriter, shard_for_key
 
 __all__ = [
@@ -56,6 +56,12 @@ ACKNOWLEDGE_PUBLISHED = "published"
 ACKNOWLEDGE_DURABLE = "durable"
 ACKNOWLEDGE_MODES = (ACKNOWLEDGE_PUBLISHED, ACKNOWLEDGE_DURABLE)
 DEFAULT_ACKNOWLEDGE = ACKNOWLEDGE_PUBLISHED
+#: How long close() without a timeout waits for other clusters' confirmations
+#: (acknowledge="clusters:K"), after the files are sealed (seconds).
+CLOSE_CONFIRM_S = 60.0
+#: A shard keeps at most this many block marks for clusters:K before it merges them per file
+#: (a writer that sends without flushing; a merged mark waits for its file's longest length).
+MAX_MARKS = 10_000
 #: send() blocks while this many bytes wait to be written (back-pressure).
 DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
 
@@ -353,8 +359,10 @@ class Producer:
             from pyspark_acs.cache.metadata import MetadataCache
 
             self._meta = MetadataCache(meta_client)
-        #: The clusters a flush waits for (acknowledge="clusters:K"; 1: this one alone).
+        #: The clusters a flush waits for (acknowledge="clusters:K"; 1: this one alone), and the
+        #: pushes of their confirmations (opened at the first flush that waits).
         self._clusters = clusters_needed(self.options.acknowledge)
+        self._confirm_watch: Optional[ConfirmWatch] = None
         if self._clusters > 1 and self._meta is None:
             for c in self._own_clients:
                 c.close()
@@ -534,6 +542,9 @@ class Producer:
         ``stats()["cache_errors"]``, never fails the message: readers fall back to the store);
         raise the writer's error if any. Messages other threads send meanwhile are not waited for.
 
+        With ``acknowledge="clusters:K"``, it then waits until K-1 destinations confirm the
+        bytes (a timeout names each and how far it confirmed).
+
         Raises
         ------
         TimeoutError
@@ -541,6 +552,12 @@ class Producer:
         """
         self._check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._confirm(self._flush_local(timeout, deadline), deadline)
+
+    def _flush_local(self, timeout: Optional[float], deadline: Optional[float]) -> Optional[tuple]:
+        """:meth:`flush` in this cluster; returns what K clusters must hold for it then
+        (:meth:`_needed`; None without ``clusters:K``)."""
+        needed = None
         with self._cond:
             targets = [(sh, sh.queued) for sh in self._shards]
             self._flushing += 1  # a block waiting to fill goes now
@@ -560,13 +577,24 @@ class Producer:
             if self._error is not None:
                 raise self._error
             if self._clusters > 1:
-                needed, covered = self._needed(targets)
-        if self._clusters > 1 and needed:
-            wait_confirmed(self._meta, self.store.uri(self.stream), needed, self._clusters, deadline=deadline,
-                           what=f"flush of stream {self.stream!r}")
-            with self._cond:
-                for sh, upto in covered:
-                    sh.marks = [m for m in sh.marks if m[0] > upto]
+                needed = self._needed(targets)
+        return needed
+
+    def _confirm(self, needed: Optional[tuple], deadline: Optional[float], what: str = "flush") -> None:
+        """Wait until K-1 destinations confirm ``needed`` (:meth:`_flush_local`'s), then drop
+        the marks it covered."""
+        if not needed or not needed[0]:
+            return
+        files, covered = needed
+        with self._cond:
+            if self._confirm_watch is None:
+                self._confirm_watch = ConfirmWatch(self._meta.client)
+            watch = self._confirm_watch
+        wait_confirmed(self._meta, self.store.uri(self.stream), files, self._clusters, deadline=deadline,
+                       what=f"{what} of stream {self.stream!r}", watch=watch)
+        with self._cond:
+            for sh, upto in covered:
+                sh.marks = [m for m in sh.marks if m[0] > upto]
 
     def _needed(self, targets: List[Tuple["_Shard", int]]) -> "tuple[Dict[str, int], List[tuple]]":
         """``({file uri: length}, [(shard, messages covered)])``: what K clusters must hold for
@@ -595,28 +623,46 @@ class Producer:
             self._cond.notify_all()
 
     def close(self, timeout: Optional[float] = None) -> None:
-        """Flush, seal the open files, release the shard leases and stop the writer thread."""
+        """Flush, seal the open files, release the shard leases and stop the writer thread.
+
+        With ``acknowledge="clusters:K"`` the flush waits for the destinations' confirmations
+        after the files are sealed and the leases released, at most ``timeout`` (without one,
+        :data:`CLOSE_CONFIRM_S`), then raises naming what was not confirmed; a ``with`` block
+        left by an exception does not wait for them."""
+        self._close(timeout, confirm=True)
+
+    def _close(self, timeout: Optional[float], confirm: bool) -> None:
         self._check_process()
         with self._cond:
             if self._closed:
                 return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        needed = None
         try:
             if self._error is None:
-                self.flush(timeout)
+                needed = self._flush_local(timeout, deadline)
         finally:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
             self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self.store.close()
-                for c in self._own_clients:
-                    c.close()
         if self._thread.is_alive():
+            if self._confirm_watch is not None:
+                self._confirm_watch.close()
             raise AcsTimeoutError(
                 f"close: the writer of stream {self.stream!r} is still writing after {timeout} s "
                 f"(the store does not answer?); it keeps trying in the background"
             )
+        try:
+            if confirm and needed:  # the files are sealed and the leases free meanwhile
+                self._confirm(needed, deadline if deadline is not None else time.monotonic() + CLOSE_CONFIRM_S,
+                              what="close")
+        finally:
+            if self._confirm_watch is not None:
+                self._confirm_watch.close()
+            self.store.close()
+            for c in self._own_clients:
+                c.close()
         if self._error is not None and not isinstance(self._error, ClosedError):
             raise self._error
 
@@ -650,7 +696,8 @@ class Producer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        # Left by an exception: flushed, sealed and released, without waiting for other clusters.
+        self._close(None, confirm=exc[0] is None)
 
     # -- writer thread ---------------------------------------------------------------------
 
@@ -770,6 +817,9 @@ class Producer:
                     if self._clusters > 1:
                         sh.written += take
                         sh.marks.append((sh.written, rel, end))
+                        if len(sh.marks) > MAX_MARKS:
+                            last = {m[1]: m for m in sh.marks}
+                            sh.marks = sorted(last.values())
                     if durable_ack:
                         sh.acknowledged += take
                     elif more_follows:

@@ -15,7 +15,7 @@ from pyspark_acs.format.names import shard_dir
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.write.producer import Producer
 
-from tests.helpers import msg
+from tests.helpers import msg, wait_until
 from tests.integration.test_cross_cluster import make_env  # noqa: F401 (the fixture: clusters of one test)
 
 pytestmark = pytest.mark.slow
@@ -137,3 +137,62 @@ def test_a_sink_commit_with_clusters_k_returns_once_k_clusters_hold_the_batch(ma
     assert read_history(env.roots["A"], env.stream)[0] == [b"b0-0", b"b0-1", b"b1-0"]
     with pytest.raises(AcsOptionError, match="acknowledge: 'clusters:2' needs the metadata cache"):
         AcsStreamWriter(parse_sink_options({k: v for k, v in opts.items() if k != "metadataCache"}), schema)
+
+
+def test_close_of_a_clusters_k_producer_is_bounded_and_an_exception_does_not_wait(tmp_path, caches):
+    """Review finding: a destination gone (the case clusters:K exists for), close() waited for
+    its confirmation for ever. It waits at most its timeout (CLOSE_CONFIRM_S without one) after
+    sealing, naming what is unconfirmed; a with block left by an exception does not wait."""
+    from pyspark_acs.cache.client import CacheClient
+    from pyspark_acs.cache.metadata import MetadataCache
+
+    kw = dict(shards=1, acknowledge="clusters:2", data_cache=caches["A"].data_endpoints,
+              metadata_cache=caches["A"].metadata_endpoints)
+    p = Producer(str(tmp_path / "root"), "s", **kw)
+    meta = MetadataCache(CacheClient(caches["A"].metadata_endpoints))
+    try:
+        meta.set_destinations(p.store.uri("s"), ["B"])  # as the source's daemon does; B never confirms
+        p.send(b"x")
+        with pytest.raises(AcsTimeoutError):
+            p.flush(timeout=0.5)
+        started = time.monotonic()
+        with pytest.raises(AcsTimeoutError, match=r"close of stream 's'.*B confirmed"):
+            p.close(timeout=1)
+        assert time.monotonic() - started < 5
+        assert DurableStore(str(tmp_path / "root")).list_files("s", 0)  # sealed and released meanwhile
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="the caller's own error"):
+            with Producer(str(tmp_path / "root"), "s", **kw) as p2:
+                p2.send(b"y")
+                raise RuntimeError("the caller's own error")
+        assert time.monotonic() - started < 5
+    finally:
+        meta.client.close()
+
+
+def test_a_lost_confirmation_of_a_sealed_file_is_sent_again(make_env, caches):
+    """Review finding: A's metadata cache lost B's confirmation of a file already copied whole
+    and sealed (a restarted cache comes back empty); no operation runs for that file again.
+    The daemons send their recent confirmations again (confirm_resend), so the flush returns."""
+    from pyspark_acs.cache.client import CacheClient
+    from pyspark_acs.cache.metadata import MetadataCache, confirm_key
+    from tests.helpers import DAEMON_SETTINGS
+
+    env = make_env(caches, dests=("B",), settings=DAEMON_SETTINGS + ["confirm_resend=1s"])
+    env.start_daemon("A")
+    env.start_daemon("B")
+    kw = dict(data_cache=caches["A"].data_endpoints, metadata_cache=caches["A"].metadata_endpoints, shards=1)
+    meta = MetadataCache(CacheClient(caches["A"].metadata_endpoints))
+    try:
+        with Producer(env.roots["A"], env.stream, acknowledge="clusters:2", roll_bytes=1, **kw) as p:
+            p.send(msg(1))  # one block, then the file rolls (sealed)
+            p.flush(timeout=30)
+            rel = f"{shard_dir(env.stream, 0)}/" + DurableStore(env.roots["A"]).list_files(env.stream, 0)[0]
+            uri = p.store.uri(rel)
+            wait_until(lambda: meta.confirmations([uri], ["B"])[uri].get("B") == _durable(env, "A", [rel])[rel],
+                       30, "B's confirmation of the sealed file")
+            meta.client.delete([confirm_key(uri, "B")])  # the cache lost it
+            # What the flush of that file waits for again (B holds every byte durably).
+            p._confirm(({uri: _durable(env, "A", [rel])[rel]}, []), time.monotonic() + 10)
+    finally:
+        meta.client.close()

@@ -252,3 +252,30 @@ def test_a_reader_behind_the_cut_waits_through_a_quarantine_stopped_after_a_move
         assert got == [msg(i) for i in range(12, 17)]
     finally:
         reader.close()
+
+
+def test_a_reader_of_the_new_history_at_a_kept_files_seal_gets_no_data_loss(site):
+    """A (lost at the promotion) holds FILE2's 10 blocks; the cut is at 7 (C's), B seals
+    FILE2 there. A quarantines FILE2 [7 blocks, 10 blocks), kept, and the copy brings B's FILE2
+    (7 blocks + seal). A fresh reader in A reads the new history to FILE2's seal and waits for
+    B's next file: its position (FILE2, 7 blocks + seal) is past the range's start, so the
+    next quarantine look reports a loss although it read nothing past the cut."""
+    roots = site["roots"]
+    with lost(roots["A"]):
+        promote(str(site["topology"]), STREAM, "B", settle=0)
+    _adopt(site, "A")
+    _copy(site, "A")
+    assert [e["file"] for e in _meta(roots["A"])["quarantined"]] == [FILE2]
+    reader = Consumer(str(roots["A"]), STREAM, poll_interval=0.01)
+    got, error = [], None
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            got += [v for b in reader.poll() for v in b.column("value").to_pylist()]
+            time.sleep(0.01)
+    except DataLossError as exc:
+        error = exc
+    finally:
+        reader.close()
+    assert got == [msg(i) for i in range(17)]
+    assert error is None, f"false DataLossError after reading exactly the new history: {error}"

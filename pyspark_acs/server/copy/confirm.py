@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from cachetools import LRUCache
 
 from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.cache.metadata import MetadataCache
@@ -35,6 +38,10 @@ CONFIRM_RETRY_S = 0.2
 #: How often the source cluster's daemon puts each stream's destinations again (seconds): the
 #: entry lives 24 h, and a restarted metadata cache comes back empty.
 ANNOUNCE_EVERY_S = 60.0
+#: How many confirmations sent lately are kept to be sent again every ``confirm_resend``
+#: (seconds, a daemon setting): a source cache that restarted (empty) learns them again, also
+#: for sealed files whose copy operations have ended (a flush waiting on them would wait for ever).
+RESEND_KEPT = 4096
 
 
 class Confirmer:
@@ -50,11 +57,14 @@ class Confirmer:
         ``store_of(cluster)``: that cluster's store (for the URI of a file there).
     security : SecuritySettings, optional
         Of the cache clients.
+    resend : float
+        How often the confirmations sent lately are sent again (seconds).
     """
 
     def __init__(self, cluster: str, topology: Callable[[], Any], store_of: Callable[[str], Any],
-                 security: Any = None) -> None:
+                 security: Any = None, resend: float = 30.0) -> None:
         self.cluster = cluster
+        self.resend = resend
         self.topology = topology
         self.store_of = store_of
         self.security = security
@@ -63,6 +73,8 @@ class Confirmer:
         self._wake = threading.Condition(self._lock)
         #: (stream, rel, child) -> the longest durable length to confirm.
         self._pending: Dict[Tuple[str, str, str], int] = {}
+        #: The confirmations sent lately, sent again every ``resend`` s (newest kept).
+        self._sent: "LRUCache[Tuple[str, str, str], int]" = LRUCache(maxsize=RESEND_KEPT)
         self._clients: Dict[str, MetadataCache] = {}
         #: stream -> (destinations, monotonic time put).
         self._announced: Dict[str, Tuple[Tuple[str, ...], float]] = {}
@@ -74,11 +86,16 @@ class Confirmer:
         self._thread.start()
 
     def stop(self) -> None:
+        """Send what is pending (one try), then stop."""
         with self._wake:
             self._stopped = True
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if pending:
+            self._send(pending)
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
         for m in clients:
@@ -123,14 +140,24 @@ class Confirmer:
         return meta
 
     def _run(self) -> None:
+        resend_at = time.monotonic() + self.resend
         while True:
             with self._wake:
-                while not self._pending and not self._stopped:
-                    self._wake.wait()
+                while not self._pending and not self._stopped and time.monotonic() < resend_at:
+                    self._wake.wait(max(0.0, resend_at - time.monotonic()))
                 if self._stopped:
                     return
+                if time.monotonic() >= resend_at:
+                    resend_at = time.monotonic() + self.resend
+                    for key, length in self._sent.items():
+                        if length > self._pending.get(key, -1):
+                            self._pending[key] = length
                 pending, self._pending = self._pending, {}
             failed = self._send(pending)
+            with self._lock:
+                for key, length in pending.items():
+                    if key not in failed and length >= self._sent.get(key, -1):
+                        self._sent[key] = length
             if failed:
                 with self._wake:
                     for key, length in failed.items():

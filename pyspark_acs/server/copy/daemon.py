@@ -129,7 +129,8 @@ class CopyDaemon:
         self._channels: Dict[str, grpc.Channel] = {}
         #: Durable stores of other clusters by root (they vouch for what their copies send).
         self._stores: Dict[str, DurableStore] = {}
-        self.confirmer = Confirmer(self.cluster, lambda: self.scheduler.topology, self.store_of, self.security)
+        self.confirmer = Confirmer(self.cluster, lambda: self.scheduler.topology, self.store_of, self.security,
+                                   resend=self.options.confirm_resend)
         self.scheduler = CopyScheduler(
             self.cluster, self.topology_path, topology, self.io, self.options, self.metrics,
             self.stub_for, self.operation_prefix, confirmer=self.confirmer,

@@ -24,6 +24,8 @@ DEFAULT_WORKERS = 64
 #: How often a copy reader polls the source lengths (paper: 50 ms for copy readers; a
 #: consumer's is :data:`~pyspark_acs.cache.poller.DEFAULT_POLL_INTERVAL_S`).
 COPY_POLL_INTERVAL_S = 0.05
+#: How often the daemon sends the confirmations it sent lately again (server/copy/confirm.py).
+DEFAULT_CONFIRM_RESEND_S = 30.0
 #: How often the scheduler lists the durable store for files the head keys did not name.
 DEFAULT_LISTING_INTERVAL_S = 1.0
 #: How often the daemon probes other clusters' daemons and caches.
@@ -121,6 +123,11 @@ class CopyDaemonOptions:
     park_after: float = option(
         "park_after", DEFAULT_PARK_AFTER_S, parse=duration_parser(0.01),
         doc="an idle operation (caught up, file unsealed and not growing) this long yields its slot to waiting ones",
+    )
+    confirm_resend: float = option(
+        "confirm_resend", DEFAULT_CONFIRM_RESEND_S, parse=duration_parser(0.1),
+        doc="every confirmation sent lately (acknowledge=clusters:K) is sent again this often: a restarted source "
+            "metadata cache learns them again",
     )
     metrics_port: int = metrics_port_option()
     port: int = option(

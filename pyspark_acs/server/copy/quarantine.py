@@ -63,6 +63,9 @@ class PastCut:
     #: The new history holds the file too (up to ``start`` it is the same): the copy brings
     #: it again from byte 0. False: the new history has no such file.
     kept: bool
+    #: The new history's length of the file (its seal's end; 0 when not kept or unknown): a
+    #: position there is the new file's end, no part of the range.
+    new_end: int = 0
 
 
 def quarantine_dir(stream: str, shard: int, epoch: int) -> str:
@@ -101,7 +104,7 @@ def past_cut(local: Any, stream: str, shards: int, record: Dict[str, Any]) -> Li
             have = lengths.get(rel) or 0
             if theirs is None:  # an older record: the cut's length alone
                 if name == at.get("file") and have > int(at["length"]):
-                    found.append(PastCut(shard, name, int(at["length"]), have, True))
+                    found.append(PastCut(shard, name, int(at["length"]), have, True, int(at["length"])))
                 elif at.get("file") and name > at["file"]:
                     found.append(PastCut(shard, name, 0, have, False))
                 continue
@@ -115,7 +118,7 @@ def past_cut(local: Any, stream: str, shards: int, record: Dict[str, Any]) -> Li
             tail = scan_file(local, rel, length=have)
             if tail.sealed and tail.end == prefix and tail.length == length:
                 continue  # sealed where the promotion sealed it: the same messages, the same end
-            found.append(PastCut(shard, name, prefix, have, True))
+            found.append(PastCut(shard, name, prefix, have, True, length))
     return found
 
 
@@ -131,8 +134,9 @@ def past_cuts(local: Any, stream: str, shards: int, records: List[Dict[str, Any]
             if old is None:
                 merged[key] = p
             else:
-                merged[key] = PastCut(p.shard, p.file, min(old.start, p.start), max(old.end, p.end),
-                                      old.kept and p.kept)
+                first = old if old.start <= p.start else p
+                merged[key] = PastCut(p.shard, p.file, first.start, max(old.end, p.end), old.kept and p.kept,
+                                      first.new_end if old.kept and p.kept else 0)
     return [merged[k] for k in sorted(merged)]
 
 

@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 from pyspark_acs._grpc import grpc
 
 from pyspark_acs.errors import AcsError, CacheError, TopologyError
+from pyspark_acs.format.names import shard_dir
 from pyspark_acs.server.copy.cluster import DURABLE, STORAGES, ClusterIO, OpKey
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
@@ -496,6 +497,11 @@ class CopyScheduler:
                             self._floors.pop(target, None)
                         for f in reply.files:
                             self._created.add((stream, shard, f.name, child))
+                            if self.confirmer is not None and f.durable_length:
+                                # The child's store holds it: a flush waiting on a file whose
+                                # operation ended before (a restart, a lost confirmation) learns it.
+                                self.confirmer.confirm(stream, f"{shard_dir(stream, shard)}/{f.name}", child,
+                                                       f.durable_length)
                             if f.sealed:
                                 complete += 1
                                 for storage in STORAGES:
