@@ -702,3 +702,31 @@ def test_a_stale_source_daemon_does_not_copy_a_stream_that_is_a_copy_here(site):
         assert metrics.get("errors_total", kind="stale_topology") == 1
     finally:
         io.close()
+
+
+def test_a_cluster_that_missed_a_promotion_takes_no_part_in_the_next(site):
+    """The model test's findings: A, lost at the promotion to B, comes back holding its own
+    tail; the next promotion (to C, B reachable) neither fences A nor reads it for the longest
+    prefix (its bytes past the first cut would enter the new history), and promoting A, which
+    missed both, is refused -- also promoting B after it missed a later one, although B
+    records an older promotion to itself."""
+    roots = site["roots"]
+    with lost(roots["A"]):
+        promote(str(site["topology"]), STREAM, "B", settle=0)
+    assert _meta(roots["A"]).get("epoch") is None  # A missed it
+    _copy(site, "C")  # C holds B's history
+    report = promote(str(site["topology"]), STREAM, "C", settle=0)
+    assert "behind" in report.unreachable.get("A", "")
+    assert _meta(roots["A"]).get("epoch") is None and "copied_from" not in _meta(roots["A"])
+    assert _read_all(roots["C"]) == _read_all(roots["B"]) == [msg(i) for i in range(17)]
+    with pytest.raises(AcsError, match=r"cannot promote A: it holds the stream at epoch 0, while B, C hold\(s\) "
+                                       r"epoch 2: A missed a promotion"):
+        promote(str(site["topology"]), STREAM, "A", settle=0)
+    # Back to B (planned), then to C with B lost: B, back, records the promotion to itself at
+    # epoch 3 but missed epoch 4.
+    promote(str(site["topology"]), STREAM, "B", settle=0)
+    with lost(roots["B"]):
+        promote(str(site["topology"]), STREAM, "C", settle=0)
+    with pytest.raises(AcsError, match=r"cannot promote B: it holds the stream at epoch 3, while C hold\(s\) "
+                                       r"epoch 4: B missed a promotion"):
+        promote(str(site["topology"]), STREAM, "B", settle=0)

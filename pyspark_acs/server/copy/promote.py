@@ -186,6 +186,22 @@ def promote(topology_path: str, stream: str, to: str, *, timeout: float = 60.0,
             unreachable.update(why)
     for name, why in sorted(unreachable.items()):
         say(f"{name}: store not reachable ({why}); left as it is")
+    # A cluster that missed a promotion (it was unreachable then) holds another history past
+    # that cut: it takes no part in this one (neither fenced nor read for the prefix) and
+    # quarantines what it holds past the cuts when it next takes copies.
+    base = int(b_meta.get("epoch") or 0) if record is None else int(record["epoch"]) - 1
+    epochs = {c: int((st.stream_meta(stream) or {}).get("epoch") or 0) for c, st in stores.items()}
+    ahead = sorted(c for c, e in epochs.items() if e > base and (record is None or e > int(record["epoch"])))
+    if ahead:  # also when ``to`` records an older promotion to itself: not this one run again
+        raise AcsError(f"cannot promote {to}: it holds the stream at epoch {int(b_meta.get('epoch') or 0)}, while "
+                       f"{', '.join(ahead)} hold(s) "
+                       f"epoch {max(epochs[c] for c in ahead)}: {to} missed a promotion and holds another history; "
+                       f"promote a cluster of the current history")
+    for name in sorted(c for c, e in epochs.items() if e < base and c != to):
+        say(f"{name}: at epoch {epochs[name]}, behind epoch {base} (it missed a promotion); left as it is: it "
+            f"quarantines what it holds past the cuts when it next takes copies")
+        unreachable[name] = f"behind: epoch {epochs[name]} < {base}"
+        stores.pop(name).close()
     # B first: on a run again after a stop, B's record is the promotion to go on with.
     fenced = [to] + sorted(c for c, st in stores.items()
                            if c not in (previous, to) and st.stream_meta(stream) is not None)
@@ -201,7 +217,11 @@ def promote(topology_path: str, stream: str, to: str, *, timeout: float = 60.0,
     if record["state"] == "fenced":
         newly = [c for c in fenced if _fence(stores[c], c, stream, record)]
         if previous in stores:
+            # A reachable old source is marked a copy, then takes the epoch too: it holds the
+            # history up to the cut (its open files are sealed below), no other one.
             _mark_copy(stores[previous], stream, to)
+            if _fence(stores[previous], previous, stream, record):
+                newly.append(previous)
         say(f"fenced epoch {epoch} in {', '.join(fenced)}"
             + (f"; {previous} marked a copy of {to}" if previous in stores else ""))
         if newly:
@@ -237,7 +257,7 @@ def promote(topology_path: str, stream: str, to: str, *, timeout: float = 60.0,
 
     # 5. Record the cut.
     _still_ours(stores[to], to, stream, record)
-    for c in fenced:
+    for c in fenced + ([previous] if previous in stores else []):
         _record_cut(stores[c], stream, record, is_source=c == to)
     say(f"cut recorded in {', '.join(fenced)}: "
         + (", ".join(f"shard {s} at {f} byte {n}" for s, (f, n) in sorted(report.cut.items()) if f) or "no files"))
