@@ -87,3 +87,69 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=5)
+
+
+class Chain:
+    """Clusters chained by link costs on this machine, for the copy benchmarks: each with its
+    own data and metadata cache server (one replica each), a root under ``tmp`` and a copy
+    daemon started as users start it (``extra`` flags, e.g. ``--set poll_interval=20ms``).
+    A context manager: everything stops on exit. ``deps[c]`` are the cache deployments,
+    ``roots[c]`` the roots."""
+
+    def __init__(self, tmp, clusters: Sequence[str], stream: str, extra: Sequence[str] = ()) -> None:
+        self.tmp, self.clusters, self.stream, self.extra = tmp, tuple(clusters), stream, list(extra)
+        self.deps: Dict[str, object] = {}
+        self.daemons: List[subprocess.Popen] = []
+        self.roots = {c: str(tmp / f"root-{c}") for c in self.clusters}
+
+    def __enter__(self) -> "Chain":
+        import json
+        import os
+        from pathlib import Path
+
+        from pyspark_acs.server.local.deploy import LocalDeployment
+
+        try:
+            progress("starting cache servers (1 data + 1 metadata replica per cluster)")
+            for c in self.clusters:
+                self.deps[c] = LocalDeployment(self.tmp / f"caches-{c}", data_replicas=1, metadata_replicas=1,
+                                               capacity="128MiB").start()
+            topo = {
+                "clusters": {c: {"root": self.roots[c], "data_cache": self.deps[c].data_endpoints,
+                                 "metadata_cache": self.deps[c].metadata_endpoints,
+                                 "copy_daemon": f"127.0.0.1:{free_port()}"} for c in self.clusters},
+                "links": [{"from": a, "to": b, "cost": 1} for a, b in zip(self.clusters, self.clusters[1:])],
+                "streams": {self.stream: {"source": self.clusters[0], "destinations": list(self.clusters[1:])}},
+            }
+            path = self.tmp / "topology.json"
+            path.write_text(json.dumps(topo, indent=1))
+            here = Path(__file__).resolve().parent
+            env = dict(os.environ, PYTHONPATH=str(here.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            progress("starting copy daemons")
+            for c in self.clusters:
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "pyspark_acs.server.copy.daemon", "--topology", str(path), "--cluster", c,
+                     *self.extra, "--log-level", "WARNING", "--parent-pid", str(os.getpid())],
+                    stdout=subprocess.PIPE, stderr=open(self.tmp / f"daemon-{c}.log", "wb"), env=env,
+                )
+                self.daemons.append(p)
+                line = p.stdout.readline().decode().strip()
+                if "listening on" not in line:
+                    raise SystemExit(f"copy daemon {c} did not start; see {self.tmp}/daemon-{c}.log")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        for p in self.daemons:
+            p.send_signal(signal.SIGTERM)
+        for p in self.daemons:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for d in self.deps.values():
+            d.stop()

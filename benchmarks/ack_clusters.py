@@ -15,11 +15,7 @@ confirmation's put and read.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from _common import free_port, percentile, progress, report  # noqa: E402
+from _common import Chain, percentile, progress, report  # noqa: E402
 
 CLUSTERS = ("A", "B", "C")
 STREAM = "ackbench"
@@ -69,45 +65,14 @@ def main() -> int:
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
 
-    from pyspark_acs.server.local.deploy import LocalDeployment
-
     tmp = Path(tempfile.mkdtemp(prefix="acs-ack-clusters-"))
-    deps: Dict[str, LocalDeployment] = {}
-    daemons: List[subprocess.Popen] = []
     try:
-        progress("starting cache servers (1 data + 1 metadata replica per cluster)")
-        for c in CLUSTERS:
-            deps[c] = LocalDeployment(tmp / f"caches-{c}", data_replicas=1, metadata_replicas=1,
-                                      capacity="128MiB").start()
-        topo = {
-            "clusters": {
-                c: {"root": str(tmp / f"root-{c}"), "data_cache": deps[c].data_endpoints,
-                    "metadata_cache": deps[c].metadata_endpoints, "copy_daemon": f"127.0.0.1:{free_port()}"}
-                for c in CLUSTERS
-            },
-            "links": [{"from": a, "to": b, "cost": 1} for a, b in zip(CLUSTERS, CLUSTERS[1:])],
-            "streams": {STREAM: {"source": "A", "destinations": list(CLUSTERS[1:])}},
-        }
-        path = tmp / "topology.json"
-        path.write_text(json.dumps(topo, indent=1))
-        env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        progress("starting copy daemons (default settings)")
-        for c in CLUSTERS:
-            p = subprocess.Popen(
-                [sys.executable, "-m", "pyspark_acs.server.copy.daemon", "--topology", str(path), "--cluster", c,
-                 "--log-level", "WARNING", "--parent-pid", str(os.getpid())],
-                stdout=subprocess.PIPE, stderr=open(tmp / f"daemon-{c}.log", "wb"), env=env,
-            )
-            line = p.stdout.readline().decode().strip()
-            if "listening on" not in line:
-                raise SystemExit(f"copy daemon {c} did not start; see {tmp}/daemon-{c}.log")
-            daemons.append(p)
-        root = str(tmp / "root-A")
-        results: Dict[tuple, List[float]] = {}
-        for rate in rates:
-            for mode in ("published", "clusters:2"):
-                progress(f"{mode}: one message per flush at {rate:g} flushes/s for {args.seconds:g} s")
-                results[(mode, rate)] = _run(root, deps, mode, rate, args.seconds)
+        with Chain(tmp, CLUSTERS, STREAM) as chain:  # the daemons at their default settings
+            results: Dict[tuple, List[float]] = {}
+            for rate in rates:
+                for mode in ("published", "clusters:2"):
+                    progress(f"{mode}: one message per flush at {rate:g} flushes/s for {args.seconds:g} s")
+                    results[(mode, rate)] = _run(chain.roots["A"], chain.deps, mode, rate, args.seconds)
         rows = {}
         for rate in rates:
             pub, two = results[("published", rate)], results[("clusters:2", rate)]
@@ -119,15 +84,6 @@ def main() -> int:
         report("flush latency, one 1 KiB message per flush (chain A -> B -> C, one machine)", rows)
         return 0
     finally:
-        for p in daemons:
-            p.send_signal(signal.SIGTERM)
-        for p in daemons:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for d in deps.values():
-            d.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

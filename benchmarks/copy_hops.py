@@ -15,33 +15,22 @@ The paper reports ~25 ms added per hop (50 ms copy-reader polling).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from _common import delays_ms, percentile, progress, report  # noqa: E402
+from _common import Chain, delays_ms, percentile, progress, report  # noqa: E402
 
 CLUSTERS = ("A", "B", "C", "D")
 STREAM = "bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _consume(root: str, data: str, meta: str, seconds: float, warmup: float, out: "mp.Queue") -> None:
@@ -79,39 +68,11 @@ def main() -> int:
     args = ap.parse_args()
 
     from pyspark_acs.write.producer import Producer
-    from pyspark_acs.server.local.deploy import LocalDeployment
 
     tmp = Path(tempfile.mkdtemp(prefix="acs-copy-hops-"))
-    deps: Dict[str, LocalDeployment] = {}
-    daemons: List[subprocess.Popen] = []
+    chain = Chain(tmp, CLUSTERS, STREAM, extra=["--set", f"poll_interval={args.poll_interval}"]).__enter__()
+    deps = chain.deps
     try:
-        progress("starting cache servers (1 data + 1 metadata replica per cluster)")
-        for c in CLUSTERS:
-            deps[c] = LocalDeployment(tmp / f"caches-{c}", data_replicas=1, metadata_replicas=1, capacity="128MiB").start()
-        topo = {
-            "clusters": {
-                c: {"root": str(tmp / f"root-{c}"), "data_cache": deps[c].data_endpoints,
-                    "metadata_cache": deps[c].metadata_endpoints, "copy_daemon": f"127.0.0.1:{_free_port()}"}
-                for c in CLUSTERS
-            },
-            "links": [{"from": a, "to": b, "cost": 1} for a, b in zip(CLUSTERS, CLUSTERS[1:])],
-            "streams": {STREAM: {"source": "A", "destinations": list(CLUSTERS[1:])}},
-        }
-        path = tmp / "topology.json"
-        path.write_text(json.dumps(topo, indent=1))
-        env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        progress("starting copy daemons")
-        for c in CLUSTERS:
-            p = subprocess.Popen(
-                [sys.executable, "-m", "pyspark_acs.server.copy.daemon", "--topology", str(path), "--cluster", c,
-                 "--set", f"poll_interval={args.poll_interval}", "--log-level", "WARNING",
-                 "--parent-pid", str(os.getpid())],
-                stdout=subprocess.PIPE, stderr=open(tmp / f"daemon-{c}.log", "wb"), env=env,
-            )
-            line = p.stdout.readline().decode().strip()
-            if "listening on" not in line:
-                raise SystemExit(f"copy daemon {c} did not start; see {tmp}/daemon-{c}.log")
-            daemons.append(p)
         producer = Producer(str(tmp / "root-A"), STREAM, shards=1, data_cache=deps["A"].data_endpoints,
                             metadata_cache=deps["A"].metadata_endpoints)
         ctx = mp.get_context("spawn")
@@ -168,15 +129,7 @@ def main() -> int:
         })
         return 0
     finally:
-        for p in daemons:
-            p.send_signal(signal.SIGTERM)
-        for p in daemons:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for d in deps.values():
-            d.stop()
+        chain.__exit__()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

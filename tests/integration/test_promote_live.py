@@ -33,6 +33,21 @@ pytestmark = pytest.mark.slow
 QUIET_S = 60.0
 
 
+def _lengths(root: str, stream: str) -> list:
+    """(file, length) of every file of the stream's shards in ``root``."""
+    store = DurableStore(root)
+    try:
+        return [f for shard in range(store.stream_shards(stream) or 0) for f in store.list_file_lengths(stream, shard)]
+    finally:
+        store.close()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP takes effect asynchronously)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 def _quiet(root: str, stream: str, live: List[LiveConsumer], acknowledged, timeout: float = QUIET_S):
     deadline = time.monotonic() + timeout
     while True:
@@ -48,8 +63,8 @@ def _quiet(root: str, stream: str, live: List[LiveConsumer], acknowledged, timeo
 
 def test_source_lost_promote_b_the_producer_resumes_there_and_readers_keep_following(make_env, caches):
     """Chain A -> B -> C; consumers follow in B and C; a producer process in A acknowledges
-    messages, which reach B and C. Every process of A is SIGKILLed (its producer, its copy
-    daemon) and its store is gone. ``acs promote`` (the command, as a user runs it) makes B the
+    messages with clusters:2. Right after, every process of A is SIGKILLed (its producer, its
+    copy daemon) and its store is gone. ``acs promote`` (the command, as a user runs it) makes B the
     source; a Producer in B writes on. Every acknowledged message reaches both consumers once,
     in order per shard. Then A comes back: a producer writing there reaches nobody but a
     consumer in A, and A's daemon, back with the topology from before, reaches nobody; A
@@ -62,19 +77,17 @@ def test_source_lost_promote_b_the_producer_resumes_there_and_readers_keep_follo
         env.start_daemon(c)
     live = [LiveConsumer(env, c) for c in "BC"]
     acknowledged: List[bytes] = []
-    pa = ProducerProcess(env, "a")
+    pa = ProducerProcess(env, "a", acknowledge="clusters:2")
     try:
         for _ in range(6):
             assert pa.send(50, size=600), pa.errors
         acknowledged += pa.acknowledged
-        env.wait_same("B")
-        env.wait_same("C")
-        # A is lost: every process of it killed mid-file (its newest files stay unsealed), then its store.
+        # A is lost right after (no wait for the copies: clusters:2 is the wait): every process
+        # of it killed mid-file (its newest files stay unsealed), then its store.
         pa.kill()
         env.kill_daemon("A")
         lost = env.roots["A"] + ".lost"
         os.rename(env.roots["A"], lost)
-        seen_in_c = live[1].count()
 
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "pyspark_acs.cli", "promote", env.stream, "--to", "B",
@@ -95,8 +108,9 @@ def test_source_lost_promote_b_the_producer_resumes_there_and_readers_keep_follo
                 if i % 50 == 49:
                     pb.flush(timeout=30)
                     acknowledged += [msg(j, b"b") for j in range(i - 49, i + 1)]
-            first_new = wait_until(lambda: live[1].count() > seen_in_c and time.monotonic(), 60,
-                                   "a message written in B after the promotion, delivered in C")
+            first_b = msg(0, b"b")
+            first_new = wait_until(lambda: any(first_b in vs for vs in live[1].snapshot().values())
+                                   and time.monotonic(), 60, "a message written in B after the promotion, in C")
         history = _quiet(env.roots["B"], env.stream, live, acknowledged)
         assert sum(map(len, history.values())) == len(acknowledged)
         print(f"promote took {promoted - started:.2f} s; first new message in C {first_new - promoted:.2f} s after it")
@@ -152,7 +166,7 @@ def test_source_lost_promote_b_the_producer_resumes_there_and_readers_keep_follo
 
 def test_a_partitioned_source_writer_acknowledges_nothing_after_the_promotion(make_env, caches):
     """Chain A -> B -> C; a producer process in A acknowledges with clusters:2. Every process of
-    A is SIGSTOPped while its producer is mid-flush, and A's store is out of the promoter's
+    A is SIGSTOPped while its producer is mid-flush (its bytes in A's store, not copied), and A's store is out of the promoter's
     reach (a partition); B is promoted and written. Then A resumes (SIGCONT, its store back):
     no clusters:2 flush of A's writer is acknowledged after the promotion, what it wrote lands
     in A's quarantined range (reported in A's _stream.json and by its daemon's metric), and
@@ -167,10 +181,18 @@ def test_a_partitioned_source_writer_acknowledges_nothing_after_the_promotion(ma
     try:
         for _ in range(4):
             assert pa.send(50, size=600), pa.errors
-        pa.start_send(50, size=600)  # mid-flush when the partition comes
-        pa.pause()
+        # The partition: A's daemon first (its copies stop), then its producer mid-flush, once
+        # the flush's bytes are in A's store (appended, waiting for clusters:2).
         for proc in env.daemons["A"]:
             proc.send_signal(signal.SIGSTOP)
+        for proc in env.daemons["A"]:  # stopped, not just signalled
+            wait_until(lambda pid=proc.pid: _stopped(pid), 10, f"A's daemon {proc.pid} stopped")
+        before = sum(n for _, n in _lengths(env.roots["A"], env.stream))
+        pa.start_send(50, size=600)
+        wait_until(lambda: sum(n for _, n in _lengths(env.roots["A"], env.stream)) > before, 30,
+                   "the pending flush's bytes in A's store")
+        pa.pause()
+        wait_until(lambda: _stopped(pa.proc.pid), 10, "A's producer stopped")
         lost = env.roots["A"] + ".lost"
         os.rename(env.roots["A"], lost)
         done = subprocess.run([sys.executable, "-m", "pyspark_acs.cli", "promote", env.stream, "--to", "B",
@@ -186,7 +208,7 @@ def test_a_partitioned_source_writer_acknowledges_nothing_after_the_promotion(ma
         for proc in env.daemons["A"]:
             proc.send_signal(signal.SIGCONT)
         pa.resume()
-        pending_acked = pa.result(timeout=30)  # confirmed before the pause, or never
+        assert not pa.result(timeout=30), "the pending flush was acknowledged: nothing could confirm it"
         before = len(pa.acknowledged)
         assert not pa.send(50, size=600), "a clusters:2 flush in A was acknowledged after the promotion"
         assert len(pa.acknowledged) == before
@@ -198,7 +220,7 @@ def test_a_partitioned_source_writer_acknowledges_nothing_after_the_promotion(ma
         wait_until(lambda: metric(env.daemons["A"][0], "quarantined_bytes") == moved, 30, "A's quarantined_bytes")
         history = _quiet(env.roots["B"], env.stream, live, acknowledged)
         wait_until(lambda: read_history(env.roots["A"], env.stream) == history, 60, "A holding the new history")
-        print(f"pending flush acknowledged before the pause: {pending_acked}; quarantined in A: {moved} bytes")
+        print(f"quarantined in A: {moved} bytes")
     finally:
         pa.kill()
         for c in live:
