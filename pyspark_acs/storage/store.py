@@ -284,6 +284,11 @@ class DurableStore:
         return meta["shards"]
 
     def _refuse_copy(self, stream: str, meta: Dict[str, Any]) -> None:
+        if meta.get("quarantine") and not meta.get("copied_from"):
+            raise AcsOptionError(
+                f"stream: {stream!r} in {self.root} is taking a promotion's new history (epoch "
+                f"{meta['quarantine'].get('epoch')}): another cluster is its source now; Producers and sinks write "
+                f"a stream in its source cluster (the topology's 'source')", option="stream")
         if meta.get("copied_from"):
             raise AcsOptionError(
                 f"stream: {stream!r} in {self.root} is a copy kept by the copy daemon (copied from cluster "

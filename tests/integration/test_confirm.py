@@ -42,8 +42,8 @@ def test_clusters_k_flush_returns_once_k_clusters_hold_the_bytes(make_env, cache
         for i in range(20):
             p3.send(msg(i))
             p3.flush(timeout=60)
-            rel = f"{shard_dir(env.stream, 0)}/{p3._shards[0].writer.file}"
-            end = p3._shards[0].writer.position
+            rel = f"{shard_dir(env.stream, 0)}/{p3.current_files()[0]}"
+            end = _durable(env, "A", [rel])[rel]  # the flush returned: all of it is acknowledged
             held = _durable(env, "B", [rel]), _durable(env, "C", [rel])
             assert all((h.get(rel) or 0) >= end for h in held), (i, end, held)
     with Producer(env.roots["A"], env.stream, acknowledge="clusters:2", **kw) as p2:
@@ -85,12 +85,13 @@ def test_clusters_k_needs_a_metadata_cache_and_a_valid_k(tmp_path):
 def test_clusters_k_without_a_source_daemon_says_so(tmp_path, caches):
     """No copy daemon in the source cluster put the stream's destinations: the flush's
     timeout says what to run."""
-    with Producer(str(tmp_path / "root"), "lonely", shards=1, acknowledge="clusters:2",
-                  data_cache=caches["A"].data_endpoints, metadata_cache=caches["A"].metadata_endpoints) as p:
-        p.send(b"x")
-        with pytest.raises(AcsTimeoutError, match="no copy daemon of this cluster has put the stream's destinations"):
-            p.flush(timeout=0.5)
-        p._clusters = 1  # let close() end without the daemons
+    p = Producer(str(tmp_path / "root"), "lonely", shards=1, acknowledge="clusters:2",
+                 data_cache=caches["A"].data_endpoints, metadata_cache=caches["A"].metadata_endpoints)
+    p.send(b"x")
+    with pytest.raises(AcsTimeoutError, match="no copy daemon of this cluster has put the stream's destinations"):
+        p.flush(timeout=0.5)
+    with pytest.raises(AcsTimeoutError, match="close of stream 'lonely'.*no copy daemon"):
+        p.close(timeout=0.5)
 
 
 def test_a_sink_commit_with_clusters_k_returns_once_k_clusters_hold_the_batch(make_env, caches):

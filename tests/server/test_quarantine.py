@@ -279,3 +279,16 @@ def test_a_reader_of_the_new_history_at_a_kept_files_seal_gets_no_data_loss(site
         reader.close()
     assert got == [msg(i) for i in range(17)]
     assert error is None, f"false DataLossError after reading exactly the new history: {error}"
+
+
+def test_no_producer_starts_in_a_stream_being_quarantined(site):
+    """Between the quarantine's fence and its adoption the stream is still this cluster's own
+    history by its metadata: a new Producer is refused it all the same."""
+    from pyspark_acs.errors import AcsOptionError
+
+    roots = site["roots"]
+    with lost(roots["A"]):
+        promote(str(site["topology"]), STREAM, "B", settle=0)
+    DurableStore(str(roots["A"])).update_stream_meta(STREAM, lambda m: dict(m, quarantine={"epoch": 1}))
+    with pytest.raises(AcsOptionError, match="is taking a promotion's new history"):
+        Producer(str(roots["A"]), STREAM, shards=1)
