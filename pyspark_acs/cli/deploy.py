@@ -275,6 +275,7 @@ def status_report(
     """
     from pyspark_acs.cache.metadata import MetadataCache
     from pyspark_acs.format.names import shard_dir
+    from pyspark_acs.read.positions import quarantine_entries
     from pyspark_acs.storage.store import open_store
     from pyspark_acs.storage.tier_settings import tier_summary
     from pyspark_acs.errors import CacheError
@@ -297,7 +298,7 @@ def status_report(
             if shards is None:
                 raise AcsOptionError(f"stream: no stream {name!r} in {store.root}", option="stream")
             entry: Dict[str, Any] = {"stream": name, "shards": [], "tier": tier_summary(store, name)}
-            moved = (store.stream_meta(name) or {}).get("quarantined") or []
+            meta_here = store.stream_meta(name)
             for shard in range(shards):
                 folder = shard_dir(name, shard)
                 files = store.list_files(name, shard)
@@ -325,7 +326,8 @@ def status_report(
                         "behind": (d - pc) if (d is not None and pc is not None) else None,
                     })
                 quarantined = [{k: e.get(k) for k in ("file", "start", "end", "epoch", "source")}
-                               | {"moved_to": store.uri(e["moved_to"])} for e in moved if int(e["shard"]) == shard]
+                               | {"moved_to": store.uri(e["moved_to"])}
+                               for e in quarantine_entries(meta_here, shard, moved_only=True)]
                 entry["shards"].append({"shard": shard, "head": head, "files": rows, "quarantined": quarantined})
             report["streams"].append(entry)
         for role, client in (("data", data), ("metadata", meta_client)):

@@ -454,11 +454,8 @@ class ShardTailer:
         if found is not None:
             return self._data_loss(self.path.durable_length(self.rel))
         self._stop_at = None
-        moved = {(e.get("epoch"), e.get("file")): e for e in (meta or {}).get("quarantined") or ()
-                 if int(e.get("shard", -1)) == self.shard}
-        for entry in quarantine_entries(meta):
-            if int(entry.get("shard", -1)) != self.shard or entry.get("file") != self.file:
-                continue
+        moved = {(e.get("epoch"), e.get("file")) for e in quarantine_entries(meta, self.shard, moved_only=True)}
+        for entry in quarantine_entries(meta, self.shard, self.file):
             key = (entry.get("epoch"), entry.get("file"))
             if key not in moved:
                 self._stop_at = int(entry["start"])  # not moved yet: the old file's bytes follow

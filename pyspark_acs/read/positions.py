@@ -532,11 +532,17 @@ MISSING_RECHECK_S = 1.0
 QUARANTINE_CHECK_S = 0.5
 
 
-def quarantine_entries(meta: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Every quarantine entry of the stream's metadata: those moved (``quarantined``) and those
-    of a quarantine under way (``quarantine``'s ``files``; :mod:`pyspark_acs.server.copy.quarantine`)."""
+def quarantine_entries(meta: Optional[Dict[str, Any]], shard: Optional[int] = None, name: Optional[str] = None,
+                       moved_only: bool = False) -> List[Dict[str, Any]]:
+    """The quarantine entries of the stream's metadata: those moved (``quarantined``) and,
+    unless ``moved_only``, those of a quarantine under way (``quarantine``'s ``files``;
+    :mod:`pyspark_acs.server.copy.quarantine`); only of ``shard`` and file ``name`` when given."""
     meta = meta or {}
-    return list(meta.get("quarantined") or ()) + list((meta.get("quarantine") or {}).get("files") or ())
+    found = list(meta.get("quarantined") or ())
+    if not moved_only:
+        found += list((meta.get("quarantine") or {}).get("files") or ())
+    return [e for e in found if (shard is None or int(e.get("shard", -1)) == shard)
+            and (name is None or e.get("file") == name)]
 
 
 def quarantined_at(meta: Optional[Dict[str, Any]], shard: int, name: str, at: int,
@@ -549,7 +555,7 @@ def quarantined_at(meta: Optional[Dict[str, Any]], shard: int, name: str, at: in
     new history's next file; ``holds(entry)`` says whether a range holds a message, default: any
     byte); None when it is not (a position at or before ``start`` of a kept file reads on there
     once the copy brings the file again)."""
-    mine = [e for e in quarantine_entries(meta) if int(e.get("shard", -1)) == shard]
+    mine = quarantine_entries(meta, shard)
     for entry in mine:
         if entry.get("file") != name:
             continue
@@ -690,8 +696,7 @@ def missing_at(path: ReadPath, stream: str, shard: int, name: str, at: int, dura
         return base._replace(wait=f"this cluster moved its {name} aside (the new history of promotion epoch "
                                   f"{found[0].get('epoch')} has no such file) and the copy from {source} has not "
                                   f"brought the new history's next file yet")
-    moved = next((e for e in quarantine_entries(meta) if int(e.get("shard", -1)) == shard
-                  and e.get("file") == name), None)
+    moved = next(iter(quarantine_entries(meta, shard, name)), None)
     if moved is not None and (durable or 0) < at:
         return base._replace(wait=f"this cluster moved its {name} aside (bytes past the cut of promotion epoch "
                                   f"{moved.get('epoch')}) and the copy from {source} brings the new history's "

@@ -20,6 +20,7 @@ from pyspark_acs.cache.client import CacheClient
 from pyspark_acs.errors import AcsOptionError, CacheError, RootNotFoundError
 from pyspark_acs.cache.metadata import MetadataCache
 from pyspark_acs.format.names import shard_dir
+from pyspark_acs.read.positions import quarantine_entries
 from pyspark_acs.storage.store import DurableStore
 from pyspark_acs.server.copy.cluster import CACHE, DURABLE, read_delay
 from pyspark_acs.server.copy.tree import build_copy_tree
@@ -91,7 +92,7 @@ def copy_status(topology: Topology, stream: str) -> List[Dict[str, Any]]:
         shards = source_shards or spec.shards or 0
         for c in tree.clusters:
             store = stores[c]
-            moved = ((store.stream_meta(stream) or {}).get("quarantined") or []) if store is not None else []
+            moved = quarantine_entries(store.stream_meta(stream), moved_only=True) if store is not None else []
             for e in moved:
                 warned[c].append(f"shard {e['shard']}: {e['file']} bytes [{e['start']}, {e['end']}) are past the "
                                  f"cut of promotion epoch {e.get('epoch')} (new source {e.get('source')}): "

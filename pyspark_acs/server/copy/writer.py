@@ -752,7 +752,7 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
                 log.debug("%s: stream %s: quarantine not read: %s", self.io.name, stream, exc)
                 return
         by_shard: Dict[int, int] = {}
-        for e in meta.get("quarantined") or ():
+        for e in quarantine_entries(meta, moved_only=True):
             by_shard[int(e["shard"])] = by_shard.get(int(e["shard"]), 0) + int(e["end"]) - int(e["start"])
         for shard, total in by_shard.items():
             self.metrics.set("quarantined_bytes", total, stream=stream, shard=shard)
@@ -1018,8 +1018,8 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
             # byte 0: listed as present and empty, so the parent copies it (it is neither done
             # here nor below a retention floor).
             listed = set(names)
-            for entry in quarantine_entries(self.io.store.stream_meta(stream)):
-                if (int(entry.get("shard", -1)) == shard and entry.get("kept") and entry["file"] not in listed):
+            for entry in quarantine_entries(self.io.store.stream_meta(stream), shard):
+                if entry.get("kept") and entry["file"] not in listed:
                     listed.add(entry["file"])
                     files.append(copy_pb2.FileState(name=entry["file"], durable_length=0, sealed=False))
             files.sort(key=lambda f: f.name)
