@@ -82,6 +82,9 @@ def test_source_lost_promote_b_the_producer_resumes_there_and_readers_keep_follo
         for _ in range(6):
             assert pa.send(50, size=600), pa.errors
         acknowledged += pa.acknowledged
+        # C holds the stream before the fault, so the promotion fences it (a loaded machine can
+        # take seconds for C's first copy; clusters:2 waits for B only).
+        wait_until(lambda: _lengths(env.roots["C"], env.stream), timeout=60, what="C to hold the stream")
         # A is lost right after (no wait for the copies: clusters:2 is the wait): every process
         # of it killed mid-file (its newest files stay unsealed), then its store.
         pa.kill()
