@@ -27,10 +27,11 @@ from pyspark_acs.datasource.commit_log import (
     intent_file,
     sink_dir,
 )
+from pyspark_acs.datasource.marks import SinkMarks, mark_payload, read_marks, trim_replay
 from pyspark_acs.datasource.options import SinkOptions
 from pyspark_acs.datasource.staging import AcsCommitMessage, StagedStream, staging_root
 from pyspark_acs.errors import AcsError, CacheError, LaterFileError
-from pyspark_acs.format.block import HEADER_SIZE, encode_seal, rebase_blocks, scan_blocks
+from pyspark_acs.format.block import HEADER_SIZE, encode_mark, encode_seal, rebase_blocks, scan_blocks
 from pyspark_acs.format.names import next_file_name, shard_dir
 from pyspark_acs.storage.store import DurableStore, open_store
 from pyspark_acs.write.confirm import clusters_needed, wait_confirmed
@@ -79,6 +80,7 @@ class SinkCommitter:
         self.dir = sink_dir(opts.stream, sink_id)
         self._held: Optional[_HeldLengths] = None  # length publications of the commit under way
         self._writers: List[ShardWriter] = []  # shard writers of the commit under way (see _append_shard)
+        self._batch_id: Optional[int] = None  # the batch under way (its marks name it)
 
     def _load(self, store: DurableStore, name: str) -> Optional[Any]:
         """The JSON of record ``name`` in the sink folder (``None``: no such file)."""
@@ -87,6 +89,43 @@ class SinkCommitter:
     def _load_state(self, store: DurableStore) -> SinkState:
         raw = self._load(store, STATE_FILE)
         return SinkState() if raw is None else SinkState.from_json(raw, store.uri(f"{self.dir}/{STATE_FILE}"))
+
+    def _state_here(self, store: DurableStore, epoch: int, staged: Dict[int, List[Piece]]
+                    ) -> Tuple[SinkState, Optional[SinkMarks]]:
+        """The sink's state in this stream, and the marks it was read from when the state file
+        is missing or of another epoch (a promotion since: the file is the old history's, or
+        lives in the lost source alone). ``staged``: the batch's pieces per shard, bounding the
+        marks' scan."""
+        raw = self._load(store, STATE_FILE)
+        state = SinkState() if raw is None else SinkState.from_json(raw, store.uri(f"{self.dir}/{STATE_FILE}"))
+        if raw is not None and (state.epoch or 0) == epoch:
+            return state, None
+        shards = store.stream_shards(self.opts.stream) or 0
+        marks = read_marks(store, self.opts.stream, shards, self.writer_id, self.sink_id,
+                           {s: sum(p.rows for p in ps) for s, ps in staged.items()})
+        found = marks.state(epoch)
+        if raw is not None or found.last_batch is not None or any(m.tail for m in marks.shards.values()):
+            log.warning("acs sink %s (stream %r): %s; the state read from the batches' marks in the shards: last "
+                        "batch %s", self.sink_id, self.opts.stream,
+                        "no state file here" if raw is None else
+                        f"the state file is of epoch {state.epoch or 0}, the stream is at epoch {epoch}",
+                        found.last_batch)
+        return found, marks
+
+    def _drop_other_epochs(self, store: DurableStore, epoch: int) -> None:
+        """Delete the intents (and their staging) written at another epoch of the stream: the
+        history they were appending to was cut by a promotion; the marks say what of it stands."""
+        for name in store.list_dir(self.dir):
+            if intent_batch(name) is None and name != intent_file(None):
+                continue
+            intent = self._load_intent(store, name)
+            if intent is not None and (intent.epoch or 0) != epoch:
+                log.warning("acs sink %s (stream %r): %s was written at epoch %d, the stream is at epoch %d (a "
+                            "promotion since); it is dropped: the batches' marks say what of it stands",
+                            self.sink_id, self.opts.stream, name, intent.epoch or 0, epoch)
+                store.delete(f"{self.dir}/{name}")
+                for rel in intent.staging_dirs:
+                    self._delete_dir(store, rel)
 
     def _load_intent(self, store: DurableStore, name: str) -> Optional[Intent]:
         raw = self._load(store, name)
@@ -122,9 +161,17 @@ class SinkCommitter:
             return clients
 
     def _commit(self, store: DurableStore, messages: Sequence[Optional[StagedStream]], batch_id: Optional[int]) -> None:
+        epoch = int((store.stream_meta(self.opts.stream) or {}).get("epoch") or 0)
         if batch_id is not None:
+            self._drop_other_epochs(store, epoch)
             self._finish_older_intents(store, batch_id)
-        state = self._load_state(store)
+        self._batch_id = batch_id
+        staged, staging_dirs = _staged_pieces(messages)
+        marks: Optional[SinkMarks] = None
+        if batch_id is None:
+            state = self._load_state(store)
+        else:
+            state, marks = self._state_here(store, epoch, staged)
         last = state.last_batch
         if batch_id is not None and last is not None and batch_id < last:
             # Spark only ever replays the last batch: a smaller id is another query (e.g. a
@@ -134,7 +181,7 @@ class SinkCommitter:
                 f"committed batch {last}; this looks like a new query reusing a sink identity. Give it its own "
                 f"checkpointLocation or sinkId"
             )
-        if batch_id is not None and batch_id == last:
+        if batch_id is not None and batch_id == last and marks is None:
             log.info("acs sink %s: batch %d was committed before; the replay writes nothing", self.sink_id, batch_id)
             self._discard(store, messages)
             return
@@ -142,7 +189,12 @@ class SinkCommitter:
         self._intent_rel = f"{self.dir}/{intent_name}"
         intent = self._load_intent(store, intent_name) if batch_id is not None else None
         if intent is None:
-            intent = self._plan(store, state, messages, batch_id)
+            if marks is not None:
+                what = f"acs sink {self.sink_id} (stream {self.opts.stream!r})"
+                staged = {s: trim_replay(store, what, s, ps, marks.shards[s], batch_id, _staging_of(messages, s))
+                          for s, ps in staged.items() if s in marks.shards}
+                staged = {s: ps for s, ps in staged.items() if ps}
+            intent = self._plan(store, state, staged, staging_dirs, batch_id, epoch)
             store.write_small(self._intent_rel, json.dumps(intent.to_json()).encode())
         else:
             log.warning("acs sink %s: completing batch %s from its intent (the driver stopped while appending)",
@@ -178,7 +230,7 @@ class SinkCommitter:
                 # reader waiting for the batch.
                 self._close_writers(writers, pool)
         self._wait_clusters(store, intent)
-        new_state = SinkState(batch_id if batch_id is not None else last, shards_state, time.time())
+        new_state = SinkState(batch_id if batch_id is not None else last, shards_state, time.time(), epoch)
         store.write_small(f"{self.dir}/{STATE_FILE}", json.dumps(new_state.to_json()).encode())
         store.delete(self._intent_rel)
         for rel in intent.staging_dirs:
@@ -206,7 +258,7 @@ class SinkCommitter:
         """Complete any batch before ``batch_id`` that began appending to this stream and never
         finished (its replay routed no rows here): its bytes already there are a prefix of its
         plan, so the rest lands before this batch's, never left half-written."""
-        last = self._load_state(store).last_batch
+        last = self._load_state(store).last_batch  # of another epoch: its intents were dropped
         older = []
         for name in store.list_dir(self.dir):
             j = intent_batch(name)
@@ -217,22 +269,14 @@ class SinkCommitter:
                         "it from its intent before batch %d", self.sink_id, self.opts.stream, j, batch_id)
             self._commit(store, [], j)
 
-    def _plan(self, store: DurableStore, state: SinkState, messages: Sequence[Optional[StagedStream]],
-              batch_id: Optional[int]) -> Intent:
+    def _plan(self, store: DurableStore, state: SinkState, per_shard: Dict[int, List[Piece]],
+              staging_dirs: Sequence[str], batch_id: Optional[int], epoch: int) -> Intent:
         """The intent: per shard, the file segments the staged pieces go to, in task order.
 
         A shard continues its current file when this sink wrote it last and nobody appended
         since; a piece that would take a file past ``rollBytes`` starts a new file (the old
         one is sealed), so a large batch rolls over like a Producer does.
         """
-        per_shard: Dict[int, List[Piece]] = {}
-        staging_dirs = []
-        for m in messages:
-            if m is None:
-                continue
-            staging_dirs.append(m.staging_dir)
-            for shard, rel, nbytes, nrows in m.staged:
-                per_shard.setdefault(shard, []).append(Piece(rel, nbytes, nrows))
         plans: Dict[int, Tuple[Segment, ...]] = {}
         for shard, staged in per_shard.items():
             prev = state.shards.get(shard)
@@ -249,7 +293,7 @@ class SinkCommitter:
                 plans[shard] = self._segments(prev.file, prev.length, prev.next_index, staged)
             else:
                 plans[shard] = self._segments(next_file_name(files, self.writer_id), 0, 0, staged)
-        return Intent(batch_id, plans, tuple(staging_dirs))
+        return Intent(batch_id, plans, tuple(staging_dirs), epoch)
 
     def _segments(self, file: str, start_length: int, start_index: int,
                   staged: Sequence[Piece]) -> Tuple[Segment, ...]:
@@ -265,8 +309,14 @@ class SinkCommitter:
                 pieces, size = [], 0
             pieces.append(piece)
             size += piece.size
-        segments.append(Segment(file, start_length, start_index, tuple(pieces), seal=size >= self.opts.roll_bytes))
+        segments.append(Segment(file, start_length, start_index, tuple(pieces), seal=size >= self.opts.roll_bytes,
+                                mark=self._batch_id is not None))
         return tuple(segments)
+
+    def _mark(self, index: int) -> bytes:
+        """The batch's mark at message ``index`` (after its last piece in a shard)."""
+        assert self._batch_id is not None, "only a batch with an id is marked"
+        return encode_mark(index, mark_payload(self.sink_id, self._batch_id))
 
     def _append_shard(self, store: DurableStore, shard: int, segments: Sequence[Segment]) -> ShardState:
         """Append a shard's segments through its shard writer; return the shard's new sink state.
@@ -330,8 +380,9 @@ class SinkCommitter:
 
     def _pieces(self, store: DurableStore, seg: Segment, uri: str) -> Iterator[Tuple[bytes, int]]:
         """The planned bytes of a segment, one piece at a time (driver memory stays at one
-        piece): staged blocks renumbered from the segment's start index, then the seal if
-        planned. Deterministic, so after a crash the bytes in the file are a prefix of them."""
+        piece): staged blocks renumbered from the segment's start index, then the batch's mark
+        and the seal if planned. Deterministic, so after a crash the bytes in the file are a
+        prefix of them."""
         index = seg.start_index
         for piece in seg.pieces:
             raw = store.read(piece.path, piece.skip, piece.length)
@@ -340,6 +391,8 @@ class SinkCommitter:
             data, count = rebase_blocks(raw, index, path=uri)
             index += count
             yield data, count
+        if seg.mark:
+            yield self._mark(index), 0
         if seg.seal:
             yield encode_seal(index), 0
 
@@ -386,8 +439,9 @@ class SinkCommitter:
         if length is not None and length < start:
             raise AcsError(f"{uri}: the file is {length} bytes long, but this sink's batch starts at byte {start}")
         done = length - start if length is not None else 0
-        sizes = [p.size for p in seg.pieces] + ([HEADER_SIZE] if seg.seal else [])
-        rows = [p.rows for p in seg.pieces] + ([0] if seg.seal else [])
+        sizes = ([p.size for p in seg.pieces] + ([len(self._mark(0))] if seg.mark else [])
+                 + ([HEADER_SIZE] if seg.seal else []))
+        rows = [p.rows for p in seg.pieces] + ([0] if seg.mark else []) + ([0] if seg.seal else [])
         planned = sum(sizes)
         end_state = ShardState(seg.file, start + planned, seg.start_index + sum(rows), seg.seal)
         landed, cut = self._landed(store, rel, uri, seg, done) if done else (None, 0)
@@ -420,7 +474,7 @@ class SinkCommitter:
         pending_bytes = pending_rows = 0
         for data, count in self._pieces(store, seg, uri):
             if offset + len(data) > done:
-                if pending and pending_bytes + len(data) > self.append_bytes:
+                if pending and count and pending_bytes + len(data) > self.append_bytes:  # a mark or seal joins
                     writer.append(b"".join(pending), pending_rows)
                     writer.check_leases()  # a long append keeps its shard
                     pending, pending_bytes, pending_rows = [], 0, 0
@@ -538,6 +592,25 @@ class _Redirect(NamedTuple):
 
     remaining: List[Piece]
     why: str
+
+
+def _staged_pieces(messages: Sequence[Optional[StagedStream]]) -> Tuple[Dict[int, List[Piece]], List[str]]:
+    """The tasks' staged files per shard in task order, and their staging folders."""
+    per_shard: Dict[int, List[Piece]] = {}
+    staging_dirs = []
+    for m in messages:
+        if m is None:
+            continue
+        staging_dirs.append(m.staging_dir)
+        for shard, rel, nbytes, nrows in m.staged:
+            per_shard.setdefault(shard, []).append(Piece(rel, nbytes, nrows))
+    return per_shard, staging_dirs
+
+
+def _staging_of(messages: Sequence[Optional[StagedStream]], shard: int) -> str:
+    """The staging folder of the first task that staged rows for ``shard`` (where a split
+    block of a replay is staged again; deleted with the batch's)."""
+    return next(m.staging_dir for m in messages if m is not None and any(s == shard for s, *_ in m.staged))
 
 
 def _read_json(store: DurableStore, rel: str) -> Optional[Any]:

@@ -92,22 +92,28 @@ class Piece:
 @dataclass(frozen=True)
 class Segment:
     """The pieces one shard file takes: appended from byte ``start_length`` (message index
-    ``start_index``) on, then sealed if ``seal``."""
+    ``start_index``) on, then the batch's mark if ``mark`` (the shard's last segment of a
+    batch with an id), then sealed if ``seal``."""
 
     file: str  # the message file's name in the shard folder
     start_length: int
     start_index: int
     pieces: Tuple[Piece, ...] = ()
     seal: bool = False
+    mark: bool = False
 
     def to_json(self) -> Dict[str, Any]:
-        return {"file": self.file, "start_length": self.start_length, "start_index": self.start_index,
-                "staged": [p.to_json() for p in self.pieces], "seal": self.seal}
+        out = {"file": self.file, "start_length": self.start_length, "start_index": self.start_index,
+               "staged": [p.to_json() for p in self.pieces], "seal": self.seal}
+        if self.mark:
+            out["mark"] = True
+        return out
 
     @classmethod
     def from_json(cls, raw: Any, form: int = INTENT_FORMAT) -> "Segment":
         return cls(str(raw["file"]), int(raw["start_length"]), int(raw["start_index"]),
-                   tuple(Piece.from_json(p, form) for p in raw["staged"]), bool(raw["seal"]))
+                   tuple(Piece.from_json(p, form) for p in raw["staged"]), bool(raw["seal"]),
+                   bool(raw.get("mark", False)))
 
 
 @dataclass(frozen=True)
@@ -118,15 +124,20 @@ class Intent:
     batch: Optional[int]
     shards: Mapping[int, Tuple[Segment, ...]] = field(default_factory=dict)
     staging_dirs: Tuple[str, ...] = ()
+    #: The stream's epoch when the intent was written (None: written before epochs, epoch 0).
+    epoch: Optional[int] = None
 
     def with_shard(self, shard: int, segments: Sequence[Segment]) -> "Intent":
         """This intent with ``shard``'s segments replaced (a redirect)."""
         return replace(self, shards={**self.shards, shard: tuple(segments)})
 
     def to_json(self) -> Dict[str, Any]:
-        return {"format": INTENT_FORMAT, "batch": self.batch,
-                "shards": {str(s): [seg.to_json() for seg in segs] for s, segs in self.shards.items()},
-                "staging_dirs": list(self.staging_dirs)}
+        out = {"format": INTENT_FORMAT, "batch": self.batch,
+               "shards": {str(s): [seg.to_json() for seg in segs] for s, segs in self.shards.items()},
+               "staging_dirs": list(self.staging_dirs)}
+        if self.epoch is not None:
+            out["epoch"] = self.epoch
+        return out
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "sink intent") -> "Intent":
@@ -145,7 +156,9 @@ class Intent:
                     f"(formats 1 and {INTENT_FORMAT}); complete the batch with the version that wrote it")
             batch = raw["batch"]
             shards = {int(s): tuple(Segment.from_json(seg, form) for seg in segs) for s, segs in raw["shards"].items()}
-            return cls(None if batch is None else int(batch), shards, tuple(str(d) for d in raw["staging_dirs"]))
+            epoch = raw.get("epoch")
+            return cls(None if batch is None else int(batch), shards, tuple(str(d) for d in raw["staging_dirs"]),
+                       None if epoch is None else int(epoch))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise _corrupt(where, exc) from exc
 
@@ -171,15 +184,21 @@ class ShardState:
 @dataclass(frozen=True)
 class SinkState:
     """A stream's sink state: the last committed batch id and where each shard was left;
-    ``updated``: when it was written (seconds since the epoch)."""
+    ``updated``: when it was written (seconds since the epoch); ``epoch``: the stream's epoch
+    then (None: written before epochs, epoch 0). A state of another epoch than the stream's
+    is from before a promotion: the sink reads its state from the marks instead."""
 
     last_batch: Optional[int] = None
     shards: Mapping[int, ShardState] = field(default_factory=dict)
     updated: Optional[float] = None
+    epoch: Optional[int] = None
 
     def to_json(self) -> Dict[str, Any]:
-        return {"last_batch": self.last_batch, "shards": {str(s): st.to_json() for s, st in self.shards.items()},
-                "updated": self.updated}
+        out = {"last_batch": self.last_batch, "shards": {str(s): st.to_json() for s, st in self.shards.items()},
+               "updated": self.updated}
+        if self.epoch is not None:
+            out["epoch"] = self.epoch
+        return out
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "sink state") -> "SinkState":
@@ -188,7 +207,9 @@ class SinkState:
             last = raw.get("last_batch")
             shards = {int(s): ShardState.from_json(st) for s, st in (raw.get("shards") or {}).items()}
             updated = raw.get("updated")
-            return cls(None if last is None else int(last), shards, None if updated is None else float(updated))
+            epoch = raw.get("epoch")
+            return cls(None if last is None else int(last), shards, None if updated is None else float(updated),
+                       None if epoch is None else int(epoch))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise _corrupt(where, exc) from exc
 

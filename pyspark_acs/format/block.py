@@ -68,11 +68,14 @@ __all__ = [
     "HEADER_SIZE",
     "RECOVERY_SEAL_SIZE",
     "check_block_bodies",
+    "body_intact",
     "check_body",
     "decode_block",
     "encode_block",
+    "encode_mark",
     "encode_seal",
     "find_recovery_seal",
+    "mark_body",
     "parse_header",
     "rebase_blocks",
     "scan_blocks",
@@ -97,6 +100,8 @@ _SEAL_BODY = struct.Struct("<Q")  # a recovery seal's body: void_from
 assert _HEADER.size == HEADER_SIZE
 #: Bytes of a recovery seal (:func:`encode_seal` with ``void_from``); a plain seal is a header.
 RECOVERY_SEAL_SIZE = HEADER_SIZE + _SEAL_BODY.size
+#: A mark's body starts with these bytes (a block of no messages whose body readers skip).
+MARK_MAGIC = b"ACSMARK1"
 # Offsets are int32 as in Arrow's binary type: one block's keys or values stay below 2 GiB.
 _MAX_SECTION_BYTES = 2**31 - 1
 _LITTLE = sys.byteorder == "little"
@@ -355,6 +360,26 @@ def encode_seal(first_index: int = 0, void_from: Optional[int] = None) -> bytes:
     """
     body = b"" if void_from is None else _SEAL_BODY.pack(void_from)
     return _header(FLAG_END_OF_FILE, 0, body, first_index, 0, 0) + body
+
+
+def encode_mark(first_index: int, payload: bytes) -> bytes:
+    """A mark: a block of no messages (flags 0, ``count`` 0) whose body is :data:`MARK_MAGIC`
+    and ``payload``. Readers of messages skip it as any block of no messages (they do not look
+    at such a body); a writer records in it where something it did ends, in the bytes every
+    copy of the file holds (the Spark sink: where each batch ends in a shard). The timestamps
+    are 0, so the bytes depend only on ``first_index`` and ``payload``."""
+    body = MARK_MAGIC + payload
+    return _header(0, 0, body, first_index, 0, 0) + body
+
+
+def mark_body(data: Union[bytes, memoryview], offset: int, header: BlockHeader) -> Optional[bytes]:
+    """The payload of the mark at ``data[offset:]`` (its header parsed as ``header``, its body
+    checked), or None when the block is not a mark."""
+    if header.count or header.flags or header.body_len < len(MARK_MAGIC):
+        return None
+    start = offset + header.header_len
+    body = bytes(data[start:start + header.body_len])
+    return body[len(MARK_MAGIC):] if body.startswith(MARK_MAGIC) else None
 
 
 def seal_void_from(data: Union[bytes, memoryview], offset: int, header: BlockHeader, position: int) -> int:

@@ -1,0 +1,307 @@
+"""The sink's exactly-once state across a promotion: its marks in the shards' bytes.
+
+Two clusters' real stores and the real promotion (``acs promote``'s function, A lost); the
+copy is modelled as in tests/server/test_failover_model.py (B takes the stream as its copy
+daemon's hello does, then bytes of A's files are appended to B's, up to a chosen length: the
+cut). The sink is driven as Spark drives it (``write`` per task, ``commit`` per batch id), so a
+crash between two appends is exact; test_spark_connector.py has the query restarted against B.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pyarrow as pa
+import pytest
+from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
+
+from pyspark_acs.datasource.commit_log import STATE_FILE, sink_dir
+from pyspark_acs.datasource.options import parse_sink_options
+from pyspark_acs.datasource.sink import AcsStreamWriter
+from pyspark_acs.errors import AcsError
+from pyspark_acs.format.block import mark_body, scan_blocks
+from pyspark_acs.format.names import shard_dir
+from pyspark_acs.server.copy.promote import promote
+from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.write.shard import ShardWriter
+
+from tests.helpers import free_port, read_history
+
+SCHEMA = StructType([StructField("shard", IntegerType()), StructField("value", BinaryType())])
+STREAM = "out"
+
+
+class Clusters:
+    """A -> B with a topology file, a stream of 2 shards written by the sink in A."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.roots = {c: tmp / f"root-{c}" for c in "AB"}
+        for r in self.roots.values():
+            r.mkdir()
+        self.topology = tmp / "topology.json"
+        self.topology.write_text(json.dumps({
+            "clusters": {c: {"root": str(self.roots[c]), "data_cache": f"127.0.0.1:{free_port()}",
+                             "metadata_cache": f"127.0.0.1:{free_port()}",
+                             "copy_daemon": f"127.0.0.1:{free_port()}"} for c in "AB"},
+            "links": [{"from": "A", "to": "B", "cost": 1}],
+            "streams": {STREAM: {"source": "A", "destinations": ["B"]}},
+        }))
+
+    def writer(self, cluster: str, commit_append_bytes: Optional[int] = None, **extra) -> AcsStreamWriter:
+        opts = parse_sink_options({"root": str(self.roots[cluster]), "stream": STREAM, "shards": "2",
+                                   "checkpointLocation": "/ck/q1", **extra})
+        if commit_append_bytes is None:
+            return AcsStreamWriter(opts, SCHEMA)
+        return AcsStreamWriter(opts, SCHEMA, commit_append_bytes=commit_append_bytes)
+
+    def copy(self, cut: Optional[Dict[int, int]] = None) -> None:
+        """B's copy daemon: the stream, then A's bytes of every file (of shard s, up to
+        ``cut[s]`` bytes in all: the rest never reached B)."""
+        from tests.server.test_failover_model import _servicer
+
+        servicer = _servicer(self.topology, "B", self.roots)
+        try:
+            servicer.ensure_stream(STREAM, 2, "A", 0, [])
+        finally:
+            servicer.io.close()
+        src = DurableStore(str(self.roots["A"]))
+        try:
+            for shard in range(2):
+                folder = shard_dir(STREAM, shard)
+                (self.roots["B"] / folder).mkdir(parents=True, exist_ok=True)
+                budget = None if cut is None or shard not in cut else cut[shard]
+                for name in src.list_files(STREAM, shard):
+                    data = (self.roots["A"] / folder / name).read_bytes()
+                    if budget is not None:
+                        data, budget = data[:budget], max(0, budget - len(data))
+                    if data:
+                        (self.roots["B"] / folder / name).write_bytes(data)
+        finally:
+            src.close()
+
+    def lose_a_and_promote_b(self) -> None:
+        self.roots["A"].rename(self.roots["A"].with_name("root-A.lost"))
+        promote(str(self.topology), STREAM, "B", settle=0, timeout=1)
+
+    def history(self, cluster: str) -> Dict[int, List[bytes]]:
+        return read_history(str(self.roots[cluster]), STREAM)
+
+
+def batch(values, shards):
+    return pa.RecordBatch.from_arrays([pa.array(shards, pa.int32()), pa.array(values, pa.binary())],
+                                      names=["shard", "value"])
+
+
+def rows(b: int, n: int = 4):
+    """Batch ``b``'s rows: ``n`` values alternating between the two shards."""
+    return [b"b%d-%d" % (b, i) for i in range(n)], [i % 2 for i in range(n)]
+
+
+def expected(batches, n: int = 4) -> Dict[int, List[bytes]]:
+    return {s: [b"b%d-%d" % (b, i) for b in batches for i in range(n) if i % 2 == s] for s in (0, 1)}
+
+
+@pytest.fixture
+def clusters(tmp_path):
+    return Clusters(tmp_path)
+
+
+def test_a_batch_the_sink_committed_in_a_is_not_written_again_in_the_promoted_b(clusters):
+    wa = clusters.writer("A")
+    for b in range(2):
+        wa.commit([wa.write(iter([batch(*rows(b))]))], b)
+    clusters.copy()
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")  # the query restarted with its checkpoint against B
+    assert not (clusters.roots["B"] / sink_dir(STREAM, wb.sink_id) / STATE_FILE).exists()
+    wb.commit([wb.write(iter([batch(*rows(1))]))], 1)  # its replay of the last batch: nothing lands
+    wb.commit([wb.write(iter([batch(*rows(2))]))], 2)
+    assert clusters.history("B") == expected([0, 1, 2])
+    state = json.loads((clusters.roots["B"] / sink_dir(STREAM, wb.sink_id) / STATE_FILE).read_text())
+    assert state["last_batch"] == 2 and state["epoch"] == 1
+    with pytest.raises(AcsError, match="older than the last committed batch 2"):
+        wb.commit([wb.write(iter([batch(*rows(0))]))], 0)
+
+
+def test_each_shard_ends_a_batch_with_a_mark_naming_the_sink_and_batch(clusters):
+    w = clusters.writer("A")
+    for b in range(3):
+        w.commit([w.write(iter([batch(*rows(b))]))], b)
+    for shard in range(2):
+        folder = clusters.roots["A"] / shard_dir(STREAM, shard)
+        data = b"".join(p.read_bytes() for p in sorted(folder.glob("*.acs")))
+        marks = [json.loads(mark_body(data, at, h)) for at, h in scan_blocks(data) if mark_body(data, at, h)]
+        assert marks == [{"batch": b, "sink": w.sink_id} for b in range(3)]
+
+
+def test_a_batch_half_appended_when_a_was_lost_is_completed_in_b_exactly_once(clusters, monkeypatch):
+    """Batch 1 crashed in A after shard 0 got its rows and mark, and after shard 1 got the
+    first two of its three tasks' pieces (one append each); B has all of it. The replay in B
+    appends shard 1's third piece alone."""
+    wa = clusters.writer("A", commit_append_bytes=1)
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    tasks = [[b"b1-t%d-%d" % (t, i) for i in range(2)] for t in range(3)]
+    real = ShardWriter.append
+    appended = {0: 0, 1: 0}
+
+    def crash_in_shard_1(self, data, *a, **k):
+        if self.shard == 1 and appended[1] == 2:
+            raise AcsError("injected: the old source was lost while appending shard 1")
+        appended[self.shard] += 1
+        return real(self, data, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "append", crash_in_shard_1)
+    staged = [wa.write(iter([batch(vals, [0, 1])])) for vals in tasks]
+    with pytest.raises(AcsError, match="injected"):
+        wa.commit(staged, 1)
+    monkeypatch.setattr(ShardWriter, "append", real)
+    clusters.copy()
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch(vals, [0, 1])])) for vals in tasks], 1)  # Spark's replay: same rows
+    wb.commit([wb.write(iter([batch(*rows(2))]))], 2)
+    got = clusters.history("B")
+    b0, b2 = expected([0]), expected([2])
+    assert got[0] == b0[0] + [t[0] for t in tasks] + b2[0]
+    assert got[1] == b0[1] + [t[1] for t in tasks] + b2[1]
+
+
+@pytest.mark.parametrize("torn", [0, 30], ids=["at-a-block", "inside-a-block"])
+def test_the_cut_inside_a_batch_leaves_b_the_first_rows_and_the_replay_the_rest(clusters, torn):
+    """A committed batch 1, but only shard 1's first block of it reached B before A was lost
+    (the cut falls inside the batch, before its mark; ``torn``: and 30 bytes of the next block,
+    which the promotion's recovery seal voids): the replay appends the rest."""
+    wa = clusters.writer("A", maxBlockBytes="1KiB")
+    wa.commit([wa.write(iter([batch(*rows(0, 2))]))], 0)
+    folder = clusters.roots["A"] / shard_dir(STREAM, 1)
+    before = sum(p.stat().st_size for p in folder.glob("*.acs"))
+    values = [b"b1-%02d" % i + b"." * 400 for i in range(6)]
+    wa.commit([wa.write(iter([batch(values, [1] * 6)]))], 1)
+    data = b"".join(p.read_bytes() for p in sorted(folder.glob("*.acs")))
+    blocks = [(at, h) for at, h in scan_blocks(data) if at >= before]
+    assert len(blocks) > 3 and blocks[0][1].count, blocks  # several blocks, then the mark
+    cut = blocks[1][0] + torn  # B holds batch 1's first block of shard 1
+    clusters.copy({1: cut})
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B", maxBlockBytes="1KiB")
+    wb.commit([wb.write(iter([batch(values, [1] * 6)]))], 1)
+    assert clusters.history("B")[1] == [b"b0-1"] + values
+
+
+def test_a_split_block_is_encoded_again_when_the_replay_blocks_its_rows_otherwise(clusters):
+    wa = clusters.writer("A", maxBlockBytes="1KiB")
+    values = [b"v%02d" % i + b"." * 400 for i in range(4)]
+    wa.commit([wa.write(iter([batch(values, [0] * 4)]))], 0)
+    folder = clusters.roots["A"] / shard_dir(STREAM, 0)
+    data = b"".join(p.read_bytes() for p in sorted(folder.glob("*.acs")))
+    first = next(iter(scan_blocks(data)))[1]
+    clusters.copy({0: first.size})  # B holds the first block: one row
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B", maxBlockBytes="1MiB")  # the replay stages the four rows as one block
+    wb.commit([wb.write(iter([batch(values, [0] * 4)]))], 0)
+    assert clusters.history("B")[0] == values
+
+
+def test_a_replay_with_other_rows_is_refused_naming_the_file_and_nothing_lands(clusters, monkeypatch):
+    """Shard 0 got the first of batch 0's two pieces before A was lost; the replay's first row
+    is another: neither appending nor skipping is exactly once."""
+    wa = clusters.writer("A", commit_append_bytes=1)
+    real = ShardWriter.append
+    calls = []
+
+    def crash_at_second_append(self, data, *a, **k):
+        calls.append(self.shard)
+        if len(calls) == 2:
+            raise AcsError("injected: the old source was lost while appending shard 0")
+        return real(self, data, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "append", crash_at_second_append)
+    staged = [wa.write(iter([batch([v], [0])])) for v in (b"x0", b"x1")]
+    with pytest.raises(AcsError, match="injected"):
+        wa.commit(staged, 0)
+    monkeypatch.setattr(ShardWriter, "append", real)
+    clusters.copy()
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    before = clusters.history("B")
+    assert before == {0: [b"x0"]}
+    with pytest.raises(AcsError, match=r"shard 0 holds 1 message of this sink after its last mark \(.*acs from "
+                                       r"byte 0\).*differs from them from message 0 on.*new checkpointLocation"):
+        wb.commit([wb.write(iter([batch([v], [0])])) for v in (b"y0", b"x1")], 0)
+    assert clusters.history("B") == before
+
+
+def test_a_state_file_of_an_earlier_epoch_gives_way_to_the_marks(clusters):
+    """The sink wrote batches 0-1 in B after a promotion, B's state file is of epoch 1; the
+    stream is promoted back to A (which held B's copy): A's state file from epoch 0 says batch 0,
+    but the marks A now holds say batch 1."""
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    clusters.copy()
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch(*rows(1))]))], 1)
+    # A comes back holding B's history (as its copy daemon would bring it after quarantine):
+    # here, A's root is B's bytes plus A's old sink folder with its state of epoch 0.
+    lost = clusters.roots["A"].with_name("root-A.lost")
+    old_state = (lost / sink_dir(STREAM, wa.sink_id) / STATE_FILE).read_bytes()
+    import shutil
+
+    shutil.copytree(clusters.roots["B"], clusters.roots["A"])
+    (clusters.roots["A"] / sink_dir(STREAM, wa.sink_id) / STATE_FILE).write_bytes(old_state)
+    meta_path = clusters.roots["A"] / STREAM / "_stream.json"
+    meta = json.loads(meta_path.read_text())
+    meta["epoch"] = 2  # promoted back
+    meta.pop("copied_from", None)
+    meta_path.write_text(json.dumps(meta))
+    wa2 = clusters.writer("A")
+    wa2.commit([wa2.write(iter([batch(*rows(1))]))], 1)  # the replay of batch 1: already there
+    wa2.commit([wa2.write(iter([batch(*rows(2))]))], 2)
+    assert clusters.history("A") == expected([0, 1, 2])
+
+
+@pytest.mark.spark
+def test_a_spark_query_restarted_against_the_promoted_b_replays_its_last_batch_exactly_once(spark, clusters):
+    """A real streaming query writes the stream in A; its last batch's commit is forgotten in
+    the checkpoint (the driver died after the sink committed, before Spark logged it); A is
+    lost and B promoted; the query restarted with the same checkpoint against B's root replays
+    that batch (nothing lands again) and goes on: every row once, in order per shard."""
+    from pyspark_acs import Producer
+    from tests.helpers import read_acs, start_query
+
+    src = str(clusters.tmp / "src")
+    ckpt = str(clusters.tmp / "ckpt")
+
+    def produce(first: int, n: int) -> None:
+        with Producer(src, "src", shards=2, max_block_bytes=2048) as p:
+            for i in range(first, first + n):
+                p.send(b"v%04d" % i, shard=i % 2)
+
+    def run(cluster: str) -> None:
+        q = start_query(
+            spark.readStream.format("acs").option("root", src).option("stream", "src")
+            .option("startingOffsets", "earliest").option("maxRowsPerTrigger", 100).load()
+            .select("shard", "value")
+            .writeStream.format("acs").option("root", str(clusters.roots[cluster])).option("stream", STREAM)
+            .option("shards", 2).option("checkpointLocation", ckpt).trigger(availableNow=True))
+        q.awaitTermination(180)
+        assert q.exception() is None
+
+    produce(0, 300)
+    run("A")
+    commits = Path(ckpt) / "commits"
+    last = max(int(n) for n in os.listdir(commits) if n.isdigit())
+    for name in (str(last), f".{last}.crc"):
+        if (commits / name).exists():
+            (commits / name).unlink()
+    clusters.copy()
+    clusters.lose_a_and_promote_b()
+    produce(300, 200)
+    run("B")
+    got = read_acs(spark, str(clusters.roots["B"]), STREAM).orderBy("shard", "file", "position").collect()
+    for shard in (0, 1):
+        assert [r.value for r in got if r.shard == shard] == [b"v%04d" % i for i in range(shard, 500, 2)]
