@@ -112,11 +112,14 @@ class SinkCommitter:
                         found.last_batch)
         return found, marks
 
-    def _drop_other_epochs(self, store: DurableStore, epoch: int) -> None:
+    def _drop_other_epochs(self, store: DurableStore, epoch: int, names: List[str]) -> List[str]:
         """Delete the intents (and their staging) written at another epoch of the stream: the
-        history they were appending to was cut by a promotion; the marks say what of it stands."""
-        for name in store.list_dir(self.dir):
+        history they were appending to was cut by a promotion; the marks say what of it stands.
+        ``names``: the sink folder's; returns those left."""
+        left = []
+        for name in names:
             if intent_batch(name) is None and name != intent_file(None):
+                left.append(name)
                 continue
             intent = self._load_intent(store, name)
             if intent is not None and (intent.epoch or 0) != epoch:
@@ -126,6 +129,9 @@ class SinkCommitter:
                 store.delete(f"{self.dir}/{name}")
                 for rel in intent.staging_dirs:
                     self._delete_dir(store, rel)
+            else:
+                left.append(name)
+        return left
 
     def _load_intent(self, store: DurableStore, name: str) -> Optional[Intent]:
         raw = self._load(store, name)
@@ -163,8 +169,8 @@ class SinkCommitter:
     def _commit(self, store: DurableStore, messages: Sequence[Optional[StagedStream]], batch_id: Optional[int]) -> None:
         epoch = int((store.stream_meta(self.opts.stream) or {}).get("epoch") or 0)
         if batch_id is not None:
-            self._drop_other_epochs(store, epoch)
-            self._finish_older_intents(store, batch_id)
+            names = self._drop_other_epochs(store, epoch, store.list_dir(self.dir))
+            self._finish_older_intents(store, batch_id, names)
         self._batch_id = batch_id
         staged, staging_dirs = _staged_pieces(messages)
         marks: Optional[SinkMarks] = None
@@ -190,9 +196,14 @@ class SinkCommitter:
         intent = self._load_intent(store, intent_name) if batch_id is not None else None
         if intent is None:
             if marks is not None:
+                # Every shard the replay routes rows to, and every shard holding rows of this
+                # sink after its last mark (a replay routing none there did not replay them).
                 what = f"acs sink {self.sink_id} (stream {self.opts.stream!r})"
-                staged = {s: trim_replay(store, what, s, ps, marks.shards[s], batch_id, _staging_of(messages, s))
-                          for s, ps in staged.items() if s in marks.shards}
+                held = {s for s, m in marks.shards.items() if m.tail or m.over}
+                staged = {s: trim_replay(store, what, s, staged.get(s, []), marks.shards[s], batch_id,
+                                         _staging_of(messages, s) if s in staged else "")
+                          if s in marks.shards else staged[s]
+                          for s in sorted(set(staged) | held)}
                 staged = {s: ps for s, ps in staged.items() if ps}
             intent = self._plan(store, state, staged, staging_dirs, batch_id, epoch)
             store.write_small(self._intent_rel, json.dumps(intent.to_json()).encode())
@@ -254,13 +265,13 @@ class SinkCommitter:
                        deadline=time.monotonic() + self.opts.ack_timeout,
                        what=f"acs sink {self.sink_id}: batch {intent.batch} of stream {self.opts.stream!r}")
 
-    def _finish_older_intents(self, store: DurableStore, batch_id: int) -> None:
+    def _finish_older_intents(self, store: DurableStore, batch_id: int, names: List[str]) -> None:
         """Complete any batch before ``batch_id`` that began appending to this stream and never
         finished (its replay routed no rows here): its bytes already there are a prefix of its
         plan, so the rest lands before this batch's, never left half-written."""
         last = self._load_state(store).last_batch  # of another epoch: its intents were dropped
         older = []
-        for name in store.list_dir(self.dir):
+        for name in names:
             j = intent_batch(name)
             if j is not None and j < batch_id and (last is None or j > last):
                 older.append(j)

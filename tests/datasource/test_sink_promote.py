@@ -22,7 +22,8 @@ from pyspark_acs.datasource.commit_log import STATE_FILE, sink_dir
 from pyspark_acs.datasource.options import parse_sink_options
 from pyspark_acs.datasource.sink import AcsStreamWriter
 from pyspark_acs.errors import AcsError
-from pyspark_acs.format.block import mark_body, scan_blocks
+from pyspark_acs.datasource.marks import mark_payload
+from pyspark_acs.format.block import encode_mark, mark_body, scan_blocks
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.server.copy.promote import promote
 from pyspark_acs.storage.store import DurableStore
@@ -305,3 +306,26 @@ def test_a_spark_query_restarted_against_the_promoted_b_replays_its_last_batch_e
     got = read_acs(spark, str(clusters.roots["B"]), STREAM).orderBy("shard", "file", "position").collect()
     for shard in (0, 1):
         assert [r.value for r in got if r.shard == shard] == [b"v%04d" % i for i in range(shard, 500, 2)]
+
+
+def test_a_replay_routing_no_rows_to_a_shard_holding_its_first_rows_is_refused(clusters):
+    """B holds shard 1's row of batch 1 but not its mark (the cut), and nothing of it in shard 0;
+    the replay routes its rows to shard 0 alone: it is not the batch that ran."""
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+
+    def size(shard):
+        return sum(p.stat().st_size for p in (clusters.roots["A"] / shard_dir(STREAM, shard)).glob("*.acs"))
+
+    before = {s: size(s) for s in (0, 1)}
+    wa.commit([wa.write(iter([batch([b"x0", b"x1"], [0, 1])]))], 1)
+    mark = len(encode_mark(0, mark_payload(wa.sink_id, 1)))
+    clusters.copy({0: before[0], 1: size(1) - mark})
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    held = clusters.history("B")
+    assert held[1][-1] == b"x1" and held[0][-1] != b"x0"
+    with pytest.raises(AcsError, match=r"shard 1 holds 1 message of this sink after its last mark.*the replay has 0 "
+                                       r"rows for the shard"):
+        wb.commit([wb.write(iter([batch([b"x0"], [0])]))], 1)
+    assert clusters.history("B") == held
