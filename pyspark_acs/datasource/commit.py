@@ -9,7 +9,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import pyarrow as pa
 from pyspark.sql.datasource import WriterCommitMessage
@@ -27,7 +27,7 @@ from pyspark_acs.datasource.commit_log import (
     intent_file,
     sink_dir,
 )
-from pyspark_acs.datasource.marks import SinkMarks, mark_payload, read_marks, trim_replay
+from pyspark_acs.datasource.marks import BEGIN, END, ShardMarks, SinkMarks, mark_payload, read_marks, trim_replay
 from pyspark_acs.datasource.options import SinkOptions
 from pyspark_acs.datasource.staging import AcsCommitMessage, StagedStream, staging_root
 from pyspark_acs.errors import AcsError, CacheError, LaterFileError
@@ -195,17 +195,22 @@ class SinkCommitter:
         self._intent_rel = f"{self.dir}/{intent_name}"
         intent = self._load_intent(store, intent_name) if batch_id is not None else None
         if intent is None:
+            continued: Set[int] = set()
             if marks is not None:
-                # Every shard the replay routes rows to, and every shard holding rows of this
-                # sink after its last mark (a replay routing none there did not replay them).
+                # Every shard the replay routes rows to, and every shard holding this batch's
+                # beginning (a replay routing no rows there ends it, or did not replay its rows).
                 what = f"acs sink {self.sink_id} (stream {self.opts.stream!r})"
-                held = {s for s, m in marks.shards.items() if m.tail or m.over}
-                staged = {s: trim_replay(store, what, s, staged.get(s, []), marks.shards[s], batch_id,
-                                         _staging_of(messages, s) if s in staged else "")
-                          if s in marks.shards else staged[s]
-                          for s in sorted(set(staged) | held)}
-                staged = {s: ps for s, ps in staged.items() if ps}
-            intent = self._plan(store, state, staged, staging_dirs, batch_id, epoch)
+                begun = {s for s, m in marks.shards.items() if m.begun and m.last_batch == batch_id}
+                trimmed = {}
+                for s in sorted(set(staged) | begun):
+                    pieces, cont = trim_replay(store, what, s, staged.get(s, []), marks.shards.get(s, ShardMarks()),
+                                               batch_id, _staging_of(messages, s) if s in staged else "")
+                    if pieces or cont:
+                        trimmed[s] = pieces
+                    if cont:
+                        continued.add(s)
+                staged = trimmed
+            intent = self._plan(store, state, staged, staging_dirs, batch_id, epoch, continued)
             store.write_small(self._intent_rel, json.dumps(intent.to_json()).encode())
         else:
             log.warning("acs sink %s: completing batch %s from its intent (the driver stopped while appending)",
@@ -281,7 +286,8 @@ class SinkCommitter:
             self._commit(store, [], j)
 
     def _plan(self, store: DurableStore, state: SinkState, per_shard: Dict[int, List[Piece]],
-              staging_dirs: Sequence[str], batch_id: Optional[int], epoch: int) -> Intent:
+              staging_dirs: Sequence[str], batch_id: Optional[int], epoch: int,
+              continued: Set[int] = frozenset()) -> Intent:
         """The intent: per shard, the file segments the staged pieces go to, in task order.
 
         A shard continues its current file when this sink wrote it last and nobody appended
@@ -300,34 +306,39 @@ class SinkCommitter:
                 and files[-1] == prev.file
                 and store.lengths([prev_rel]).get(prev_rel) == prev.length
             )
+            begin = shard not in continued  # else the shard holds the batch's beginning already
             if reuse:
-                plans[shard] = self._segments(prev.file, prev.length, prev.next_index, staged)
+                plans[shard] = self._segments(prev.file, prev.length, prev.next_index, staged, begin)
             else:
-                plans[shard] = self._segments(next_file_name(files, self.writer_id), 0, 0, staged)
+                plans[shard] = self._segments(next_file_name(files, self.writer_id), 0, 0, staged, begin)
         return Intent(batch_id, plans, tuple(staging_dirs), epoch)
 
     def _segments(self, file: str, start_length: int, start_index: int,
-                  staged: Sequence[Piece]) -> Tuple[Segment, ...]:
+                  staged: Sequence[Piece], begin: bool = True) -> Tuple[Segment, ...]:
         """Spread staged pieces over ``file`` from ``start_length`` on and new files after it,
-        rolling at ``rollBytes``."""
+        rolling at ``rollBytes``; a batch with an id begins (unless not ``begin``: the shard
+        holds its beginning already) and ends with its marks."""
+        marked = self._batch_id is not None
         segments: List[Segment] = []
         pieces: List[Piece] = []
         size = start_length
         for piece in staged:
             if pieces and size + piece.size > self.opts.roll_bytes:
-                segments.append(Segment(file, start_length, start_index, tuple(pieces), seal=True))
+                segments.append(Segment(file, start_length, start_index, tuple(pieces), seal=True,
+                                        begin=marked and begin and not segments))
                 file, start_length, start_index = next_file_name([file], self.writer_id), 0, 0
                 pieces, size = [], 0
             pieces.append(piece)
             size += piece.size
         segments.append(Segment(file, start_length, start_index, tuple(pieces), seal=size >= self.opts.roll_bytes,
-                                mark=self._batch_id is not None))
+                                mark=marked, begin=marked and begin and not segments))
         return tuple(segments)
 
-    def _mark(self, index: int) -> bytes:
-        """The batch's mark at message ``index`` (after its last piece in a shard)."""
+    def _mark(self, index: int, at: str = END) -> bytes:
+        """The batch's mark at message ``index``: its beginning (before its first piece in a
+        shard) or its end (after the last)."""
         assert self._batch_id is not None, "only a batch with an id is marked"
-        return encode_mark(index, mark_payload(self.sink_id, self._batch_id))
+        return encode_mark(index, mark_payload(self.sink_id, self._batch_id, at))
 
     def _append_shard(self, store: DurableStore, shard: int, segments: Sequence[Segment]) -> ShardState:
         """Append a shard's segments through its shard writer; return the shard's new sink state.
@@ -384,7 +395,7 @@ class SinkCommitter:
         writer.check_leases(every=True)  # a deposed sink must not seal the new holder's file
         writer.recover()
         staged = list(redirect.remaining) + [p for seg in later for p in seg.pieces]
-        new = self._segments(writer.new_file_name(), 0, 0, staged)
+        new = self._segments(writer.new_file_name(), 0, 0, staged, begin=redirect.begin)
         log.warning("acs sink %s: %s; the rest of the batch for shard %d goes to the new file %s",
                     self.sink_id, redirect.why, shard, new[0].file)
         return new
@@ -395,6 +406,8 @@ class SinkCommitter:
         and the seal if planned. Deterministic, so after a crash the bytes in the file are a
         prefix of them."""
         index = seg.start_index
+        if seg.begin:
+            yield self._mark(index, BEGIN), 0
         for piece in seg.pieces:
             raw = store.read(piece.path, piece.skip, piece.length)
             if len(raw) != piece.size:
@@ -450,9 +463,10 @@ class SinkCommitter:
         if length is not None and length < start:
             raise AcsError(f"{uri}: the file is {length} bytes long, but this sink's batch starts at byte {start}")
         done = length - start if length is not None else 0
-        sizes = ([p.size for p in seg.pieces] + ([len(self._mark(0))] if seg.mark else [])
-                 + ([HEADER_SIZE] if seg.seal else []))
-        rows = [p.rows for p in seg.pieces] + ([0] if seg.mark else []) + ([0] if seg.seal else [])
+        sizes = ([len(self._mark(0, BEGIN))] if seg.begin else []) + [p.size for p in seg.pieces] \
+            + ([len(self._mark(0))] if seg.mark else []) + ([HEADER_SIZE] if seg.seal else [])
+        rows = ([0] if seg.begin else []) + [p.rows for p in seg.pieces] + ([0] if seg.mark else []) \
+            + ([0] if seg.seal else [])
         planned = sum(sizes)
         end_state = ShardState(seg.file, start + planned, seg.start_index + sum(rows), seg.seal)
         landed, cut = self._landed(store, rel, uri, seg, done) if done else (None, 0)
@@ -467,7 +481,7 @@ class SinkCommitter:
                 writer.seal_file(seg.file)  # only our prefix is in it: finish it where it ends
             why = (f"another writer sealed {uri} at byte {start + landed} (it took the shard over)"
                    if landed is not None else f"{uri} is no longer where the shard ends")
-            return _Redirect(self._remaining(store, seg, cut), why)
+            return self._remaining(store, seg, cut, why)
         at = _piece_at(sizes, done)
         try:
             writer.recover(resume=OpenFile(seg.file, start + done, seg.start_index + sum(rows[:at])))
@@ -477,15 +491,16 @@ class SinkCommitter:
             # raises if not): the batch goes on in a new file after it, as after a seal. Nothing
             # of the segment landed (the file was new), so every piece is redirected.
             writer.check_leases(every=True)
-            return _Redirect(self._remaining(store, seg, cut), str(exc))
+            return self._remaining(store, seg, cut, str(exc))
         if writer.current() is None or writer.file != seg.file:
-            return _Redirect(self._remaining(store, seg, cut), f"{uri} changed while this sink took the shard")
+            return self._remaining(store, seg, cut, f"{uri} changed while this sink took the shard")
         offset = 0
         pending: List[bytes] = []  # pieces not appended yet, appended together (append_bytes)
         pending_bytes = pending_rows = 0
         for data, count in self._pieces(store, seg, uri):
             if offset + len(data) > done:
-                if pending and count and pending_bytes + len(data) > self.append_bytes:  # a mark or seal joins
+                # A mark or seal joins the append before it, a beginning mark the one after it.
+                if pending_rows and count and pending_bytes + len(data) > self.append_bytes:
                     writer.append(b"".join(pending), pending_rows)
                     writer.check_leases()  # a long append keeps its shard
                     pending, pending_bytes, pending_rows = [], 0, 0
@@ -501,12 +516,12 @@ class SinkCommitter:
             writer.close_file()  # the planned seal was the last piece
         return end_state
 
-    @staticmethod
-    def _remaining(store: DurableStore, seg: Segment, cut: int) -> List[Piece]:
+    def _remaining(self, store: DurableStore, seg: Segment, cut: int, why: str) -> "_Redirect":
         """The staged pieces of ``seg`` from planned byte ``cut`` (a block boundary) on, with
-        the bytes to skip in the first one (block boundaries are the same in the staged file)."""
+        the bytes to skip in the first one (block boundaries are the same in the staged file),
+        and whether the batch's beginning mark is still to go."""
         out: List[Piece] = []
-        offset = 0
+        offset = len(self._mark(0, BEGIN)) if seg.begin else 0
         for piece in seg.pieces:
             if offset + piece.size > cut:
                 inner = max(0, cut - offset)
@@ -516,7 +531,7 @@ class SinkCommitter:
                     rows -= sum(h.count for _, h in scan_blocks(skipped, path=store.uri(piece.path), final=True))
                 out.append(replace(piece, rows=rows, skip=piece.skip + inner))
             offset += piece.size
-        return out
+        return _Redirect(out, why, seg.begin and cut == 0)
 
     def _cache_failed(self, what: str, exc: Exception) -> None:
         log.warning("acs sink %s: cache write of %s failed, readers use the durable store: %s", self.sink_id, what, exc)
@@ -603,6 +618,7 @@ class _Redirect(NamedTuple):
 
     remaining: List[Piece]
     why: str
+    begin: bool = False  # the batch's beginning mark did not land either
 
 
 def _staged_pieces(messages: Sequence[Optional[StagedStream]]) -> Tuple[Dict[int, List[Piece]], List[str]]:

@@ -92,8 +92,9 @@ class Piece:
 @dataclass(frozen=True)
 class Segment:
     """The pieces one shard file takes: appended from byte ``start_length`` (message index
-    ``start_index``) on, then the batch's mark if ``mark`` (the shard's last segment of a
-    batch with an id), then sealed if ``seal``."""
+    ``start_index``) on, after the batch's beginning mark if ``begin`` (the shard's first
+    segment of a batch with an id), then its end mark if ``mark`` (the last segment), then
+    sealed if ``seal``."""
 
     file: str  # the message file's name in the shard folder
     start_length: int
@@ -101,10 +102,13 @@ class Segment:
     pieces: Tuple[Piece, ...] = ()
     seal: bool = False
     mark: bool = False
+    begin: bool = False
 
     def to_json(self) -> Dict[str, Any]:
         out = {"file": self.file, "start_length": self.start_length, "start_index": self.start_index,
                "staged": [p.to_json() for p in self.pieces], "seal": self.seal}
+        if self.begin:
+            out["begin"] = True
         if self.mark:
             out["mark"] = True
         return out
@@ -113,7 +117,7 @@ class Segment:
     def from_json(cls, raw: Any, form: int = INTENT_FORMAT) -> "Segment":
         return cls(str(raw["file"]), int(raw["start_length"]), int(raw["start_index"]),
                    tuple(Piece.from_json(p, form) for p in raw["staged"]), bool(raw["seal"]),
-                   bool(raw.get("mark", False)))
+                   bool(raw.get("mark", False)), bool(raw.get("begin", False)))
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,24 @@
-"""The sink's marks: where each batch ends in a shard, kept in the shard's own bytes.
+"""The sink's marks: where each batch begins and ends in a shard, kept in the shard's own bytes.
 
-After the last piece a batch appends to a shard, the driver appends a mark
-(:func:`~pyspark_acs.format.block.encode_mark`) naming the sink and the batch id. Marks are
-bytes of the message files, so every copy of a file holds them exactly where the batch
-ended, and a promotion's cut (``acs promote``) keeps or drops a mark with the bytes before
-it. A promoted cluster therefore holds its sinks' progress without their state files, which
-live beside the streams in the old source. The sink reads its state from the marks when its
-state file is missing or of another epoch than the stream's (docs/format.md section 7):
+Before the first piece a batch appends to a shard, and after the last, the driver appends a
+mark (:func:`~pyspark_acs.format.block.encode_mark`) naming the sink, the batch id and which
+end it is. Marks are bytes of the message files, so every copy of a file holds them exactly
+where the batch began and ended, and a promotion's cut (``acs promote``) keeps or drops a
+mark with the bytes before it. A promoted cluster therefore holds its sinks' progress without
+their state files, which live beside the streams in the old source. The sink reads its state
+from the marks when its state file is missing or of another epoch than the stream's
+(docs/format.md section 7):
 
-- a shard whose last mark is the replayed batch holds all of that batch's rows: nothing is
-  appended to it again;
-- a shard holding messages of this sink after its last mark holds the first rows of the
-  batch that was appending when the old source was lost: the replay's first rows must be
-  those (compared by key, value and headers) and only the rest is appended. A replay whose
-  rows differ is refused: neither appending nor skipping them would be exactly once.
+- a shard whose last mark is the replayed batch's end holds all of that batch's rows: nothing
+  is appended to it again;
+- a shard whose last mark is the replayed batch's beginning holds its first rows (the old
+  source was lost while it appended, or the cut fell inside the batch): the replay's first
+  rows must be those (compared by key, value and headers) and only the rest is appended,
+  then the end. A replay whose rows differ is refused: neither appending nor skipping them
+  would be exactly once;
+- rows after an earlier batch's beginning are that batch's, whose rest did not reach this
+  cluster: they stand, and the replay is appended after them; rows after no mark at all
+  (files of a version before marks) are no batch's to complete.
 """
 
 from __future__ import annotations
@@ -51,30 +56,39 @@ log = logging.getLogger(__name__)
 COMPARED = ("key", "value", "headers")
 
 
-def mark_payload(sink_id: str, batch: int) -> bytes:
-    """A sink mark's payload: ``{"batch": b, "sink": id}`` as compact JSON (the same bytes for the
-    same batch, so a resumed append writes the same mark)."""
-    return json.dumps({"batch": batch, "sink": sink_id}, sort_keys=True, separators=(",", ":")).encode()
+#: A mark's ``at``: where in its batch it stands.
+BEGIN, END = "begin", "end"
 
 
-def _parse_payload(payload: bytes) -> Optional[Tuple[str, int]]:
+def mark_payload(sink_id: str, batch: int, at: str = END) -> bytes:
+    """A sink mark's payload: ``{"at": "begin"|"end", "batch": b, "sink": id}`` as compact JSON
+    (the same bytes for the same batch, so a resumed append writes the same mark)."""
+    return json.dumps({"at": at, "batch": batch, "sink": sink_id}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _parse_payload(payload: bytes) -> Optional[Tuple[str, int, str]]:
     try:
         raw = json.loads(payload)
-        return str(raw["sink"]), int(raw["batch"])
+        at = str(raw["at"])
+        return (str(raw["sink"]), int(raw["batch"]), at) if at in (BEGIN, END) else None
     except (ValueError, KeyError, TypeError):
         return None  # a mark of another writer's form: not this sink's
 
 
 @dataclass
 class ShardMarks:
-    """What one shard holds of a sink: its last mark's batch and where the mark ends, and the
-    sink's messages after that mark (the first rows of a batch that did not finish there)."""
+    """What one shard holds of a sink: its last mark (batch, begin or end) and where it ends,
+    and the sink's messages after it when it is a beginning (the first rows of a batch that
+    did not finish there)."""
 
     last_batch: Optional[int] = None
+    #: Whether the last mark is a batch's beginning (its rows follow), not its end.
+    begun: bool = False
     end: Optional[ShardState] = None
     #: The sink's message blocks after its last mark, in order: (file uri, byte, decoded rows).
     tail: List[Tuple[str, int, pa.RecordBatch]] = field(default_factory=list)
-    #: More than the scan's limit of rows lie after the last mark (not all read).
+    #: More than the scan's limit of rows lie after the last mark found, or no mark was found
+    #: that far back: the rows there are no batch's to complete.
     over: bool = False
 
     @property
@@ -96,7 +110,8 @@ class SinkMarks:
     shards: Dict[int, ShardMarks]
 
     def state(self, epoch: int) -> SinkState:
-        """The sink state the marks give: the largest batch marked, each shard's end."""
+        """The sink state the marks give: the largest batch marked (begun or ended; Spark
+        replays no batch before one that began), each shard's end."""
         batches = [m.last_batch for m in self.shards.values() if m.last_batch is not None]
         ends = {s: m.end for s, m in self.shards.items() if m.end is not None}
         return SinkState(max(batches) if batches else None, ends, None, epoch)
@@ -120,8 +135,8 @@ def read_marks(store: DurableStore, stream: str, shards: int, writer_id: str, si
                limits: Mapping[int, int]) -> SinkMarks:
     """Read back, per shard, the sink's last mark and its messages after it, from the files
     its writer id names (newest first, until a file holds one of its marks). A shard's scan
-    stops once more than ``limits[shard]`` rows (default 0) lie after the last mark: more than
-    the replay could hold."""
+    stops once more than ``limits[shard]`` rows (default 0) lie after where it has looked: more
+    than the replay could complete."""
     out: Dict[int, ShardMarks] = {}
     for shard in range(shards):
         marks = ShardMarks()
@@ -139,26 +154,32 @@ def read_marks(store: DurableStore, stream: str, shards: int, writer_id: str, si
             length = store.lengths([rel]).get(rel) or 0
             data = store.read(rel, 0, length)
             blocks = _walk(data, uri)
-            last_mark = None
+            last = None  # (block number, parsed payload) of the sink's last mark in the file
             for i, (at, header) in enumerate(blocks):
                 body = mark_body(data, at, header)
                 parsed = _parse_payload(body) if body is not None else None
                 if parsed is not None and parsed[0] == sink_id:
-                    last_mark = i
-            after = blocks[last_mark + 1:] if last_mark is not None else blocks
-            mine = [(uri, at, decode_block(data, at, path=uri, position=at, headers=True, header=h)[1])
-                    for at, h in after if h.count]
-            newer = mine + newer
-            if last_mark is not None:
-                at, header = blocks[last_mark]
-                marks.last_batch = _parse_payload(mark_body(data, at, header) or b"")[1]  # type: ignore[index]
+                    last = (i, parsed)
+            after = blocks[last[0] + 1:] if last is not None else blocks
+            if last is None and sum(h.count for _, h in after) + sum(b.num_rows for *_, b in newer) > limit:
+                marks.over = True  # no mark that far back: nothing decoded for it
+                break
+            newer = [(uri, at, decode_block(data, at, path=uri, position=at, headers=True, header=h)[1])
+                     for at, h in after if h.count] + newer
+            if last is not None:
+                i, (_, batch, where) = last
+                at, header = blocks[i]
+                marks.last_batch, marks.begun = batch, where == BEGIN
                 end = at + header.size
                 marks.end = ShardState(name, end, header.first_index, sealed=end != length)
+                if marks.begun:
+                    marks.tail = newer
+                    marks.over = marks.tail_rows > limit
+                elif newer:
+                    log.warning("%s: %d messages of sink %s follow its mark of batch %d's end without a "
+                                "beginning; they are no batch's to complete", uri, sum(b.num_rows for *_, b in newer),
+                                sink_id, batch)
                 break
-            if sum(b.num_rows for _, _, b in newer) > limit:
-                marks.over = True
-                break
-        marks.tail = newer
         out[shard] = marks
     return SinkMarks(out)
 
@@ -185,29 +206,31 @@ def _rows(batches: Sequence[pa.RecordBatch]) -> pa.Table:
 
 
 def trim_replay(store: DurableStore, what: str, shard: int, pieces: Sequence[Piece], marks: ShardMarks,
-                batch_id: int, staging_dir: str) -> List[Piece]:
-    """The pieces of a replayed batch still to append to ``shard``, given what the shard holds
-    of the sink (``marks``): none when its last mark is this batch; after the rows the shard
-    holds of it already (compared with the replay's first rows; a block split there is encoded
-    again into ``staging_dir``); all of them otherwise.
+                batch_id: int, staging_dir: str) -> Tuple[List[Piece], bool]:
+    """What of a replayed batch still goes to ``shard``, given what the shard holds of the sink
+    (``marks``): ``(pieces, continued)``. ``continued``: the shard holds the batch's beginning,
+    so the pieces (perhaps none) continue it and end it, with no new beginning. Nothing when
+    the shard holds the batch's end; after the rows it holds of it already (compared with the
+    replay's first rows; a block split there is encoded again into ``staging_dir``); all of them,
+    begun anew, otherwise.
 
     Raises
     ------
     AcsError
-        The shard holds rows of this sink after its last mark that are not the replay's first
-        rows (naming the file and byte), or rows after this batch's own mark.
+        The shard holds rows of this batch that are not the replay's first rows (naming the
+        file and byte).
     """
-    if marks.last_batch is not None and marks.last_batch == batch_id:
-        if marks.tail:
-            raise AcsError(
-                f"{what}: shard {shard} holds batch {batch_id}'s mark and then {marks.tail_rows} more messages of this "
-                f"sink ({marks.tail_range()}): the batch after it was appending, so batch {batch_id} is not the one "
-                f"to replay; the query's checkpoint is older than the stream (restore the checkpoint that went with "
-                f"it, or give the query a new checkpointLocation or sinkId)")
-        return []
-    if not marks.tail:
-        return list(pieces)
+    if marks.last_batch != batch_id:
+        if marks.begun and marks.tail:  # an earlier batch's first rows: the rest never came here
+            log.warning("%s: shard %d holds the first %d rows of batch %s (%s) and not the rest, which did not reach "
+                        "this cluster before the promotion; batch %d follows them", what, shard, marks.tail_rows,
+                        marks.last_batch, marks.tail_range(), batch_id)
+        return list(pieces), False
+    if not marks.begun:
+        return [], False  # the shard holds the batch's end: all of it
     k = marks.tail_rows
+    if k == 0:
+        return list(pieces), True
     staged = _staged_rows(store, pieces)
     planned = _rows([b for *_, b in staged])
     held = _rows([b for _, _, b in marks.tail])
@@ -215,12 +238,11 @@ def trim_replay(store: DurableStore, what: str, shard: int, pieces: Sequence[Pie
     if differs:
         first = next((i for i in range(min(k, planned.num_rows))
                       if not planned.slice(i, 1).equals(held.slice(i, 1))), min(k, planned.num_rows))
-        how = ("holds more messages of this sink after its last mark than the replay has rows" if marks.over
+        how = (f"has only {planned.num_rows} rows for the shard" if marks.over or planned.num_rows < k
                else f"differs from them from message {first} on (the replay has {planned.num_rows} rows for the shard)")
         raise AcsError(
-            f"{what}: shard {shard} holds {k} message{'s' if k != 1 else ''} of this sink after its last mark "
-            f"({marks.tail_range()}): "
-            f"the first rows of batch {batch_id}, appended before the old source was lost; but the replay {how}. "
+            f"{what}: shard {shard} holds {k} message{'s' if k != 1 else ''} of batch {batch_id} after its beginning "
+            f"({marks.tail_range()}), appended before the old source was lost; but the replay {how}. "
             f"The batch did not replay the rows it ran with (a source that is not replayable, or a query that is "
             f"not deterministic), so neither appending them again nor skipping them is exactly once, and nothing "
             f"of the batch is written. To go on from the next batch, give the query a new checkpointLocation or "
@@ -254,4 +276,4 @@ def trim_replay(store: DurableStore, what: str, shard: int, pieces: Sequence[Pie
             seen += rows.num_rows
     log.warning("%s: shard %d held the first %d rows of batch %d (%s); the replay appends the %d after them",
                 what, shard, k, batch_id, marks.tail_range(), planned.num_rows - k)
-    return out
+    return out, True

@@ -216,6 +216,17 @@ def walk_blocks(
     at, rows, blocks = start, 0, 0
     uri = path.store.uri(rel)
     window = max(HEADER_SIZE, first_read)
+    # The last block passed by its header alone: (start, rows and blocks before it). A torn
+    # block whose claimed size ends inside its recovery seal looks whole by its header; the
+    # bytes after it are then no block, and the seal voids from its start.
+    last: Optional[Tuple[int, int, int]] = None
+
+    def torn_last() -> Optional[Tuple[int, int, int, bool]]:
+        if last is None:
+            return None
+        void_end = skip_void(path, rel, last[0], stop)
+        return None if void_end is None else (void_end, last[1], last[2] + 1, True)
+
     while at + HEADER_SIZE <= stop:
         data = _read_now(path, rel, at, min(stop, at + window))
         if len(data) < HEADER_SIZE:
@@ -226,6 +237,9 @@ def walk_blocks(
                 header = parse_header(data, off, path=uri, position=at + off)
             except CorruptFileError:
                 header = None
+                passed = torn_last()
+                if passed is not None:
+                    return passed
             if header is None or (header.size > stop - (at + off) and not header.sealed):
                 # Not a complete block: a torn block is passed only with its recovery seal.
                 void_end = skip_void(path, rel, at + off, stop)
@@ -243,12 +257,17 @@ def walk_blocks(
                 return at + off, rows, blocks, False
             if stop_before is not None and stop_before(header):
                 return at + off, rows, blocks, False
+            last = (at + off, rows, blocks)
             rows += header.count
             blocks += 1
             off += header.size
             if header.sealed:
                 return at + off, rows, blocks, True
         at += off
+    if 0 < stop - at < HEADER_SIZE:  # bytes after the last block too few for a header
+        passed = torn_last()
+        if passed is not None:
+            return passed
     return at, rows, blocks, False
 
 

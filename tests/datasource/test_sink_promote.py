@@ -18,7 +18,8 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
 
-from pyspark_acs.datasource.commit_log import STATE_FILE, sink_dir
+import pyspark_acs.datasource.commit as commit_mod
+from pyspark_acs.datasource.commit_log import STATE_FILE, Segment, sink_dir
 from pyspark_acs.datasource.options import parse_sink_options
 from pyspark_acs.datasource.sink import AcsStreamWriter
 from pyspark_acs.errors import AcsError
@@ -128,7 +129,7 @@ def test_a_batch_the_sink_committed_in_a_is_not_written_again_in_the_promoted_b(
         wb.commit([wb.write(iter([batch(*rows(0))]))], 0)
 
 
-def test_each_shard_ends_a_batch_with_a_mark_naming_the_sink_and_batch(clusters):
+def test_each_shard_begins_and_ends_a_batch_with_marks_naming_the_sink_and_batch(clusters):
     w = clusters.writer("A")
     for b in range(3):
         w.commit([w.write(iter([batch(*rows(b))]))], b)
@@ -136,7 +137,7 @@ def test_each_shard_ends_a_batch_with_a_mark_naming_the_sink_and_batch(clusters)
         folder = clusters.roots["A"] / shard_dir(STREAM, shard)
         data = b"".join(p.read_bytes() for p in sorted(folder.glob("*.acs")))
         marks = [json.loads(mark_body(data, at, h)) for at, h in scan_blocks(data) if mark_body(data, at, h)]
-        assert marks == [{"batch": b, "sink": w.sink_id} for b in range(3)]
+        assert marks == [{"at": at, "batch": b, "sink": w.sink_id} for b in range(3) for at in ("begin", "end")]
 
 
 def test_a_batch_half_appended_when_a_was_lost_is_completed_in_b_exactly_once(clusters, monkeypatch):
@@ -184,8 +185,8 @@ def test_the_cut_inside_a_batch_leaves_b_the_first_rows_and_the_replay_the_rest(
     wa.commit([wa.write(iter([batch(values, [1] * 6)]))], 1)
     data = b"".join(p.read_bytes() for p in sorted(folder.glob("*.acs")))
     blocks = [(at, h) for at, h in scan_blocks(data) if at >= before]
-    assert len(blocks) > 3 and blocks[0][1].count, blocks  # several blocks, then the mark
-    cut = blocks[1][0] + torn  # B holds batch 1's first block of shard 1
+    assert len(blocks) > 4 and not blocks[0][1].count and blocks[1][1].count, blocks  # begin, blocks, end
+    cut = blocks[2][0] + torn  # B holds batch 1's beginning and first block of shard 1
     clusters.copy({1: cut})
     clusters.lose_a_and_promote_b()
     wb = clusters.writer("B", maxBlockBytes="1KiB")
@@ -230,8 +231,8 @@ def test_a_replay_with_other_rows_is_refused_naming_the_file_and_nothing_lands(c
     wb = clusters.writer("B")
     before = clusters.history("B")
     assert before == {0: [b"x0"]}
-    with pytest.raises(AcsError, match=r"shard 0 holds 1 message of this sink after its last mark \(.*acs from "
-                                       r"byte 0\).*differs from them from message 0 on.*new checkpointLocation"):
+    with pytest.raises(AcsError, match=r"shard 0 holds 1 message of batch 0 after its beginning \(.*acs from "
+                                       r"byte \d+\).*differs from them from message 0 on.*new checkpointLocation"):
         wb.commit([wb.write(iter([batch([v], [0])])) for v in (b"y0", b"x1")], 0)
     assert clusters.history("B") == before
 
@@ -325,7 +326,145 @@ def test_a_replay_routing_no_rows_to_a_shard_holding_its_first_rows_is_refused(c
     wb = clusters.writer("B")
     held = clusters.history("B")
     assert held[1][-1] == b"x1" and held[0][-1] != b"x0"
-    with pytest.raises(AcsError, match=r"shard 1 holds 1 message of this sink after its last mark.*the replay has 0 "
+    with pytest.raises(AcsError, match=r"shard 1 holds 1 message of batch 1 after its beginning.*the replay has only 0 "
                                        r"rows for the shard"):
         wb.commit([wb.write(iter([batch([b"x0"], [0])]))], 1)
     assert clusters.history("B") == held
+
+
+def _shard_marks(root, shard):
+    """[(byte offset over the shard's concatenated files, payload)] of the marks in a shard."""
+    folder = root / shard_dir(STREAM, shard)
+    data = b"".join(p.read_bytes() for p in sorted(folder.glob("*.acs")))
+    out = []
+    for at, h in scan_blocks(data):
+        body = mark_body(data, at, h)
+        if body is not None:
+            out.append((at, json.loads(body)))
+    return out
+
+
+def _second_promotion(clusters, cluster, sink_id):
+    """Model a later promotion of a byte copy of ``cluster`` (C holds its bytes, not its sink
+    folder): the stream's epoch goes up by one and the sink state is gone."""
+    meta_path = clusters.roots[cluster] / STREAM / "_stream.json"
+    meta = json.loads(meta_path.read_text())
+    meta["epoch"] = int(meta.get("epoch") or 0) + 1
+    meta_path.write_text(json.dumps(meta))
+    (clusters.roots[cluster] / sink_dir(STREAM, sink_id) / STATE_FILE).unlink()
+
+
+# -- Found by review: a shard holding all of a batch's rows but not its end; rows of an earlier
+# batch after its beginning; files of a version before marks.
+
+def test_a_replay_that_trims_a_shard_to_nothing_still_ends_it(clusters):
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    wa.commit([wa.write(iter([batch(*rows(1))]))], 1)
+    mark_at = [at for at, m in _shard_marks(clusters.roots["A"], 1) if m["batch"] == 1 and m["at"] == "end"][0]
+    clusters.copy({1: mark_at})  # B holds every row of batch 1 in shard 1, not its mark
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch(*rows(1))]))], 1)  # Spark's replay
+    assert clusters.history("B") == expected([0, 1])  # fine so far
+    assert [(m["at"], m["batch"]) for _, m in _shard_marks(clusters.roots["B"], 1)] == [
+        ("begin", 0), ("end", 0), ("begin", 1), ("end", 1)]
+
+
+def test_a_replay_holding_all_its_rows_ends_the_shard_so_a_later_batch_lands_after_it(clusters):
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    wa.commit([wa.write(iter([batch(*rows(1))]))], 1)
+    mark_at = [at for at, m in _shard_marks(clusters.roots["A"], 1) if m["batch"] == 1 and m["at"] == "end"][0]
+    clusters.copy({1: mark_at})
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch(*rows(1))]))], 1)          # replay: shard 1 trimmed to nothing
+    wb.commit([wb.write(iter([batch([b"b2-0"], [0])]))], 2)     # batch 2: shard 0 only
+    _second_promotion(clusters, "B", wb.sink_id)                # B -> C later (C = B's bytes)
+    wc = clusters.writer("B")
+    wc.commit([wc.write(iter([batch(*rows(3))]))], 3)           # a NEW batch, not a replay
+    assert clusters.history("B")[1] == expected([0, 1, 3])[1]
+
+
+def test_a_later_batch_with_equal_rows_is_not_taken_for_a_replay(clusters):
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    wa.commit([wa.write(iter([batch([b"hb", b"hb"], [1, 1])]))], 1)  # e.g. heartbeats
+    mark_at = [at for at, m in _shard_marks(clusters.roots["A"], 1) if m["batch"] == 1 and m["at"] == "end"][0]
+    clusters.copy({1: mark_at})
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch([b"hb", b"hb"], [1, 1])]))], 1)
+    wb.commit([wb.write(iter([batch([b"b2-0"], [0])]))], 2)
+    _second_promotion(clusters, "B", wb.sink_id)
+    wc = clusters.writer("B")
+    wc.commit([wc.write(iter([batch([b"hb", b"hb", b"b3-new"], [1, 1, 1])]))], 3)
+    assert clusters.history("B")[1] == [b"b0-1", b"b0-3", b"hb", b"hb", b"hb", b"hb", b"b3-new"]
+
+
+def _partial_committed_batch(clusters, values1):
+    """Batch 1 committed in A (Spark logged it), only its first shard-1 row reached B."""
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    before = [at for at, m in _shard_marks(clusters.roots["A"], 1) if m["batch"] == 0 and m["at"] == "end"][0]
+    wa.commit([wa.write(iter([batch([v], [1])])) for v in values1], 1)  # a block per task
+    folder = clusters.roots["A"] / shard_dir(STREAM, 1)
+    data = b"".join(p.read_bytes() for p in sorted(folder.glob("*.acs")))
+    blocks = [(at, h) for at, h in scan_blocks(data) if at > before and h.count]
+    return blocks[0][0] + blocks[0][1].size  # the end of batch 1's first block in shard 1
+
+
+def test_next_batch_after_a_copy_lagged_batch_with_nothing_of_it_held(clusters):
+    _partial_committed_batch(clusters, [b"x"])
+    folder = clusters.roots["A"] / shard_dir(STREAM, 1)
+    data = b"".join(p.read_bytes() for p in sorted(folder.glob("*.acs")))
+    mark0_end = [at + h.size for at, h in scan_blocks(data) if mark_body(data, at, h)][1]  # batch 0's end
+    clusters.copy({1: mark0_end})  # shard 1: through batch 0's mark, nothing of batch 1 (control)
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch(*rows(2))]))], 2)  # no tail: fine
+    assert clusters.history("B")[1] == expected([0])[1] + expected([2])[1]
+
+
+def test_next_batch_after_a_copy_lagged_committed_batch_with_its_first_row_held(clusters):
+    cut = _partial_committed_batch(clusters, [b"x", b"y"])
+    clusters.copy({1: cut})  # shard 1 holds batch 1's first row (the copy lagged; Spark logged 1)
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch(*rows(2))]))], 2)  # Spark's NEXT batch (1 is committed)
+    assert clusters.history("B")[1] == expected([0])[1] + [b"x"] + expected([2])[1]
+
+
+def test_next_batch_whose_first_row_equals_an_earlier_batchs_held_rows_lands_whole(clusters):
+    cut = _partial_committed_batch(clusters, [b"x", b"y"])
+    clusters.copy({1: cut})
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch([b"x", b"z"], [1, 1])]))], 2)  # batch 2 starts with an equal row
+    assert clusters.history("B")[1] == expected([0])[1] + [b"x", b"x", b"z"]
+
+
+def test_state_file_missing_on_unpromoted_stream_with_markless_files(clusters, monkeypatch):
+    real = Segment
+    monkeypatch.setattr(commit_mod, "Segment", lambda *a, mark=False, begin=False, **k: real(*a, **k))  # the version before
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    monkeypatch.setattr(commit_mod, "Segment", real)  # upgrade
+    (clusters.roots["A"] / sink_dir(STREAM, wa.sink_id) / STATE_FILE).unlink()
+    wa.commit([wa.write(iter([batch(*rows(1))]))], 1)  # before d051c76: appended (no state: fresh)
+    assert clusters.history("A") == expected([0, 1])
+
+
+def test_upgrade_then_promotion_a_shard_untouched_since_the_upgrade_takes_new_batches(clusters, monkeypatch):
+    real = Segment
+    monkeypatch.setattr(commit_mod, "Segment", lambda *a, mark=False, begin=False, **k: real(*a, **k))
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)  # the released version: both shards
+    monkeypatch.setattr(commit_mod, "Segment", real)
+    wa.commit([wa.write(iter([batch([b"b1-0"], [0])]))], 1)  # upgraded: batch 1 in shard 0 only
+    clusters.copy()
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch(*rows(2))]))], 2)  # a NEW batch (1 committed), both shards
+    assert clusters.history("B")[1] == expected([0])[1] + expected([2])[1]
