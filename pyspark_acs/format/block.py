@@ -79,6 +79,7 @@ __all__ = [
     "parse_header",
     "rebase_blocks",
     "scan_blocks",
+    "seal_void_from",
     "timestamp_bounds",
     "timestamps_section",
 ]
