@@ -90,17 +90,19 @@ class SinkCommitter:
         raw = self._load(store, STATE_FILE)
         return SinkState() if raw is None else SinkState.from_json(raw, store.uri(f"{self.dir}/{STATE_FILE}"))
 
-    def _state_here(self, store: DurableStore, epoch: int, staged: Dict[int, List[Piece]]
+    def _state_here(self, store: DurableStore, epoch: int, since: Optional[float], staged: Dict[int, List[Piece]]
                     ) -> Tuple[SinkState, Optional[SinkMarks]]:
         """The sink's state in this stream, and the marks it was read from when the state file
         is missing or of another epoch (a promotion since: the file is the old history's, or
-        lives in the lost source alone). ``staged``: the batch's pieces per shard, bounding the
-        marks' scan."""
+        lives in the lost source alone). ``since``: when the stream took its epoch (None: no
+        promotion). ``staged``: the batch's pieces per shard, bounding the marks' scan."""
         raw = self._load(store, STATE_FILE)
         state = SinkState() if raw is None else SinkState.from_json(raw, store.uri(f"{self.dir}/{STATE_FILE}"))
-        if raw is not None and (state.epoch or 0) == epoch:
+        if raw is not None and _of_epoch(state.epoch, state.updated, epoch, since):
             return state, None
-        shards = store.stream_shards(self.opts.stream) or 0
+        # After a promotion every shard is looked at (the batch's beginning may be in a shard its
+        # replay routes no rows to); a fresh sink of a stream never promoted looks at its own.
+        shards = range(store.stream_shards(self.opts.stream) or 0) if epoch else sorted(staged)
         marks = read_marks(store, self.opts.stream, shards, self.writer_id, self.sink_id,
                            {s: sum(p.rows for p in ps) for s, ps in staged.items()})
         found = marks.state(epoch)
@@ -112,7 +114,8 @@ class SinkCommitter:
                         found.last_batch)
         return found, marks
 
-    def _drop_other_epochs(self, store: DurableStore, epoch: int, names: List[str]) -> List[str]:
+    def _drop_other_epochs(self, store: DurableStore, epoch: int, since: Optional[float],
+                           names: List[str]) -> List[str]:
         """Delete the intents (and their staging) written at another epoch of the stream: the
         history they were appending to was cut by a promotion; the marks say what of it stands.
         ``names``: the sink folder's; returns those left."""
@@ -122,7 +125,7 @@ class SinkCommitter:
                 left.append(name)
                 continue
             intent = self._load_intent(store, name)
-            if intent is not None and (intent.epoch or 0) != epoch:
+            if intent is not None and not _of_epoch(intent.epoch, _mtime(store, f"{self.dir}/{name}"), epoch, since):
                 log.warning("acs sink %s (stream %r): %s was written at epoch %d, the stream is at epoch %d (a "
                             "promotion since); it is dropped: the batches' marks say what of it stands",
                             self.sink_id, self.opts.stream, name, intent.epoch or 0, epoch)
@@ -167,9 +170,11 @@ class SinkCommitter:
             return clients
 
     def _commit(self, store: DurableStore, messages: Sequence[Optional[StagedStream]], batch_id: Optional[int]) -> None:
-        epoch = int((store.stream_meta(self.opts.stream) or {}).get("epoch") or 0)
+        meta = store.stream_meta(self.opts.stream) or {}
+        epoch = int(meta.get("epoch") or 0)
+        since = _epoch_since(meta, epoch)
         if batch_id is not None:
-            names = self._drop_other_epochs(store, epoch, store.list_dir(self.dir))
+            names = self._drop_other_epochs(store, epoch, since, store.list_dir(self.dir))
             self._finish_older_intents(store, batch_id, names)
         self._batch_id = batch_id
         staged, staging_dirs = _staged_pieces(messages)
@@ -177,7 +182,7 @@ class SinkCommitter:
         if batch_id is None:
             state = self._load_state(store)
         else:
-            state, marks = self._state_here(store, epoch, staged)
+            state, marks = self._state_here(store, epoch, since, staged)
         last = state.last_batch
         if batch_id is not None and last is not None and batch_id < last:
             # Spark only ever replays the last batch: a smaller id is another query (e.g. a
@@ -619,6 +624,43 @@ class _Redirect(NamedTuple):
     remaining: List[Piece]
     why: str
     begin: bool = False  # the batch's beginning mark did not land either
+
+
+def _epoch_since(meta: Dict[str, Any], epoch: int) -> Optional[float]:
+    """When the stream took ``epoch`` (its promotion record's ``at``, Unix seconds; None for
+    epoch 0 or a record without one)."""
+    import datetime as dt
+
+    for record in reversed(meta.get("promotions") or []):
+        if int(record.get("epoch") or 0) == epoch and record.get("at"):
+            try:
+                at = dt.datetime.strptime(str(record["at"]), "%Y-%m-%dT%H:%M:%SZ")
+            except ValueError:
+                return None
+            return at.replace(tzinfo=dt.timezone.utc).timestamp()
+    return None
+
+
+def _of_epoch(recorded: Optional[int], written: Optional[float], epoch: int, since: Optional[float]) -> bool:
+    """Whether a sink record (state or intent) belongs to the stream's current epoch: by the
+    epoch it records; a record without one (written before records carried it) by when it
+    was written, at or after the promotion to the current epoch."""
+    if recorded is not None:
+        return recorded == epoch
+    if epoch == 0:
+        return True
+    return written is not None and since is not None and written >= since
+
+
+def _mtime(store: DurableStore, rel: str) -> Optional[float]:
+    """When a sink record was last written (Unix seconds; None when unknown)."""
+    import pyarrow.fs as pafs
+
+    try:
+        info = store.fs.get_file_info(store.path(rel))
+    except (OSError, pa.ArrowException):
+        return None
+    return info.mtime.timestamp() if info.type != pafs.FileType.NotFound and info.mtime is not None else None
 
 
 def _staged_pieces(messages: Sequence[Optional[StagedStream]]) -> Tuple[Dict[int, List[Piece]], List[str]]:

@@ -26,18 +26,21 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
 from pyspark_acs.datasource.commit_log import Piece, ShardState, SinkState
 from pyspark_acs.errors import AcsError, CorruptFileError, InvalidNameError
 from pyspark_acs.format.block import (
+    HEADER_SIZE,
+    MARK_MAGIC,
     BlockHeader,
     body_intact,
     decode_block,
     encode_block,
     mark_body,
+    parse_header,
     scan_blocks,
 )
 from pyspark_acs.format.names import parse_file_name, shard_dir
@@ -95,8 +98,13 @@ class ShardMarks:
     def tail_rows(self) -> int:
         return sum(b.num_rows for _, _, b in self.tail)
 
+    #: Where the last mark ends: (file uri, byte), when it was found by its headers alone.
+    after: Optional[Tuple[str, int]] = None
+
     def tail_range(self) -> str:
         """Where the tail lies (first and last block), for messages."""
+        if self.after is not None:
+            return f"{self.after[0]} from byte {self.after[1]} on"
         first, last = self.tail[0], self.tail[-1]
         if first[0] == last[0]:
             return f"{first[0]} from byte {first[1]}"
@@ -131,16 +139,52 @@ def _walk(data: bytes, uri: str) -> List[Tuple[int, BlockHeader]]:
     return out
 
 
-def read_marks(store: DurableStore, stream: str, shards: int, writer_id: str, sink_id: str,
+#: How far back (bytes of the sink's files per shard) the marks are looked for by their
+#: headers alone, past the rows the replay could complete: a batch that rolled over files
+#: has its beginning in an older file than its last rows.
+MARK_SEARCH_BYTES = 1 << 30
+#: Bytes of block headers read at a time when marks are looked for by headers.
+_HEADER_WINDOW = 64 * 1024
+
+
+def _last_mark_by_headers(store: DurableStore, rel: str, length: int, sink_id: str
+                          ) -> Optional[Tuple[int, BlockHeader, Tuple[str, int, str]]]:
+    """The sink's last mark in ``rel``, found by walking block headers (bodies read only for
+    blocks without messages): (byte, header, payload)."""
+    uri = store.uri(rel)
+    found = None
+    at, buf_start, buf = 0, 0, b""
+    while length - at >= HEADER_SIZE:
+        if at + HEADER_SIZE > buf_start + len(buf):
+            buf_start, buf = at, store.read(rel, at, min(length, at + _HEADER_WINDOW))
+        try:
+            header = parse_header(buf, at - buf_start, path=uri, position=at)
+        except CorruptFileError:
+            break  # a torn tail
+        if header.sealed or at + header.size > length:
+            break
+        if not header.count and not header.flags and header.body_len >= len(MARK_MAGIC):
+            block = store.read(rel, at, at + header.size)
+            body = mark_body(block, 0, header) if body_intact(block, 0, header) else None
+            parsed = _parse_payload(body) if body is not None else None
+            if parsed is not None and parsed[0] == sink_id:
+                found = (at, header, parsed)
+        at += header.size
+    return found
+
+
+def read_marks(store: DurableStore, stream: str, shards: Iterable[int], writer_id: str, sink_id: str,
                limits: Mapping[int, int]) -> SinkMarks:
-    """Read back, per shard, the sink's last mark and its messages after it, from the files
-    its writer id names (newest first, until a file holds one of its marks). A shard's scan
-    stops once more than ``limits[shard]`` rows (default 0) lie after where it has looked: more
-    than the replay could complete."""
+    """Read back, per shard of ``shards``, the sink's last mark and its messages after it, from
+    the files its writer id names (newest first, until a file holds one of its marks). Once
+    more than ``limits[shard]`` rows (default 0) lie after where it has looked (more than the
+    replay could complete), the rows are no longer decoded and the mark is looked for by block
+    headers, up to :data:`MARK_SEARCH_BYTES` further back."""
     out: Dict[int, ShardMarks] = {}
-    for shard in range(shards):
+    for shard in shards:
         marks = ShardMarks()
         limit = limits.get(shard, 0)
+        searched = 0
         newer: List[Tuple[str, int, pa.RecordBatch]] = []  # tail blocks of files newer than this one
         folder = shard_dir(stream, shard)
         for name in reversed(store.list_files(stream, shard)):
@@ -152,6 +196,22 @@ def read_marks(store: DurableStore, stream: str, shards: int, writer_id: str, si
             rel = f"{folder}/{name}"
             uri = store.uri(rel)
             length = store.lengths([rel]).get(rel) or 0
+            if marks.over:  # past what the replay could complete: the mark by headers alone
+                searched += length
+                found = _last_mark_by_headers(store, rel, length, sink_id)
+                if found is not None:
+                    at, header, (_, batch, where) = found
+                    marks.last_batch, marks.begun = batch, where == BEGIN
+                    end = at + header.size
+                    marks.end = ShardState(name, end, header.first_index, sealed=True)
+                    marks.tail = newer  # the rows decoded before the search: a part of them
+                    marks.after = (uri, end)
+                    break
+                if searched > MARK_SEARCH_BYTES:
+                    log.warning("%s: no mark of sink %s in the last %d bytes of its files in shard %d; the rows "
+                                "there are no batch's to complete", uri, sink_id, searched, shard)
+                    break
+                continue
             data = store.read(rel, 0, length)
             blocks = _walk(data, uri)
             last = None  # (block number, parsed payload) of the sink's last mark in the file
@@ -162,8 +222,9 @@ def read_marks(store: DurableStore, stream: str, shards: int, writer_id: str, si
                     last = (i, parsed)
             after = blocks[last[0] + 1:] if last is not None else blocks
             if last is None and sum(h.count for _, h in after) + sum(b.num_rows for *_, b in newer) > limit:
-                marks.over = True  # no mark that far back: nothing decoded for it
-                break
+                marks.over = True  # no mark that far back: nothing decoded past it
+                searched = 0
+                continue
             newer = [(uri, at, decode_block(data, at, path=uri, position=at, headers=True, header=h)[1])
                      for at, h in after if h.count] + newer
             if last is not None:
@@ -229,7 +290,7 @@ def trim_replay(store: DurableStore, what: str, shard: int, pieces: Sequence[Pie
     if not marks.begun:
         return [], False  # the shard holds the batch's end: all of it
     k = marks.tail_rows
-    if k == 0:
+    if k == 0 and not marks.over:
         return list(pieces), True
     staged = _staged_rows(store, pieces)
     planned = _rows([b for *_, b in staged])
@@ -240,8 +301,10 @@ def trim_replay(store: DurableStore, what: str, shard: int, pieces: Sequence[Pie
                       if not planned.slice(i, 1).equals(held.slice(i, 1))), min(k, planned.num_rows))
         how = (f"has only {planned.num_rows} rows for the shard" if marks.over or planned.num_rows < k
                else f"differs from them from message {first} on (the replay has {planned.num_rows} rows for the shard)")
+        held_n = (f"more than {planned.num_rows} messages" if marks.after is not None  # not all read
+                  else f"{k} message{'s' if k != 1 else ''}")
         raise AcsError(
-            f"{what}: shard {shard} holds {k} message{'s' if k != 1 else ''} of batch {batch_id} after its beginning "
+            f"{what}: shard {shard} holds {held_n} of batch {batch_id} after its beginning "
             f"({marks.tail_range()}), appended before the old source was lost; but the replay {how}. "
             f"The batch did not replay the rows it ran with (a source that is not replayable, or a query that is "
             f"not deterministic), so neither appending them again nor skipping them is exactly once, and nothing "

@@ -66,6 +66,7 @@ __all__ = [
     "BlockHeader",
     "DEFAULT_MAX_BLOCK_BYTES",
     "HEADER_SIZE",
+    "MARK_MAGIC",
     "RECOVERY_SEAL_SIZE",
     "check_block_bodies",
     "body_intact",
@@ -79,7 +80,6 @@ __all__ = [
     "parse_header",
     "rebase_blocks",
     "scan_blocks",
-    "seal_void_from",
     "timestamp_bounds",
     "timestamps_section",
 ]

@@ -24,8 +24,8 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from pyspark_acs.errors import CorruptFileError, DataLossError
-from pyspark_acs.format.block import (HEADER_SIZE, RECOVERY_SEAL_SIZE, BlockHeader, body_intact, find_recovery_seal,
-                                      parse_header, scan_blocks, seal_void_from)
+from pyspark_acs.format.block import (HEADER_SIZE, RECOVERY_SEAL_SIZE, BlockHeader, find_recovery_seal,
+                                      parse_header, scan_blocks)
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.format.offsets import Offset
 from pyspark_acs.read.readpath import ReadPath
@@ -216,28 +216,24 @@ def walk_blocks(
     at, rows, blocks = start, 0, 0
     uri = path.store.uri(rel)
     window = max(HEADER_SIZE, first_read)
-    # The last block passed by its header alone: (start, rows and blocks before it). A torn
-    # block whose claimed size ends inside its recovery seal looks whole by its header; the
-    # bytes after it are then no block, and the seal voids from its start.
-    last: Optional[Tuple[int, int, int]] = None
+    # The last block passed by its header alone: (start, end, rows and blocks before it). A
+    # torn block whose claimed size ends inside its recovery seal looks whole by its header;
+    # the bytes after it are then no block, and the seal starts before that claimed end and
+    # ends after it (a seal inside the block's own bytes is a message's, not a seal).
+    last: Optional[Tuple[int, int, int, int]] = None
 
-    def torn_last(search: bool) -> Optional[Tuple[int, int, int, bool]]:
-        """The walk's end when the last block passed is torn and a recovery seal voids it:
-        the seal ending at ``stop`` (its 56 bytes read), or with ``search`` anywhere up to it."""
-        if last is None or stop - last[0] < RECOVERY_SEAL_SIZE:
+    def torn_last() -> Optional[Tuple[int, int, int, bool]]:
+        """The walk's end when the last block passed is torn and its recovery seal straddles
+        the block's claimed end (at most 2 x 56 bytes read)."""
+        if last is None:
             return None
-        if not search:
-            tail = _read_now(path, rel, stop - RECOVERY_SEAL_SIZE, stop)
-            try:
-                h = parse_header(tail, 0, path=uri, position=stop - RECOVERY_SEAL_SIZE)
-            except CorruptFileError:
-                return None
-            if not (h.sealed and h.size == len(tail) and body_intact(tail, 0, h)
-                    and seal_void_from(tail, 0, h, stop) == last[0]):
-                return None
-            return stop, last[1], last[2] + 1, True
-        void_end = skip_void(path, rel, last[0], stop)
-        return None if void_end is None else (void_end, last[1], last[2] + 1, True)
+        begin, claimed, before_rows, before_blocks = last
+        lo = max(begin, claimed - RECOVERY_SEAL_SIZE)  # find_recovery_seal looks from lo + 1
+        window = _read_now(path, rel, lo, min(stop, claimed + RECOVERY_SEAL_SIZE))
+        found = find_recovery_seal(window, begin, base=lo, path=uri)
+        if found is None or lo + found[0] >= claimed or lo + found[0] + found[1].size <= claimed:
+            return None
+        return lo + found[0] + found[1].size, before_rows, before_blocks + 1, True
 
     while at + HEADER_SIZE <= stop:
         data = _read_now(path, rel, at, min(stop, at + window))
@@ -249,7 +245,7 @@ def walk_blocks(
                 header = parse_header(data, off, path=uri, position=at + off)
             except CorruptFileError:
                 header = None
-                passed = torn_last(search=True)  # only where a walk would raise or stop anyway
+                passed = torn_last()
                 if passed is not None:
                     return passed
             if header is None or (header.size > stop - (at + off) and not header.sealed):
@@ -269,7 +265,7 @@ def walk_blocks(
                 return at + off, rows, blocks, False
             if stop_before is not None and stop_before(header):
                 return at + off, rows, blocks, False
-            last = (at + off, rows, blocks)
+            last = (at + off, at + off + header.size, rows, blocks)
             rows += header.count
             blocks += 1
             off += header.size
@@ -277,7 +273,7 @@ def walk_blocks(
                 return at + off, rows, blocks, True
         at += off
     if 0 < stop - at < HEADER_SIZE:  # bytes after the last block too few for a header
-        passed = torn_last(search=False)  # a 56-byte read: a writer mid-append ends walks so too
+        passed = torn_last()  # a small read: a walk to a writer's durable length mid-append ends so too
         if passed is not None:
             return passed
     return at, rows, blocks, False

@@ -468,3 +468,141 @@ def test_upgrade_then_promotion_a_shard_untouched_since_the_upgrade_takes_new_ba
     wb = clusters.writer("B")
     wb.commit([wb.write(iter([batch(*rows(2))]))], 2)  # a NEW batch (1 committed), both shards
     assert clusters.history("B")[1] == expected([0])[1] + expected([2])[1]
+
+
+# -- Found by a second review: records written before they carried an epoch, a batch that
+# rolled over files, a fresh sink's listing, a redirect after the beginning mark.
+
+def _old_version(monkeypatch):
+    """The released version before d051c76: no marks (as the repo's own upgrade tests model it)."""
+    real = Segment
+    monkeypatch.setattr(commit_mod, "Segment", lambda *a, mark=False, begin=False, **k: real(*a, **k))
+    return real
+
+
+def _strip_epoch(path):
+    """A record as the version before d051c76 wrote it: no "epoch" field."""
+    raw = json.loads(path.read_text())
+    raw.pop("epoch", None)
+    path.write_text(json.dumps(raw))
+
+
+def test_after_an_upgrade_a_state_file_without_an_epoch_written_since_the_promotion_stands(clusters, monkeypatch):
+    real = _old_version(monkeypatch)
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    clusters.copy()
+    clusters.lose_a_and_promote_b()          # epoch 1 (6046b94 already had epochs)
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch(*rows(1))]))], 1)   # old version, in B, after the promotion
+    state = clusters.roots["B"] / sink_dir(STREAM, wb.sink_id) / STATE_FILE
+    _strip_epoch(state)                       # what the old version wrote
+    monkeypatch.setattr(commit_mod, "Segment", real)   # upgrade, query restarted
+    wb.commit([wb.write(iter([batch(*rows(1))]))], 1)   # Spark's replay of its last batch
+    assert clusters.history("B") == expected([0, 1])
+
+
+def test_after_an_upgrade_an_intent_without_an_epoch_written_since_the_promotion_is_completed(clusters, monkeypatch):
+    real = _old_version(monkeypatch)
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    clusters.copy()
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B", commit_append_bytes=1)
+    folder = clusters.roots["B"] / sink_dir(STREAM, wb.sink_id)
+    real_append, calls = ShardWriter.append, []
+
+    def crash_at_second_append(self, data, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise AcsError("injected: driver died between two appends")
+        return real_append(self, data, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "append", crash_at_second_append)
+    with pytest.raises(AcsError, match="injected"):
+        wb.commit([wb.write(iter([batch([v], [0])])) for v in (b"x0", b"x1")], 1)
+    monkeypatch.setattr(ShardWriter, "append", real_append)
+    _strip_epoch(folder / "intent-1.json")    # the old version's intent
+    monkeypatch.setattr(commit_mod, "Segment", real)   # upgrade
+    wb.commit([wb.write(iter([batch([v], [0])])) for v in (b"x0", b"x1")], 1)  # the retry
+    assert clusters.history("B")[0] == expected([0])[0] + [b"x0", b"x1"]
+
+
+def test_a_rolled_batch_cut_in_its_second_file_is_not_replayed_with_other_rows(clusters):
+    wa = clusters.writer("A", rollBytes="1KiB", maxBlockBytes="1KiB")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    values = [b"b1-%02d" % i + b"." * 400 for i in range(6)]
+    tasks = [values[i:i + 2] for i in range(0, 6, 2)]   # a piece per task: the batch rolls between them
+    wa.commit([wa.write(iter([batch(t, [1, 1])])) for t in tasks], 1)
+    folder = clusters.roots["A"] / shard_dir(STREAM, 1)
+    files = sorted(folder.glob("*.acs"))
+    assert len(files) >= 3  # batch 1 began in one file and rolled on
+    sizes = [f.stat().st_size for f in files]
+    clusters.copy({1: sum(sizes[:-1]) + 300})  # B: batch 1's beginning, rows, and part of its last file
+    clusters.lose_a_and_promote_b()
+    held = clusters.history("B")
+    assert held[1][-1].startswith(b"b1-")
+    wb = clusters.writer("B", rollBytes="1KiB", maxBlockBytes="1KiB")
+    with pytest.raises(AcsError, match="holds .* of batch 1 after its beginning"):
+        wb.commit([wb.write(iter([batch([b"other"], [0])]))], 1)   # like e8031c1's test, rolled
+
+
+def test_a_fresh_sink_lists_only_the_shards_it_writes(tmp_path, monkeypatch):
+    from pyspark_acs.datasource.options import parse_sink_options
+    from pyspark_acs.datasource.sink import AcsBatchWriter
+    from tests.datasource.test_sink_promote import SCHEMA
+
+    root = str(tmp_path / "r")
+    DurableStore(root).create_stream(STREAM, 256)
+    listed = []
+    real = DurableStore.list_files
+    monkeypatch.setattr(DurableStore, "list_files", lambda self, s, sh: (listed.append(sh), real(self, s, sh))[1])
+    opts = parse_sink_options({"root": root, "stream": STREAM, "shards": "256", "sinkId": "job-1"})
+    w = AcsBatchWriter(opts, SCHEMA, False)
+    w.commit([w.write(iter([batch([b"x"], [0])]))])   # a df.write with sinkId: a fresh sink each job
+    assert len(set(listed)) <= 2, f"{len(set(listed))} shards listed for a one-shard write"
+
+
+def test_a_redirect_after_the_beginning_mark_alone_landed_begins_no_second_time(clusters, monkeypatch):
+    from pyspark_acs.datasource.marks import mark_payload
+    from pyspark_acs.format.block import encode_mark
+
+    wa = clusters.writer("A")
+    wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
+    real_append = ShardWriter.append
+
+    def die(self, data, *a, **k):
+        raise AcsError("injected: died before the first append")
+
+    monkeypatch.setattr(ShardWriter, "append", die)
+    with pytest.raises(AcsError, match="injected"):
+        wa.commit([wa.write(iter([batch(*rows(1))]))], 1)
+    monkeypatch.setattr(ShardWriter, "append", real_append)
+    intent = json.loads((clusters.roots["A"] / sink_dir(STREAM, wa.sink_id) / "intent-1.json").read_text())
+    seg = intent["shards"]["0"][0]
+    path = clusters.roots["A"] / shard_dir(STREAM, 0) / seg["file"]
+    piece = seg["staged"][0]
+    head = (clusters.roots["A"] / piece["path"]).read_bytes()[piece.get("skip", 0):][:10]
+    with open(path, "ab") as f:  # the torn durable append: the beginning mark and 10 bytes of the piece
+        f.write(encode_mark(seg["start_index"], mark_payload(wa.sink_id, 1, "begin")) + head)
+    store = DurableStore(str(clusters.roots["A"]))
+    other = ShardWriter(store, STREAM, 0, "other")   # takes the shard over: recovery seal
+    other.acquire()
+    other.recover()
+    other.close(seal=False)
+    wa.commit([wa.write(iter([batch(*rows(1))]))], 1)   # retry from the intent: redirected
+    assert clusters.history("A") == expected([0, 1])
+    from pyspark_acs.datasource.marks import _walk
+    from pyspark_acs.format.block import mark_body
+    marks = []
+    for f in sorted((clusters.roots["A"] / shard_dir(STREAM, 0)).glob("*.acs")):
+        d = f.read_bytes()
+        marks += [json.loads(mark_body(d, at, h)) for at, h in _walk(d, str(f)) if mark_body(d, at, h)]
+    marks = [(m["at"], m["batch"]) for m in marks]
+    assert marks == [("begin", 0), ("end", 0), ("begin", 1), ("end", 1)], marks
+    clusters.copy()
+    clusters.lose_a_and_promote_b()
+    wb = clusters.writer("B")
+    wb.commit([wb.write(iter([batch(*rows(1))]))], 1)   # replay in B: nothing lands
+    wb.commit([wb.write(iter([batch(*rows(2))]))], 2)
+    assert clusters.history("B") == expected([0, 1, 2])

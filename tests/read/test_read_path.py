@@ -147,7 +147,7 @@ def test_torn_block_is_skipped_only_through_its_recovery_seal(root, caplog):
     assert end.file == f2
 
 
-@pytest.mark.parametrize("short", [1, 8, 30, 60])
+@pytest.mark.parametrize("short", [1, 8, 30, 55, 60])
 def test_a_torn_block_whose_size_reaches_into_its_recovery_seal_is_voided_too(root, short):
     """The torn block lacks only ``short`` bytes: by its header it ends inside the recovery seal
     after it (1-56 bytes short) or past it. Every walk (the planner's, the seal rule's) and the
@@ -171,6 +171,45 @@ def test_a_torn_block_whose_size_reaches_into_its_recovery_seal_is_voided_too(ro
     assert walk_blocks(rp, rel, 0, os.path.getsize(path)) == (os.path.getsize(path), 2, 2, True)
     planner = _Planner(parse_source_options({"root": root, "stream": "t"}))
     assert planner.latest([("t", 0)], {("t", 0): Offset(f1, 0)})[("t", 0)].file == f2
+
+
+def _one_file(tmp_path, data):
+    root = str(tmp_path / "r")
+    DurableStore(root).create_stream("t", 1)
+    name = file_name(dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc), "w")
+    rel = f"{shard_dir('t', 0)}/{name}"
+    with open(os.path.join(root, rel), "wb") as f:
+        f.write(data)
+    return root, rel
+
+
+def test_a_message_shaped_like_a_recovery_seal_is_not_taken_for_one_mid_append(tmp_path):
+    from pyspark_acs.read.positions import walk_blocks
+    from pyspark_acs.read.readpath import DurableReadPath
+
+    value = b"hello" + encode_seal(0, void_from=0) + b"world"   # a user's message bytes
+    block = encode_block([value], None, [1], first_index=0)
+    nxt = encode_block([b"next"], None, [2], first_index=1)
+    root, rel = _one_file(tmp_path, block + nxt[:20])  # the writer is mid-append: 20 bytes of a header
+    store = DurableStore(root)
+    got = walk_blocks(DurableReadPath(store), rel, 0, len(block) + 20)
+    assert got == (len(block), 1, 1, False)
+
+
+def test_a_walk_stopping_inside_the_next_header_reads_no_block_body(tmp_path):
+    from pyspark_acs.read.positions import walk_blocks
+    from pyspark_acs.read.readpath import DurableReadPath
+
+    big = encode_block([b"v" * (4 << 20)], None, [1], first_index=0)
+    nxt = encode_block([b"next"], None, [2], first_index=1)
+    root, rel = _one_file(tmp_path, big + nxt[:20])
+    store = DurableStore(root)
+    rp = DurableReadPath(store)
+    read = []
+    real = store.read
+    store.read = lambda r, s, e: (read.append(e - s), real(r, s, e))[1]
+    assert walk_blocks(rp, rel, 0, len(big) + 20)[:2] == (len(big), 1)
+    assert sum(read) < 512 * 1024, f"{sum(read)} bytes read for a header walk"
 
 
 # -- bug 3: a producer that dies between its durable append and publishing ----------------------
