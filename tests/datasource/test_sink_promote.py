@@ -112,6 +112,27 @@ def clusters(tmp_path):
     return Clusters(tmp_path)
 
 
+def crash_while(monkeypatch, commit, appends: int, shard: Optional[int] = None) -> None:
+    """Run ``commit()`` with the sink's durable appends (of ``shard``, or of any shard) failing
+    from the ``appends``-th on (0: the first), as when the driver or the old source is lost there."""
+    real = ShardWriter.append
+    seen = []
+
+    def fail(self, data, *a, **k):
+        if shard is None or self.shard == shard:
+            seen.append(self.shard)
+            if len(seen) > appends:
+                raise AcsError("injected: lost while appending")
+        return real(self, data, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "append", fail)
+    try:
+        with pytest.raises(AcsError, match="injected"):
+            commit()
+    finally:
+        monkeypatch.setattr(ShardWriter, "append", real)
+
+
 def test_a_batch_the_sink_committed_in_a_is_not_written_again_in_the_promoted_b(clusters):
     wa = clusters.writer("A")
     for b in range(2):
@@ -147,20 +168,8 @@ def test_a_batch_half_appended_when_a_was_lost_is_completed_in_b_exactly_once(cl
     wa = clusters.writer("A", commit_append_bytes=1)
     wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
     tasks = [[b"b1-t%d-%d" % (t, i) for i in range(2)] for t in range(3)]
-    real = ShardWriter.append
-    appended = {0: 0, 1: 0}
-
-    def crash_in_shard_1(self, data, *a, **k):
-        if self.shard == 1 and appended[1] == 2:
-            raise AcsError("injected: the old source was lost while appending shard 1")
-        appended[self.shard] += 1
-        return real(self, data, *a, **k)
-
-    monkeypatch.setattr(ShardWriter, "append", crash_in_shard_1)
     staged = [wa.write(iter([batch(vals, [0, 1])])) for vals in tasks]
-    with pytest.raises(AcsError, match="injected"):
-        wa.commit(staged, 1)
-    monkeypatch.setattr(ShardWriter, "append", real)
+    crash_while(monkeypatch, lambda: wa.commit(staged, 1), appends=2, shard=1)
     clusters.copy()
     clusters.lose_a_and_promote_b()
     wb = clusters.writer("B")
@@ -212,20 +221,8 @@ def test_a_replay_with_other_rows_is_refused_naming_the_file_and_nothing_lands(c
     """Shard 0 got the first of batch 0's two pieces before A was lost; the replay's first row
     is another: neither appending nor skipping is exactly once."""
     wa = clusters.writer("A", commit_append_bytes=1)
-    real = ShardWriter.append
-    calls = []
-
-    def crash_at_second_append(self, data, *a, **k):
-        calls.append(self.shard)
-        if len(calls) == 2:
-            raise AcsError("injected: the old source was lost while appending shard 0")
-        return real(self, data, *a, **k)
-
-    monkeypatch.setattr(ShardWriter, "append", crash_at_second_append)
     staged = [wa.write(iter([batch([v], [0])])) for v in (b"x0", b"x1")]
-    with pytest.raises(AcsError, match="injected"):
-        wa.commit(staged, 0)
-    monkeypatch.setattr(ShardWriter, "append", real)
+    crash_while(monkeypatch, lambda: wa.commit(staged, 0), appends=1)
     clusters.copy()
     clusters.lose_a_and_promote_b()
     wb = clusters.writer("B")
@@ -510,18 +507,8 @@ def test_after_an_upgrade_an_intent_without_an_epoch_written_since_the_promotion
     clusters.lose_a_and_promote_b()
     wb = clusters.writer("B", commit_append_bytes=1)
     folder = clusters.roots["B"] / sink_dir(STREAM, wb.sink_id)
-    real_append, calls = ShardWriter.append, []
-
-    def crash_at_second_append(self, data, *a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise AcsError("injected: driver died between two appends")
-        return real_append(self, data, *a, **k)
-
-    monkeypatch.setattr(ShardWriter, "append", crash_at_second_append)
-    with pytest.raises(AcsError, match="injected"):
-        wb.commit([wb.write(iter([batch([v], [0])])) for v in (b"x0", b"x1")], 1)
-    monkeypatch.setattr(ShardWriter, "append", real_append)
+    staged = [wb.write(iter([batch([v], [0])])) for v in (b"x0", b"x1")]
+    crash_while(monkeypatch, lambda: wb.commit(staged, 1), appends=1)
     _strip_epoch(folder / "intent-1.json")    # the old version's intent
     monkeypatch.setattr(commit_mod, "Segment", real)   # upgrade
     wb.commit([wb.write(iter([batch([v], [0])])) for v in (b"x0", b"x1")], 1)  # the retry
@@ -569,15 +556,8 @@ def test_a_redirect_after_the_beginning_mark_alone_landed_begins_no_second_time(
 
     wa = clusters.writer("A")
     wa.commit([wa.write(iter([batch(*rows(0))]))], 0)
-    real_append = ShardWriter.append
-
-    def die(self, data, *a, **k):
-        raise AcsError("injected: died before the first append")
-
-    monkeypatch.setattr(ShardWriter, "append", die)
-    with pytest.raises(AcsError, match="injected"):
-        wa.commit([wa.write(iter([batch(*rows(1))]))], 1)
-    monkeypatch.setattr(ShardWriter, "append", real_append)
+    staged = [wa.write(iter([batch(*rows(1))]))]
+    crash_while(monkeypatch, lambda: wa.commit(staged, 1), appends=0)
     intent = json.loads((clusters.roots["A"] / sink_dir(STREAM, wa.sink_id) / "intent-1.json").read_text())
     seg = intent["shards"]["0"][0]
     path = clusters.roots["A"] / shard_dir(STREAM, 0) / seg["file"]
