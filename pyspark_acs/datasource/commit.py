@@ -33,7 +33,7 @@ from pyspark_acs.datasource.staging import AcsCommitMessage, StagedStream, stagi
 from pyspark_acs.errors import AcsError, CacheError, LaterFileError
 from pyspark_acs.format.block import HEADER_SIZE, encode_mark, encode_seal, rebase_blocks, scan_blocks
 from pyspark_acs.format.names import next_file_name, shard_dir
-from pyspark_acs.storage.store import DurableStore, open_store
+from pyspark_acs.storage.store import DurableStore, open_store, record_timestamp
 from pyspark_acs.write.confirm import clusters_needed, wait_confirmed
 from pyspark_acs.write.shard import OpenFile, ShardWriter
 
@@ -125,7 +125,7 @@ class SinkCommitter:
                 left.append(name)
                 continue
             intent = self._load_intent(store, name)
-            if intent is not None and not _of_epoch(intent.epoch, _mtime(store, f"{self.dir}/{name}"), epoch, since):
+            if intent is not None and not _of_epoch(intent.epoch, store.modified(f"{self.dir}/{name}"), epoch, since):
                 log.warning("acs sink %s (stream %r): %s was written at epoch %d, the stream is at epoch %d (a "
                             "promotion since); it is dropped: the batches' marks say what of it stands",
                             self.sink_id, self.opts.stream, name, intent.epoch or 0, epoch)
@@ -629,15 +629,9 @@ class _Redirect(NamedTuple):
 def _epoch_since(meta: Dict[str, Any], epoch: int) -> Optional[float]:
     """When the stream took ``epoch`` (its promotion record's ``at``, Unix seconds; None for
     epoch 0 or a record without one)."""
-    import datetime as dt
-
     for record in reversed(meta.get("promotions") or []):
         if int(record.get("epoch") or 0) == epoch and record.get("at"):
-            try:
-                at = dt.datetime.strptime(str(record["at"]), "%Y-%m-%dT%H:%M:%SZ")
-            except ValueError:
-                return None
-            return at.replace(tzinfo=dt.timezone.utc).timestamp()
+            return record_timestamp(str(record["at"]))
     return None
 
 
@@ -650,17 +644,6 @@ def _of_epoch(recorded: Optional[int], written: Optional[float], epoch: int, sin
     if epoch == 0:
         return True
     return written is not None and since is not None and written >= since
-
-
-def _mtime(store: DurableStore, rel: str) -> Optional[float]:
-    """When a sink record was last written (Unix seconds; None when unknown)."""
-    import pyarrow.fs as pafs
-
-    try:
-        info = store.fs.get_file_info(store.path(rel))
-    except (OSError, pa.ArrowException):
-        return None
-    return info.mtime.timestamp() if info.type != pafs.FileType.NotFound and info.mtime is not None else None
 
 
 def _staged_pieces(messages: Sequence[Optional[StagedStream]]) -> Tuple[Dict[int, List[Piece]], List[str]]:

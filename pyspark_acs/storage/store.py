@@ -11,10 +11,12 @@ cannot append and are refused with a clear error when a writer opens a file.
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -29,6 +31,8 @@ __all__ = [
     "DurableStore",
     "STREAM_META_FILE",
     "open_store",
+    "record_time",
+    "record_timestamp",
 ]
 
 #: Per-stream metadata file (shard count), beside the shard folders.
@@ -42,6 +46,22 @@ STREAM_LOCK_FILE = "_stream.lock"
 STREAM_LOCK_WAIT_S = 30.0
 #: How many open input files a store keeps for range reads (tail readers reread the same files).
 MAX_OPEN_READ_FILES = 256
+#: The form of the times ``_stream.json``'s records carry (a promotion's and a quarantine's
+#: ``at``): UTC to the second.
+RECORD_TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def record_time(seconds: Optional[float] = None) -> str:
+    """A ``_stream.json`` record's time: now, or ``seconds`` since the epoch."""
+    return time.strftime(RECORD_TIME_FORMAT, time.gmtime(seconds))
+
+
+def record_timestamp(text: str) -> Optional[float]:
+    """Seconds since the epoch of a record's time (None when it is not of that form)."""
+    try:
+        return float(calendar.timegm(time.strptime(text, RECORD_TIME_FORMAT)))
+    except (TypeError, ValueError):
+        return None
 
 
 def open_filesystem(uri: str, *, option: str, what: str) -> "tuple[pafs.FileSystem, str]":
@@ -230,6 +250,15 @@ class DurableStore:
             while len(self._files) > MAX_OPEN_READ_FILES:
                 self._files.popitem(last=False)
         return f
+
+    def modified(self, rel: str) -> Optional[float]:
+        """When ``rel`` was last written (seconds since the epoch), or None if it does not
+        exist or the filesystem does not say."""
+        with _translate(f"look at {self.uri(rel)}"):
+            info = self.fs.get_file_info(self.path(rel))
+        if info.type == pafs.FileType.NotFound or info.mtime is None:
+            return None
+        return info.mtime.timestamp()
 
     def read_small(self, rel: str) -> Optional[bytes]:
         """Whole content of a small file, or None if it does not exist."""

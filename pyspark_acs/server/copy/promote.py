@@ -39,7 +39,6 @@ history's bytes end in each of B's files after ``sealed_through`` (``sealed``).
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import secrets
@@ -52,7 +51,7 @@ from pyspark_acs.errors import AcsError, AcsTimeoutError, RootNotFoundError, Sto
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.server.copy.cluster import ClusterIO
 from pyspark_acs.server.copy.topology import Topology, load_topology, write_topology
-from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.storage.store import DurableStore, record_time
 from pyspark_acs.storage.tier import tiered_store
 
 __all__ = [
@@ -210,7 +209,7 @@ def promote(topology_path: str, stream: str, to: str, *, timeout: float = 60.0,
     if record is None:
         epoch = 1 + max(int((st.stream_meta(stream) or {}).get("epoch") or 0) for st in stores.values())
         record = {"epoch": epoch, "id": secrets.token_hex(8), "source": to, "previous": previous,
-                  "state": "fenced", "at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                  "state": "fenced", "at": record_time(),
                   "sealed_through": _sealed_through(stores[to], stream, int(b_meta["shards"]))}
     epoch = int(record["epoch"])
     report = PromotionReport(stream, to, previous, epoch, unreachable=unreachable)

@@ -80,7 +80,7 @@ from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, publish_d
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
-from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.storage.store import DurableStore, record_time
 from pyspark_acs.storage.tier import raise_retention_floor, retention_floor, tiered_store
 from pyspark_acs.errors import AppendConflictError, AppendLockBusyError
 from pyspark_acs.write.file import CacheMirror, FileWriter
@@ -782,7 +782,7 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
             shards = int(meta["shards"])
             pending = meta.get("quarantine") or {}
             if int(pending.get("epoch") or 0) != epoch or "files" not in pending:
-                when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                when = record_time()
                 # 1. Fence: no writer starts a file here from now on (ShardWriter._start_file).
                 store.update_stream_meta(stream, lambda m: dict(m, quarantine={"epoch": epoch, "at": when}))
                 if own:  # this cluster's writers: sealed out, as at a take-over
