@@ -229,8 +229,8 @@ def walk_blocks(
             return None
         begin, claimed, before_rows, before_blocks = last
         lo = max(begin, claimed - RECOVERY_SEAL_SIZE)  # find_recovery_seal looks from lo + 1
-        window = _read_now(path, rel, lo, min(stop, claimed + RECOVERY_SEAL_SIZE))
-        found = find_recovery_seal(window, begin, base=lo, path=uri)
+        near = _read_now(path, rel, lo, min(stop, claimed + RECOVERY_SEAL_SIZE))
+        found = find_recovery_seal(near, begin, base=lo, path=uri)
         if found is None or lo + found[0] >= claimed or lo + found[0] + found[1].size <= claimed:
             return None
         return lo + found[0] + found[1].size, before_rows, before_blocks + 1, True
