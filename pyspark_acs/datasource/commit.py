@@ -33,7 +33,7 @@ from pyspark_acs.datasource.staging import AcsCommitMessage, StagedStream, stagi
 from pyspark_acs.errors import AcsError, CacheError, LaterFileError
 from pyspark_acs.format.block import HEADER_SIZE, encode_mark, encode_seal, rebase_blocks, scan_blocks
 from pyspark_acs.format.names import next_file_name, shard_dir
-from pyspark_acs.storage.store import DurableStore, open_store, record_timestamp
+from pyspark_acs.storage.store import DurableStore, open_store, record_timestamp, stream_epoch
 from pyspark_acs.write.confirm import clusters_needed, wait_confirmed
 from pyspark_acs.write.shard import OpenFile, ShardWriter
 
@@ -171,7 +171,7 @@ class SinkCommitter:
 
     def _commit(self, store: DurableStore, messages: Sequence[Optional[StagedStream]], batch_id: Optional[int]) -> None:
         meta = store.stream_meta(self.opts.stream) or {}
-        epoch = int(meta.get("epoch") or 0)
+        epoch = stream_epoch(meta)
         since = _epoch_since(meta, epoch)
         if batch_id is not None:
             names = self._drop_other_epochs(store, epoch, since, store.list_dir(self.dir))

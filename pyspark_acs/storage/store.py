@@ -33,6 +33,7 @@ __all__ = [
     "open_store",
     "record_time",
     "record_timestamp",
+    "stream_epoch",
 ]
 
 #: Per-stream metadata file (shard count), beside the shard folders.
@@ -49,6 +50,11 @@ MAX_OPEN_READ_FILES = 256
 #: The form of the times ``_stream.json``'s records carry (a promotion's and a quarantine's
 #: ``at``): UTC to the second.
 RECORD_TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def stream_epoch(meta: Optional[Dict[str, Any]]) -> int:
+    """A stream's epoch from its ``_stream.json`` (0: never promoted, or no such stream)."""
+    return int((meta or {}).get("epoch") or 0)
 
 
 def record_time(seconds: Optional[float] = None) -> str:
@@ -418,7 +424,7 @@ class DurableStore:
             if copied_from is None:
                 self._refuse_copy(stream, existing)
                 return None
-            here = int(existing.get("epoch") or 0)
+            here = stream_epoch(existing)
             ours = list(existing.get("promotions") or [])
             theirs = list(promotions)
             if epoch < here:
@@ -456,7 +462,7 @@ class DurableStore:
         # The common case, an existing stream that matches, needs no write and so no lock.
         # A newer epoch always writes, and its on_adopt moves files: only under the lock.
         existing = self.stream_meta(stream)
-        if existing is not None and epoch <= int(existing.get("epoch") or 0) and change(existing) is None:
+        if existing is not None and epoch <= stream_epoch(existing) and change(existing) is None:
             return existing["shards"]
         return self.update_stream_meta(stream, change)["shards"]
 

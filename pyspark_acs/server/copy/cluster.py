@@ -15,7 +15,7 @@ from pyspark_acs.security import SecuritySettings
 from pyspark_acs.errors import CacheError
 from pyspark_acs.cache.metadata import LENGTH_TTL_S, MetadataCache
 from pyspark_acs.format.names import shard_dir
-from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.storage.store import DurableStore, stream_epoch
 from pyspark_acs.server.copy.topology import Cluster
 
 __all__ = [
@@ -90,7 +90,7 @@ class ClusterIO:
         ``epoch`` and ``promotions_json`` of a copy hello or ``Files`` call, which the child
         checks and adopts (storage/store.py ``create_stream``); empty before any promotion."""
         meta = self.store.stream_meta(stream) or {}
-        epoch = int(meta.get("epoch") or 0)
+        epoch = stream_epoch(meta)
         return {"epoch": epoch, "promotions_json": json.dumps(meta.get("promotions") or [])} if epoch else {}
 
     def close(self) -> None:

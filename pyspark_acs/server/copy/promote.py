@@ -51,7 +51,7 @@ from pyspark_acs.errors import AcsError, AcsTimeoutError, RootNotFoundError, Sto
 from pyspark_acs.format.names import shard_dir
 from pyspark_acs.server.copy.cluster import ClusterIO
 from pyspark_acs.server.copy.topology import Topology, load_topology, write_topology
-from pyspark_acs.storage.store import DurableStore, record_time
+from pyspark_acs.storage.store import DurableStore, record_time, stream_epoch
 from pyspark_acs.storage.tier import tiered_store
 
 __all__ = [
@@ -188,8 +188,8 @@ def promote(topology_path: str, stream: str, to: str, *, timeout: float = 60.0,
     # A cluster that missed a promotion (it was unreachable then) holds another history past
     # that cut: it takes no part in this one (neither fenced nor read for the prefix) and
     # quarantines what it holds past the cuts when it next takes copies.
-    base = int(b_meta.get("epoch") or 0) if record is None else int(record["epoch"]) - 1
-    epochs = {c: int((st.stream_meta(stream) or {}).get("epoch") or 0) for c, st in stores.items()}
+    base = stream_epoch(b_meta) if record is None else int(record["epoch"]) - 1
+    epochs = {c: stream_epoch(st.stream_meta(stream)) for c, st in stores.items()}
     ahead = sorted(c for c, e in epochs.items() if e > base and (record is None or e > int(record["epoch"])))
     if ahead:  # also when ``to`` records an older promotion to itself: not this one run again
         raise AcsError(f"cannot promote {to}: it holds the stream at epoch {int(b_meta.get('epoch') or 0)}, while "
@@ -207,7 +207,7 @@ def promote(topology_path: str, stream: str, to: str, *, timeout: float = 60.0,
 
     # 1. Fence.
     if record is None:
-        epoch = 1 + max(int((st.stream_meta(stream) or {}).get("epoch") or 0) for st in stores.values())
+        epoch = 1 + max(stream_epoch(st.stream_meta(stream)) for st in stores.values())
         record = {"epoch": epoch, "id": secrets.token_hex(8), "source": to, "previous": previous,
                   "state": "fenced", "at": record_time(),
                   "sealed_through": _sealed_through(stores[to], stream, int(b_meta["shards"]))}
@@ -312,7 +312,7 @@ def _open_stores(topology: Topology, names: List[str], stream: str) -> Tuple[Dic
 def _last_record(meta: Dict[str, Any], to: str) -> Optional[Dict[str, Any]]:
     """The promotion to ``to`` this store records as its newest, if that is its epoch."""
     records = meta.get("promotions") or []
-    if records and records[-1].get("source") == to and int(records[-1].get("epoch", -1)) == int(meta.get("epoch") or 0):
+    if records and records[-1].get("source") == to and int(records[-1].get("epoch", -1)) == stream_epoch(meta):
         return dict(records[-1])
     return None
 
@@ -330,7 +330,7 @@ def _fence(store: DurableStore, cluster: str, stream: str, record: Dict[str, Any
     def change(meta: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         if meta is None:
             return None  # no copy here yet: it takes the epoch from its parent's first hello
-        here = int(meta.get("epoch") or 0)
+        here = stream_epoch(meta)
         if here >= record["epoch"]:
             last = (meta.get("promotions") or [{}])[-1]
             if last.get("id") != record["id"]:

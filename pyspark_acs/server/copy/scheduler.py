@@ -55,7 +55,7 @@ from pyspark_acs.server.copy.proto import copy_pb2
 from pyspark_acs.server.copy.reader import CopyOperation, SourceFiles
 from pyspark_acs.server.copy.tree import CopyTree, build_copy_tree
 from pyspark_acs.server.copy.topology import Topology, load_topology
-from pyspark_acs.storage.store import DurableStore
+from pyspark_acs.storage.store import DurableStore, stream_epoch
 from pyspark_acs.storage.tier import tiered_store
 
 __all__ = [
@@ -343,7 +343,7 @@ class CopyScheduler:
                 if meta is None:
                     continue  # no producer has created the stream here yet
                 shards = self._shards[stream] = int(meta["shards"])
-                self._note_epoch(stream, int(meta.get("epoch") or 0))
+                self._note_epoch(stream, stream_epoch(meta))
             for shard in range(shards):
                 if listing:
                     self._rejected_heads.pop((stream, shard), None)

@@ -80,7 +80,7 @@ from pyspark_acs.server.copy.cluster import CACHE, DURABLE, ClusterIO, publish_d
 from pyspark_acs.server.copy.metrics import CopyMetrics
 from pyspark_acs.server.copy.options import CopyDaemonOptions
 from pyspark_acs.server.copy.proto import copy_pb2, copy_pb2_grpc
-from pyspark_acs.storage.store import DurableStore, record_time
+from pyspark_acs.storage.store import DurableStore, record_time, stream_epoch
 from pyspark_acs.storage.tier import raise_retention_floor, retention_floor, tiered_store
 from pyspark_acs.errors import AppendConflictError, AppendLockBusyError
 from pyspark_acs.write.file import CacheMirror, FileWriter
@@ -735,7 +735,7 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         except AcsError as exc:
             log.debug("%s: stream %s: epoch not read again: %s", self.io.name, stream, exc)
             return known[0] if known is not None else 0
-        epoch = int(meta.get("epoch") or 0)
+        epoch = stream_epoch(meta)
         with self._lock:
             self._epochs[stream] = (epoch, now)
         self.note_quarantine(stream, meta)
@@ -772,7 +772,7 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         with lock:
             store = self.io.store
             meta = store.stream_meta(stream)
-            here = int((meta or {}).get("epoch") or 0)
+            here = stream_epoch(meta)
             if meta is None or here >= epoch:
                 return None
             missed = [r for r in promotions if int(r.get("epoch") or 0) > here]
