@@ -439,3 +439,16 @@ def test_a_corrupt_body_is_named_by_every_reader_of_it():
         decode_block(bytes(blk), path="f.acs")
     with pytest.raises(ChecksumMismatchError, match=r"f\.acs at byte 0: block body checksum mismatch"):
         check_block_bodies(bytes(blk), path="f.acs")
+
+
+@pytest.mark.parametrize("value", ["orders", "", "é/ß 00017", "x" * 300])
+@pytest.mark.parametrize("n", [0, 1, 7, 4096])
+def test_constant_string_columns_are_built_from_buffers(value, n):
+    # A reader's stream and file columns: n copies of one string, valid and equal to repeat's.
+    from pyspark_acs.format.arrays import ConstantColumns, constant_array
+
+    got = constant_array(value, pa.string(), n)
+    got.validate(full=True)
+    assert got.equals(pa.repeat(pa.scalar(value), n))
+    columns = ConstantColumns([(value, pa.string()), (3, pa.int32())]).take(n)
+    assert columns[0].to_pylist() == [value] * n and columns[1].to_pylist() == [3] * n
