@@ -25,6 +25,7 @@ __all__ = [
     "CHUNK_SIZE",
     "ChunkReader",
     "ChunkWriter",
+    "boundary_key",
     "chunk_key",
     "chunk_keys",
     "file_id",
@@ -85,6 +86,15 @@ def parse_chunk_key(key: bytes) -> Optional[Tuple[bytes, int]]:
     return key[1:1 + FILE_ID_BYTES], int.from_bytes(key[1 + FILE_ID_BYTES:], "big")
 
 
+def boundary_key(file_id: bytes) -> bytes:
+    """The data-cache key of a file's last block boundary, ``b"e" + file id``: a valueless
+    entry whose version is the boundary (a longer one replaces a shorter one, as a chunk's
+    prefix does). A writer of whole blocks puts it with each append's chunks
+    (``ChunkWriter(boundaries=True)``); a replica follows a reader from it at ``latest``
+    (docs/cache.md, "Bytes")."""
+    return b"e" + file_id
+
+
 _digest = file_id  # chunk_key's parameter shadows the function's name
 
 
@@ -116,10 +126,15 @@ class ChunkWriter:
         ``position`` (``position % 4096`` bytes); empty when ``position`` is a chunk boundary.
     ttl : float, optional
         Time to live of the chunks (default: the server's, 60 s).
+    boundaries : bool
+        Every append ends at a block boundary (a Producer's or sink's file writer, never a copy,
+        whose appends may end inside a block): each put also carries the file's
+        :func:`boundary_key` at the append's end.
     """
 
     def __init__(self, client: CacheClient, uri: str, position: int = 0, prefix: bytes = b"", ttl: Optional[float] = None,
-                 *, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+                 *, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 boundaries: bool = False):
         if len(prefix) != position % CHUNK_SIZE:
             raise ValueError(f"prefix must hold the {position % CHUNK_SIZE} bytes before position {position}")
         self.client = client
@@ -132,6 +147,7 @@ class ChunkWriter:
         #: Puts sent again after a timeout (all of this writer's).
         self.retries = 0
         self._id = file_id(uri)
+        self._boundary = boundary_key(self._id) if boundaries else None
         # _lock serialises appends: it guards position and _tail.
         self._lock = threading.Lock()
         self.position = position
@@ -168,6 +184,9 @@ class ChunkWriter:
             # A chunk's version is its length: a longer prefix of the chunk replaces a shorter one.
             items = list(zip(keys, pieces, map(len, pieces)))
             end = start + len(tail) + len(view)
+            if self._boundary is not None and items:
+                # Last: a put split over several requests (large appends) ends with it.
+                items.append((self._boundary, b"", end))
             self.position = end
             self._tail = bytes(pieces[-1]) if end % CHUNK_SIZE else b""
             if items:

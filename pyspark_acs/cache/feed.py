@@ -97,7 +97,7 @@ class _File:
     """
 
     __slots__ = ("uri", "replicas", "endpoint", "since", "base", "pieces", "starts", "readers", "reached",
-                 "listeners", "short_since", "paused")
+                 "listeners", "short_since", "paused", "latest", "boundary")
 
     def __init__(self, uri: str, replicas: Tuple[str, ...], since: float = 0.0) -> None:
         self.uri = uri
@@ -116,6 +116,11 @@ class _File:
         self.listeners: Dict[int, Callable[[str, int], None]] = {}  # reader id -> on_grow
         #: Whether the push is stopped because every reader is far behind (ChunkFeed._on_bytes).
         self.paused = False
+        #: A file asked for at latest (ChunkFeed.follow_latest): its ``back`` while the replica
+        #: has not answered, then None (the file is followed from a position, as any other).
+        self.latest: Optional[int] = None
+        #: The boundary the replica answered for it at latest (None: it had none, or never asked).
+        self.boundary: Optional[int] = None
 
     @property
     def end(self) -> int:
@@ -259,6 +264,19 @@ class ChunkFeed:
                     f.listeners[reader] = on_grow
                 self._stream(f.endpoint).follow(fid, position)
                 return
+            if f.latest is not None:
+                # Asked for at latest, not answered: followed from this position instead (the
+                # reader waiting in follow_latest joins by lengths).
+                f.latest = None
+                for r in f.readers:
+                    f.readers[r] = f.reached[r] = position
+                f.readers[reader] = f.reached[reader] = position
+                if on_grow is not None:
+                    f.listeners[reader] = on_grow
+                f.restart(position)
+                self._stream(f.endpoint).follow(file_id(uri), position)
+                self._grew.notify_all()
+                return
             f.readers[reader] = f.reached[reader] = position
             if on_grow is not None:
                 f.listeners[reader] = on_grow
@@ -271,6 +289,56 @@ class ChunkFeed:
                 self._stream(f.endpoint).follow(file_id(uri), position)
             else:
                 self._resume_if_due(f)
+
+    def follow_latest(self, uri: str, reader: int, back: int, timeout: float = FEED_STALL_S,
+                      on_grow: Optional[Callable[[str, int], None]] = None) -> Optional[int]:
+        """Reader ``reader`` joins ``uri`` at its end: the replica follows it from the last block
+        boundary a writer marked there (:func:`~pyspark_acs.cache.chunks.boundary_key`), less
+        ``back`` bytes, with no lengths asked first. Returns that boundary (the reader stands
+        ``back`` bytes before it, or at 0); ``None`` when the file is followed in this process
+        already, when the replica has no boundary for it, or when it does not answer within
+        ``timeout`` seconds -- the reader then joins by the published lengths, and the file is
+        not followed for it.
+
+        A boundary is not a length the reader may read to: it is where the writer's last append
+        ended, and the bytes below it are in the replica only if its puts reached it.
+        """
+        fid = file_id(uri)
+        with self._lock:
+            if uri in self._files:
+                return None
+            f = self._files[uri] = _File(uri, self.client.replicas_for(chunk_key(uri, 0, file_id=fid)), self.clock())
+            self._by_fid[fid] = f
+            f.latest = back
+            f.readers[reader] = f.reached[reader] = 0
+            if on_grow is not None:
+                f.listeners[reader] = on_grow
+            self._stream(f.endpoint).follow_latest(fid, back)
+            deadline = time.monotonic() + timeout
+            while f.latest is not None and self._files.get(uri) is f:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._grew.wait(left)
+            if self._files.get(uri) is f and f.latest is None and f.boundary is not None:
+                return f.boundary
+        self.unfollow(uri, reader)
+        return None
+
+    def _on_latest(self, fid: bytes, end: Optional[int]) -> None:
+        """The replica answered a :meth:`follow_latest` (stream thread): the file is followed
+        from ``end`` less its back, or (``end`` None) not at all."""
+        with self._lock:
+            f = self._by_fid.get(fid)
+            if f is None or f.latest is None:
+                return
+            back, f.latest, f.boundary = f.latest, None, end
+            if end is not None:
+                cursor = max(0, end - back)
+                f.restart(cursor)
+                for r in f.readers:
+                    f.readers[r] = f.reached[r] = cursor
+            self._grew.notify_all()
 
     def read(self, uri: str, start: int, end: int) -> bytes:
         """The bytes of ``[start, end)`` the buffer holds from ``start`` on (maybe fewer, maybe none)."""
@@ -430,13 +498,13 @@ class ChunkFeed:
             from pyspark_acs.cache.push import FollowStream  # imports grpc: only once a file is followed
 
             stream = self._streams[endpoint] = FollowStream(self.client, endpoint, self._on_bytes, self._on_state,
-                                                            clock=self.clock)
+                                                            clock=self.clock, on_latest=self._on_latest)
         return stream
 
     def _on_bytes(self, fid: bytes, start: int, data: bytes) -> None:
         with self._lock:
             f = self._by_fid.get(fid)
-            if f is None:
+            if f is None or f.latest is not None:
                 return
             self.received += len(data)
             if not f.append(start, data):
@@ -508,7 +576,9 @@ class ChunkFeed:
         f.endpoint = f.replicas[(f.replicas.index(f.endpoint) + 1) % len(f.replicas)]
         f.since = self.clock()
         self.moves += 1
-        if not f.paused:
+        if f.latest is not None:
+            self._stream(f.endpoint).follow_latest(fid, f.latest)  # not answered: asked again there
+        elif not f.paused:
             self._stream(f.endpoint).follow(fid, f.end)
 
     def _on_state(self, endpoint: str, live: bool) -> None:

@@ -319,29 +319,53 @@ class FollowStream(_PushStream):
         ``on_bytes(file id, start, data)`` for every pushed run, on the stream's thread.
     clock : callable
         Monotonic seconds (``time.monotonic``) :attr:`asked_at` is taken on.
+    on_latest : callable, optional
+        ``on_latest(file id, end)`` when the replica answered a :meth:`follow_latest`: the
+        boundary the file is followed from (less its ``back``), or None when the replica has
+        none for it (the file is then not followed), on the stream's thread.
     """
 
     method = "Follow"
 
     def __init__(self, client: CacheClient, endpoint: str, on_bytes: Callable[[bytes, int, bytes], None],
                  on_state: Optional[Callable[[str, bool], None]] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_latest: Optional[Callable[[bytes, Optional[int]], None]] = None) -> None:
         self._cursors: Dict[bytes, int] = {}
+        #: Files asked for at latest and not answered yet: file id -> back (guarded by _lock).
+        self._latest: Dict[bytes, int] = {}
+        #: The latest files the current call asked for: its first message answers them.
+        self._asking: Set[bytes] = set()
         self.on_bytes = on_bytes
+        self.on_latest = on_latest
         super().__init__(client, endpoint, on_state, clock)
 
     def follow(self, fid: bytes, offset: int) -> None:
-        """Follow file ``fid`` from byte ``offset`` (moves the cursor of a followed file)."""
+        """Follow file ``fid`` from byte ``offset`` (moves the cursor of a followed file; a
+        file asked for at latest is followed from ``offset`` instead, and never answered)."""
         with self._lock:
-            if self._cursors.get(fid) == offset:
+            if self._cursors.get(fid) == offset and fid not in self._latest:
                 return
+            self._latest.pop(fid, None)
             self._cursors[fid] = offset
+            self._resubscribe()
+            self._wanted.set()
+
+    def follow_latest(self, fid: bytes, back: int) -> None:
+        """Follow file ``fid`` from the last block boundary its replica holds, less ``back``
+        bytes; ``on_latest`` says which boundary (or that there is none). A stream that breaks
+        first asks again when it reconnects."""
+        with self._lock:
+            if fid in self._cursors or fid in self._latest:
+                return
+            self._latest[fid] = back
             self._resubscribe()
             self._wanted.set()
 
     def unfollow(self, fid: bytes) -> None:
         with self._lock:
-            if self._cursors.pop(fid, None) is not None:
+            latest = self._latest.pop(fid, None) is not None
+            if self._cursors.pop(fid, None) is not None or latest:
                 self._resubscribe()
 
     def following(self) -> int:
@@ -361,15 +385,41 @@ class FollowStream(_PushStream):
         return call  # up with its first (empty) message
 
     def _subscribed(self) -> bool:
-        return bool(self._cursors)
+        return bool(self._cursors) or bool(self._latest)
 
     def _initial(self) -> Any:
         fids = sorted(self._cursors)
-        return self.client._pb2().FollowRequest(follow=fids, offsets=[self._cursors[f] for f in fids])
+        self._asking = set(self._latest)
+        # One back for the call: every caller asks for the same (the read path's seal look).
+        return self.client._pb2().FollowRequest(follow=fids, offsets=[self._cursors[f] for f in fids],
+                                                latest=sorted(self._latest),
+                                                latest_back=max(self._latest.values(), default=0))
+
+    def _answer_latest(self, runs: Any) -> None:
+        """The call's first message: where the files it asked for at latest are followed from."""
+        answered = dict(zip(runs.latest_files, runs.latest_ends))
+        told = []
+        with self._lock:
+            asking, self._asking = self._asking, set()
+            if self._restart:
+                return  # a new subscription's call asks again
+            for fid in asking:
+                back = self._latest.pop(fid, None)
+                if back is None:
+                    continue  # followed from an offset, or left, meanwhile
+                end = answered.get(fid)
+                if end is not None:
+                    self._cursors[fid] = max(0, end - back)
+                told.append((fid, end))
+        if self.on_latest is not None:
+            for fid, end in told:
+                self.on_latest(fid, end)
 
     def _handle(self, message: Any) -> None:
         offset = 0
         data, runs = message.data, message.message  # a FileBytes split from its data (cache/wire.py)
+        if self._asking:
+            self._answer_latest(runs)
         for fid, start, size in zip(runs.files, runs.starts, runs.sizes):
             run = data[offset:offset + size]
             offset += size

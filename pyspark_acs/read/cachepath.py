@@ -294,13 +294,21 @@ class CachedReadPath:
         self._stats = {"durable_bytes": 0, "durable_fallbacks": 0, "metadata_fallbacks": 0, "pushed_bytes": 0,
                        "store_holds": 0, "cache_waits": 0}
 
-    def connect(self) -> None:
+    def connect(self, *, at_latest: bool = False) -> None:
         """Set up now what the first read would: gRPC imported, channels to every replica of
         the caches this path asks open (the clients it reads through: the shared poller's,
         and its data client unless a feed pushes its bytes). A tailing reader calls it when
         it starts, so that work is not charged to its first messages -- nor, when many reader
         processes start together, done by all of them at the moment the first file appears.
-        Replicas that do not answer are left to the calls (see :meth:`CacheClient.connect`)."""
+        Replicas that do not answer are left to the calls (see :meth:`CacheClient.connect`).
+
+        ``at_latest``: the reader joins at the end of the files (:meth:`join_latest`). A
+        pushing path then connects nothing: the replica its feed follows on says where the
+        reader joins, and the metadata cache is connected at its first call, if one comes
+        (the fed reader's lengths come by push). Its three channels and Health calls were
+        half of a joining reader's CPU, paid at once by every reader of a spike."""
+        if at_latest and self.feed is not None:
+            return
         # A pushing path reads bytes from its feed, whose stream opens the one channel it
         # follows on when it follows a file: the data cache's other channels and their Health
         # calls would be a third of a joining reader's CPU, for Gets it seldom makes.
@@ -478,6 +486,41 @@ class CachedReadPath:
         # The cache length when there is one: the bytes below it (the seal check's too) are
         # read from the cache, not the store; blocks durable past it are new to the reader.
         return c if c else d
+
+    def join_latest(self, rel: str, back: int) -> Optional[int]:
+        """Follow ``rel`` from its end without asking for lengths: the last block boundary a
+        writer marked in the replica the feed follows on (:meth:`ChunkFeed.follow_latest`),
+        pushed from ``back`` bytes before it (the caller's look for a seal). The boundary is a
+        block boundary (a Producer's or sink's append ended there; a copy marks none) and
+        every byte below it is durable, so it is taken as the file's cache length here.
+
+        Returns None without a feed, while the store holds this path, when this path follows
+        the file already, when the replica has no boundary for the file (a restarted replica,
+        a file idle past the data cache's time to live, a copy) or does not answer: the caller
+        then joins by the published lengths (:meth:`published_boundary`)."""
+        self._check_process()
+        feed = self.feed
+        if feed is None or self._closed or self.holding():
+            return None
+        uri = self.store.uri(rel)
+        rid = id(self)
+        readers = self._cover(rel, uri, feed)
+        with self._lock:
+            if rid in readers:
+                return None
+        end = feed.follow_latest(uri, rid, back, on_grow=self._grown if self.poller is not None else None)
+        if end is None:
+            return None
+        with self._lock:
+            readers.add(rid)
+            c0, d0 = self._published.get(rel, (None, None))
+            self._published[rel] = (_max_known(end, c0), d0)
+            if self.poller is not None:
+                self._polled.add(rel)
+        if self.poller is not None:
+            # Its first lengths: the reader's first look needs no consistent read of its own.
+            self.poller.seed(uri, (end, None))
+        return end
 
     def durable_length(self, rel: str) -> Optional[int]:
         """The durable store's length of ``rel`` in bytes (``None`` if missing), bypassing the caches."""

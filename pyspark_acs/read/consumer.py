@@ -739,7 +739,7 @@ class Consumer:
             # Connected when created, like a Kafka consumer: the set-up (gRPC's import, a
             # channel per replica) is not charged to the first messages, and many consumer
             # processes started together do not all do it when the first file appears.
-            connect()
+            connect(at_latest=opts.start == "latest")
         self.poll_interval = opts.poll_interval
         limiter = RateLimiter(opts.max_bytes_per_second)
         self._tailers: List[ShardTailer] = []

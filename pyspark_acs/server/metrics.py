@@ -131,6 +131,10 @@ CACHE_METRICS: Dict[str, MetricSpec] = {
                                            "the same cursor (at most SENT_KEPT_BYTES)."),
     "pushed_shared_total": MetricSpec("counter", "Follow messages sent again as built for another stream "
                                                  "at the same cursor (no store read, no encode)."),
+    "follow_latest_total": MetricSpec("counter", "Files a Follow stream took at latest, from the boundary a "
+                                                 "writer marked here."),
+    "follow_latest_unknown_total": MetricSpec("counter", "Files a Follow stream asked for at latest that had no "
+                                                         "boundary here (the reader joined by lengths)."),
 }
 
 #: A cache call takes microseconds when the server is idle and tens of milliseconds when its

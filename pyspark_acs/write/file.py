@@ -307,16 +307,21 @@ class CacheMirror:
         Where mirroring starts.
     prefix : bytes, optional
         The ``position % 4096`` bytes before ``position``; read from ``store``/``rel`` if None.
+    boundaries : bool
+        Every append ends at a block boundary (a :class:`FileWriter`'s: whole blocks only,
+        docs/format.md; not a copy's): the chunks carry the file's boundary key, where a reader
+        joining at ``latest`` is followed from (:class:`~pyspark_acs.cache.chunks.ChunkWriter`).
     """
 
     def __init__(self, client: Any, uri: str, position: int, prefix: Optional[bytes] = None, *,
-                 store: Optional[DurableStore] = None, rel: str = "", ttl: Optional[float] = None) -> None:
+                 store: Optional[DurableStore] = None, rel: str = "", ttl: Optional[float] = None,
+                 boundaries: bool = False) -> None:
         from pyspark_acs.cache.chunks import CHUNK_SIZE, ChunkWriter
 
         need = position % CHUNK_SIZE
         if prefix is None:
             prefix = store.read(rel, position - need, position) if (need and store is not None) else b""
-        self.chunks = ChunkWriter(client, uri, position, prefix, ttl=ttl)
+        self.chunks = ChunkWriter(client, uri, position, prefix, ttl=ttl, boundaries=boundaries)
 
     @property
     def position(self) -> int:
@@ -362,7 +367,8 @@ class FileWriter:
         self.mirror: Optional[CacheMirror] = None
         if data is not None:
             try:
-                self.mirror = CacheMirror(data, self.uri, self.durable.position, store=store, rel=rel, ttl=chunk_ttl)
+                self.mirror = CacheMirror(data, self.uri, self.durable.position, store=store, rel=rel, ttl=chunk_ttl,
+                                          boundaries=True)
             except CacheError as exc:  # pragma: no cover - constructing reads only the store
                 self._on_cache_error("chunks", exc)
         # _shadow guards the shadow thread's state below: the verified bytes queued for it, their

@@ -152,21 +152,29 @@ class WatchEvent(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., found: _Optional[_Iterable[bool]] = ..., data: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FollowRequest(_message.Message):
-    __slots__ = ("follow", "offsets")
+    __slots__ = ("follow", "offsets", "latest", "latest_back")
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    LATEST_BACK_FIELD_NUMBER: _ClassVar[int]
     follow: _containers.RepeatedScalarFieldContainer[bytes]
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, follow: _Optional[_Iterable[bytes]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    latest: _containers.RepeatedScalarFieldContainer[bytes]
+    latest_back: int
+    def __init__(self, follow: _Optional[_Iterable[bytes]] = ..., offsets: _Optional[_Iterable[int]] = ..., latest: _Optional[_Iterable[bytes]] = ..., latest_back: _Optional[int] = ...) -> None: ...
 
 class FileBytes(_message.Message):
-    __slots__ = ("files", "starts", "data", "sizes")
+    __slots__ = ("files", "starts", "data", "sizes", "latest_files", "latest_ends")
     FILES_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FILES_FIELD_NUMBER: _ClassVar[int]
+    LATEST_ENDS_FIELD_NUMBER: _ClassVar[int]
     files: _containers.RepeatedScalarFieldContainer[bytes]
     starts: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, files: _Optional[_Iterable[bytes]] = ..., starts: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    latest_files: _containers.RepeatedScalarFieldContainer[bytes]
+    latest_ends: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, files: _Optional[_Iterable[bytes]] = ..., starts: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., latest_files: _Optional[_Iterable[bytes]] = ..., latest_ends: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -340,13 +340,16 @@ class CacheServicer(acs_pb2_grpc.CacheServicer):
         if len(request.follow) != len(request.offsets):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"follow: {len(request.follow)} files but {len(request.offsets)} offsets")
-        if len(request.follow) > MAX_KEYS_PER_CALL:  # the whole subscription is one message
+        if len(request.follow) + len(request.latest) > MAX_KEYS_PER_CALL:  # the whole subscription is one message
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"follow: {len(request.follow)} files; at most {MAX_KEYS_PER_CALL} per stream")
+                                f"follow: {len(request.follow) + len(request.latest)} files; "
+                                f"at most {MAX_KEYS_PER_CALL} per stream")
+        latest, ends, cursors = self.watchers.latest(request.latest, request.latest_back)
         # The stream is up: a reader following a file at its end, to which nothing is pushed
-        # yet, may count on the stream (and wait for pushes instead of polling).
-        yield acs_pb2.FileBytes()
-        self.watchers.follow(f, request.follow, request.offsets, ())
+        # yet, may count on the stream (and wait for pushes instead of polling). The first
+        # message names where each `latest` file is followed from.
+        yield acs_pb2.FileBytes(latest_files=latest, latest_ends=ends)
+        self.watchers.follow(f, list(request.follow) + latest, list(request.offsets) + cursors, ())
         counts = self.watchers.counts
         async for message, size in self._push(None, f, None, "follow_streams",
                                               lambda: self.watchers.next_message(f, _encode_runs),

@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from pyspark_acs.cache.chunks import CHUNK_SIZE, chunk_keys, parse_chunk_key
+from pyspark_acs.cache.chunks import CHUNK_SIZE, boundary_key, chunk_keys, parse_chunk_key
 from pyspark_acs.server.cache.store import Store
 
 __all__ = [
@@ -175,7 +175,8 @@ class Watchers:
         self.kept_bytes = 0
         #: Counters for /metrics: streams open now, messages and bytes pushed since start.
         self.counts: Dict[str, int] = {"watch_streams": 0, "follow_streams": 0, "pushed_messages_total": 0,
-                                       "pushed_bytes_total": 0, "pushed_shared_total": 0}
+                                       "pushed_bytes_total": 0, "pushed_shared_total": 0,
+                                       "follow_latest_total": 0, "follow_latest_unknown_total": 0}
 
     @property
     def idle(self) -> bool:
@@ -234,6 +235,23 @@ class Watchers:
             f.cursors[fid] = int(offset)
             self._by_file.setdefault(fid, set()).add(f)
             f.mark(fid)
+
+    def latest(self, files: Sequence[bytes], back: int) -> Tuple[List[bytes], List[int], List[int]]:
+        """Where each of ``files`` is followed from at ``latest``: its last block boundary here
+        (its :func:`~pyspark_acs.cache.chunks.boundary_key`'s version), less ``back`` bytes.
+        Returns the files that have one, their boundaries and the cursors; a file without one
+        (no writer marked it here, or the entry expired) is left out and not followed."""
+        found, ends, cursors = [], [], []
+        entries = self.store.get_many([boundary_key(fid) for fid in files], count=False) if files else []
+        for fid, entry in zip(files, entries):
+            if entry is None:
+                self.counts["follow_latest_unknown_total"] += 1
+                continue
+            self.counts["follow_latest_total"] += 1
+            found.append(fid)
+            ends.append(entry.version)
+            cursors.append(max(0, entry.version - back))
+        return found, ends, cursors
 
     def drop_follow(self, f: FileFollow) -> None:
         self.follow(f, (), (), list(f.cursors))
