@@ -4,7 +4,8 @@ An idle writer writes at once. A busy one -- its last round wrote, and messages 
 meanwhile -- waits before the next block so that small messages under load share blocks:
 the block goes when it is full (``max_block_bytes`` pending), when the delay
 ``recent write latency x (1 - average block size / max block size)`` (capped at
-``max_delay``) has passed, at a flush, or at close, whichever comes first.
+``max_delay``) has passed since its oldest message was queued, at a flush, or at close,
+whichever comes first.
 
 :class:`Batching` holds the averages and decides on one clock; the Producer's writer thread
 waits on its condition for what :meth:`Batching.left` says, and is woken by what ends a wait
@@ -60,9 +61,13 @@ class Batching:
         fill = min(self.block_bytes / self.max_block_bytes, 1.0)
         return min(self.latency * (1.0 - fill), self.max_delay)
 
-    def deadline(self) -> float:
-        """When a wait that starts now ends (on :attr:`clock`)."""
-        return self.clock() + self.delay()
+    def deadline(self, since: "float | None" = None) -> float:
+        """When the wait for the next block ends (on :attr:`clock`): :meth:`delay` after
+        ``since``, when its oldest message was queued (now if None). Counted from the message,
+        as Kafka's ``linger.ms`` is from a batch's first record: messages queued while the last
+        round wrote have waited already, and a default ``send()`` waited for the round and then
+        the whole delay again, twice a flushing producer's wait."""
+        return (self.clock() if since is None else since) + self.delay()
 
     def left(self, deadline: float, pending_bytes: int, flushing: bool) -> float:
         """Seconds a busy writer still waits before writing ``pending_bytes`` in a wait that ends

@@ -336,6 +336,9 @@ class Producer:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pending_bytes = 0
+        #: When the oldest message not in the writer's current round was queued (the batching
+        #: clock; None: none is), where the busy writer's wait is counted from.
+        self._pending_since: Optional[float] = None
         self._round_robin = 0
         self._writer_idle = False  # (lock) the writer thread waits for messages
         self._batching = Batching(self.options.max_block_bytes, self.options.max_batch_delay, clock)
@@ -520,6 +523,8 @@ class Producer:
         block to fill and the block is full. Only then: a notify per message costs more than
         the message (the busy writer picks pending messages up after its current write).
         Caller holds _lock."""
+        if self._pending_since is None:
+            self._pending_since = self._batching.clock()
         if self._writer_idle:
             self._writer_idle = False
             self._cond.notify_all()
@@ -766,7 +771,7 @@ class Producer:
         condition, so that what ends it early wakes it (:meth:`_wake_writer`, :meth:`flush`,
         :meth:`close`, :meth:`wake`)."""
         with self._cond:
-            deadline = self._batching.deadline()
+            deadline = self._batching.deadline(self._pending_since)
             self._lingering = True
             try:
                 while not self._closed:
@@ -795,6 +800,7 @@ class Producer:
         durable_ack = self.options.acknowledge == ACKNOWLEDGE_DURABLE
         with self._lock:
             budgets = [len(sh.values) for sh in self._shards]
+            self._pending_since = None  # what is queued from now on waits from its own arrival
         while any(budgets):
             for i, sh in enumerate(self._shards):
                 if budgets[i] <= 0:

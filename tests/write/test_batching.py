@@ -127,3 +127,40 @@ def test_flush_sends_a_waiting_block_without_waiting(root):
     with busy_producer(root) as (p, clock):
         p.flush(timeout=WAIT_S)  # the clock stands still: without the flush it would wait for good
         assert p.stats()["acknowledged"] == 2
+
+
+def test_the_delay_counts_from_when_the_oldest_message_was_queued():
+    clock = FakeClock()
+    rule = Batching(BLOCK_BYTES, 60.0, clock)
+    rule.record(LATENCY_S, 0)
+    queued = clock()
+    clock.advance(1.5)  # the message waited for the round in progress
+    assert rule.left(rule.deadline(queued), 10, flushing=False) == pytest.approx(0.5)
+    clock.advance(0.5)
+    assert rule.left(rule.deadline(queued), 10, flushing=False) == 0.0
+
+
+def test_a_message_queued_during_a_long_round_goes_right_after_it(root):
+    """As Kafka's linger.ms counts from a batch's first record: a message that waited out the
+    delay behind the round in progress is not made to wait the delay again after it."""
+    clock = FakeClock()
+    with Producer(root, "b", 1, clock=clock, max_batch_delay=60.0, max_block_bytes=BLOCK_BYTES) as p:
+        writer = p._shards[0].writer
+        original = writer.append
+        entered, release = threading.Event(), threading.Event()
+
+        def held_append(block, count, **kwargs):
+            if not entered.is_set():
+                entered.set()
+                release.wait(WAIT_S)
+            return original(block, count, **kwargs)
+
+        writer.append = held_append
+        p.send(b"first")
+        assert entered.wait(WAIT_S)
+        p.send(b"second")  # queued at the round's start: it waits LATENCY_S behind it
+        clock.advance(LATENCY_S)
+        release.set()
+        # The clock stands still from here: the delay (about LATENCY_S / 5) has passed.
+        wait_until(lambda: p.stats()["acknowledged"] == 2, WAIT_S, "the second block, without waiting again")
+        assert p._batching.delay() > 0 and p.stats()["blocks"] == 2
