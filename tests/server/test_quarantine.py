@@ -189,6 +189,13 @@ def test_a_cached_reader_behind_the_cut_stops_at_it_and_reads_the_new_history(si
     assert got == [msg(12)]
     import threading
 
+    from pyspark_acs.cache.chunks import boundary_key, file_id
+    from pyspark_acs.cache.client import CacheClient
+
+    # The old writer's last boundary of FILE2, past the cut: purged with the file's chunks.
+    marked = boundary_key(file_id(DurableStore(str(roots["A"])).uri(f"{shard_dir(STREAM, 0)}/{FILE2}")))
+    with CacheClient(a_caches.data_endpoints) as data:
+        data.put([(marked, b"", len(two))])
     adopting = threading.Thread(target=lambda: (_adopt(site, "A", settle=2.0), _copy(site, "A")))
     adopting.start()
     # The reader, slow, polls again only once the ranges are recorded (had it read on before,
@@ -204,6 +211,8 @@ def test_a_cached_reader_behind_the_cut_stops_at_it_and_reads_the_new_history(si
             got += [v for b in reader.poll() for v in b.column("value").to_pylist()]
             time.sleep(0.01)
         adopting.join()
+        with CacheClient(a_caches.data_endpoints) as data:
+            assert data.get([marked], consistent=True) == [None]
         with Producer(str(roots["B"]), STREAM, shards=1) as p:
             p.send(msg(100))
             p.flush(timeout=10)

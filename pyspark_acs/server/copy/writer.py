@@ -832,11 +832,11 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         return adopt
 
     def _purge_caches(self, stream: str, moved: Sequence[dict]) -> None:
-        """Drop this cluster's cached chunks, lengths and shard heads of the quarantined files:
+        """Drop this cluster's cached chunks, boundary keys, lengths and shard heads of the quarantined files:
         lengths only grow in the cache (versioned by length) and chunks are keyed by file, so
         the new history's shorter copy of a file would otherwise be read with the old bytes.
         A cache that does not answer is logged (its entries expire with their time to live)."""
-        from pyspark_acs.cache.chunks import chunk_keys, chunk_range
+        from pyspark_acs.cache.chunks import boundary_key, chunk_keys, chunk_range, file_id
         from pyspark_acs.cache.metadata import head_key, length_keys
 
         chunks: List[bytes] = []
@@ -844,6 +844,7 @@ class CopyServicer(copy_pb2_grpc.CopyServicer):
         for entry in moved:
             uri = self.io.uri(f"{shard_dir(stream, int(entry['shard']))}/{entry['file']}")
             chunks += chunk_keys(uri, chunk_range(0, int(entry["end"]) + CHUNK_SIZE))
+            chunks.append(boundary_key(file_id(uri)))  # the old writer's: a reader at latest would join there
             meta += list(length_keys(uri))
         for shard in sorted({int(e["shard"]) for e in moved}):
             meta.append(head_key(self.io.shard_uri(stream, shard)))
