@@ -68,6 +68,12 @@ ANSWERED_GRACE_S = 0.05
 #: gRPC's keepalive notices only after 30 s) or was never reachable. Ten grace periods: on a
 #: starved machine a healthy replica's answer can take a good part of a second.
 FEED_STALL_S = 10 * PUSH_GRACE_S
+#: How long :meth:`ChunkFeed.follow_latest` waits for a replica's answer before it asks the
+#: file's next replica (seconds); a replica that left one unanswered is passed over for
+#: :data:`LATEST_SKIP_S` by the process's later joins. Under a spike of 64 joins on 2 cores a
+#: healthy replica answered in 0.3 s (p50), 0.4 s (p90).
+LATEST_ANSWER_S = 1.0
+LATEST_SKIP_S = 10.0
 #: A stalled replica is reported at most this often (seconds; each of its files moves).
 _WARN_INTERVAL_S = 10.0
 
@@ -221,6 +227,8 @@ class ChunkFeed:
         self.served = 0
         self.moves = 0
         self._warned: Dict[str, float] = {}  # endpoint -> when its stall was last reported (under _lock)
+        #: endpoint -> when it left a follow_latest unanswered for LATEST_ANSWER_S (under _lock).
+        self._silent_at: Dict[str, float] = {}
 
     @classmethod
     def shared(cls, endpoints: Sequence[str], token: Optional[str] = None,
@@ -296,9 +304,11 @@ class ChunkFeed:
         boundary a writer marked there (:func:`~pyspark_acs.cache.chunks.boundary_key`), less
         ``back`` bytes, with no lengths asked first. Returns that boundary (the reader stands
         ``back`` bytes before it, or at 0); ``None`` when the file is followed in this process
-        already, when the replica has no boundary for it, or when it does not answer within
+        already, when the replica has no boundary for it, or when no replica answers within
         ``timeout`` seconds -- the reader then joins by the published lengths, and the file is
-        not followed for it.
+        not followed for it. A replica silent for :data:`LATEST_ANSWER_S` is left for the
+        file's next one, and this process's later joins pass it over for
+        :data:`LATEST_SKIP_S`.
 
         A boundary is not a length the reader may read to: it is where the writer's last append
         ended, and the bytes below it are in the replica only if its puts reached it.
@@ -313,13 +323,25 @@ class ChunkFeed:
             f.readers[reader] = f.reached[reader] = 0
             if on_grow is not None:
                 f.listeners[reader] = on_grow
-            self._stream(f.endpoint).follow_latest(fid, back)
-            deadline = time.monotonic() + timeout
-            while f.latest is not None and self._files.get(uri) is f:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            for _ in f.replicas[1:]:
+                silent = self._silent_at.get(f.endpoint)
+                if silent is None or self.clock() - silent >= LATEST_SKIP_S:
                     break
-                self._grew.wait(left)
+                f.endpoint = f.replicas[(f.replicas.index(f.endpoint) + 1) % len(f.replicas)]
+            self._stream(f.endpoint).follow_latest(fid, back)
+            now = time.monotonic()
+            deadline, hop = now + timeout, now + LATEST_ANSWER_S
+            while f.latest is not None and self._files.get(uri) is f:
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                if now >= hop and len(f.replicas) > 1:
+                    # Silent: ask the next replica (a stalled one answers no one; gRPC's
+                    # keepalive notices it only after 30 s), and pass it over for a while.
+                    self._silent_at[f.endpoint] = self.clock()
+                    self._move(f)
+                    hop = now + LATEST_ANSWER_S
+                self._grew.wait(min(deadline, hop) - now)
             if self._files.get(uri) is f and f.latest is None and f.boundary is not None:
                 return f.boundary
         self.unfollow(uri, reader)

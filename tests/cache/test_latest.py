@@ -252,3 +252,164 @@ def test_a_boundary_behind_the_store_reads_on_from_it_in_order(dep, root):
         assert c.offsets()["b"]["0"] == {"file": name, "length": len(first)}
         assert values(c, 2) == [b"lost-2", b"lost-3"]
         assert c.stats()["durable_bytes"] >= len(lost)
+
+
+# -- from the hostile review of the boundary join: joins under a running producer, a stopped
+# replica, joins of one process at once ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("acknowledge", ["published"])
+def test_joins_at_latest_under_a_running_producer_are_gapless(dep, tmp_path, acknowledge):
+    root = str(tmp_path / "store")
+    stop = threading.Event()
+    errors: List[BaseException] = []
+    with Producer(root, "s", shards=1, roll_bytes=6000, acknowledge=acknowledge, max_batch_delay=0.001,
+                  **caches(dep)) as p:
+        def run():
+            i = 0
+            try:
+                while not stop.is_set():
+                    p.send_many([b"%08d" % (i + k) for k in range(3)])
+                    i += 3
+                    if i % 9 == 0:
+                        p.flush(timeout=WAIT_S)
+                    time.sleep(0.002)
+            except BaseException as exc:  # pragma: no cover
+                errors.append(exc)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        before = latest_joins(dep)
+        try:
+            time.sleep(0.5)
+            for _ in range(12):
+                with Consumer(root, "s", start="latest", **caches(dep)) as c:
+                    got = read_n(c, 40)
+                assert len(got) == 40, got
+                assert got == list(range(got[0], got[0] + 40)), got
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            t.join(10)
+    assert not errors
+    assert latest_joins(dep) - before >= 10  # the joins went by the boundary
+
+
+def test_a_stopped_data_replica_does_not_slow_a_join_at_latest_more_than_before(dep, tmp_path):
+    """A Consumer at latest with one of three data replicas SIGSTOPped: a shard whose feed
+    replica is the stopped one asks the next replica after LATEST_ANSWER_S (1 s), and later
+    shards pass the stopped one over (a join by lengths spent about 1 s per such shard; the
+    first form of the boundary join waited 2 s for the answer, then 1 s more: review)."""
+    import os
+    import signal
+
+    from pyspark_acs.cache.chunks import chunk_key
+    from pyspark_acs.cache.feed import pick_replica
+    from pyspark_acs.format.names import shard_dir
+    from tests.helpers import stop_process
+
+    root = str(tmp_path / "st")
+    shards = 6
+    with Producer(root, "st", shards=shards, **caches(dep)) as p:
+        p.send_many([b"%08d" % i for i in range(60)])
+        p.flush(timeout=WAIT_S)
+        store = DurableStore(root)
+        with CacheClient(dep.data_endpoints) as probe:
+            uris = [store.uri(f"{shard_dir('st', s)}/{store.list_files('st', s)[-1]}")
+                    for s in range(shards) if store.list_files("st", s)]
+            picked = [pick_replica(probe.replicas_for(chunk_key(u, 0)), u) for u in uris]
+        endpoints = dep.endpoints("data")
+        victim = max(set(picked), key=picked.count)
+        hit = picked.count(victim)
+        pid = dep.server("data", endpoints.index(victim)).pid
+        stop_process(pid)
+        try:
+            started = time.monotonic()
+            with Consumer(root, "st", start="latest", **caches(dep)) as c:
+                offsets = c.offsets()
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        lengths = store.lengths([f"{shard_dir('st', s)}/{store.list_files('st', s)[-1]}" for s in range(shards)])
+    assert sorted(o["length"] for o in offsets["st"].values()) == sorted(lengths.values())
+    assert took < 1.6 * hit + 1.0, (hit, took)
+
+
+@pytest.mark.parametrize("stall", [0.0, 2.3])
+def test_consumers_of_one_process_joining_one_file_at_once_are_gapless(dep, tmp_path, stall):
+    """Four Consumers of this process (one shared feed) join the same file at latest at
+    once, while a producer writes; with ``stall`` the feed's replica is SIGSTOPped for that
+    long during the joins (the answer comes late, or after follow_latest gave up)."""
+    import os
+    import signal
+
+    from pyspark_acs.cache.chunks import chunk_key
+    from pyspark_acs.cache.feed import pick_replica
+    from pyspark_acs.format.names import shard_dir
+    from tests.helpers import stop_process
+
+    root = str(tmp_path / "cc")
+    stop = threading.Event()
+    with Producer(root, "cc", shards=1, roll_bytes=20000, max_batch_delay=0.001, **caches(dep)) as p:
+        def run():
+            i = 0
+            while not stop.is_set():
+                p.send_many([b"%08d" % (i + k) for k in range(3)])
+                i += 3
+                p.flush(timeout=WAIT_S)
+                time.sleep(0.003)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        try:
+            time.sleep(0.4)
+            for _round in range(3):
+                store = DurableStore(root)
+                uri = store.uri(f"{shard_dir('cc', 0)}/{store.list_files('cc', 0)[-1]}")
+                with CacheClient(dep.data_endpoints) as probe:
+                    victim = pick_replica(probe.replicas_for(chunk_key(uri, 0)), uri)
+                pid = dep.server("data", dep.endpoints("data").index(victim)).pid
+                results: List[object] = [None] * 4
+                go = threading.Barrier(5)
+
+                def join(k):
+                    go.wait()
+                    try:
+                        with Consumer(root, "cc", start="latest", **caches(dep)) as c:
+                            results[k] = read_n(c, 60)
+                    except BaseException as exc:
+                        results[k] = exc
+
+                threads = [threading.Thread(target=join, args=(k,)) for k in range(4)]
+                for th in threads:
+                    th.start()
+                if stall:
+                    stop_process(pid)
+                go.wait()
+                if stall:
+                    time.sleep(stall)
+                    os.kill(pid, signal.SIGCONT)
+                for th in threads:
+                    th.join(60)
+                for got in results:
+                    assert isinstance(got, list) and len(got) == 60, got
+                    assert got == list(range(got[0], got[0] + 60)), got
+        finally:
+            stop.set()
+            t.join(10)
+
+
+def latest_joins(dep) -> int:
+    with CacheClient(dep.data_endpoints) as c:
+        return sum(v.get("follow_latest_total", 0) for v in c.stats().values() if "error" not in v)
+
+
+def read_n(c: Consumer, n: int, timeout: float = WAIT_S) -> List[int]:
+    got: List[int] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        for b in c.batches(timeout=0.2):
+            got.extend(int(v) for v in b.column("value").to_pylist())
+            if len(got) >= n:
+                break
+    return got[:n]
