@@ -280,19 +280,24 @@ class LengthPoller:
         with self._lock:
             return {u: self._values.get(u, (None, None)) for u in uris}
 
-    def seed(self, uri: str, lengths: Lengths) -> None:
+    def seed(self, uri: str, lengths: Lengths, *, fed: bool = False) -> None:
         """``uri``'s lengths as a consistent read through this poller's client just returned
-        them (a reader joining at the published length): taken as the file's first poll, so
-        that the reader's first :meth:`lengths` and the thread's next safety poll do not read
-        them again. A join of many readers at once otherwise sent three consistent reads of
-        the same keys per reader to the metadata replicas they all wait on."""
+        them (a reader joining at the published length), or as a feed's replica answered them
+        (``fed``: a reader joining at its boundary, the file covered by the feed): taken as the
+        file's first poll, so that the reader's first :meth:`lengths` and the thread's next
+        safety poll do not read them again. A join of many readers at once otherwise sent
+        three consistent reads of the same keys per reader to the metadata replicas they all
+        wait on."""
         now = self.clock()
         with self._lock:
             self._asked.setdefault(uri, now)
         self._take({uri: lengths})
         with self._lock:
             self._ensure_thread()
-        self._kick.set()  # a round now: it watches the file if no feed covers it
+        if not fed:
+            # A round now: it watches the file if no feed covers it. A fed file needs none, and
+            # a round before the feed's first push would find it not covered yet and read it.
+            self._kick.set()
 
     def _take(self, got: Dict[str, Lengths]) -> None:
         """Lengths a consistent read outside the poller thread brought (see :meth:`seed`)."""

@@ -519,7 +519,7 @@ class CachedReadPath:
                 self._polled.add(rel)
         if self.poller is not None:
             # Its first lengths: the reader's first look needs no consistent read of its own.
-            self.poller.seed(uri, (end, None))
+            self.poller.seed(uri, (end, None), fed=True)
         return end
 
     def durable_length(self, rel: str) -> Optional[int]:

@@ -63,13 +63,9 @@ def test_a_full_block_or_a_flush_goes_at_once():
 # -- through the Producer's writer thread ---------------------------------------------------------
 
 
-@contextlib.contextmanager
-def busy_producer(root: str) -> Iterator[Tuple[Producer, FakeClock]]:
-    """A Producer on a FakeClock whose writer waits for its second block to fill: the first
-    block's write took LATENCY_S on the clock, and the second message arrived during it.
-    Closed (with a timeout) on exit."""
-    clock = FakeClock()
-    p = Producer(root, "b", 1, clock=clock, max_batch_delay=60.0, max_block_bytes=BLOCK_BYTES)
+def hold_first_write(p: Producer) -> Tuple[threading.Event, threading.Event]:
+    """Hold the writer's first block write: ``entered`` is set when it starts, and it goes on
+    once ``release`` is set (its latency is whatever the clock moved meanwhile)."""
     writer = p._shards[0].writer
     original = writer.append
     entered, release = threading.Event(), threading.Event()
@@ -81,6 +77,17 @@ def busy_producer(root: str) -> Iterator[Tuple[Producer, FakeClock]]:
         return original(block, count, **kwargs)
 
     writer.append = held_append
+    return entered, release
+
+
+@contextlib.contextmanager
+def busy_producer(root: str) -> Iterator[Tuple[Producer, FakeClock]]:
+    """A Producer on a FakeClock whose writer waits for its second block to fill: the first
+    block's write took LATENCY_S on the clock, and the second message arrived during it.
+    Closed (with a timeout) on exit."""
+    clock = FakeClock()
+    p = Producer(root, "b", 1, clock=clock, max_batch_delay=60.0, max_block_bytes=BLOCK_BYTES)
+    entered, release = hold_first_write(p)
     p.send(b"first")
     assert entered.wait(WAIT_S)
     clock.advance(LATENCY_S)
@@ -145,17 +152,7 @@ def test_a_message_queued_during_a_long_round_goes_right_after_it(root):
     delay behind the round in progress is not made to wait the delay again after it."""
     clock = FakeClock()
     with Producer(root, "b", 1, clock=clock, max_batch_delay=60.0, max_block_bytes=BLOCK_BYTES) as p:
-        writer = p._shards[0].writer
-        original = writer.append
-        entered, release = threading.Event(), threading.Event()
-
-        def held_append(block, count, **kwargs):
-            if not entered.is_set():
-                entered.set()
-                release.wait(WAIT_S)
-            return original(block, count, **kwargs)
-
-        writer.append = held_append
+        entered, release = hold_first_write(p)
         p.send(b"first")
         assert entered.wait(WAIT_S)
         p.send(b"second")  # queued at the round's start: it waits LATENCY_S behind it
