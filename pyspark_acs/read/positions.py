@@ -825,7 +825,8 @@ def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
     (:meth:`CachedReadPath.join_latest`), or else the read path knows a length a writer
     published for it (:meth:`CachedReadPath.published_boundary`: every length a Producer or
     sink publishes is a block boundary, docs/format.md), that is the position, unless the
-    bytes just before it have the shape of a seal; only then, on paths without published lengths and in copies
+    bytes just before it have the shape of a seal; only then, on paths without published
+    lengths and in copies
     (the copy daemon's lengths may end inside a block), are the file's headers walked from its
     start. A reader joining a running stream thus reads a few bytes, not the
     whole newest file (which, read by many readers joining at once, overloaded the caches).
@@ -837,14 +838,14 @@ def latest_offset(path: ReadPath, stream: str, shard: int) -> Offset:
         return Offset()
     rel = f"{shard_dir(stream, shard)}/{files[-1]}"
     at = None
+    joined = getattr(path, "join_latest", None)
+    published = getattr(path, "published_boundary", None)
     # Only a source cluster's lengths: a copy daemon may publish a destination's length inside
     # a block (the end of a torn append it resumes after), so a copy's headers are walked.
-    if not (path.store.stream_meta(stream) or {}).get("copied_from"):
+    if (joined or published) is not None and not (path.store.stream_meta(stream) or {}).get("copied_from"):
         # First the boundary the feed's replica holds (no lengths asked: a reader of a spike
         # joins with one channel and one call), then the published lengths.
-        joined = getattr(path, "join_latest", None)
         at = joined(rel, RECOVERY_SEAL_SIZE) if joined is not None else None
-        published = getattr(path, "published_boundary", None)
         if at is None and published is not None:
             at = published(rel)
     if at is not None and not _may_end_with_seal(path, rel, at):
