@@ -91,7 +91,7 @@ def boundary_key(file_id: bytes) -> bytes:
     entry whose version is the boundary (a longer one replaces a shorter one, as a chunk's
     prefix does). A writer of whole blocks puts it with each append's chunks
     (``ChunkWriter(boundaries=True)``); a replica follows a reader from it at ``latest``
-    (docs/cache.md, "Bytes")."""
+    (docs/cache.md, "Joining at `latest`")."""
     return b"e" + file_id
 
 

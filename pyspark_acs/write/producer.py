@@ -519,10 +519,11 @@ class Producer:
             self._wake_writer()
 
     def _wake_writer(self) -> None:
-        """After messages were queued: wake the writer if it sleeps, or if it waits for its
-        block to fill and the block is full. Only then: a notify per message costs more than
-        the message (the busy writer picks pending messages up after its current write).
-        Caller holds _lock."""
+        """After messages were queued: note when the oldest of them not in the writer's round
+        came (its batching wait counts from it), and wake the writer if it sleeps, or if it
+        waits for its block to fill and the block is full. Only then: a notify per message costs
+        more than the message (the busy writer picks pending messages up after its current
+        write). Caller holds _lock."""
         if self._pending_since is None:
             self._pending_since = self._batching.clock()
         if self._writer_idle:

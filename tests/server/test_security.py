@@ -272,6 +272,11 @@ def test_amplification_get_is_refused_before_it_is_assembled(tmp_path):
         too_many = [b"k%d" % i for i in range(MAX_KEYS_PER_CALL + 1)]
         for call in (lambda: stub.Watch(iter([acs_pb2.WatchRequest(add=too_many)]), timeout=30),
                      lambda: stub.Follow(acs_pb2.FollowRequest(follow=too_many, offsets=[0] * len(too_many)),
+                                         timeout=30),
+                     # Files at latest count with the others: half each way is one too many.
+                     lambda: stub.Follow(acs_pb2.FollowRequest(follow=too_many[:MAX_KEYS_PER_CALL // 2],
+                                                               offsets=[0] * (MAX_KEYS_PER_CALL // 2),
+                                                               latest=too_many[MAX_KEYS_PER_CALL // 2:]),
                                          timeout=30)):
             with pytest.raises(grpc.RpcError) as info:
                 for _ in call():
